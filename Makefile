@@ -1,0 +1,32 @@
+# The two newcomer commands: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test test-fast protos bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/bootstrap.sh
+	VENV=$(VENV) bash scripts/bootstrap.sh
+	touch $@
+
+demo: install
+	$(PY) -m scripts.demo
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+protos: install
+	$(PY) -m grpc_tools.protoc --version >/dev/null && bash scripts/gen_protos.sh
+
+bench: install
+	$(PY) -m bench.wire
+	$(PY) -m bench.pipeline
+	$(PY) -m bench.allreduce
+	$(PY) -m bench.planner
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,97 @@
+"""The contract between the coordinator and the nodes: what a job asks for and what a node is told.
+
+Both sides import these pydantic models (`coordinator/` and `node/` never import each other).
+Everything here is plain data: architecture names and configs, never code.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelRef(_Strict):
+    name: str = Field(description="architecture in the registry, e.g. 'cnn', 'mlp', 'gpt'")
+    config: dict[str, Any] = Field(default_factory=dict, description="JSON config for the builder")
+
+
+class DatasetRef(_Strict):
+    name: Literal["digits", "text", "npz"]
+    path: str | None = Field(None, description="file on every node, for 'text' and 'npz'")
+    seq_len: PositiveInt = Field(64, description="'text': characters per training sequence")
+    test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+
+
+class OptimizerRef(_Strict):
+    name: str = Field("Adam", description="any torch.optim class name")
+    kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-3})
+
+
+class TrainingSettings(_Strict):
+    steps: PositiveInt = Field(300, description="optimizer steps per stage (per cluster)")
+    batch_size: PositiveInt = 32
+    microbatches_in_flight: int | None = Field(
+        None, ge=1, description="staleness bound K; default = number of stages")
+    accumulation: PositiveInt = Field(1, description="micro-batches per optimizer step")
+    optimizer: OptimizerRef = Field(default_factory=OptimizerRef)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_stash: Literal["stash", "recompute"] = Field(
+        "stash", description="keep forward weights + activations, or weights + RNG and recompute")
+    codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
+    eval_every: int = Field(0, ge=0, description="steps between evaluations; 0 = only at the end")
+    seed: int = 0
+
+
+class AveragingSettings(_Strict):
+    strategy: Literal["ring", "none"] = "ring"
+    every: PositiveInt = Field(50, description="local optimizer steps between averaging rounds")
+    codec: Literal["", "fp16", "bf16", "int8"] = ""
+
+
+class Placement(_Strict):
+    clusters: int | Literal["auto"] = "auto"
+    stages_per_cluster: int | None = Field(None, ge=1, description="default: every node in the cluster")
+
+
+class JobSpec(_Strict):
+    name: str = ""
+    model: ModelRef
+    dataset: DatasetRef
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    averaging: AveragingSettings = Field(default_factory=AveragingSettings)
+    placement: Placement = Field(default_factory=Placement)
+
+
+class StagePeer(_Strict):
+    node_id: str
+    address: str = Field(description="host:port of the node's gRPC server")
+
+
+class Ring(_Strict):
+    """One parameter segment (a block range) and the node holding it in each cluster."""
+    segment: int
+    blocks: tuple[int, int]
+    members: list[StagePeer]
+
+
+class StageAssignment(_Strict):
+    """Everything a node needs to run its stage of one job."""
+    job_id: str
+    token: str = Field(description="job-scoped credential for gRPC between this job's nodes")
+    cluster: int
+    num_clusters: int
+    stage: int
+    num_stages: int
+    blocks: tuple[int, int] = Field(description="half-open range of block indices")
+    model: ModelRef
+    dataset: DatasetRef
+    training: TrainingSettings
+    averaging: AveragingSettings
+    prev: StagePeer | None = None
+    next: StagePeer | None = None
+    rings: list[Ring] = Field(default_factory=list, description="rings this node is a member of")

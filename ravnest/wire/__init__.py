@@ -1,0 +1,8 @@
+"""Tensors and messages on the wire, and the gRPC transport that carries them."""
+from ravnest.wire.codec import CODECS, WireError, WireLimits
+from ravnest.wire.messages import Message
+from ravnest.wire.transport import (ChannelPool, OutboundStream, PeerError, PeerServer, Router,
+                                    measure_link, ping)
+
+__all__ = ["CODECS", "ChannelPool", "Message", "OutboundStream", "PeerError", "PeerServer", "Router",
+           "WireError", "WireLimits", "measure_link", "ping"]

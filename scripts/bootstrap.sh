@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv from nothing and installs Ravnest with its test tools.
+# torch is installed explicitly first: the pinned CPU wheel by default, an already-installed
+# torch is kept, and CUDA users choose their own with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0
+# --index-url https://download.pytorch.org/whl/cu126").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  # shellcheck disable=SC2086
+  pip install -q $TORCH_SPEC
+fi
+pip install -q -e ".[dev]"
+echo "ravnest installed in $VENV (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
