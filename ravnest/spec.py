@@ -55,6 +55,7 @@ class AveragingSettings(_Strict):
 
 class Placement(_Strict):
     clusters: int | Literal["auto"] = "auto"
+    min_nodes: PositiveInt = Field(1, description="wait in 'pending' until this many idle nodes joined")
     stages_per_cluster: int | None = Field(None, ge=1, description="default: every node in the cluster")
 
 
@@ -95,3 +96,50 @@ class StageAssignment(_Strict):
     prev: StagePeer | None = None
     next: StagePeer | None = None
     rings: list[Ring] = Field(default_factory=list, description="rings this node is a member of")
+
+
+# --- node <-> coordinator REST bodies -------------------------------------------------------------
+
+class NodeProfile(_Strict):
+    """What a node measured about itself when it joined."""
+    flops: float = Field(gt=0, description="matmul FLOP/s on the chosen device")
+    memory_bytes: int = Field(gt=0, description="memory free for training on the chosen device")
+    device: str = Field("cpu", description="'cpu' or 'cuda[:i]'")
+    gpu_name: str = ""
+    cores: int = Field(1, ge=1)
+    bandwidth_bytes_per_s: float = Field(gt=0, description="measured to the coordinator")
+    latency_s: float = Field(ge=0, description="round trip to the coordinator")
+
+
+class JoinRequest(_Strict):
+    name: str = Field("", max_length=128)
+    address: str = Field(description="host:port where this node's gRPC server listens")
+    profile: NodeProfile
+
+
+class JoinResponse(_Strict):
+    node_id: str
+    node_token: str = Field(description="credential for this node's later calls")
+    heartbeat_interval_s: float
+
+
+class HeartbeatRequest(_Strict):
+    job_id: str | None = Field(None, description="the job this node is running, if any")
+
+
+class HeartbeatResponse(_Strict):
+    assignment: StageAssignment | None = None
+    cancel_job: str | None = Field(None, description="stop working on this job")
+
+
+class MetricsReport(_Strict):
+    node_id: str
+    cluster: int
+    stage: int
+    step: int
+    metrics: dict[str, float]
+
+
+class FailureReport(_Strict):
+    node_id: str
+    reason: str = Field(max_length=2000)
