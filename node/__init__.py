@@ -1,0 +1,1 @@
+"""The node daemon and the `ravnest-node` CLI."""

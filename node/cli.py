@@ -1,0 +1,56 @@
+"""`ravnest-node join --coordinator URL ...`: lend this machine to a Ravnest training network."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+import httpx
+import torch
+
+from node.client import CoordinatorClient, CoordinatorError
+from node.daemon import NodeDaemon
+from node.profiler import pick_device
+from node.progress import Progress
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ravnest-node", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    join = commands.add_parser("join", help="join a coordinator and train what it assigns")
+    join.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://127.0.0.1:8470")
+    join.add_argument("--token", default=None, help="join token, if the coordinator requires one")
+    join.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    join.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds to")
+    join.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
+    join.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
+    join.add_argument("--name", default="", help="a name shown in the coordinator's node list")
+    join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = Progress()
+    stop = threading.Event()
+    # Ctrl-C and SIGTERM end the node gracefully: stop the stage, tell the coordinator, exit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    client = CoordinatorClient(args.coordinator, join_token=args.token)
+    try:
+        daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
+                            advertise=args.advertise, name=args.name, progress=progress)
+        daemon.serve(stop)
+    except (CoordinatorError, httpx.HTTPError) as e:
+        progress.log(f"error: cannot work with the coordinator at {args.coordinator}: {e}")
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

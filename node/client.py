@@ -1,0 +1,61 @@
+"""The node's side of the coordinator's REST API (bodies are the pydantic models in ravnest.spec)."""
+from __future__ import annotations
+
+import httpx
+
+from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse,
+                          MetricsReport)
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator refused a request; carries its reason."""
+
+
+class CoordinatorClient:
+    def __init__(self, url: str, *, join_token: str | None = None, timeout: float = 30.0):
+        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout)
+        self._join_token = join_token
+        self.node_id: str | None = None
+        self._node_token: str | None = None
+
+    def _call(self, method: str, path: str, *, token: str | None, headers: dict | None = None,
+              **kwargs) -> httpx.Response:
+        headers = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
+        response = self.http.request(method, path, headers=headers, **kwargs)
+        if response.is_error:
+            try:
+                reason = response.json().get("detail", response.text)
+            except ValueError:
+                reason = response.text
+            raise CoordinatorError(f"{method} {path}: {response.status_code} {reason}")
+        return response
+
+    def join(self, request: JoinRequest) -> JoinResponse:
+        body = self._call("POST", "/v1/nodes", token=self._join_token, json=request.model_dump())
+        joined = JoinResponse.model_validate(body.json())
+        self.node_id, self._node_token = joined.node_id, joined.node_token
+        return joined
+
+    def heartbeat(self, job_id: str | None) -> HeartbeatResponse:
+        body = self._call("POST", f"/v1/nodes/{self.node_id}/heartbeat", token=self._node_token,
+                          json=HeartbeatRequest(job_id=job_id).model_dump())
+        return HeartbeatResponse.model_validate(body.json())
+
+    def report_metrics(self, job_id: str, report: MetricsReport) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/metrics", token=self._node_token, json=report.model_dump())
+
+    def report_failure(self, job_id: str, reason: str) -> None:
+        report = FailureReport(node_id=self.node_id, reason=reason[:2000])
+        self._call("POST", f"/v1/jobs/{job_id}/fail", token=self._node_token, json=report.model_dump())
+
+    def upload_weights(self, job_id: str, cluster: int, stage: int, safetensors_bytes: bytes) -> None:
+        self._call("PUT", f"/v1/jobs/{job_id}/weights", token=self._node_token,
+                   params={"cluster": cluster, "stage": stage}, content=safetensors_bytes,
+                   headers={"Content-Type": "application/octet-stream"})
+
+    def leave(self) -> None:
+        if self.node_id:
+            self._call("DELETE", f"/v1/nodes/{self.node_id}", token=self._node_token)
+
+    def close(self) -> None:
+        self.http.close()

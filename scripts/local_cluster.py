@@ -1,0 +1,113 @@
+"""A coordinator and N node daemons as real local processes on loopback: the README demo and the
+end-to-end tests both run on this."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+TERMINAL_STATES = {"completed", "failed", "cancelled"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1):
+        self.data_dir = Path(data_dir)
+        self.nodes = nodes
+        self.threads_per_node = threads_per_node
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.procs: list[subprocess.Popen] = []
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = open(logs / log_name, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node)}
+        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
+        self.procs.append(proc)
+        return proc
+
+    def start(self, timeout: float = 60.0) -> None:
+        port = self.url.rsplit(":", 1)[1]
+        self._spawn(["coordinator.cli", "--host", "127.0.0.1", "--port", port,
+                     "--data-dir", str(self.data_dir)], "coordinator.log")
+        self.wait_for(lambda: self._healthy(), timeout, "coordinator to answer /healthz")
+        for i in range(self.nodes):
+            self._spawn(["node.cli", "join", "--coordinator", self.url, "--name", f"node-{i}",
+                         "--threads", str(self.threads_per_node)], f"node-{i}.log")
+        self.wait_for(lambda: len(self.alive_nodes()) >= self.nodes, timeout, f"{self.nodes} nodes to join")
+
+    def _healthy(self) -> bool:
+        try:
+            return self.http.get("/healthz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def alive_nodes(self) -> list[dict]:
+        return [n for n in self.http.get("/v1/nodes").json() if n.get("state") != "gone"]
+
+    def wait_for(self, condition, timeout: float, what: str, interval: float = 0.25):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a process exited early (code {proc.returncode}) while waiting for {what}; "
+                                       f"see {self.data_dir / 'logs'}")
+            result = condition()
+            if result:
+                return result
+            time.sleep(interval)  # polling a remote HTTP API: there is nothing local to wait on
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    def submit(self, job: dict) -> str:
+        response = self.http.post("/v1/jobs", json=job)
+        response.raise_for_status()
+        return response.json()["id"]
+
+    def job(self, job_id: str) -> dict:
+        return self.http.get(f"/v1/jobs/{job_id}").json()
+
+    def wait_job(self, job_id: str, timeout: float, on_update=None) -> dict:
+        def finished():
+            job = self.job(job_id)
+            if on_update:
+                on_update(job)
+            return job if job["state"] in TERMINAL_STATES else None
+        return self.wait_for(finished, timeout, f"job {job_id} to finish", interval=1.0)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the nodes first (they leave while the coordinator is still up), then the coordinator."""
+        coordinator, nodes = self.procs[:1], self.procs[1:]
+        for group in (nodes, coordinator):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for proc in group:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.http.close()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
