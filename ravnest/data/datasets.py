@@ -1,0 +1,174 @@
+"""Datasets every node can load locally: sklearn digits, character-level text, and .npz arrays.
+
+Nothing is downloaded. Splits and shuffles are deterministic so every node of a job agrees on them,
+and `shard` gives each data-parallel replica a disjoint part of the training data.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from ravnest.spec import DatasetRef
+
+SPLIT_SEED = 0  # fixed: the train/test split of "digits" must be the same on every node
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be loaded: missing file, wrong keys, too little data."""
+
+
+@dataclass
+class Dataset:
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int | None = None  # classification
+    vocab_size: int | None = None   # language modelling
+
+    def shard(self, index: int, count: int) -> Dataset:
+        """Training examples index, index+count, ...: disjoint across shards; the test set is shared."""
+        if count < 1 or not 0 <= index < count:
+            raise DatasetError(f"shard index {index} is outside 0..{count - 1}")
+        if len(self.train_x) < count:
+            raise DatasetError(f"{self.name}: {len(self.train_x)} training examples cannot make {count} shards")
+        return replace(self, train_x=self.train_x[index::count], train_y=self.train_y[index::count])
+
+    def batches(self, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless full training batches, reshuffled every epoch by a generator seeded with (seed, epoch).
+
+        Each epoch drops its last incomplete batch, so every batch has exactly `batch_size` examples.
+        """
+        size = len(self.train_x)
+        if not 1 <= batch_size <= size:
+            raise DatasetError(f"{self.name}: batch_size must be in 1..{size} (the training examples here)")
+        epoch = 0
+        while True:
+            generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+            order = torch.randperm(size, generator=generator)
+            for start in range(0, size - batch_size + 1, batch_size):
+                index = order[start:start + batch_size]
+                yield self.train_x[index], self.train_y[index]
+            epoch += 1
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass over the test set in order; the last batch may be smaller."""
+        if batch_size < 1:
+            raise DatasetError("batch_size must be >= 1")
+        for start in range(0, len(self.test_x), batch_size):
+            yield self.test_x[start:start + batch_size], self.test_y[start:start + batch_size]
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit generator seed mixing (seed, epoch), so nearby pairs give unrelated shuffles."""
+    state = np.random.SeedSequence([seed % (1 << 64), epoch]).generate_state(1, np.uint64)[0]
+    return int(state >> np.uint64(1))
+
+
+def load_dataset(ref: DatasetRef | dict[str, Any]) -> Dataset:
+    """Load the dataset a job names; every failure is a DatasetError with the reason."""
+    if isinstance(ref, dict):
+        try:
+            ref = DatasetRef.model_validate(ref)
+        except ValueError as exc:
+            raise DatasetError(f"invalid dataset reference: {exc}") from exc
+    if ref.name == "digits":
+        return _load_digits(ref.test_fraction)
+    if ref.path is None:
+        raise DatasetError(f"dataset {ref.name!r} needs a 'path' to a local file")
+    if not os.path.isfile(ref.path):
+        raise DatasetError(f"dataset {ref.name!r}: no such file {ref.path!r}")
+    if ref.name == "text":
+        return _load_text(ref.path, ref.seq_len, ref.test_fraction)
+    return _load_npz(ref.path, ref.test_fraction)
+
+
+def _split(count: int, test_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic random (train, test) index split."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    test_count = round(count * test_fraction)
+    return order[test_count:], order[:test_count]
+
+
+def _load_digits(test_fraction: float) -> Dataset:
+    from sklearn.datasets import load_digits  # ships with scikit-learn, no download
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    train, test = _split(len(x), test_fraction)
+    return Dataset("digits", x[train], y[train], x[test], y[test], num_classes=10)
+
+
+def _windows(tokens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-overlapping [N, seq_len] inputs and the same windows shifted by one token as targets."""
+    count = (len(tokens) - 1) // seq_len
+    x = tokens[:count * seq_len].view(count, seq_len)
+    y = tokens[1:count * seq_len + 1].view(count, seq_len)
+    return x, y
+
+
+def _load_text(path: str, seq_len: int, test_fraction: float) -> Dataset:
+    """Byte-level language modelling: token id = byte value; the file's tail is the test set.
+
+    vocab_size is 128 for pure ASCII files (the gpt default) and 256 otherwise.
+    """
+    with open(path, "rb") as handle:
+        tokens = torch.from_numpy(np.frombuffer(handle.read(), dtype=np.uint8).astype(np.int64))
+    test_start = len(tokens) - round(len(tokens) * test_fraction)
+    train_x, train_y = _windows(tokens[:test_start], seq_len)
+    test_x, test_y = _windows(tokens[test_start:], seq_len)
+    if len(train_x) == 0 or (test_fraction > 0 and len(test_x) == 0):
+        raise DatasetError(f"text file {path!r} ({len(tokens)} bytes) is too short for seq_len={seq_len} "
+                           f"with test_fraction={test_fraction}: need at least one window of seq_len+1 bytes "
+                           "in both the training and the test part")
+    vocab_size = 128 if int(tokens.max()) < 128 else 256
+    return Dataset("text", train_x, train_y, test_x, test_y, vocab_size=vocab_size)
+
+
+def _load_npz(path: str, test_fraction: float) -> Dataset:
+    """Arrays "x_train", "y_train", "x_test", "y_test", or "x", "y" split with `test_fraction`."""
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            data = {key: arrays[key] for key in arrays.files}
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"cannot read npz file {path!r}: {exc}") from exc
+    split_keys = {"x_train", "y_train", "x_test", "y_test"}
+    if split_keys <= data.keys():
+        parts = [_as_tensor(data[key], key, path) for key in ("x_train", "y_train", "x_test", "y_test")]
+    elif {"x", "y"} <= data.keys():
+        x, y = _as_tensor(data["x"], "x", path), _as_tensor(data["y"], "y", path)
+        if len(x) != len(y):
+            raise DatasetError(f"{path!r}: 'x' has {len(x)} rows but 'y' has {len(y)}")
+        train, test = _split(len(x), test_fraction)
+        parts = [x[train], y[train], x[test], y[test]]
+    else:
+        raise DatasetError(f"{path!r} must hold arrays 'x' and 'y', or 'x_train', 'y_train', 'x_test', "
+                           f"'y_test'; found {sorted(data)}")
+    train_x, train_y, test_x, test_y = parts
+    if len(train_x) != len(train_y) or len(test_x) != len(test_y):
+        raise DatasetError(f"{path!r}: inputs and labels differ in length")
+    if len(train_x) == 0:
+        raise DatasetError(f"{path!r}: no training examples")
+    num_classes = None
+    if not train_y.is_floating_point():  # integer labels: classification over 0..max label
+        labels = torch.cat([train_y, test_y])
+        if labels.min() < 0:
+            raise DatasetError(f"{path!r}: class labels must be >= 0")
+        num_classes = int(labels.max()) + 1
+    return Dataset("npz", train_x, train_y, test_x, test_y, num_classes=num_classes)
+
+
+def _as_tensor(array: np.ndarray, key: str, path: str) -> torch.Tensor:
+    """Floats become float32 and integers int64 (what models and cross-entropy expect)."""
+    if np.issubdtype(array.dtype, np.floating):
+        return torch.from_numpy(array.astype(np.float32))
+    if np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
+        return torch.from_numpy(array.astype(np.int64))
+    raise DatasetError(f"{path!r}: array {key!r} has unsupported dtype {array.dtype}")

@@ -1,0 +1,149 @@
+"""The pipeline partitioner: exact DP against brute-force enumeration, memory limits, errors, speed."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from ravnest.models import BlockCost, build_model, profile_blocks
+from ravnest.partition import (NodeCapacity, Partition, PartitionError, brute_force_partition, partition,
+                               stage_memory_bytes)
+
+MB = 1 << 20
+
+
+def block(flops: float, activation: int = MB, param_bytes: int = MB) -> BlockCost:
+    return BlockCost(params=param_bytes // 4, param_bytes=param_bytes, flops=flops, activation_bytes=activation)
+
+
+def node(flops: float = 1e9, memory: int = 1 << 40, bandwidth: float = 1e9, latency: float = 0.0) -> NodeCapacity:
+    return NodeCapacity(flops=flops, memory_bytes=memory, bandwidth_to_next=bandwidth, latency_to_next=latency)
+
+
+def check_valid(result: Partition, costs: list[BlockCost], nodes: list[NodeCapacity], in_flight: int) -> None:
+    assert result.ranges[0][0] == 0 and result.ranges[-1][1] == len(costs)
+    assert all(a < b for a, b in result.ranges)
+    assert all(r[1] == s[0] for r, s in zip(result.ranges, result.ranges[1:]))
+    assert len(result.ranges) == len(result.stage_seconds) == len(result.stage_memory) <= len(nodes)
+    for (a, b), capacity, memory in zip(result.ranges, nodes, result.stage_memory):
+        assert memory == stage_memory_bytes(costs, a, b, in_flight) <= capacity.memory_bytes
+    assert result.bottleneck_seconds == max(result.stage_seconds)
+
+
+def test_stage_time_formula_by_hand() -> None:
+    costs = [block(6e9, activation=100 * MB), block(3e9, activation=7 * MB), block(3e9)]
+    nodes = [node(flops=2e9, bandwidth=100 * MB, latency=0.5), node(flops=1e9)]
+    result = partition(costs, nodes)
+    # [0,1): 3*6e9/2e9 = 9 s + 2*100MB/100MB/s + 0.5 = 11.5 s; [1,3): 3*6e9/1e9 = 18 s
+    # [0,2): 3*9e9/2e9 = 13.5 s + 2*7/100 + 0.5 = 14.14 s; [2,3): 9 s  -> the better split
+    assert result.ranges == [(0, 2), (2, 3)]
+    assert result.stage_seconds == pytest.approx([14.14, 9.0])
+    assert result.bottleneck_seconds == pytest.approx(14.14)
+
+
+def test_stage_memory_formula() -> None:
+    costs = [block(1, activation=3, param_bytes=10), block(1, activation=5, param_bytes=20)]
+    # (4 + K) x params + K x activations
+    assert stage_memory_bytes(costs, 0, 2, in_flight=2) == 6 * 30 + 2 * 8
+    assert stage_memory_bytes(costs, 1, 2, in_flight=1) == 5 * 20 + 5
+
+
+def test_memory_forces_a_slower_split() -> None:
+    costs = [block(1e9, activation=10, param_bytes=100) for _ in range(3)]
+    fast, small = node(flops=1e10, memory=2000), node(flops=1e8, memory=2000)
+    need_one = stage_memory_bytes(costs, 0, 1, 2)
+    small.memory_bytes = need_one  # the slow node can hold one block only
+    result = partition(costs, [fast, small])
+    assert result.ranges == [(0, 2), (2, 3)]
+    fast.memory_bytes = small.memory_bytes = need_one * 3 // 2  # enough in total, but not per stage
+    with pytest.raises(PartitionError, match="no contiguous split of the 3 blocks fits"):
+        partition(costs, [fast, small])
+    fast.memory_bytes = small.memory_bytes = 100  # each block fits (26 B), all ten (260 B) do not
+    with pytest.raises(PartitionError, match=r"the model needs 260 B .* 2 nodes hold at most 200 B"):
+        partition([block(1, activation=10, param_bytes=1) for _ in range(10)], [fast, small])
+
+
+def test_a_block_larger_than_every_node() -> None:
+    costs = [block(1, param_bytes=10 * MB), block(1)]
+    with pytest.raises(PartitionError, match=r"block 0 alone needs 62 MiB .* largest node holds 5 MiB"):
+        partition(costs, [node(memory=5 * MB), node(memory=5 * MB)])
+
+
+def test_more_nodes_than_blocks_uses_the_first_ones() -> None:
+    costs = [block(1e9), block(1e9)]
+    result = partition(costs, [node() for _ in range(5)])
+    assert result.ranges == [(0, 1), (1, 2)]
+
+
+def test_prefix_of_nodes_when_links_are_slow() -> None:
+    costs = [block(1e6, activation=1000 * MB) for _ in range(4)]
+    nodes = [node(flops=1e9, bandwidth=1 * MB) for _ in range(3)]
+    assert len(partition(costs, nodes).ranges) == 3
+    alone = partition(costs, nodes, use_all_nodes=False)
+    assert alone.ranges == [(0, 4)] and alone.stage_seconds == [pytest.approx(4 * 3e6 / 1e9)]
+
+
+def test_in_flight_defaults_to_the_node_count() -> None:
+    costs = [block(1, param_bytes=100, activation=10) for _ in range(4)]
+    result = partition(costs, [node(), node(), node()])
+    assert result.stage_memory == [stage_memory_bytes(costs, a, b, 3) for a, b in result.ranges]
+    explicit = partition(costs, [node(), node(), node()], in_flight=1)
+    assert explicit.stage_memory == [stage_memory_bytes(costs, a, b, 1) for a, b in explicit.ranges]
+
+
+@pytest.mark.parametrize("costs, nodes, message", [
+    ([], [NodeCapacity(1, 1, 1)], "no blocks"),
+    ([BlockCost(1, 4, 1.0, 4)], [], "no nodes"),
+    ([BlockCost(1, 4, 1.0, 4)], [NodeCapacity(0, 1 << 30, 1)], "no compute"),
+    ([BlockCost(1, 4, 1.0, 4)] * 2, [NodeCapacity(1, 1 << 30, 0), NodeCapacity(1, 1 << 30, 0)], "bandwidth"),
+])
+def test_invalid_inputs(costs: list[BlockCost], nodes: list[NodeCapacity], message: str) -> None:
+    with pytest.raises(PartitionError, match=message):
+        partition(costs, nodes)
+    with pytest.raises(PartitionError, match="in_flight"):
+        partition([BlockCost(1, 4, 1.0, 4)], [NodeCapacity(1, 1, 1)], in_flight=0)
+
+
+@pytest.mark.parametrize("use_all_nodes", [True, False])
+def test_dp_matches_brute_force_on_random_cases(use_all_nodes: bool) -> None:
+    rng = random.Random(1234)
+    feasible = infeasible = 0
+    for _ in range(300):
+        costs = [BlockCost(params=p // 4, param_bytes=p, flops=rng.uniform(1e6, 1e9), activation_bytes=a)
+                 for p, a in ((rng.randint(1, 100) * 1000, rng.randint(1, 100) * 1000)
+                              for _ in range(rng.randint(1, 8)))]
+        nodes = [NodeCapacity(flops=10 ** rng.uniform(8, 10), memory_bytes=rng.randint(1, 60) * 100_000,
+                              bandwidth_to_next=10 ** rng.uniform(5, 8), latency_to_next=rng.uniform(0, 0.01))
+                 for _ in range(rng.randint(1, 5))]
+        in_flight = rng.choice([None, 1, 3])
+        try:
+            expected = brute_force_partition(costs, nodes, in_flight=in_flight, use_all_nodes=use_all_nodes)
+        except PartitionError:
+            with pytest.raises(PartitionError):
+                partition(costs, nodes, in_flight=in_flight, use_all_nodes=use_all_nodes)
+            infeasible += 1
+            continue
+        result = partition(costs, nodes, in_flight=in_flight, use_all_nodes=use_all_nodes)
+        assert result.bottleneck_seconds == pytest.approx(expected.bottleneck_seconds, rel=1e-9)
+        used = min(len(nodes), len(costs))
+        check_valid(result, costs, nodes, used if in_flight is None else in_flight)
+        if use_all_nodes:
+            assert len(result.ranges) == used
+        feasible += 1
+    assert feasible > 100 and infeasible > 20  # both branches were really exercised
+
+
+def test_real_profile_48_blocks_over_16_nodes_in_milliseconds() -> None:
+    embedding, layer, head = profile_blocks(build_model("gpt", {"n_layers": 1, "d_model": 64, "seq_len": 32}), 4)
+    costs = [embedding, *[layer] * 46, head]  # a 46-layer gpt: every transformer block costs the same
+    rng = random.Random(7)
+    nodes = [node(flops=10 ** rng.uniform(9, 11), memory=1 << 30, bandwidth=10 ** rng.uniform(6, 8),
+                  latency=0.001) for _ in range(16)]
+    start = time.perf_counter()
+    result = partition(costs, nodes)
+    elapsed = time.perf_counter() - start
+    check_valid(result, costs, nodes, 16)
+    assert len(result.ranges) == 16
+    assert elapsed < 0.5, f"partition took {elapsed:.3f} s"
+    assert partition(costs, nodes, use_all_nodes=False).bottleneck_seconds <= result.bottleneck_seconds
