@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml scripts/bootstrap.sh
 	touch $@
 
 demo: install
-	$(PY) -m scripts.demo
+	$(PY) scripts/demo.py
 
 test: install
 	$(PY) -m pytest -q
