@@ -4,20 +4,28 @@
 blocks (e.g. on a full bounded queue) stops the stream from being read, so HTTP/2 flow control pushes
 back on the sender: no polling anywhere. `OutboundStream` is the sending side: a bounded queue
 drained by gRPC's own request iterator.
+
+Frames cross gRPC as bytes (identity serializers) so that data chunks skip protobuf objects; the
+bytes are still exactly `ravnest.v1.Frame`s, and any client of the generated stubs interoperates.
 """
 from __future__ import annotations
 
+import hmac
+import logging
 import queue
 import threading
 import time
 from concurrent import futures
-from typing import Callable
+from typing import Callable, Collection, Iterator, Union
 
 import grpc
 
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
 from ravnest.wire.codec import WireError, WireLimits
-from ravnest.wire.messages import DEFAULT_CHUNK_BYTES, Message, MessageAssembler, message_frames
+from ravnest.wire.messages import (DEFAULT_CHUNK_BYTES, Message, MessageAssembler, chunked_frames,
+                                   prepare_message)
+
+log = logging.getLogger(__name__)
 
 # gRPC's own frame limit sits above our chunk size so oversize chunks reach our validator.
 GRPC_OPTIONS = [
@@ -28,68 +36,129 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 AUTH_HEADER = "authorization"
+SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
+STREAM_METHOD = f"/{SERVICE}/Stream"
+MAX_STATUS_CHARS = 1000  # status details travel in an HTTP/2 header: keep them short
+MAX_PING_REPLY_BYTES = 16 << 20
 
 Handler = Callable[[Message, str], None]
+TokenSource = Union[str, Callable[[], Collection[str]]]
 
 
 class PeerError(RuntimeError):
     """The peer refused or dropped a stream; the message says which peer and why."""
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects every call whose `authorization: Bearer <token>` does not match the job's token."""
+def _server_options(limits: WireLimits) -> list[tuple[str, int]]:
+    # Frames larger than this are refused by gRPC itself (RESOURCE_EXHAUSTED) before protobuf parses
+    # them; below it, chunks up to twice our limit still reach the validator, which names the tensor.
+    receive = max(2 * limits.max_chunk_bytes, MAX_PING_REPLY_BYTES) + (1 << 20)
+    return [(k, receive if k == "grpc.max_receive_message_length" else v) for k, v in GRPC_OPTIONS]
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    """Rejects every call whose `authorization: Bearer <token>` is not an accepted token.
+
+    `token` is one token, or a callable returning the tokens accepted right now (e.g. one per job).
+    """
+
+    def __init__(self, token: TokenSource):
+        self._token = token
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong peer token")
 
-        self._deny = deny
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
+
+    def _accepts(self, offered: str) -> bool:
+        accepted = [self._token] if isinstance(self._token, str) else list(self._token())
+        # Compare every token in constant time so timing reveals nothing about any of them.
+        return any([hmac.compare_digest(offered.encode(), f"Bearer {t}".encode()) for t in accepted])
 
     def intercept_service(self, continuation, handler_call_details):
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if metadata.get(AUTH_HEADER) == self._expected:
+        offered = metadata.get(AUTH_HEADER, "")
+        if isinstance(offered, str) and self._accepts(offered):
             return continuation(handler_call_details)
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        if method == "Stream":
-            return grpc.stream_unary_rpc_method_handler(lambda it, ctx: self._deny(it, ctx))
-        return grpc.unary_unary_rpc_method_handler(self._deny)
+        if handler_call_details.method == STREAM_METHOD:
+            return self._deny_stream
+        return self._deny_unary
 
 
-class _PeerService(peer_pb2_grpc.PeerServicer):
+def _truncate(text: str) -> str:
+    return text if len(text) <= MAX_STATUS_CHARS else text[:MAX_STATUS_CHARS - 3] + "..."
+
+
+class _PeerService:
+    """The Peer service, with Stream reading raw frame bytes (see the module docstring)."""
+
     def __init__(self, handler: Handler, limits: WireLimits):
         self._handler = handler
         self._limits = limits
 
-    def Stream(self, request_iterator, context):
+    def handlers(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Stream": grpc.stream_unary_rpc_method_handler(
+                self.stream, response_serializer=peer_pb2.StreamSummary.SerializeToString),
+            "Ping": grpc.unary_unary_rpc_method_handler(
+                self.ping, request_deserializer=peer_pb2.PingRequest.FromString,
+                response_serializer=peer_pb2.PingReply.SerializeToString),
+        })
+
+    def stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> peer_pb2.StreamSummary:
         count = nbytes = 0
+        peer = context.peer()
         try:
             for msg in MessageAssembler(self._limits).messages(request_iterator):
+                self._deliver(msg, peer)
                 count += 1
                 nbytes += sum(t.numel() * t.element_size() for t in msg.tensors.values())
-                self._handler(msg, context.peer())
         except WireError as e:
-            context.abort(e.code, str(e))
-        return peer_pb2.StreamSummary(messages=count, bytes=nbytes)
+            code, reason = e.code, str(e)
+        except grpc.RpcError:  # the sender cancelled or went away; nobody is left to tell
+            code, reason = grpc.StatusCode.CANCELLED, "stream cancelled by the sender"
+        else:
+            return peer_pb2.StreamSummary(messages=count, bytes=nbytes)
+        log.info("stream from %s failed after %d messages: %s: %s", peer, count, code.name, reason)
+        context.abort(code, _truncate(reason))
 
-    def Ping(self, request, context):
-        if not 0 <= request.reply_bytes <= 16 << 20:
+    def _deliver(self, msg: Message, peer: str) -> None:
+        """Run the handler; its exceptions become a status naming the message and the reason."""
+        try:
+            self._handler(msg, peer)
+        except WireError:
+            raise
+        except ValueError as e:  # the handler refused this input (e.g. wrong activation shape)
+            raise WireError(f"message {msg.kind!r} #{msg.id} rejected: {e}") from e
+        except Exception as e:
+            log.exception("handler failed on message %r #%d from %s", msg.kind, msg.id, peer)
+            raise WireError(f"message {msg.kind!r} #{msg.id}: handler failed: {type(e).__name__}: {e}",
+                            grpc.StatusCode.INTERNAL) from e
+
+    def ping(self, request: peer_pb2.PingRequest, context: grpc.ServicerContext) -> peer_pb2.PingReply:
+        if not 0 <= request.reply_bytes <= MAX_PING_REPLY_BYTES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reply_bytes must be within 0..16 MiB")
         return peer_pb2.PingReply(payload=bytes(request.reply_bytes))
 
 
 class PeerServer:
-    """A node's gRPC endpoint. `handler(message, peer)` runs on a server thread per stream."""
+    """A node's gRPC endpoint. `handler(message, peer)` runs on a server thread per stream.
+
+    A handler exception fails only its own stream: ValueError → INVALID_ARGUMENT, WireError → its code,
+    anything else → INTERNAL, each with the reason. `token` is the bearer token every call must
+    carry, or a callable returning the tokens accepted at the moment of the call. `tls` is
+    (certificate chain PEM, private key PEM).
+    """
 
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
-                 limits: WireLimits = WireLimits(), token: str | None = None,
+                 limits: WireLimits = WireLimits(), token: TokenSource | None = None,
                  tls: tuple[bytes, bytes] | None = None, max_streams: int = 32):
         interceptors = [_TokenInterceptor(token)] if token else []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams),
-                                   options=GRPC_OPTIONS, interceptors=interceptors,
+                                   options=_server_options(limits), interceptors=interceptors,
                                    maximum_concurrent_rpcs=max_streams)
-        peer_pb2_grpc.add_PeerServicer_to_server(_PeerService(handler, limits), self._server)
+        self._server.add_generic_rpc_handlers((_PeerService(handler, limits).handlers(),))
         bind = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         if tls:
             creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (private key, certificate chain)
@@ -107,6 +176,12 @@ class PeerServer:
 
     def stop(self, grace: float = 1.0) -> None:
         self._server.stop(grace).wait()
+
+    def __enter__(self) -> PeerServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 class ChannelPool:
@@ -143,11 +218,18 @@ def _metadata(token: str | None):
     return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
 
 
+def _peer_error(address: str, error: grpc.RpcError) -> PeerError:
+    return PeerError(f"peer {address}: {error.code().name}: {error.details()}")
+
+
 class OutboundStream:
     """A long-lived stream of messages to one peer, fed from a bounded queue.
 
-    `send` blocks when `max_pending` messages are queued (back-pressure); it raises PeerError once
-    the peer has failed the stream, with the peer's reason.
+    `send` serializes the message in the caller's thread, so the caller may reuse or modify its
+    tensors as soon as `send` returns (unless copy=False), and encoding errors raise right there
+    (ValueError). It blocks
+    while `max_pending` messages are queued (back-pressure) and raises PeerError once the peer has
+    failed the stream, with the peer's reason.
     """
 
     _END = object()
@@ -155,41 +237,62 @@ class OutboundStream:
     def __init__(self, address: str, *, token: str | None = None, codec: str = "",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_pending: int = 8,
                  pool: ChannelPool | None = None, wait_ready: float = 30.0):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.address = address
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self._queue: queue.Queue = queue.Queue(max_pending)
-        channel = (pool or _default_pool).get(address)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=wait_ready)
-        except grpc.FutureTimeoutError:
-            raise PeerError(f"peer {address} not reachable within {wait_ready:.0f}s") from None
-        stub = peer_pb2_grpc.PeerStub(channel)
-        self._future = stub.Stream.future(self._frames(), metadata=_metadata(token))
         self._closed = False
+        channel = (pool or _default_pool).get(address)
+        ready = grpc.channel_ready_future(channel)
+        try:
+            ready.result(timeout=wait_ready)
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            raise PeerError(f"peer {address} not reachable within {wait_ready:.0f}s") from None
+        call = channel.stream_unary(STREAM_METHOD, request_serializer=None,
+                                    response_deserializer=peer_pb2.StreamSummary.FromString)
+        self._future = call.future(self._frames(), metadata=_metadata(token))
+        self._future.add_done_callback(self._on_done)
 
-    def _frames(self):
+    @property
+    def pending(self) -> int:
+        """Messages queued and not yet taken by gRPC."""
+        return self._queue.qsize()
+
+    def _frames(self) -> Iterator[bytes]:
         while True:
-            item = self._queue.get()
-            if item is self._END:
+            frames = self._queue.get()
+            if frames is self._END:
                 return
-            msg, codec = item
-            yield from message_frames(msg, codec, self.chunk_bytes)
+            yield from frames
+
+    def _on_done(self, _future) -> None:
+        # The stream is over: release senders blocked on a full queue and end the frame generator,
+        # so no thread stays parked on a queue nobody will ever drain.
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        try:
+            self._queue.put_nowait(self._END)
+        except queue.Full:
+            pass
 
     def _raise_if_failed(self) -> None:
         if self._future.done():
             try:
                 self._future.result()
             except grpc.RpcError as e:
-                raise PeerError(f"peer {self.address}: {e.code().name}: {e.details()}") from None
+                raise _peer_error(self.address, e) from None
             raise PeerError(f"peer {self.address} closed the stream")
 
-    def send(self, msg: Message, codec: str | None = None, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        item = (msg, self.codec if codec is None else codec)
+    def _put(self, item: object, deadline: float | None) -> None:
         while True:
             self._raise_if_failed()
-            # Wake up now and then to notice a failed stream instead of blocking forever.
+            # Wake up now and then as a safety net; a failing stream also wakes us via _on_done.
             wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if wait <= 0:
                 raise PeerError(f"peer {self.address}: send timed out")
@@ -199,15 +302,32 @@ class OutboundStream:
             except queue.Full:
                 continue
 
+    def send(self, msg: Message, codec: str | None = None, timeout: float | None = None, *,
+             copy: bool = True) -> None:
+        """Queue one message. `copy=False` skips the snapshot: data is cut into frames only when gRPC
+        sends it, which is faster for large tensors, and the caller must then leave the tensors
+        unchanged until the stream is closed (e.g. freshly computed activations)."""
+        if self._closed:
+            raise PeerError(f"peer {self.address}: stream already closed")
+        parts = prepare_message(msg, self.codec if codec is None else codec)
+        frames = chunked_frames(parts, self.chunk_bytes)
+        if copy:
+            frames = list(frames)
+        self._put(frames, None if timeout is None else time.monotonic() + timeout)
+        self._raise_if_failed()  # the stream may have failed while we waited
+
     def close(self, timeout: float = 60.0) -> peer_pb2.StreamSummary:
         """Finish the stream after everything queued was sent; returns the peer's summary."""
         if not self._closed:
             self._closed = True
-            self._queue.put(self._END)
+            try:
+                self._put(self._END, time.monotonic() + timeout)
+            except PeerError:
+                pass  # the stream already ended: its result below says how
         try:
             return self._future.result(timeout=timeout)
         except grpc.RpcError as e:
-            raise PeerError(f"peer {self.address}: {e.code().name}: {e.details()}") from None
+            raise _peer_error(self.address, e) from None
         except grpc.FutureTimeoutError:
             self._future.cancel()
             raise PeerError(f"peer {self.address}: stream did not finish within {timeout:.0f}s") from None
@@ -216,10 +336,19 @@ class OutboundStream:
         self._closed = True
         self._future.cancel()
 
+    def __enter__(self) -> OutboundStream:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
+
 
 def ping(address: str, *, token: str | None = None, payload_bytes: int = 0, reply_bytes: int = 0,
          timeout: float = 10.0, pool: ChannelPool | None = None) -> float:
-    """Round-trip time in seconds of one Ping carrying the given payloads."""
+    """Round-trip time in seconds of one Ping carrying the given payloads; grpc.RpcError on failure."""
     stub = peer_pb2_grpc.PeerStub((pool or _default_pool).get(address))
     start = time.perf_counter()
     stub.Ping(peer_pb2.PingRequest(payload=bytes(payload_bytes), reply_bytes=reply_bytes),
@@ -228,11 +357,11 @@ def ping(address: str, *, token: str | None = None, payload_bytes: int = 0, repl
 
 
 def measure_link(address: str, *, token: str | None = None, probe_bytes: int = 4 << 20,
-                 timeout: float = 10.0) -> tuple[float, float]:
+                 timeout: float = 10.0, pool: ChannelPool | None = None) -> tuple[float, float]:
     """(latency seconds, bandwidth bytes/s) to a peer: an empty ping, then a payload ping."""
-    ping(address, token=token, timeout=timeout)  # warm the channel
-    latency = min(ping(address, token=token, timeout=timeout) for _ in range(3))
-    elapsed = ping(address, token=token, payload_bytes=probe_bytes, timeout=timeout)
+    ping(address, token=token, timeout=timeout, pool=pool)  # warm the channel
+    latency = min(ping(address, token=token, timeout=timeout, pool=pool) for _ in range(3))
+    elapsed = ping(address, token=token, payload_bytes=probe_bytes, timeout=timeout, pool=pool)
     return latency, probe_bytes / max(elapsed - latency, 1e-6)
 
 

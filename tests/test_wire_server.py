@@ -1,0 +1,319 @@
+"""A real PeerServer on 127.0.0.1: good streams, hostile streams, tokens, TLS and back-pressure."""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import queue
+import threading
+import time
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+
+from ravnest.v1 import peer_pb2, peer_pb2_grpc
+from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, PeerServer, Router, WireLimits,
+                          measure_link, ping)
+from ravnest.wire.messages import message_frames
+from ravnest.wire.transport import GRPC_OPTIONS, STREAM_METHOD
+
+CHUNK = 64 << 10
+LIMITS = WireLimits(max_tensor_bytes=1 << 20, max_message_bytes=2 << 20, max_chunk_bytes=CHUNK)
+DEADLINE_S = 20.0
+
+
+class Node:
+    """A server whose router records 'ok' messages and fails the others the way handlers do."""
+
+    def __init__(self, **server_kwargs):
+        self.received: queue.Queue[Message] = queue.Queue()
+        router = Router()
+        router.route("ok", lambda msg, peer: self.received.put(msg))
+        router.route("bad_shape", self._reject)
+        router.route("crash", self._crash)
+        self.server = PeerServer(router, limits=server_kwargs.pop("limits", LIMITS), **server_kwargs)
+
+    @staticmethod
+    def _reject(msg: Message, peer: str) -> None:
+        raise ValueError(f"expected activations of shape [4, 8], got {list(msg.tensors['x'].shape)}")
+
+    @staticmethod
+    def _crash(msg: Message, peer: str) -> None:
+        raise RuntimeError("boom")
+
+    def assert_serves_a_good_stream(self, **stream_kwargs) -> None:
+        x = torch.randn(3, 5000)  # several chunks
+        with OutboundStream(self.server.address, chunk_bytes=CHUNK, **stream_kwargs) as stream:
+            stream.send(Message("ok", 1, {"x": x}, tags={"v": 3}))
+        got = self.received.get(timeout=DEADLINE_S)
+        assert got.id == 1 and got.tags == {"v": 3} and torch.equal(got.tensors["x"], x)
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    n = Node()
+    yield n
+    n.server.stop(0)
+
+
+def raw_stream(address: str, frames: list, token: str | None = None) -> peer_pb2.StreamSummary:
+    """Send hand-made frames: Frame objects through the generated stub, bytes as they are."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        if all(isinstance(f, peer_pb2.Frame) for f in frames):
+            return peer_pb2_grpc.PeerStub(channel).Stream(iter(frames), timeout=DEADLINE_S, metadata=metadata)
+        call = channel.stream_unary(STREAM_METHOD, request_serializer=None,
+                                    response_deserializer=peer_pb2.StreamSummary.FromString)
+        return call(iter(frames), timeout=DEADLINE_S, metadata=metadata)
+
+
+def tensor_header(**fields) -> peer_pb2.Frame:
+    base = dict(name="x", dtype="float32", shape=[2, 3], nbytes=24)
+    return peer_pb2.Frame(tensor=peer_pb2.TensorHeader(**{**base, **fields}))
+
+
+def message_header(**fields) -> peer_pb2.Frame:
+    return peer_pb2.Frame(message=peer_pb2.MessageHeader(**{"kind": "ok", "num_tensors": 1, **fields}))
+
+
+def chunk(n: int) -> peer_pb2.Frame:
+    return peer_pb2.Frame(chunk=bytes(n))
+
+
+# --- good streams --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["", "fp16", "bf16", "int8"])
+def test_messages_arrive_in_order_with_their_tensors(node: Node, codec: str) -> None:
+    sent = [Message("ok", i, {"x": torch.randn(i + 1, 3000), "ids": torch.arange(i)}, {"step": i}, f"m{i}")
+            for i in range(4)]
+    with OutboundStream(node.server.address, codec=codec, chunk_bytes=CHUNK) as stream:
+        for msg in sent:
+            stream.send(msg)
+        summary = stream.close()
+    assert summary.messages == 4
+    for msg in sent:
+        got = node.received.get(timeout=DEADLINE_S)
+        assert (got.id, got.tags, got.note) == (msg.id, msg.tags, msg.note)
+        assert torch.equal(got.tensors["ids"], msg.tensors["ids"])
+        assert torch.allclose(got.tensors["x"], msg.tensors["x"], rtol=0.01, atol=0.05)
+
+
+def test_send_snapshots_tensors_so_callers_may_reuse_them(node: Node) -> None:
+    buffer = torch.zeros(1000)
+    with OutboundStream(node.server.address, chunk_bytes=CHUNK) as stream:
+        for i in range(3):
+            buffer.fill_(i)  # overwrite right after each send, as a ring all-reduce does
+            stream.send(Message("ok", i, {"x": buffer}))
+    assert [float(node.received.get(timeout=DEADLINE_S).tensors["x"][0]) for _ in range(3)] == [0, 1, 2]
+
+
+def test_send_without_copy_delivers_the_same_messages(node: Node) -> None:
+    sent = [torch.randn(5, 7000), torch.randn(3).t(), torch.zeros(0)]
+    with OutboundStream(node.server.address, chunk_bytes=CHUNK) as stream:
+        for i, x in enumerate(sent):
+            stream.send(Message("ok", i, {"x": x}), copy=False)
+        with pytest.raises(ValueError, match="codec"):  # bad input still fails in the caller
+            stream.send(Message("ok", 9, {"x": torch.ones(1)}), codec="zip", copy=False)
+    for x in sent:
+        assert torch.equal(node.received.get(timeout=DEADLINE_S).tensors["x"], x)
+
+
+def test_frames_from_the_generated_stub_are_accepted(node: Node) -> None:
+    summary = raw_stream(node.server.address, list(message_frames(Message("ok", 5, {"x": torch.ones(2, 3)}))))
+    assert summary.messages == 1 and summary.bytes == 24
+    assert node.received.get(timeout=DEADLINE_S).id == 5
+
+
+def test_ping_and_measure_link(node: Node) -> None:
+    assert ping(node.server.address, payload_bytes=1000, reply_bytes=1000) > 0
+    latency, bandwidth = measure_link(node.server.address, probe_bytes=1 << 20)
+    assert latency > 0 and bandwidth > 0
+    with pytest.raises(grpc.RpcError) as info:
+        ping(node.server.address, reply_bytes=1 << 30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# --- hostile streams -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("frames, code, words", [
+    ([message_header(), tensor_header(dtype="float64"), chunk(24)], "INVALID_ARGUMENT",
+     "tensor 'x': declares 24 bytes but float64[2, 3] needs 48"),
+    ([message_header(), tensor_header(dtype="pickle"), chunk(24)], "INVALID_ARGUMENT", "unknown dtype 'pickle'"),
+    ([message_header(), tensor_header(shape=[-2, -3]), chunk(24)], "INVALID_ARGUMENT", "negative dimension"),
+    ([message_header(), tensor_header(shape=[0, 2**62, 2**62], nbytes=0)], "RESOURCE_EXHAUSTED", "exceeds the limit"),
+    ([message_header(), tensor_header(shape=[1024, 1024], nbytes=4 << 20)], "RESOURCE_EXHAUSTED",
+     "tensor 'x': shape [1024, 1024] of float32 exceeds the limit"),
+    ([message_header(num_tensors=2**31 - 1)], "RESOURCE_EXHAUSTED", "2147483647 tensors"),
+    ([message_header(note="n" * 100_000)], "RESOURCE_EXHAUSTED", "note of 100000 chars"),
+    ([message_header(tags={f"t{i}": i for i in range(10_000)})], "RESOURCE_EXHAUSTED", "10000 tags"),
+    ([peer_pb2.Frame()], "INVALID_ARGUMENT", "empty frame"),
+    ([message_header(), tensor_header(), chunk(30)], "INVALID_ARGUMENT", "more than the declared 24"),
+    ([message_header(), tensor_header(), chunk(10)], "INVALID_ARGUMENT", "tensor 'x': stream ended after 10 of 24"),
+    ([message_header(num_tensors=2), tensor_header(), chunk(24)], "INVALID_ARGUMENT", "stream ended after 1 of 2"),
+    ([message_header(), tensor_header(shape=[CHUNK], nbytes=4 * CHUNK), chunk(2 * CHUNK)], "RESOURCE_EXHAUSTED",
+     "tensor 'x': chunk of 131072 bytes exceeds the limit"),
+    ([message_header(kind="nobody"), tensor_header(), chunk(24)], "UNIMPLEMENTED", "no handler for message kind"),
+    ([b"\x0a\xff\xff"], "INVALID_ARGUMENT", "malformed frame"),
+    ([message_header().SerializeToString(), b"\x2a\x00"], "INVALID_ARGUMENT", "expected a tensor header, got empty"),
+])
+def test_hostile_streams_get_a_clear_status_and_the_server_keeps_serving(
+        node: Node, frames: list, code: str, words: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        raw_stream(node.server.address, frames)
+    assert info.value.code() == getattr(grpc.StatusCode, code)
+    assert words in info.value.details()
+    node.assert_serves_a_good_stream()
+
+
+def test_frames_over_the_grpc_size_limit_are_refused_before_parsing(node: Node) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        raw_stream(node.server.address, [message_header(), tensor_header(), chunk(20 << 20)])
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    node.assert_serves_a_good_stream()
+
+
+@pytest.mark.parametrize("kind, code, words", [
+    ("bad_shape", "INVALID_ARGUMENT", "message 'bad_shape' #7 rejected: expected activations of shape [4, 8], got [4, 9]"),
+    ("crash", "INTERNAL", "message 'crash' #7: handler failed: RuntimeError: boom"),
+])
+def test_handler_exceptions_become_a_status_with_the_reason(node: Node, kind: str, code: str, words: str) -> None:
+    stream = OutboundStream(node.server.address, chunk_bytes=CHUNK)
+    stream.send(Message(kind, 7, {"x": torch.zeros(4, 9)}))
+    with pytest.raises(PeerError) as info:
+        stream.close()
+    assert f"{code}: {words}" in str(info.value)
+    node.assert_serves_a_good_stream()
+
+
+def test_a_failed_stream_releases_a_blocked_sender(node: Node) -> None:
+    stream = OutboundStream(node.server.address, chunk_bytes=CHUNK, max_pending=1)
+    with pytest.raises(PeerError, match="INTERNAL: .*boom"):
+        for i in range(100_000):  # the first message fails the stream; a later send must notice
+            stream.send(Message("crash", i, {"x": torch.zeros(64 << 10)}))
+    with pytest.raises(PeerError, match="boom"):
+        stream.send(Message("ok"))
+
+
+def test_a_bad_stream_does_not_disturb_an_open_good_one(node: Node) -> None:
+    with OutboundStream(node.server.address, chunk_bytes=CHUNK) as good:
+        good.send(Message("ok", 1, {"x": torch.ones(10)}))
+        assert node.received.get(timeout=DEADLINE_S).id == 1
+        with pytest.raises(grpc.RpcError):
+            raw_stream(node.server.address, [message_header(), tensor_header(), chunk(30)])
+        good.send(Message("ok", 2, {"x": torch.ones(10)}))
+        assert good.close().messages == 2
+    assert node.received.get(timeout=DEADLINE_S).id == 2
+
+
+def test_a_cancelled_sender_leaves_the_server_serving(node: Node) -> None:
+    stream = OutboundStream(node.server.address, chunk_bytes=CHUNK)
+    stream.send(Message("ok", 1, {"x": torch.ones(100_000)}))
+    stream.cancel()
+    with pytest.raises(PeerError):
+        stream.send(Message("ok"))
+    node.assert_serves_a_good_stream()
+
+
+# --- tokens and TLS ------------------------------------------------------------------------------
+
+def test_wrong_or_missing_token_is_unauthenticated() -> None:
+    accepted = {"job-a"}
+    node = Node(token=lambda: accepted)
+    try:
+        for token in (None, "job-b", "job-a" + "x" * 1000):
+            with pytest.raises(grpc.RpcError) as info:
+                raw_stream(node.server.address, list(message_frames(Message("ok"))), token=token)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as info:
+                ping(node.server.address, token=token)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(PeerError, match="UNAUTHENTICATED"), \
+                OutboundStream(node.server.address, token="job-b") as stream:
+            stream.send(Message("ok"))
+        node.assert_serves_a_good_stream(token="job-a")
+        accepted.add("job-b")  # tokens are looked up per call
+        node.assert_serves_a_good_stream(token="job-b")
+    finally:
+        node.server.stop(0)
+
+
+def test_single_string_token() -> None:
+    node = Node(token="s3cret")
+    try:
+        assert ping(node.server.address, token="s3cret") > 0
+        with pytest.raises(grpc.RpcError):
+            ping(node.server.address, token="guess")
+    finally:
+        node.server.stop(0)
+
+
+def self_signed_certificate() -> tuple[bytes, bytes]:
+    x509 = pytest.importorskip("cryptography.x509", reason="TLS test needs the `cryptography` package")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_tls_roundtrip_with_a_self_signed_certificate() -> None:
+    cert, key = self_signed_certificate()
+    node = Node(tls=(cert, key), token="t")
+    pool = ChannelPool(root_certificate=cert)
+    try:
+        node.assert_serves_a_good_stream(token="t", pool=pool)
+        assert ping(node.server.address, token="t", pool=pool) > 0
+        with pytest.raises(PeerError):  # a plaintext client cannot talk to a TLS server
+            OutboundStream(node.server.address, token="t", wait_ready=2)
+    finally:
+        pool.close()
+        node.server.stop(0)
+
+
+# --- back-pressure -------------------------------------------------------------------------------
+
+def test_a_slow_handler_makes_send_block_instead_of_buffering_without_bound() -> None:
+    release = threading.Event()
+    received: list[int] = []
+
+    def slow(msg: Message, peer: str) -> None:
+        release.wait(DEADLINE_S)
+        received.append(msg.id)
+
+    server = PeerServer(slow)
+    total, max_pending = 400, 2  # 400 messages of 256 KiB: far more than gRPC and HTTP/2 buffer
+    stream = OutboundStream(server.address, max_pending=max_pending)
+    sent: list[int] = []
+
+    def sender() -> None:
+        for i in range(total):
+            stream.send(Message("ok", i, {"x": torch.zeros(64 << 10)}))
+            sent.append(i)
+
+    thread = threading.Thread(target=sender, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        # The queue fills up while the sender is still blocked: it did not buffer everything.
+        while not (stream.pending == max_pending and thread.is_alive()):
+            assert time.monotonic() < deadline, f"send never blocked: {len(sent)} sent, {stream.pending} pending"
+            time.sleep(0.01)
+        assert len(sent) < total and received == []
+    finally:
+        release.set()
+    thread.join(DEADLINE_S)
+    assert not thread.is_alive() and len(sent) == total
+    assert stream.close().messages == total and received == list(range(total))
+    server.stop(0)
