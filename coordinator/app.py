@@ -1,0 +1,168 @@
+"""The HTTP face of the coordinator: versioned REST under /v1, OpenAPI at /docs, a dashboard at /.
+
+Every body is a pydantic model; every refusal is a 4xx with {"detail": "<reason>"}.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+
+from ravnest.spec import FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse, MetricsReport
+
+from .config import Settings
+from .dashboard import render_dashboard
+from .errors import CoordinatorError, TooLarge
+from .schemas import Health, JobCreated, JobSummary, JobView, NodeView
+from .service import Coordinator
+
+MAX_PROBE_BYTES = 64 << 20
+AUTH = Header(None, description="Bearer <token>: the join token for POST /v1/nodes, else the node token")
+OCTET_STREAM_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {
+    "schema": {"type": "string", "format": "binary"}}}}}
+
+
+def _validation_reason(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    service = Coordinator(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async def reap_and_place() -> None:  # one pass per heartbeat interval: cheap, never busy
+            while True:
+                await asyncio.sleep(settings.heartbeat_interval_s)
+                await run_in_threadpool(service.tick)
+
+        task = asyncio.create_task(reap_and_place()) if settings.background else None
+        try:
+            yield
+        finally:
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            service.store.close()
+
+    app = FastAPI(title="Ravnest coordinator", version="1", lifespan=lifespan,
+                  description="Takes volunteer nodes in, clusters them, plans jobs over them and tracks them.")
+    app.state.service = service
+
+    @app.exception_handler(CoordinatorError)
+    async def coordinator_error(_: Request, error: CoordinatorError) -> JSONResponse:
+        return JSONResponse({"detail": error.detail}, status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _validation_reason(error)}, status_code=422)
+
+    @app.get("/healthz", response_model=Health, tags=["service"])
+    def healthz() -> Health:
+        return service.health()
+
+    @app.get("/v1/probe", tags=["nodes"], response_class=Response,
+             responses={200: {"content": {"application/octet-stream": {}}, "description": "`bytes` zero bytes"}})
+    def probe(size: int = Query(1 << 20, alias="bytes", ge=1, le=MAX_PROBE_BYTES)) -> Response:
+        """Bytes for a node to time: how it measures its bandwidth to the coordinator when joining."""
+        return Response(bytes(size), media_type="application/octet-stream")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def dashboard() -> str:
+        return render_dashboard(service.list_nodes(), service.list_jobs())
+
+    # --- nodes ---------------------------------------------------------------------------------------
+
+    @app.post("/v1/nodes", response_model=JoinResponse, status_code=201, tags=["nodes"])
+    def join(request: JoinRequest, authorization: str | None = AUTH) -> JoinResponse:
+        return service.join(authorization, request)
+
+    @app.post("/v1/nodes/{node_id}/heartbeat", response_model=HeartbeatResponse, tags=["nodes"])
+    def heartbeat(node_id: str, request: HeartbeatRequest, authorization: str | None = AUTH) -> HeartbeatResponse:
+        return service.heartbeat(node_id, authorization, request)
+
+    @app.get("/v1/nodes", response_model=list[NodeView], tags=["nodes"])
+    def list_nodes() -> list[NodeView]:
+        return service.list_nodes()
+
+    @app.delete("/v1/nodes/{node_id}", status_code=204, tags=["nodes"])
+    def leave(node_id: str, authorization: str | None = AUTH) -> Response:
+        service.leave(node_id, authorization)
+        return Response(status_code=204)
+
+    # --- jobs ----------------------------------------------------------------------------------------
+
+    @app.post("/v1/jobs", response_model=JobCreated, status_code=201, tags=["jobs"])
+    def submit(spec: JobSpec) -> JobCreated:
+        return service.submit(spec)
+
+    @app.get("/v1/jobs", response_model=list[JobSummary], tags=["jobs"])
+    def list_jobs() -> list[JobSummary]:
+        return service.list_jobs()
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobView, tags=["jobs"])
+    def get_job(job_id: str) -> JobView:
+        return service.get_job(job_id)
+
+    @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, tags=["jobs"])
+    def cancel(job_id: str) -> JobView:
+        return service.cancel(job_id)
+
+    @app.get("/v1/jobs/{job_id}/model", tags=["jobs"], response_class=FileResponse,
+             responses={200: {"content": {"application/octet-stream": {}}, "description": "safetensors"}})
+    def download_model(job_id: str) -> FileResponse:
+        return FileResponse(service.model_file(job_id), media_type="application/octet-stream",
+                            filename=f"{job_id}.safetensors")
+
+    # --- node-facing job endpoints -------------------------------------------------------------------
+
+    @app.post("/v1/jobs/{job_id}/metrics", status_code=204, tags=["node reports"])
+    def metrics(job_id: str, report: MetricsReport, authorization: str | None = AUTH) -> Response:
+        service.report_metrics(job_id, authorization, report)
+        return Response(status_code=204)
+
+    @app.post("/v1/jobs/{job_id}/fail", status_code=204, tags=["node reports"])
+    def fail(job_id: str, report: FailureReport, authorization: str | None = AUTH) -> Response:
+        service.report_failure(job_id, authorization, report)
+        return Response(status_code=204)
+
+    @app.put("/v1/jobs/{job_id}/weights", status_code=204, tags=["node reports"], openapi_extra=OCTET_STREAM_BODY)
+    async def upload_weights(job_id: str, request: Request, cluster: int = Query(ge=0), stage: int = Query(ge=0),
+                             authorization: str | None = AUTH) -> Response:
+        """Body: the stage's state dict as raw safetensors bytes, keys "{global block index}.<name>"."""
+        limit = await run_in_threadpool(service.weights_upload_limit, job_id, authorization, cluster, stage)
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise TooLarge(f"upload of {declared} bytes exceeds this stage's limit of {limit} bytes")
+        uploads = service.job_dir(job_id) / "uploads"
+        uploads.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=uploads, suffix=".safetensors")
+        path = Path(name)
+        try:
+            size = 0
+            with os.fdopen(handle, "wb") as out:  # streamed to disk: never the whole body in memory
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise TooLarge(f"upload exceeds this stage's limit of {limit} bytes")
+                    out.write(chunk)
+            await run_in_threadpool(service.accept_weights, job_id, authorization, cluster, stage, path)
+        finally:
+            path.unlink(missing_ok=True)  # accepted uploads were moved away already
+        return Response(status_code=204)
+
+    return app

@@ -1,0 +1,35 @@
+"""`ravnest-coordinator`: run the coordinator service."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import uvicorn
+
+from .app import create_app
+from .config import Settings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ravnest-coordinator", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--data-dir", type=Path, default=Path("ravnest-data"),
+                        help="database (by default), uploaded weights and trained models")
+    parser.add_argument("--db", default=None, help="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/ravnest "
+                                                   "(default: sqlite file in --data-dir)")
+    parser.add_argument("--token", default=None, help="join token; nodes must send 'Authorization: Bearer <token>'")
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between node heartbeats")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    settings = Settings(data_dir=args.data_dir, db_url=args.db, join_token=args.token,
+                        heartbeat_interval_s=args.heartbeat_interval)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

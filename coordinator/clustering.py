@@ -1,0 +1,185 @@
+"""Group nodes into clusters of similar machines: k-means over their log-bandwidth, log-compute and
+log-memory, then repaired so that every cluster can hold the whole model.
+
+Similar machines in one pipeline keep its stages balanced and keep a slow link from throttling fast
+nodes; clusters are data-parallel replicas, so each must hold a full copy of the model.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.cluster import KMeans
+from sklearn.metrics import silhouette_score
+from threadpoolctl import threadpool_limits
+
+MAX_AUTO_CLUSTERS = 8
+SIMILAR_LOG_SPREAD = math.log(2.0)  # nodes within 2x of each other on every measure form one cluster
+MIN_SILHOUETTE = 0.5  # weaker structure than this is not worth splitting on
+SAMPLE = 1000  # k is chosen on a sample of this many nodes, so choosing stays fast for 10,000 nodes
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    flops: float
+    memory_bytes: int
+    bandwidth: float  # bytes/s, measured to the coordinator
+    latency: float = 0.0  # round trip to the coordinator, seconds
+    address: str = ""  # host:port of its gRPC server
+
+
+class ClusteringError(ValueError):
+    """The nodes cannot be grouped as asked; the message says why."""
+
+
+def log_features(nodes: Sequence[NodeInfo]) -> np.ndarray:
+    return np.log(np.array([[n.bandwidth, n.flops, n.memory_bytes] for n in nodes], dtype=np.float64))
+
+
+def standardise(raw: np.ndarray) -> np.ndarray:
+    std = raw.std(axis=0)
+    return (raw - raw.mean(axis=0)) / np.where(std > 1e-12, std, 1.0)
+
+
+def _kmeans(x: np.ndarray, k: int, seed: int, n_init: int = 3) -> KMeans:
+    # one thread: for a few thousand 3-d points OpenMP start-up and contention cost 10-100x the work
+    with threadpool_limits(1):
+        return KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit(x)
+
+
+def _alike(raw: np.ndarray) -> bool:
+    return bool(np.ptp(raw, axis=0).max() < SIMILAR_LOG_SPREAD)
+
+
+def choose_k(raw: np.ndarray, x: np.ndarray, seed: int = 0) -> int:
+    """1 when the nodes are alike, else the k in 2..8 with the best silhouette (on a sample)."""
+    n = len(x)
+    if n <= 2 or _alike(raw):
+        return 1
+    rng = np.random.default_rng(seed)
+    sample = x if n <= SAMPLE else x[rng.choice(n, SAMPLE, replace=False)]
+    best_k, best_score = 1, MIN_SILHOUETTE
+    for k in range(2, min(MAX_AUTO_CLUSTERS, len(sample) - 1) + 1):
+        labels = _kmeans(sample, k, seed, n_init=1).labels_
+        if len(set(labels)) < 2:
+            continue
+        with threadpool_limits(1):
+            score = silhouette_score(sample, labels)
+        if score > best_score:
+            best_k, best_score = k, score
+    return best_k
+
+
+def cluster_nodes(nodes: Sequence[NodeInfo], memory_need: int, clusters: int | None = None,
+                  seed: int = 0) -> list[list[int]]:
+    """Indices of `nodes` per cluster. `clusters=None` picks the number (and merges clusters that
+    cannot hold `memory_need` bytes into their nearest neighbour); an int gives exactly that many,
+    from k-means unless its groups are lopsided (largest > 2x smallest), then by dealing the nodes
+    out by compute so replicas run at similar speeds; nodes then move until each holds the model."""
+    n = len(nodes)
+    if n == 0:
+        raise ClusteringError("no nodes to cluster")
+    memory = np.array([node.memory_bytes for node in nodes], dtype=np.float64)
+    if memory.sum() < memory_need:
+        raise ClusteringError(f"all {n} nodes together have {memory.sum() / 2**20:.0f} MiB of memory; "
+                              f"the model needs {memory_need / 2**20:.0f} MiB")
+    raw = log_features(nodes)
+    x = standardise(raw)
+    if clusters is None:
+        k = choose_k(raw, x, seed)
+        labels = _kmeans(x, k, seed).labels_ if k > 1 else np.zeros(n, dtype=int)
+        return _merge_small(x, labels, memory, memory_need)
+    if clusters < 1 or clusters > n:
+        raise ClusteringError(f"{clusters} clusters asked for, but only {n} usable nodes")
+    if memory.sum() < clusters * memory_need:
+        raise ClusteringError(f"{clusters} clusters need {clusters * memory_need / 2**20:.0f} MiB in all "
+                              f"(a full model each); the {n} nodes have {memory.sum() / 2**20:.0f} MiB")
+    if clusters == 1:
+        groups: list[list[int]] | None = [list(range(n))]
+    elif _alike(raw):  # nothing for k-means to separate: deal the nodes out evenly instead
+        groups = _balance_greedy(memory, clusters, memory_need)
+    else:
+        labels = _kmeans(x, clusters, seed).labels_.copy()
+        sizes = np.bincount(labels, minlength=clusters)
+        if sizes.max() > 2 * sizes.min():
+            # lopsided tiers (say 1 + 3 nodes) make replicas of very unequal speed: mix them evenly
+            labels = _snake_deal(raw[:, 1], clusters)
+        groups = _balance(x, labels, clusters, memory, memory_need)
+    if groups is None:
+        groups = _balance_greedy(memory, clusters, memory_need)
+    if groups is None:
+        raise ClusteringError(f"cannot split the {n} nodes into {clusters} clusters that each hold the "
+                              f"model ({memory_need / 2**20:.0f} MiB): their memories do not add up that way")
+    return groups
+
+
+def _groups(labels: np.ndarray) -> list[list[int]]:
+    return [np.flatnonzero(labels == label).tolist() for label in np.unique(labels)]
+
+
+def _merge_small(x: np.ndarray, labels: np.ndarray, memory: np.ndarray, need: float) -> list[list[int]]:
+    """Merge every cluster too small for the model into the cluster with the nearest centroid."""
+    groups = _groups(labels)
+    while len(groups) > 1:
+        totals = [memory[g].sum() for g in groups]
+        small = min(range(len(groups)), key=lambda i: totals[i])
+        if totals[small] >= need:
+            break
+        centroids = np.array([x[g].mean(axis=0) for g in groups])
+        distance = np.linalg.norm(centroids - centroids[small], axis=1)
+        distance[small] = np.inf
+        target = int(distance.argmin())
+        groups[target] = sorted(groups[target] + groups[small])
+        del groups[small]
+    return groups
+
+
+def _balance(x: np.ndarray, labels: np.ndarray, k: int, memory: np.ndarray,
+             need: float) -> list[list[int]] | None:
+    """Move nodes into clusters short of memory, each time the donor node nearest to the short
+    cluster whose departure leaves its own cluster able to hold the model. None if stuck."""
+    totals = np.bincount(labels, weights=memory, minlength=k)
+    sizes = np.bincount(labels, minlength=k)
+    for _ in range(len(labels)):
+        short = np.flatnonzero((totals < need) | (sizes == 0))
+        if len(short) == 0:
+            return _groups(labels)
+        target = int(short[0])
+        spare = totals[labels] - memory  # what each node's cluster keeps if the node leaves
+        movable = (labels != target) & (spare >= need) & (sizes[labels] > 1)
+        if not movable.any():
+            return None
+        members = labels == target
+        centre = x[members].mean(axis=0) if members.any() else x[movable].mean(axis=0)
+        distance = np.where(movable, np.linalg.norm(x - centre, axis=1), np.inf)
+        moved = int(distance.argmin())
+        source = labels[moved]
+        totals[source] -= memory[moved]
+        sizes[source] -= 1
+        totals[target] += memory[moved]
+        sizes[target] += 1
+        labels[moved] = target
+    return None
+
+
+def _snake_deal(values: np.ndarray, k: int) -> np.ndarray:
+    """Labels dealing nodes in descending `values` as 0..k-1, k-1..0, ...: similar sums per label."""
+    labels = np.empty(len(values), dtype=int)
+    for position, index in enumerate(np.argsort(-values)):
+        turn, offset = divmod(position, k)
+        labels[index] = offset if turn % 2 == 0 else k - 1 - offset
+    return labels
+
+
+def _balance_greedy(memory: np.ndarray, k: int, need: float) -> list[list[int]] | None:
+    """Largest-memory-first into the emptiest cluster: the fallback when k-means groups are lopsided."""
+    groups: list[list[int]] = [[] for _ in range(k)]
+    totals = np.zeros(k)
+    for index in np.argsort(-memory):
+        target = int(totals.argmin())
+        groups[target].append(int(index))
+        totals[target] += memory[index]
+    return [sorted(g) for g in groups] if (totals >= need).all() else None

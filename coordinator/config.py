@@ -1,0 +1,31 @@
+"""Settings of one coordinator process."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass
+class Settings:
+    data_dir: Path = Path("ravnest-data")
+    db_url: str | None = None  # SQLAlchemy URL; default: SQLite file in data_dir
+    join_token: str | None = None  # when set, POST /v1/nodes needs "Authorization: Bearer <join_token>"
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals
+    max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload
+    pipeline_cap: int = 16  # most stages in one pipeline; bigger groups become several replicas
+    background: bool = True  # run the periodic reaper/placer task (tests drive `tick` themselves)
+    clock: Callable[[], float] = field(default=time.time, repr=False)
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+
+    @property
+    def database_url(self) -> str:
+        return self.db_url or f"sqlite:///{(self.data_dir / 'coordinator.db').resolve()}"
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_timeout_factor

@@ -1,0 +1,167 @@
+"""Job lifecycle: the state machine, validating a submitted spec, and what a job looks like from
+outside (progress, metrics, each node's stage assignment).
+
+    pending ──► placing ──► running ──► completed
+       │           │           │
+       └───────────┴───────────┴──► failed | cancelled
+
+pending: waiting for `placement.min_nodes` idle live nodes. placing: planned, nodes reserved, not
+every node has fetched its assignment yet. running: every node has it. Each change is kept in the
+job's history with its time and reason.
+"""
+from __future__ import annotations
+
+import math
+from enum import Enum
+
+import torch
+
+from ravnest.data.datasets import DatasetError, load_dataset
+from ravnest.models import ModelError, ModelSpec, build_model
+from ravnest.spec import JobSpec, Ring, StageAssignment, StagePeer
+
+from .errors import Conflict, InvalidRequest
+from .schemas import ClusterProgress, JobMetrics, Plan, Progress, StageMetrics
+from .store import JobRow, StageRow
+
+
+class JobState(str, Enum):
+    PENDING = "pending"
+    PLACING = "placing"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ACTIVE = {JobState.PLACING.value, JobState.RUNNING.value}  # nodes are working on it
+TERMINAL = {JobState.COMPLETED.value, JobState.FAILED.value, JobState.CANCELLED.value}
+STOPPED = {JobState.FAILED.value, JobState.CANCELLED.value}  # its nodes must be told to stop
+_NEXT = {
+    JobState.PENDING: {JobState.PLACING, JobState.FAILED, JobState.CANCELLED},
+    JobState.PLACING: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED},
+    JobState.RUNNING: {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED},
+}
+TASK_OF_DATASET = {"digits": "classify", "npz": "classify", "text": "lm"}
+
+
+def transition(job: JobRow, state: JobState, reason: str, now: float) -> None:
+    """Move `job` to `state`, recording when and why; Conflict if the state machine forbids it."""
+    current = JobState(job.state)
+    if state not in _NEXT.get(current, set()):
+        raise Conflict(f"job {job.id} is {current.value}; it cannot become {state.value}")
+    job.state, job.reason, job.updated_at = state.value, reason, now
+    job.history = [*job.history, {"state": state.value, "at": now, "reason": reason}]
+
+
+def validate_spec(spec: JobSpec) -> ModelSpec:
+    """Everything about a job that can be checked before any node sees it; InvalidRequest if wrong."""
+    try:
+        model = build_model(spec.model.name, spec.model.config, seed=spec.training.seed)
+    except ModelError as e:
+        raise InvalidRequest(f"model: {e}") from e
+    dataset = spec.dataset
+    if TASK_OF_DATASET[dataset.name] != model.task:
+        raise InvalidRequest(f"dataset {dataset.name!r} needs a {TASK_OF_DATASET[dataset.name]!r} model; "
+                             f"{spec.model.name!r} is a {model.task!r} model")
+    if dataset.name in ("text", "npz") and not dataset.path:
+        raise InvalidRequest(f"dataset {dataset.name!r} needs a path (a file present on every node)")
+    # the text file lives on the nodes, so its vocabulary (128 or 256 bytes) is checked there
+    if dataset.name == "text" and dataset.seq_len > model.config.get("seq_len", dataset.seq_len):
+        raise InvalidRequest(f"dataset seq_len {dataset.seq_len} exceeds the model's seq_len {model.config['seq_len']}")
+    if dataset.name == "digits":
+        _check_accepts_digits(model, spec)
+    _check_optimizer(spec)
+    placement = spec.placement
+    if isinstance(placement.clusters, int):
+        if placement.clusters < 1:
+            raise InvalidRequest("placement.clusters must be >= 1 or \"auto\"")
+        if placement.min_nodes < placement.clusters:
+            raise InvalidRequest(f"placement.min_nodes ({placement.min_nodes}) must be at least "
+                                 f"placement.clusters ({placement.clusters}): each cluster needs a node")
+    return model
+
+
+def _check_accepts_digits(model: ModelSpec, spec: JobSpec) -> None:
+    """digits ships with scikit-learn, so the coordinator can try the model on two real samples."""
+    try:
+        data = load_dataset(spec.dataset)
+        with torch.no_grad():
+            output = model.full_model().eval()(data.train_x[:2])
+    except (DatasetError, RuntimeError, ValueError) as e:
+        raise InvalidRequest(f"model {spec.model.name!r} does not accept digits images (1x8x8): {e}") from e
+    if output.shape != (2, output.shape[-1]) or output.shape[-1] < (data.num_classes or 0):
+        raise InvalidRequest(f"model {spec.model.name!r} outputs shape {tuple(output.shape)} for 2 digits; "
+                             f"it needs [2, >= {data.num_classes}] class scores")
+
+
+def _check_optimizer(spec: JobSpec) -> None:
+    optimizer = spec.training.optimizer
+    cls = getattr(torch.optim, optimizer.name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise InvalidRequest(f"optimizer {optimizer.name!r} is not a torch.optim optimizer")
+    try:  # the kwargs must be accepted by the class, on one dummy parameter
+        cls([torch.nn.Parameter(torch.zeros(1))], **optimizer.kwargs)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"optimizer {optimizer.name}: {e}") from e
+
+
+def assignment(job: JobRow, plan: Plan, cluster: int, stage: int) -> StageAssignment:
+    """What the node running `stage` of `cluster` needs to know, rings included."""
+    spec = JobSpec.model_validate(job.spec)
+    stages = plan.clusters[cluster].stages
+    peer = lambda s: StagePeer(node_id=stages[s].node_id, address=stages[s].address)  # noqa: E731
+    rings = [] if spec.averaging.strategy == "none" else [
+        Ring(segment=ring.segment, blocks=ring.blocks,
+             members=[StagePeer(node_id=plan.clusters[c].stages[s].node_id, address=plan.clusters[c].stages[s].address)
+                      for c, s in enumerate(ring.stages)])
+        for ring in plan.rings if ring.stages[cluster] == stage]
+    return StageAssignment(
+        job_id=job.id, token=job.job_token, cluster=cluster, num_clusters=len(plan.clusters), stage=stage,
+        num_stages=len(stages), blocks=stages[stage].blocks, model=spec.model, dataset=spec.dataset,
+        training=spec.training, averaging=spec.averaging,
+        prev=peer(stage - 1) if stage > 0 else None, next=peer(stage + 1) if stage + 1 < len(stages) else None,
+        rings=rings)
+
+
+def progress(job: JobRow, stages: list[StageRow]) -> Progress:
+    total = JobSpec.model_validate(job.spec).training.steps
+    by_cluster: dict[int, list[int]] = {}
+    for row in stages:
+        by_cluster.setdefault(row.cluster, []).append(row.step)
+    clusters = [ClusterProgress(cluster=c, steps_done=min(steps), stage_steps=steps)
+                for c, steps in sorted(by_cluster.items())]
+    if job.state == JobState.COMPLETED.value:
+        fraction = 1.0
+    elif clusters:
+        fraction = min(1.0, sum(c.steps_done for c in clusters) / (len(clusters) * total))
+    else:
+        fraction = 0.0
+    return Progress(steps_total=total, fraction=fraction, clusters=clusters)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def metrics(stages: list[StageRow]) -> JobMetrics:
+    """Live figures: the loss and throughput seen by each cluster's last stage, utilization of all."""
+    last: dict[int, StageRow] = {}
+    for row in stages:
+        if row.cluster not in last or row.stage > last[row.cluster].stage:
+            last[row.cluster] = row
+    tails = [last[c].metrics for c in sorted(last)]
+    throughput = [m["samples_per_s"] for m in tails if "samples_per_s" in m]
+    return JobMetrics(
+        loss=_mean([m["loss"] for m in tails if "loss" in m]),
+        samples_per_s=sum(throughput) if throughput else None,
+        utilization=_mean([row.metrics["utilization"] for row in stages if "utilization" in row.metrics]),
+        test_accuracy=tails[0].get("test_accuracy") if tails else None,
+        stages=[StageMetrics(cluster=row.cluster, stage=row.stage, node_id=row.node_id, step=row.step,
+                             metrics=row.metrics, weights_uploaded=row.weights_uploaded) for row in stages])
+
+
+def check_finite(values: dict[str, float]) -> None:
+    bad = sorted(key for key, value in values.items() if not math.isfinite(value))
+    if bad:
+        raise InvalidRequest(f"metrics must be finite numbers; not finite: {bad}")

@@ -1,0 +1,114 @@
+"""Bodies of the coordinator's own REST responses (the node contract lives in ravnest.spec)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from ravnest.spec import JobSpec, NodeProfile
+
+
+class Health(BaseModel):
+    status: str = "ok"
+    nodes_alive: int
+    jobs_active: int
+
+
+class NodeView(BaseModel):
+    id: str
+    name: str
+    address: str
+    profile: NodeProfile
+    state: str = Field(description="idle | busy | gone")
+    joined_at: float
+    last_seen: float
+    job_id: str | None = None
+    cluster: int | None = None
+    stage: int | None = None
+
+
+class PlannedStage(BaseModel):
+    stage: int
+    node_id: str
+    address: str
+    blocks: tuple[int, int]
+    predicted_seconds: float = Field(description="predicted seconds per micro-batch (forward+backward+transfer)")
+
+
+class PlannedCluster(BaseModel):
+    cluster: int
+    stages: list[PlannedStage]
+    predicted_bottleneck_seconds: float
+
+
+class PlannedRing(BaseModel):
+    segment: int
+    blocks: tuple[int, int]
+    stages: list[int] = Field(description="the stage holding this segment, per cluster")
+    members: list[str] = Field(description="node ids holding this segment, per cluster")
+
+
+class Plan(BaseModel):
+    clusters: list[PlannedCluster]
+    rings: list[PlannedRing]
+    unused: dict[str, str] = Field(default_factory=dict, description="node id -> why it got no stage")
+    predicted_samples_per_s: float
+
+
+class StateChange(BaseModel):
+    state: str
+    at: float
+    reason: str = ""
+
+
+class ClusterProgress(BaseModel):
+    cluster: int
+    steps_done: int = Field(description="steps completed by the slowest stage of this cluster")
+    stage_steps: list[int]
+
+
+class Progress(BaseModel):
+    steps_total: int
+    fraction: float
+    clusters: list[ClusterProgress] = Field(default_factory=list)
+
+
+class StageMetrics(BaseModel):
+    cluster: int
+    stage: int
+    node_id: str
+    step: int
+    metrics: dict[str, float]
+    weights_uploaded: bool
+
+
+class JobMetrics(BaseModel):
+    loss: float | None = Field(None, description="mean of the clusters' last-stage training loss")
+    samples_per_s: float | None = Field(None, description="sum over clusters (last stage)")
+    utilization: float | None = Field(None, description="mean over all stages")
+    test_accuracy: float | None = Field(None, description="cluster 0's last stage, when evaluated")
+    stages: list[StageMetrics] = Field(default_factory=list)
+
+
+class JobSummary(BaseModel):
+    id: str
+    name: str
+    state: str
+    reason: str
+    model: str
+    created_at: float
+    updated_at: float
+
+
+class JobView(JobSummary):
+    spec: JobSpec
+    history: list[StateChange]
+    progress: Progress
+    metrics: JobMetrics
+    final_metrics: dict[str, float] | None = None
+    plan: Plan | None = None
+    model_url: str | None = Field(None, description="download of the trained model once completed")
+
+
+class JobCreated(BaseModel):
+    id: str
+    state: str
+    reason: str = ""

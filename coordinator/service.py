@@ -1,0 +1,409 @@
+"""The coordinator's operations, independent of HTTP: nodes join and beat, jobs are submitted,
+placed, reported on and finished. One lock serialises every change (one coordinator process per
+store); each operation is one SQL transaction, so a refused request writes nothing.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ravnest.models import build_model, profile_blocks
+from ravnest.models.profile import BlockCost
+from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse,
+                          MetricsReport, NodeProfile)
+
+from . import jobs
+from .clustering import NodeInfo
+from .config import Settings
+from .errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthorized
+from .jobs import JobState
+from .planning import PlanningError, plan_job
+from .schemas import Health, JobCreated, JobSummary, JobView, NodeView, Plan
+from .security import bearer_token, check_join_token, hash_token, new_id, new_token, token_matches
+from .store import JobRow, NodeRow, StageRow, Store, stage_of_node, stages_of
+
+IDLE, BUSY, GONE = "idle", "busy", "gone"
+HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header on top of the tensors' bytes
+
+
+@functools.lru_cache(maxsize=32)
+def _block_costs(name: str, config_json: str, batch_size: int) -> tuple[BlockCost, ...]:
+    return tuple(profile_blocks(build_model(name, json.loads(config_json)), batch_size))
+
+
+def _costs(spec: JobSpec) -> list[BlockCost]:
+    return list(_block_costs(spec.model.name, json.dumps(spec.model.config, sort_keys=True), spec.training.batch_size))
+
+
+@functools.lru_cache(maxsize=32)
+def _state_shapes(name: str, config_json: str) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Every key of the full model's state dict -> (shape, bytes)."""
+    state = build_model(name, json.loads(config_json)).full_model().state_dict()
+    return {key: (tuple(t.shape), t.nelement() * t.element_size()) for key, t in state.items()}
+
+
+class Coordinator:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(settings.database_url)
+        self.clock = settings.clock
+        self.started_at = self.clock()
+        self._lock = threading.RLock()
+        self._plans: dict[str, Plan] = {}
+
+    # --- nodes ---------------------------------------------------------------------------------------
+
+    def join(self, authorization: str | None, request: JoinRequest) -> JoinResponse:
+        check_join_token(authorization, self.settings.join_token)
+        token, now = new_token(), self.clock()
+        with self._lock:
+            with self.store.session() as session:
+                node = NodeRow(id=new_id(), name=request.name, address=request.address,
+                               profile=request.profile.model_dump(mode="json"), token_hash=hash_token(token),
+                               state=IDLE, joined_at=now, last_seen=now, job_id=None)
+                session.add(node)
+            self.place_pending()
+        return JoinResponse(node_id=node.id, node_token=token, heartbeat_interval_s=self.settings.heartbeat_interval_s)
+
+    def heartbeat(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse:
+        with self._lock:
+            with self.store.session() as session:
+                node = self._node(session, node_id, authorization)
+                node.last_seen = self.clock()
+                freed = node.state == GONE
+                if freed:  # missed heartbeats, but it is back
+                    node.state = BUSY if node.job_id else IDLE
+                response = HeartbeatResponse()
+                if node.job_id:
+                    response, released = self._job_heartbeat(session, node, request)
+                    freed = freed or released
+                if request.job_id and request.job_id != node.job_id and response.cancel_job is None:
+                    response.cancel_job = request.job_id  # it runs something it no longer holds
+            if freed:
+                self.place_pending()
+        return response
+
+    def _job_heartbeat(self, session: Session, node: NodeRow,
+                       request: HeartbeatRequest) -> tuple[HeartbeatResponse, bool]:
+        """Assignment or cancellation for the node's job; the node is released once it is done
+        with the job (finished or stopped) and no longer reports running it."""
+        job = session.get(JobRow, node.job_id)
+        stage = stage_of_node(session, job.id, node.id) if job else None
+        response = HeartbeatResponse()
+        if job is None or stage is None:
+            done = True
+        elif job.state in jobs.ACTIVE and not stage.weights_uploaded:
+            stage.delivered = True
+            response.assignment = jobs.assignment(job, self._plan(job), stage.cluster, stage.stage)
+            if job.state == JobState.PLACING.value and not _undelivered(session, job.id):
+                jobs.transition(job, JobState.RUNNING, "every node has its assignment", self.clock())
+            done = False
+        else:
+            if job.state in jobs.STOPPED:
+                response.cancel_job = job.id
+            done = True
+        if done and request.job_id != node.job_id:
+            node.job_id, node.state = None, IDLE
+            return response, True
+        return response, False
+
+    def leave(self, node_id: str, authorization: str | None) -> None:
+        with self._lock, self.store.session() as session:
+            node = self._node(session, node_id, authorization)
+            self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) left")
+            node.token_hash = None
+
+    def health(self) -> Health:
+        cutoff = self.clock() - self.settings.heartbeat_timeout_s
+        with self.store.session() as session:
+            alive = session.scalar(select(func.count()).select_from(NodeRow).where(
+                NodeRow.state != GONE, NodeRow.last_seen >= cutoff)) or 0
+            active = session.scalar(select(func.count()).select_from(JobRow).where(
+                JobRow.state.not_in(jobs.TERMINAL))) or 0
+        return Health(nodes_alive=alive, jobs_active=active)
+
+    def list_nodes(self) -> list[NodeView]:
+        cutoff = self.clock() - self.settings.heartbeat_timeout_s
+        with self.store.session() as session:
+            rows = session.execute(select(NodeRow, StageRow).outerjoin(
+                StageRow, (StageRow.job_id == NodeRow.job_id) & (StageRow.node_id == NodeRow.id))
+                .order_by(NodeRow.joined_at)).all()
+            return [NodeView(id=node.id, name=node.name, address=node.address,
+                             profile=NodeProfile.model_validate(node.profile),
+                             state=GONE if node.last_seen < cutoff else node.state,
+                             joined_at=node.joined_at, last_seen=node.last_seen, job_id=node.job_id,
+                             cluster=stage.cluster if stage else None, stage=stage.stage if stage else None)
+                    for node, stage in rows]
+
+    def _node(self, session: Session, node_id: str, authorization: str | None) -> NodeRow:
+        token = bearer_token(authorization)
+        node = session.get(NodeRow, node_id)
+        if node is None:
+            raise NotFound(f"no node {node_id}")
+        if node.token_hash is None:
+            raise Unauthorized(f"node {node_id} has left; join again")
+        if not token_matches(token, node.token_hash):
+            raise Unauthorized(f"wrong token for node {node_id}")
+        return node
+
+    def _node_by_token(self, session: Session, authorization: str | None) -> NodeRow:
+        token_hash = hash_token(bearer_token(authorization))
+        node = session.scalars(select(NodeRow).where(NodeRow.token_hash == token_hash)).first()
+        if node is None:
+            raise Unauthorized("unknown node token")
+        return node
+
+    def _node_lost(self, session: Session, node: NodeRow, reason: str) -> None:
+        """The node is gone: a job that still needed it fails (re-planning is not implemented yet)."""
+        job = session.get(JobRow, node.job_id) if node.job_id else None
+        stage = stage_of_node(session, job.id, node.id) if job is not None else None
+        if job is not None and job.state in jobs.ACTIVE and stage is not None and not stage.weights_uploaded:
+            jobs.transition(job, JobState.FAILED, f"{reason} while holding cluster {stage.cluster} stage "
+                                                  f"{stage.stage}; re-planning onto other nodes is not implemented yet",
+                            self.clock())
+        node.state, node.job_id = GONE, None
+
+    # --- jobs ----------------------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> JobCreated:
+        jobs.validate_spec(spec)
+        _costs(spec)  # profile now, outside the lock, so placing later never stalls heartbeats
+        now = self.clock()
+        with self._lock:
+            with self.store.session() as session:
+                job = JobRow(id=new_id(), name=spec.name, spec=spec.model_dump(mode="json"),
+                             state=JobState.PENDING.value, reason="waiting for nodes", created_at=now,
+                             updated_at=now, history=[{"state": "pending", "at": now, "reason": "submitted"}],
+                             job_token=new_token(), plan=None, final_metrics=None)
+                session.add(job)
+            self.place_pending()
+            with self.store.session() as session:
+                job = session.get(JobRow, job.id)
+                return JobCreated(id=job.id, state=job.state, reason=job.reason)
+
+    def list_jobs(self) -> list[JobSummary]:
+        with self.store.session() as session:
+            return [_summary(job) for job in session.scalars(select(JobRow).order_by(JobRow.created_at))]
+
+    def get_job(self, job_id: str) -> JobView:
+        with self.store.session() as session:
+            job = self._job(session, job_id)
+            stages = stages_of(session, job.id)
+            return JobView(**_summary(job).model_dump(), spec=JobSpec.model_validate(job.spec),
+                           history=job.history, progress=jobs.progress(job, stages), metrics=jobs.metrics(stages),
+                           final_metrics=job.final_metrics, plan=self._plan(job) if job.plan else None,
+                           model_url=f"/v1/jobs/{job.id}/model" if job.state == JobState.COMPLETED.value else None)
+
+    def cancel(self, job_id: str) -> JobView:
+        with self._lock, self.store.session() as session:
+            job = self._job(session, job_id)
+            if job.state in jobs.TERMINAL:
+                raise Conflict(f"job {job_id} is already {job.state}")
+            # its nodes hear `cancel_job` on their next heartbeat, then go idle
+            jobs.transition(job, JobState.CANCELLED, "cancelled by request", self.clock())
+        return self.get_job(job_id)
+
+    def report_metrics(self, job_id: str, authorization: str | None, report: MetricsReport) -> None:
+        jobs.check_finite(report.metrics)
+        with self._lock, self.store.session() as session:
+            job, stage = self._job_member(session, job_id, authorization, report.node_id)
+            if (report.cluster, report.stage) != (stage.cluster, stage.stage):
+                raise Forbidden(f"node {report.node_id} holds cluster {stage.cluster} stage {stage.stage}, "
+                                f"not cluster {report.cluster} stage {report.stage}")
+            if job.state in jobs.STOPPED:
+                raise Conflict(f"job {job_id} is {job.state}")
+            stage.step = max(stage.step, report.step)
+            stage.metrics = {**stage.metrics, **report.metrics}  # keeps e.g. test_accuracy between evaluations
+            stage.updated_at = self.clock()
+
+    def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:
+        with self._lock, self.store.session() as session:
+            job, stage = self._job_member(session, job_id, authorization, report.node_id)
+            if job.state in jobs.TERMINAL:
+                return  # the job already ended; a late failure report changes nothing
+            jobs.transition(job, JobState.FAILED, f"node {report.node_id} (cluster {stage.cluster} stage "
+                                                  f"{stage.stage}) failed: {report.reason}", self.clock())
+
+    def _job(self, session: Session, job_id: str) -> JobRow:
+        job = session.get(JobRow, job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id}")
+        return job
+
+    def _job_member(self, session: Session, job_id: str, authorization: str | None,
+                    claimed_node_id: str | None = None) -> tuple[JobRow, StageRow]:
+        node = self._node_by_token(session, authorization)
+        job = self._job(session, job_id)
+        if claimed_node_id is not None and claimed_node_id != node.id:
+            raise Forbidden(f"the token belongs to node {node.id}, not {claimed_node_id}")
+        stage = stage_of_node(session, job.id, node.id)
+        if stage is None:
+            raise Forbidden(f"node {node.id} is not part of job {job_id}")
+        return job, stage
+
+    def _plan(self, job: JobRow) -> Plan:
+        if job.id not in self._plans:  # parsed once per process; the store keeps it across restarts
+            self._plans[job.id] = Plan.model_validate(job.plan)
+        return self._plans[job.id]
+
+    # --- weights and the trained model ---------------------------------------------------------------
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.settings.data_dir / "jobs" / job_id
+
+    def weights_upload_limit(self, job_id: str, authorization: str | None, cluster: int, stage: int) -> int:
+        """Checks an upload may start (before its body is read); returns its size limit in bytes."""
+        with self.store.session() as session:
+            job, row = self._job_member(session, job_id, authorization)
+            self._check_upload_target(job, row, cluster, stage)
+            expected = sum(size for _, size in self._stage_shapes(job, row).values())
+        return min(self.settings.max_upload_bytes, expected + HEADER_ALLOWANCE)
+
+    def _check_upload_target(self, job: JobRow, row: StageRow, cluster: int, stage: int) -> None:
+        if (row.cluster, row.stage) != (cluster, stage):
+            raise Forbidden(f"node {row.node_id} holds cluster {row.cluster} stage {row.stage}, "
+                            f"not cluster {cluster} stage {stage}")
+        if job.state not in jobs.ACTIVE | {JobState.COMPLETED.value}:
+            raise Conflict(f"job {job.id} is {job.state}; weights are not accepted")
+
+    def _stage_shapes(self, job: JobRow, row: StageRow) -> dict[str, tuple[tuple[int, ...], int]]:
+        start, end = self._plan(job).clusters[row.cluster].stages[row.stage].blocks
+        model = job.spec["model"]
+        shapes = _state_shapes(model["name"], json.dumps(model["config"], sort_keys=True))
+        return {key: value for key, value in shapes.items() if start <= int(key.split(".", 1)[0]) < end}
+
+    def accept_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int, upload: Path) -> None:
+        """Validate an uploaded stage state dict (safetensors, no pickle), keep it, and finish the job
+        once every stage of cluster 0 is in."""
+        try:
+            tensors = load_file(upload)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise InvalidRequest(f"not a valid safetensors file: {e}") from e
+        with self._lock, self.store.session() as session:
+            job, row = self._job_member(session, job_id, authorization)
+            self._check_upload_target(job, row, cluster, stage)
+            _check_tensors(tensors, self._stage_shapes(job, row))
+            target = self.job_dir(job.id) / "weights" / f"c{cluster}-s{stage}.safetensors"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(upload, target)
+            row.weights_uploaded, row.updated_at = True, self.clock()
+            cluster0 = [s for s in stages_of(session, job.id) if s.cluster == 0]
+            if job.state != JobState.COMPLETED.value and all(s.weights_uploaded for s in cluster0):
+                self._merge_model(job, len(cluster0))
+                job.final_metrics = dict(cluster0[-1].metrics)
+                if job.state == JobState.PLACING.value:  # every node is done, so every node was told
+                    jobs.transition(job, JobState.RUNNING, "every node has its assignment", self.clock())
+                jobs.transition(job, JobState.COMPLETED, "every stage of cluster 0 uploaded its weights",
+                                self.clock())
+
+    def _merge_model(self, job: JobRow, num_stages: int) -> None:
+        merged: dict[str, torch.Tensor] = {}
+        for stage in range(num_stages):
+            merged.update(load_file(self.job_dir(job.id) / "weights" / f"c0-s{stage}.safetensors"))
+        partial = self.job_dir(job.id) / "model.safetensors.partial"
+        save_file(merged, partial, metadata={"job_id": job.id, "model": json.dumps(job.spec["model"])})
+        os.replace(partial, self.job_dir(job.id) / "model.safetensors")
+
+    def model_file(self, job_id: str) -> Path:
+        with self.store.session() as session:
+            job = self._job(session, job_id)
+            if job.state != JobState.COMPLETED.value:
+                raise Conflict(f"job {job_id} is {job.state}; the model is available once it is completed")
+        return self.job_dir(job_id) / "model.safetensors"
+
+    # --- liveness and placement ----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Mark nodes without recent heartbeats gone (failing their jobs), then place pending jobs."""
+        now = self.clock()
+        with self._lock:
+            if now >= self.started_at + self.settings.heartbeat_timeout_s:  # after a restart, give nodes time
+                with self.store.session() as session:
+                    cutoff = now - self.settings.heartbeat_timeout_s
+                    for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE,
+                                                                      NodeRow.last_seen < cutoff)):
+                        self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped "
+                                                       f"sending heartbeats (last seen {now - node.last_seen:.0f} s ago)")
+            self.place_pending()
+
+    def place_pending(self) -> None:
+        """Place waiting jobs, oldest first, on idle live nodes; a job that cannot be placed fails."""
+        now = self.clock()
+        with self._lock, self.store.session() as session:
+            pending = list(session.scalars(select(JobRow).where(JobRow.state == JobState.PENDING.value)
+                                           .order_by(JobRow.created_at)))
+            if not pending:
+                return
+            idle = list(session.scalars(select(NodeRow).where(
+                NodeRow.state == IDLE, NodeRow.token_hash.is_not(None),
+                NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s).order_by(NodeRow.joined_at)))
+            for job in pending:
+                spec = JobSpec.model_validate(job.spec)
+                if len(idle) < spec.placement.min_nodes:
+                    reason = f"waiting for {spec.placement.min_nodes} idle nodes ({len(idle)} available)"
+                    if job.reason != reason:
+                        job.reason = reason
+                    continue
+                jobs.transition(job, JobState.PLACING, f"placing on {len(idle)} idle nodes", now)
+                try:
+                    plan = self._plan_on(spec, idle)
+                except PlanningError as e:
+                    jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
+                    continue
+                used = self._reserve(session, job, plan, idle)
+                idle = [node for node in idle if node.id not in used]
+
+    def _plan_on(self, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
+        costs = _costs(spec)
+        infos = [NodeInfo(node.id, node.profile["flops"], node.profile["memory_bytes"],
+                          node.profile["bandwidth_bytes_per_s"], node.profile["latency_s"], node.address)
+                 for node in nodes]
+        return plan_job(costs, infos, spec.placement, batch_size=spec.training.batch_size,
+                        in_flight=spec.training.microbatches_in_flight, pipeline_cap=self.settings.pipeline_cap,
+                        seed=spec.training.seed)
+
+    def _reserve(self, session: Session, job: JobRow, plan: Plan, idle: list[NodeRow]) -> set[str]:
+        job.plan = plan.model_dump(mode="json")
+        self._plans[job.id] = plan
+        by_id = {node.id: node for node in idle}
+        used = set()
+        for cluster in plan.clusters:
+            for stage in cluster.stages:
+                session.add(StageRow(job_id=job.id, cluster=cluster.cluster, stage=stage.stage, node_id=stage.node_id,
+                                     delivered=False, step=0, metrics={}, weights_uploaded=False, updated_at=0.0))
+                node = by_id[stage.node_id]
+                node.state, node.job_id = BUSY, job.id
+                used.add(node.id)
+        job.reason = f"{len(plan.clusters)} clusters, {len(used)} nodes; waiting for every node to fetch its stage"
+        return used
+
+
+def _undelivered(session: Session, job_id: str) -> int:
+    return session.scalar(select(func.count()).select_from(StageRow).where(
+        StageRow.job_id == job_id, StageRow.delivered.is_(False))) or 0
+
+
+def _summary(job: JobRow) -> JobSummary:
+    return JobSummary(id=job.id, name=job.name, state=job.state, reason=job.reason, model=job.spec["model"]["name"],
+                      created_at=job.created_at, updated_at=job.updated_at)
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[tuple[int, ...], int]]) -> None:
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise InvalidRequest(f"weights must hold exactly this stage's blocks; missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+    wrong = [key for key, tensor in tensors.items() if tuple(tensor.shape) != expected[key][0]]
+    if wrong:
+        raise InvalidRequest(f"wrong shapes for {wrong[:5]}, e.g. {wrong[0]}: {tuple(tensors[wrong[0]].shape)} "
+                             f"instead of {expected[wrong[0]][0]}")

@@ -1,0 +1,92 @@
+"""The coordinator's SQL store: nodes, jobs and the stages of each placed job.
+
+Only portable SQLAlchemy types (String, Integer, Float, Boolean, Text, JSON), so the same models run
+on SQLite (the default, a file in the data directory) and on PostgreSQL given its URL. JSON columns
+are always replaced, never mutated in place, so SQLAlchemy notices the change.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, Text, create_engine, func, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+ID = String(32)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+    id: Mapped[str] = mapped_column(ID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    address: Mapped[str] = mapped_column(String(256))
+    profile: Mapped[dict[str, Any]] = mapped_column(JSON)
+    token_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)  # None once it left
+    state: Mapped[str] = mapped_column(String(16), index=True)  # idle | busy | gone
+    joined_at: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float, index=True)
+    job_id: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(ID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[float] = mapped_column(Float, index=True)
+    updated_at: Mapped[float] = mapped_column(Float)
+    history: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)  # [{state, at, reason}]
+    job_token: Mapped[str] = mapped_column(String(64))  # handed to the job's nodes for their gRPC calls
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    final_metrics: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
+
+
+class StageRow(Base):
+    """One stage of one cluster of a placed job: who runs it, what it reported, whether it finished."""
+    __tablename__ = "stages"
+    job_id: Mapped[str] = mapped_column(ID, ForeignKey("jobs.id"), primary_key=True)
+    cluster: Mapped[int] = mapped_column(Integer, primary_key=True)
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[str] = mapped_column(ID, index=True)
+    delivered: Mapped[bool] = mapped_column(Boolean, default=False)  # the node was handed its assignment
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    weights_uploaded: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
+        self.engine = create_engine(url, connect_args=connect_args)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A transaction: committed when the block ends normally, rolled back on any exception."""
+        with self._sessions.begin() as session:
+            yield session
+
+    def count(self, model: type[Base]) -> int:
+        with self._sessions() as session:
+            return session.scalar(select(func.count()).select_from(model)) or 0
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def stages_of(session: Session, job_id: str) -> list[StageRow]:
+    return list(session.scalars(select(StageRow).where(StageRow.job_id == job_id)
+                                .order_by(StageRow.cluster, StageRow.stage)))
+
+
+def stage_of_node(session: Session, job_id: str, node_id: str) -> StageRow | None:
+    return session.scalars(select(StageRow).where(StageRow.job_id == job_id, StageRow.node_id == node_id)).first()

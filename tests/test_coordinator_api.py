@@ -1,0 +1,364 @@
+"""The coordinator's REST API, run for real in-process (TestClient) on a temporary SQLite store."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from coordinator.app import create_app
+from coordinator.config import Settings
+from coordinator.store import JobRow, NodeRow, StageRow
+from ravnest.models import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples" / "jobs").glob("*.json"))
+INTERVAL = 1.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def profile(flops: float = 1e10, memory: int = 2**30, bandwidth: float = 1e8) -> dict:
+    return {"flops": flops, "memory_bytes": memory, "bandwidth_bytes_per_s": bandwidth, "latency_s": 0.001}
+
+
+def digits_job(**placement) -> dict:
+    return {"name": "t", "model": {"name": "cnn", "config": {"channels": [8, 8]}}, "dataset": {"name": "digits"},
+            "training": {"steps": 20, "batch_size": 8}, "averaging": {"every": 5},
+            "placement": {"clusters": 2, "min_nodes": 4, **placement}}
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, clock: FakeClock) -> Settings:
+    return Settings(data_dir=tmp_path, heartbeat_interval_s=INTERVAL, background=False, clock=clock)
+
+
+@pytest.fixture
+def client(settings: Settings):
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def join(client: TestClient, name: str = "n", **kw) -> tuple[str, dict]:
+    r = client.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{5000 + len(name)}",
+                                       "profile": profile(**kw)})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    return body["node_id"], {"Authorization": f"Bearer {body['node_token']}"}
+
+
+def beat(client: TestClient, node_id: str, auth: dict, job_id: str | None = None) -> dict:
+    r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={"job_id": job_id}, headers=auth)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def counts(client: TestClient) -> tuple[int, int, int]:
+    store = client.app.state.service.store
+    return store.count(NodeRow), store.count(JobRow), store.count(StageRow)
+
+
+def placed_job(client: TestClient, nodes: int = 4, **placement) -> tuple[str, list[tuple[str, dict]]]:
+    members = [join(client, f"node{i}") for i in range(nodes)]
+    r = client.post("/v1/jobs", json=digits_job(**placement))
+    assert r.status_code == 201, r.text
+    return r.json()["id"], members
+
+
+def test_join_heartbeat_list_leave(client: TestClient) -> None:
+    node_id, auth = join(client, "alpha")
+    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None}
+    nodes = client.get("/v1/nodes").json()
+    assert [(n["id"], n["name"], n["state"]) for n in nodes] == [(node_id, "alpha", "idle")]
+    assert nodes[0]["profile"]["flops"] == 1e10
+    assert client.delete(f"/v1/nodes/{node_id}", headers=auth).status_code == 204
+    assert client.get("/v1/nodes").json()[0]["state"] == "gone"
+    r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={}, headers=auth)
+    assert r.status_code == 401 and "left" in r.json()["detail"]
+    assert client.get("/healthz").json() == {"status": "ok", "nodes_alive": 0, "jobs_active": 0}
+    assert client.get("/v1/probe", params={"bytes": 1000}).content == bytes(1000)
+    assert client.get("/v1/probe", params={"bytes": -1}).status_code == 422
+
+
+def test_join_token_is_required_when_set(tmp_path: Path, clock: FakeClock) -> None:
+    settings = Settings(data_dir=tmp_path, join_token="s3cret", background=False, clock=clock)
+    with TestClient(create_app(settings)) as client:
+        body = {"address": "127.0.0.1:1", "profile": profile()}
+        assert client.post("/v1/nodes", json=body).status_code == 401
+        assert client.post("/v1/nodes", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert counts(client) == (0, 0, 0)
+        assert client.post("/v1/nodes", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 201
+
+
+def test_submit_list_get_cancel(client: TestClient) -> None:
+    r = client.post("/v1/jobs", json=digits_job())
+    assert r.status_code == 201
+    job_id = r.json()["id"]
+    assert r.json()["state"] == "pending" and "waiting for 4 idle nodes" in r.json()["reason"]
+    assert [j["id"] for j in client.get("/v1/jobs").json()] == [job_id]
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "pending" and job["plan"] is None and job["spec"]["model"]["name"] == "cnn"
+    assert client.get(f"/v1/jobs/{job_id}/model").status_code == 409
+    cancelled = client.post(f"/v1/jobs/{job_id}/cancel").json()
+    assert cancelled["state"] == "cancelled" and [h["state"] for h in cancelled["history"]] == ["pending", "cancelled"]
+    r = client.post(f"/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 409 and "already cancelled" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_jobs_are_accepted_as_is(client: TestClient, path: Path) -> None:
+    r = client.post("/v1/jobs", content=path.read_bytes(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 201, r.text
+
+
+def test_example_jobs_exist() -> None:
+    assert {"digits-cnn.json", "digits-mlp.json", "text-gpt.json"} <= {p.name for p in EXAMPLES}
+
+
+BAD_JOBS = {
+    "unknown model": ({**digits_job(), "model": {"name": "nope"}}, "unknown model"),
+    "negative batch": ({**digits_job(), "training": {"batch_size": -1}}, "batch_size"),
+    "negative channels": ({**digits_job(), "model": {"name": "cnn", "config": {"channels": [-3]}}}, "channels"),
+    "bad config key": ({**digits_job(), "model": {"name": "mlp", "config": {"widht": 3}}}, "widht"),
+    "model/dataset mismatch": ({**digits_job(), "model": {"name": "gpt"}}, "classify"),
+    "text without path": ({**digits_job(), "model": {"name": "gpt"}, "dataset": {"name": "text"}}, "path"),
+    "unknown optimizer": ({**digits_job(), "training": {"optimizer": {"name": "Nope"}}}, "Nope"),
+    "bad optimizer kwargs": ({**digits_job(), "training": {"optimizer": {"name": "SGD", "kwargs": {"lr": -1}}}}, "learning rate"),
+    "zero clusters": (digits_job(clusters=0), "clusters"),
+    "too few min_nodes": (digits_job(clusters=3, min_nodes=2), "min_nodes"),
+    "wrong input size": ({**digits_job(), "model": {"name": "mlp", "config": {"input_dim": 10}}}, "digits"),
+    "extra field": ({**digits_job(), "surprise": 1}, "surprise"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_JOBS)
+def test_bad_jobs_are_refused_with_a_reason_and_nothing_written(client: TestClient, name: str) -> None:
+    body, reason = BAD_JOBS[name]
+    before = counts(client)
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code in (400, 422), r.text
+    assert reason in r.json()["detail"]
+    assert counts(client) == before
+
+
+def test_bad_requests_are_refused_and_write_nothing(client: TestClient) -> None:
+    node_id, auth = join(client)
+    before = counts(client)
+    r = client.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "JSON" in r.json()["detail"]
+    r = client.post("/v1/nodes", json={"address": "x:1", "profile": profile(memory=-5)})
+    assert r.status_code == 422 and "memory_bytes" in r.json()["detail"]
+    for path in ("/v1/jobs/nope", "/v1/jobs/nope/model"):
+        r = client.get(path)
+        assert r.status_code == 404 and "nope" in r.json()["detail"]
+    assert client.post("/v1/jobs/nope/cancel").status_code == 404
+    r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["detail"]
+    assert client.post(f"/v1/nodes/{node_id}/heartbeat", json={}).status_code == 401
+    assert client.post("/v1/nodes/nope/heartbeat", json={}, headers=auth).status_code == 404
+    assert client.delete(f"/v1/nodes/{node_id}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert counts(client) == before
+    assert client.get("/v1/nodes").json()[0]["state"] == "idle"
+
+
+def test_state_survives_a_restart(settings: Settings) -> None:
+    with TestClient(create_app(settings)) as client:
+        job_id = client.post("/v1/jobs", json=digits_job()).json()["id"]
+        node_id, auth = join(client)
+    with TestClient(create_app(settings)) as client:
+        assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "pending"
+        assert beat(client, node_id, auth)["assignment"] is None  # its token still works
+        assert [n["id"] for n in client.get("/v1/nodes").json()] == [node_id]
+
+
+def test_placement_on_four_nodes_in_two_clusters_with_rings(client: TestClient) -> None:
+    job_id, members = placed_job(client)
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "placing"
+    plan = job["plan"]
+    assert len(plan["clusters"]) == 2 and all(len(c["stages"]) == 2 for c in plan["clusters"])
+    assignments = {}
+    for node_id, auth in members:
+        a = beat(client, node_id, auth)["assignment"]
+        assert a["job_id"] == job_id and a["num_clusters"] == 2 and a["token"]
+        assignments[node_id] = a
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "running"
+    num_blocks = len(build_model("cnn", {"channels": [8, 8]}).blocks)
+    for a in assignments.values():
+        assert a["rings"], "every stage holds at least one segment"
+        for ring in a["rings"]:
+            assert len(ring["members"]) == 2  # one per cluster, ordered by cluster
+            assert ring["members"][a["cluster"]]["node_id"] in assignments
+            held = [assignments[m["node_id"]] for m in ring["members"]]
+            assert all(h["blocks"][0] <= ring["blocks"][0] and ring["blocks"][1] <= h["blocks"][1] for h in held)
+        assert (a["prev"] is None) == (a["stage"] == 0) and (a["next"] is None) == (a["stage"] == a["num_stages"] - 1)
+    for cluster in range(2):
+        ranges = sorted(tuple(a["blocks"]) for a in assignments.values() if a["cluster"] == cluster)
+        assert ranges[0][0] == 0 and ranges[-1][1] == num_blocks and ranges[0][1] == ranges[1][0]
+    nodes = {n["id"]: n for n in client.get("/v1/nodes").json()}
+    assert all(n["state"] == "busy" and n["job_id"] == job_id and n["cluster"] is not None for n in nodes.values())
+    # a second job waits: busy nodes are not given another
+    second = client.post("/v1/jobs", json=digits_job()).json()
+    assert second["state"] == "pending" and "0 available" in second["reason"]
+
+
+def stage_weights(assignment: dict, state: dict[str, torch.Tensor]) -> bytes:
+    start, end = assignment["blocks"]
+    return save_safetensors({k: v.contiguous() for k, v in state.items() if start <= int(k.split(".")[0]) < end})
+
+
+def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
+    job_id, members = placed_job(client)
+    assignments = [(node_id, auth, beat(client, node_id, auth)["assignment"]) for node_id, auth in members]
+    trained = build_model("cnn", {"channels": [8, 8]}, seed=123).full_model().state_dict()
+    node_id, auth, a = assignments[0]
+    url = f"/v1/jobs/{job_id}/weights?cluster={a['cluster']}&stage={a['stage']}"
+    wrong_blocks = save_safetensors({"99.weight": torch.zeros(1)})
+    r = client.put(url, content=wrong_blocks, headers=auth)
+    assert r.status_code == 422 and "99.weight" in r.json()["detail"]
+    assert client.put(url, content=b"garbage, not safetensors", headers=auth).status_code == 422
+    other_auth = assignments[1][1]
+    assert client.put(url, content=stage_weights(a, trained), headers=other_auth).status_code == 403
+    stranger_id, stranger_auth = join(client, "stranger")
+    assert client.put(url, content=stage_weights(a, trained), headers=stranger_auth).status_code == 403
+    assert client.get(f"/v1/jobs/{job_id}/model").status_code == 409
+
+    for node_id, auth, a in sorted(assignments, key=lambda x: (x[2]["cluster"], x[2]["stage"])):
+        last = a["stage"] == a["num_stages"] - 1
+        report = {"node_id": node_id, "cluster": a["cluster"], "stage": a["stage"], "step": 20,
+                  "metrics": {"loss": 0.5, "samples_per_s": 100.0, "utilization": 0.8,
+                              **({"test_accuracy": 0.9 + a["cluster"] / 100} if last else {})}}
+        assert client.post(f"/v1/jobs/{job_id}/metrics", json=report, headers=auth).status_code == 204
+        r = client.put(f"/v1/jobs/{job_id}/weights?cluster={a['cluster']}&stage={a['stage']}",
+                       content=stage_weights(a, trained), headers=auth)
+        assert r.status_code == 204, r.text
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "completed", job["reason"]
+    assert job["final_metrics"]["test_accuracy"] == pytest.approx(0.9)
+    assert job["metrics"]["samples_per_s"] == pytest.approx(200.0) and job["progress"]["fraction"] == 1.0
+    r = client.get(job["model_url"])
+    assert r.status_code == 200
+    model = build_model("cnn", {"channels": [8, 8]}).full_model()
+    model.load_state_dict(load_safetensors(r.content), strict=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+    # finished nodes go idle once they report no job
+    for node_id, auth, _ in assignments:
+        assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None}
+    assert {n["state"] for n in client.get("/v1/nodes").json()} == {"idle"}
+
+
+def test_metrics_are_checked(client: TestClient) -> None:
+    job_id, members = placed_job(client)
+    node_id, auth = members[0]
+    a = beat(client, node_id, auth)["assignment"]
+    report = {"node_id": node_id, "cluster": a["cluster"], "stage": a["stage"], "step": 1, "metrics": {"loss": 1.0}}
+    assert client.post(f"/v1/jobs/{job_id}/metrics", json={**report, "node_id": members[1][0]},
+                       headers=auth).status_code == 403
+    assert client.post(f"/v1/jobs/{job_id}/metrics", json={**report, "stage": 7}, headers=auth).status_code == 403
+    assert client.post(f"/v1/jobs/{job_id}/metrics", json=report, headers={"Authorization": "Bearer x"}).status_code == 401
+    assert client.post("/v1/jobs/nope/metrics", json=report, headers=auth).status_code == 404
+    assert client.get(f"/v1/jobs/{job_id}").json()["metrics"]["loss"] is None
+
+
+def test_failure_report_fails_the_job_and_cancels_the_others(client: TestClient) -> None:
+    job_id, members = placed_job(client)
+    for node_id, auth in members:
+        beat(client, node_id, auth)
+    failing_id, failing_auth = members[0]
+    r = client.post(f"/v1/jobs/{job_id}/fail", json={"node_id": failing_id, "reason": "CUDA out of memory"},
+                    headers=failing_auth)
+    assert r.status_code == 204
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "failed" and "CUDA out of memory" in job["reason"] and failing_id in job["reason"]
+    node_id, auth = members[1]
+    assert beat(client, node_id, auth, job_id=job_id)["cancel_job"] == job_id  # still running: told to stop
+    assert client.get("/v1/nodes").json()[1]["state"] == "busy"
+    assert beat(client, node_id, auth)["cancel_job"] == job_id  # stopped: told once more, then released
+    assert {n["id"]: n["state"] for n in client.get("/v1/nodes").json()}[node_id] == "idle"
+
+
+def test_lost_heartbeats_fail_the_running_job(client: TestClient, clock: FakeClock) -> None:
+    job_id, members = placed_job(client)
+    for node_id, auth in members:
+        beat(client, node_id, auth, job_id=None)
+    clock.now += 2 * INTERVAL
+    for node_id, auth in members[1:]:  # members[0] went silent
+        beat(client, node_id, auth, job_id=job_id)
+    clock.now += 2 * INTERVAL  # members[0] last seen 4 intervals ago, the others 2
+    client.app.state.service.tick()
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "failed" and members[0][0] in job["reason"] and "heartbeats" in job["reason"]
+    states = {n["id"]: n["state"] for n in client.get("/v1/nodes").json()}
+    assert states[members[0][0]] == "gone" and states[members[1][0]] == "busy"
+    assert beat(client, *members[1], job_id=job_id)["cancel_job"] == job_id
+
+
+def test_placement_failure_gives_a_reason(client: TestClient) -> None:
+    for i in range(4):
+        join(client, f"tiny{i}", memory=1000)
+    r = client.post("/v1/jobs", json=digits_job())
+    assert r.status_code == 201
+    job = client.get(f"/v1/jobs/{r.json()['id']}").json()
+    assert job["state"] == "failed" and "cannot place" in job["reason"] and "MiB" in job["reason"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_coordinator_process_serves_health_and_docs(tmp_path: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "--host", "127.0.0.1", "--port", str(port),
+                                "--data-dir", str(tmp_path), "--log-level", "warning"], cwd=ROOT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert process.poll() is None, "coordinator exited early"
+                assert time.monotonic() < deadline, "coordinator did not answer within 60 s"
+                time.sleep(0.1)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        docs = httpx.get(f"http://127.0.0.1:{port}/docs", timeout=5)
+        assert docs.status_code == 200 and "swagger" in docs.text.lower()
+        spec = httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=5).json()
+        assert "/v1/jobs/{job_id}/weights" in spec["paths"]
+        assert (tmp_path / "coordinator.db").exists()
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def test_oversized_weights_upload_is_refused(client: TestClient, settings: Settings) -> None:
+    job_id, members = placed_job(client)
+    node_id, auth = members[0]
+    a = beat(client, node_id, auth)["assignment"]
+    r = client.put(f"/v1/jobs/{job_id}/weights?cluster={a['cluster']}&stage={a['stage']}",
+                   content=bytes(3 << 20), headers=auth)
+    assert r.status_code == 413 and "limit" in r.json()["detail"]
+    assert not list((settings.data_dir / "jobs" / job_id).rglob("*.safetensors"))

@@ -1,0 +1,93 @@
+"""Planning: chain order, block ranges per cluster, caps and replicas, rings, and scale."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bench.planner import synthetic_nodes
+from coordinator.clustering import NodeInfo
+from coordinator.planning import PlanningError, chain_order, plan_job
+from ravnest.models import build_model, profile_blocks
+from ravnest.models.profile import BlockCost
+from ravnest.spec import Placement
+
+GIB = 1 << 30
+
+
+def mlp_costs(depth: int = 10) -> list[BlockCost]:
+    return profile_blocks(build_model("mlp", {"depth": depth}), 32)
+
+
+def node(name: str, flops: float = 1e10, memory: int = GIB, bandwidth: float = 1e8) -> NodeInfo:
+    return NodeInfo(name, flops, memory, bandwidth, 0.001, f"{name}:1")
+
+
+def covers(ranges: list[tuple[int, int]], blocks: int) -> bool:
+    return ranges[0][0] == 0 and ranges[-1][1] == blocks and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_two_clusters_cover_the_model_and_rings_join_them() -> None:
+    costs = mlp_costs()
+    nodes = [node(f"n{i}") for i in range(4)]
+    plan = plan_job(costs, nodes, Placement(clusters=2, min_nodes=4), batch_size=32)
+    assert len(plan.clusters) == 2
+    assert {s.node_id for c in plan.clusters for s in c.stages} == {n.node_id for n in nodes}
+    for cluster in plan.clusters:
+        assert covers([s.blocks for s in cluster.stages], len(costs))
+        assert cluster.predicted_bottleneck_seconds == max(s.predicted_seconds for s in cluster.stages) > 0
+    assert covers([r.blocks for r in plan.rings], len(costs))
+    for ring in plan.rings:
+        for c, (stage, member) in enumerate(zip(ring.stages, ring.members)):
+            held = plan.clusters[c].stages[stage]
+            assert held.node_id == member and held.blocks[0] <= ring.blocks[0] and ring.blocks[1] <= held.blocks[1]
+
+
+def test_chain_puts_the_slowest_link_last() -> None:
+    nodes = [node("slow", bandwidth=1e6), node("fast", bandwidth=1e9), node("mid", bandwidth=1e8)]
+    assert [n.node_id for n in chain_order(nodes)] == ["fast", "mid", "slow"]
+
+
+def test_faster_nodes_get_more_blocks() -> None:
+    costs = mlp_costs()
+    plan = plan_job(costs, [node("big", flops=1e12), node("small", flops=1e10)], Placement(clusters=1),
+                    batch_size=32)
+    sizes = {s.node_id: s.blocks[1] - s.blocks[0] for s in plan.clusters[0].stages}
+    assert sizes["big"] > sizes["small"]
+
+
+def test_stages_per_cluster_caps_the_pipeline() -> None:
+    plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(6)], Placement(clusters=1, stages_per_cluster=3),
+                    batch_size=32)
+    assert len(plan.clusters[0].stages) == 3 and len(plan.unused) == 3
+
+
+def test_a_big_group_becomes_several_replicas_with_the_same_cuts() -> None:
+    costs = mlp_costs()  # 12 blocks
+    nodes = [node(f"n{i:02d}") for i in range(42)]
+    plan = plan_job(costs, nodes, Placement(), batch_size=32, pipeline_cap=4)
+    assert len(plan.clusters) == 10 and all(len(c.stages) == 4 for c in plan.clusters)
+    assert len({tuple(s.blocks for s in c.stages) for c in plan.clusters}) == 1
+    assert len(plan.unused) == 2 and all("spare" in reason for reason in plan.unused.values())
+    assert len(plan.rings) == 4 and all(len(r.members) == 10 for r in plan.rings)
+
+
+def test_nodes_too_small_for_any_block_are_left_out_with_a_reason() -> None:
+    costs = mlp_costs()
+    plan = plan_job(costs, [node("ok"), node("tiny", memory=100)], Placement(), batch_size=32)
+    assert "smallest block" in plan.unused["tiny"]
+    assert [s.node_id for s in plan.clusters[0].stages] == ["ok"]
+    with pytest.raises(PlanningError, match="no node can hold"):
+        plan_job(costs, [node("tiny", memory=100)], Placement(), batch_size=32)
+
+
+def test_ten_thousand_nodes_for_a_48_block_model_plan_fast() -> None:
+    costs = [BlockCost(params=10**6, param_bytes=4 * 10**6, flops=2e9, activation_bytes=2**20) for _ in range(48)]
+    nodes = synthetic_nodes(10_000)
+    start = time.perf_counter()
+    plan = plan_job(costs, nodes, Placement(), batch_size=8)
+    elapsed = time.perf_counter() - start
+    placed = sum(len(c.stages) for c in plan.clusters)
+    assert placed + len(plan.unused) == 10_000 and placed > 9_900
+    assert all(len(c.stages) <= 16 for c in plan.clusters)
+    assert elapsed < 5.0  # about 0.3 s on an idle core (bench/planner.py); loose for a shared machine
