@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list")
     join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    join.add_argument("--wait", type=float, default=60.0,
+                      help="seconds to keep trying while the coordinator is not reachable yet")
     return parser
 
 
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     client = CoordinatorClient(args.coordinator, join_token=args.token)
     try:
+        client.wait_until_reachable(args.wait, stop)
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
                             advertise=args.advertise, name=args.name, progress=progress)
         daemon.serve(stop)

@@ -1,6 +1,9 @@
 """The node's side of the coordinator's REST API (bodies are the pydantic models in ravnest.spec)."""
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse,
@@ -29,6 +32,20 @@ class CoordinatorClient:
                 reason = response.text
             raise CoordinatorError(f"{method} {path}: {response.status_code} {reason}")
         return response
+
+    def wait_until_reachable(self, timeout: float, stop: threading.Event) -> None:
+        """Retry /healthz with backoff until it answers: nodes may start before the coordinator."""
+        deadline = time.monotonic() + timeout
+        delay = 0.2
+        while True:
+            try:
+                self.http.get("/healthz").raise_for_status()
+                return
+            except httpx.HTTPError:
+                if time.monotonic() + delay > deadline or stop.is_set():
+                    raise
+            stop.wait(delay)
+            delay = min(delay * 2, 5.0)
 
     def join(self, request: JoinRequest) -> JoinResponse:
         body = self._call("POST", "/v1/nodes", token=self._join_token, json=request.model_dump())

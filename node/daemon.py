@@ -118,9 +118,9 @@ class NodeDaemon:
             self.progress.update(prefix, metrics)
 
         try:
-            runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics,
-                                 averager_factory=lambda live: make_averager(a, self.router, live,
-                                                                             device=self.device))
+            runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics)
+            # The averager works on the runner's live tensors, so it is attached once they exist.
+            runner.averager = make_averager(a, self.router, runner.live_tensors(), device=self.device)
             final = runner.run(stop)
             self.progress.update(prefix, final, final=True)
             reporter.close()  # final metrics reach the coordinator before the weights do
