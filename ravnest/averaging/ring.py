@@ -1,0 +1,272 @@
+"""Ring all-reduce of one flat fp32 vector over the peer wire: reduce-scatter, then all-gather.
+
+The vector is cut into one share per member (sized by `weights`), each share into chunks. In a ring
+of n members, at step L (0 <= L < 2n-2) member r sends share (r - L) mod n to r+1 and receives share
+(r - 1 - L) mod n from r-1; steps < n-1 add what arrives (reduce-scatter), later steps copy it
+(all-gather). Nothing waits for a whole step: chunk c received at step L is reduced and sent on at
+step L+1 at once, so receiving chunk c+1 overlaps sending chunk c, and data flows through the ring
+as a pipeline. The owner of a share divides it by n before the all-gather, so every member ends
+with the owner's exact bits.
+
+All rings of a node share one `RingHub` per router: it owns the "ring" message kind, one mailbox
+keyed by (segment, round, step, chunk), and one long-lived outbound stream per neighbour address.
+Per-ring streams would add threads, not bandwidth (the shared channel is one TCP connection per
+address anyway), and the keyed mailbox keeps interleaved rings and rounds apart. `lanes` > 1 spreads
+chunks over that many streams, each on its own connection (it did not help on loopback here: the
+cost is CPU per byte, not one connection's window).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import grpc
+import torch
+
+from ravnest.averaging.mailbox import Mailbox
+from ravnest.averaging.shares import share_bounds
+from ravnest.wire import CODECS, ChannelPool, Message, OutboundStream, PeerError, Router, WireError
+
+KIND = "ring"
+TENSOR = "x"
+DEFAULT_CHUNK_BYTES = 4 << 20  # the wire's largest frame: one frame per ring message
+_TAGS = ("segment", "round", "step", "chunk", "numel", "sender")
+
+
+class RingError(RuntimeError):
+    """A ring round failed; the message names the segment, round, step and peer."""
+
+
+class RingTimeout(RingError, TimeoutError):
+    """A ring step's data did not arrive before its deadline."""
+
+
+class RingHub:
+    """The ring side of one node's router: inbound mailbox plus outbound streams, shared by rings."""
+
+    _by_router: "weakref.WeakKeyDictionary[Router, RingHub]" = weakref.WeakKeyDictionary()
+    _registry_lock = threading.Lock()
+
+    def __init__(self, router: Router, token: str | None, lanes: int = 1):
+        self.token = token
+        self.lanes = lanes
+        self.mailbox = Mailbox()
+        self._segments: dict[int, int] = {}  # segment -> lowest round still accepted
+        self._streams: dict[str, list[OutboundStream]] = {}
+        self._address_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        router.route(KIND, self._deliver)
+
+    @classmethod
+    def for_router(cls, router: Router, token: str | None, lanes: int = 1) -> RingHub:
+        """The hub already serving this router, or a new one."""
+        with cls._registry_lock:
+            hub = cls._by_router.get(router)
+            if hub is None:
+                hub = cls._by_router[router] = cls(router, token, lanes)
+            return hub
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def join(self, segment: int) -> None:
+        with self._lock:
+            if segment in self._segments:
+                raise ValueError(f"this node already serves the ring of segment {segment}")
+            self._segments[segment] = 0
+
+    def leave(self, segment: int) -> None:
+        """Forget a segment; the last one to leave closes the outbound streams."""
+        with self._lock:
+            self._segments.pop(segment, None)
+            last = not self._segments
+        self.mailbox.discard(lambda key: key[0] == segment)
+        if last:
+            self.close()
+
+    def end_round(self, segment: int, round: int) -> None:
+        """No more messages of this or earlier rounds of the segment are wanted (late ones are dropped)."""
+        with self._lock:
+            if segment in self._segments:
+                self._segments[segment] = max(self._segments[segment], round + 1)
+        self.mailbox.discard(lambda key: key[0] == segment and key[1] <= round)
+
+    # --- inbound --------------------------------------------------------------------------------
+
+    def _deliver(self, msg: Message, peer: str) -> None:
+        missing = [t for t in _TAGS if t not in msg.tags]
+        if missing or list(msg.tensors) != [TENSOR]:
+            raise WireError(f"ring message from {peer} lacks tags {missing} or its single tensor")
+        tags = msg.tags
+        with self._lock:
+            floor = self._segments.get(tags["segment"])
+        if floor is None:
+            raise WireError(f"no ring for segment {tags['segment']} on this node",
+                            grpc.StatusCode.FAILED_PRECONDITION)
+        if tags["round"] < floor:
+            return  # a straggler of a round this node already finished or gave up
+        key = (tags["segment"], tags["round"], tags["step"], tags["chunk"])
+        try:
+            self.mailbox.put(key, (tags["numel"], tags["sender"], msg.tensors[TENSOR]))
+        except KeyError as e:
+            raise WireError(f"from {peer}: {e}") from None
+
+    # --- outbound -------------------------------------------------------------------------------
+
+    def send(self, address: str, msg: Message, codec: str, timeout: float) -> None:
+        streams = self._outbound(address, timeout)
+        try:
+            streams[msg.tags["chunk"] % len(streams)].send(msg, codec=codec, timeout=timeout)
+        except PeerError:
+            self._drop(address)
+            raise
+
+    def _outbound(self, address: str, timeout: float) -> list[OutboundStream]:
+        with self._lock:
+            streams = self._streams.get(address)
+            lock = self._address_locks.setdefault(address, threading.Lock())
+        if streams is not None:
+            return streams
+        with lock:  # connect outside the hub lock: one unreachable peer must not stall other rings
+            with self._lock:
+                streams = self._streams.get(address)
+            if streams is None:
+                # Extra lanes get their own channel (own TCP connection); the first uses the shared pool.
+                streams = [OutboundStream(address, token=self.token, chunk_bytes=DEFAULT_CHUNK_BYTES,
+                                          pool=None if lane == 0 else ChannelPool(), wait_ready=timeout)
+                           for lane in range(self.lanes)]
+                with self._lock:
+                    self._streams[address] = streams
+            return streams
+
+    def _drop(self, address: str) -> None:
+        with self._lock:
+            streams = self._streams.pop(address, [])
+        for stream in streams:
+            stream.cancel()
+
+    def close(self) -> None:
+        with self._lock:
+            streams = [s for lane in self._streams.values() for s in lane]
+            self._streams.clear()
+        for stream in streams:
+            try:
+                stream.close(timeout=5.0)
+            except PeerError:
+                stream.cancel()
+
+
+class RingMember:
+    """This node's place in the ring of one segment.
+
+    `addresses[i]` is member i's gRPC address (i = its cluster index); this node is `rank`.
+    Every member must use the same `weights` (share sizes; default equal) and vector length.
+    """
+
+    def __init__(self, rank: int, addresses: list[str], router: Router, token: str | None = None, *,
+                 segment: int = 0, weights: list[float] | None = None, codec: str = "",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, step_timeout: float = 60.0, lanes: int = 1):
+        if not 0 <= rank < len(addresses):
+            raise ValueError(f"rank {rank} outside a ring of {len(addresses)} members")
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
+        if chunk_bytes < 4:
+            raise ValueError("chunk_bytes must hold at least one fp32 element")
+        self.rank, self.addresses, self.size = rank, list(addresses), len(addresses)
+        self.segment, self.codec, self.step_timeout = segment, codec, step_timeout
+        self.weights = list(weights) if weights is not None else [1.0] * self.size
+        if len(self.weights) != self.size:
+            raise ValueError(f"{len(self.weights)} weights for a ring of {self.size} members")
+        self.chunk_elems = chunk_bytes // 4
+        self.hub = RingHub.for_router(router, token, lanes)
+        self.hub.join(segment)
+        self._next = self.addresses[(rank + 1) % self.size]
+        self._prev = (rank - 1) % self.size
+        self._closed = threading.Event()
+
+    def allreduce(self, flat: torch.Tensor, round: int, *, codec: str | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """The element-wise mean of every member's `flat`, as fp32: written into `out` when given (a
+        contiguous fp32 CPU tensor of the same size, reused across rounds to spare page faults; may be
+        `flat` itself), else into a new tensor. `flat` is otherwise left untouched.
+
+        `round` tags the messages: every member must call with the same round number, each round
+        once, in increasing order. `codec` overrides the member's codec for this round. Raises
+        RingTimeout/RingError/PeerError naming the peer and the step."""
+        codec = self.codec if codec is None else codec
+        buf = _work_buffer(flat, out)
+        n, r = self.size, self.rank
+        if n == 1:
+            return buf
+        chunks = [self._chunk_bounds(a, b) for a, b in share_bounds(buf.numel(), self.weights)]
+        last_step = 2 * n - 3
+        try:
+            for c, (a, b) in enumerate(chunks[r]):
+                self._send(round, 0, c, buf[a:b], buf.numel(), codec)
+            for step in range(last_step + 1):
+                for c, (a, b) in enumerate(chunks[(r - 1 - step) % n]):
+                    part, received = buf[a:b], self._receive(round, step, c, b - a, buf.numel())
+                    if step < n - 1:
+                        part.add_(received)
+                        if step == n - 2:  # this share is complete here: its owner makes it the mean
+                            part.div_(n)
+                    else:
+                        part.copy_(received)
+                    if step < last_step:  # send() serializes at once: `part` may change afterwards
+                        self._send(round, step + 1, c, part, buf.numel(), codec)
+        finally:
+            self.hub.end_round(self.segment, round)
+        return buf
+
+    def close(self) -> None:
+        """Leave the ring; a round still running here fails at once with RingError."""
+        self._closed.set()
+        self.hub.mailbox.interrupt()
+        self.hub.leave(self.segment)
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _chunk_bounds(self, start: int, end: int) -> list[tuple[int, int]]:
+        return [(a, min(a + self.chunk_elems, end)) for a in range(start, end, self.chunk_elems)]
+
+    def _where(self, round: int, step: int, chunk: int) -> str:
+        n = self.size
+        phase = f"reduce-scatter step {step}" if step < n - 1 else f"all-gather step {step - n + 1}"
+        return f"ring segment {self.segment} round {round} {phase} chunk {chunk}"
+
+    def _send(self, round: int, step: int, chunk: int, part: torch.Tensor, numel: int,
+              codec: str) -> None:
+        tags = {"segment": self.segment, "round": round, "step": step, "chunk": chunk,
+                "numel": numel, "sender": self.rank}
+        try:
+            self.hub.send(self._next, Message(KIND, step, {TENSOR: part}, tags), codec, self.step_timeout)
+        except PeerError as e:
+            raise PeerError(f"{self._where(round, step, chunk)}: sending to {self._next}: {e}") from None
+
+    def _receive(self, round: int, step: int, chunk: int, size: int, numel: int) -> torch.Tensor:
+        item = self.hub.mailbox.take((self.segment, round, step, chunk), self.step_timeout, self._closed)
+        peer = f"{self.addresses[self._prev]} (rank {self._prev})"
+        if self._closed.is_set():
+            raise RingError(f"{self._where(round, step, chunk)}: this ring member was closed")
+        if item is None:
+            raise RingTimeout(f"{self._where(round, step, chunk)}: nothing from {peer} within "
+                              f"{self.step_timeout:g}s")
+        their_numel, sender, tensor = item
+        if sender != self._prev or their_numel != numel or tensor.numel() != size:
+            raise RingError(f"{self._where(round, step, chunk)}: rank {sender} sent {tensor.numel()} of "
+                            f"{their_numel} elements, expected {size} of {numel} from {peer}; do all "
+                            f"members hold the same blocks and use the same weights?")
+        return tensor.reshape(-1).float()
+
+
+def _work_buffer(flat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` (checked) holding a copy of `flat`, or a fresh fp32 copy of it."""
+    flat = flat.detach().reshape(-1)
+    if out is None:
+        return flat.to(device="cpu", dtype=torch.float32, copy=True)
+    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() \
+            or out.numel() != flat.numel():
+        raise ValueError(f"out must be a contiguous fp32 CPU tensor of {flat.numel()} elements")
+    buf = out.view(-1)
+    if buf.data_ptr() != flat.data_ptr():
+        buf.copy_(flat)
+    return buf

@@ -1,0 +1,355 @@
+"""Ring all-reduce and the Averager, with every member a PeerServer on 127.0.0.1 in this process."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from ravnest.averaging import (RingError, RingMember, RingTimeout, balanced_shares, canonical_keys,
+                               make_averager, reference_average, reference_mean, ring_link_loads,
+                               ring_time_bound, segment_rings, share_bounds)
+from ravnest.averaging.averager import Averager
+from ravnest.spec import (AveragingSettings, DatasetRef, ModelRef, Ring, StageAssignment, StagePeer,
+                          TrainingSettings)
+from ravnest.wire import PeerError, PeerServer, Router
+
+TOKEN = "job-token"
+WAIT = 60.0  # generous bound on any concurrent call; the rings themselves take well under a second
+
+
+def run_all(calls: list[Callable[[], object]]) -> list[object]:
+    """Run the calls concurrently (one thread each); return results or raised exceptions."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.exception(timeout=WAIT) or f.result() for f in futures]
+
+
+class Nodes:
+    """n routers, each served by its own PeerServer."""
+
+    def __init__(self, n: int):
+        self.routers = [Router() for _ in range(n)]
+        self.servers = [PeerServer(r, token=TOKEN) for r in self.routers]
+        self.addresses = [s.address for s in self.servers]
+
+    def ring(self, **kwargs) -> list[RingMember]:
+        return [RingMember(i, self.addresses, r, TOKEN, **kwargs) for i, r in enumerate(self.routers)]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop(0)
+
+
+@pytest.fixture
+def nodes():
+    made: list[Nodes] = []
+
+    def make(n: int) -> Nodes:
+        made.append(Nodes(n))
+        return made[-1]
+    yield make
+    for n in made:
+        n.stop()
+
+
+def allreduce_all(members: list[RingMember], tensors: list[torch.Tensor], round: int = 0) -> list[torch.Tensor]:
+    results = run_all([lambda m=m, t=t: m.allreduce(t, round) for m, t in zip(members, tensors)])
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+# --- the ring --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("numel,chunk_bytes", [(100_003, 4096), (70_001, 4 << 20), (3, 4096), (1, 4), (0, 4096)])
+def test_ring_equals_reference_mean(nodes, n, numel, chunk_bytes):
+    members = nodes(n).ring(chunk_bytes=chunk_bytes)
+    tensors = [torch.randn(numel) * (i + 1) for i in range(n)]
+    originals = [t.clone() for t in tensors]
+    results = allreduce_all(members, tensors)
+    expected = reference_mean(tensors)
+    for result in results:
+        torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(result, results[0]), "every member must hold the owner's exact bits"
+    assert all(torch.equal(t, o) for t, o in zip(tensors, originals)), "inputs must be left untouched"
+
+
+def test_ring_runs_consecutive_rounds_and_shapes(nodes):
+    members = nodes(3).ring(chunk_bytes=1000)
+    for round in range(3):
+        tensors = [torch.randn(7, 11, 13) for _ in members]
+        results = allreduce_all(members, tensors, round)
+        torch.testing.assert_close(results[1], reference_mean(tensors).reshape(-1), rtol=1e-6, atol=1e-6)
+
+
+def test_bandwidth_weighted_shares(nodes):
+    weights = [1.0, 3.0, 0.0, 2.0]
+    assert share_bounds(12, weights) == [(0, 2), (2, 8), (8, 8), (8, 12)]
+    members = nodes(4).ring(weights=weights, chunk_bytes=8192)
+    tensors = [torch.randn(50_001) for _ in members]
+    for result in allreduce_all(members, tensors):
+        torch.testing.assert_close(result, reference_mean(tensors), rtol=1e-6, atol=1e-6)
+
+
+def test_link_loads_and_balanced_shares():
+    for n in (2, 3, 5):
+        assert ring_link_loads([1 / n] * n) == pytest.approx([2 * (n - 1) / n] * n)
+    # One slow member (links 3->0 and 0->1 at 50, the rest at 200): equal shares load its links
+    # with 1.5 S; owning the big share itself brings them to S, the cut bound S / 50.
+    links = [50.0, 200.0, 200.0, 50.0]
+    shares = balanced_shares(links)
+    assert ring_time_bound(1.0, shares, links) == pytest.approx(1 / 50, rel=1e-3)
+    assert ring_time_bound(1.0, [1.0] * 4, links) == pytest.approx(1.5 / 50)
+    assert balanced_shares([100.0] * 3) == pytest.approx([1 / 3] * 3)
+
+
+@pytest.mark.parametrize("codec,tolerance", [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 4e-2)])
+def test_codecs_within_tolerance(nodes, codec, tolerance):
+    members = nodes(3).ring(codec=codec, chunk_bytes=16384)
+    tensors = [torch.randn(20_000) for _ in members]
+    expected = reference_mean(tensors)
+    scale = float(expected.abs().max())
+    for result in allreduce_all(members, tensors):
+        assert result.dtype == torch.float32
+        error = float((result - expected).abs().max())
+        assert 0 < error <= tolerance * scale, f"{codec}: max error {error} vs scale {scale}"
+
+
+def test_missing_member_times_out_naming_peer_and_step(nodes):
+    net = nodes(3)
+    members = net.ring(step_timeout=0.5)
+    tensors = [torch.randn(1000) for _ in range(2)]
+    results = run_all([lambda m=m, t=t: m.allreduce(t, 7) for m, t in zip(members[:2], tensors)])
+    assert all(isinstance(r, RingTimeout) and isinstance(r, TimeoutError) for r in results)
+    assert net.addresses[2] in str(results[0]) and "rank 2" in str(results[0])
+    assert "round 7" in str(results[0]) and "step" in str(results[0])
+    assert "rank 0" in str(results[1])  # member 1 starves because member 0 waits for member 2
+    # the failed round leaves nothing behind: a full ring can go on with the next round
+    tensors = [torch.randn(1000) for _ in members]
+    for result in allreduce_all(members, tensors, 8):
+        torch.testing.assert_close(result, reference_mean(tensors), rtol=1e-6, atol=1e-6)
+
+
+def test_close_abandons_a_running_round_at_once(nodes):
+    member = nodes(2).ring(step_timeout=WAIT)[0]  # its peer never joins the round
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(member.allreduce, torch.randn(100), 0)
+        with pytest.raises(TimeoutError):
+            running.result(timeout=0.3)  # still waiting for the peer
+        member.close()
+        with pytest.raises(RingError, match="closed"):
+            running.result(timeout=5.0)
+
+
+def test_unreachable_member_is_a_peer_error(nodes):
+    net = nodes(2)
+    net.servers[1].stop(0)
+    member = net.ring(step_timeout=0.5)[0]
+    with pytest.raises(PeerError, match=net.addresses[1]):
+        member.allreduce(torch.randn(100), 0)
+
+
+def test_mismatched_vector_lengths_are_a_clear_error(nodes):
+    members = nodes(2).ring(step_timeout=2.0)
+    results = run_all([lambda: members[0].allreduce(torch.randn(100), 0),
+                       lambda: members[1].allreduce(torch.randn(120), 0)])
+    assert any(isinstance(r, RingError) and "same blocks" in str(r) for r in results)
+
+
+# --- canonical layout -------------------------------------------------------------------------------
+
+def test_canonical_keys_sort_by_global_block_then_state_dict_order():
+    state = {"10.weight": torch.zeros(1), "2.bias": torch.zeros(1), "2.weight": torch.zeros(1),
+             "9.running_mean": torch.zeros(1), "9.num_batches_tracked": torch.tensor(3)}
+    assert canonical_keys(state) == ["2.bias", "2.weight", "9.running_mean", "10.weight"]
+    assert canonical_keys(state, (3, 10)) == ["9.running_mean"]
+
+
+# --- the Averager across clusters with different cut points -----------------------------------------
+
+def make_blocks(seed: int) -> list[nn.Module]:
+    """Six blocks (one without parameters), BatchNorm buffers perturbed so replicas differ."""
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()),
+              nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)),
+              nn.ReLU(),
+              nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 16)),
+              nn.Sequential(nn.BatchNorm1d(16), nn.ReLU()),
+              nn.Linear(16, 10)]
+    with torch.no_grad():
+        for block in blocks:
+            for name, buffer in block.named_buffers():
+                if buffer.is_floating_point():
+                    buffer.uniform_(0.5, 2.0)
+    return blocks
+
+
+class Stage:
+    """One node: the live state of its block range, a server and an averager."""
+
+    def __init__(self, blocks: list[nn.Module], cut: tuple[int, int]):
+        self.cut = cut
+        self.live = {f"{i}.{k}": v for i in range(*cut) for k, v in blocks[i].state_dict(keep_vars=True).items()}
+        self.router = Router()
+        self.server = PeerServer(self.router, token=TOKEN)
+        self.averager: Averager | None = None
+
+
+def build_job(cluster_ranges: list[list[tuple[int, int]]], every: int = 1) -> list[list[Stage]]:
+    clusters = [[Stage(make_blocks(seed=c), cut) for cut in ranges] for c, ranges in enumerate(cluster_ranges)]
+    rings = segment_rings(cluster_ranges)
+    for c, stages in enumerate(clusters):
+        for s, stage in enumerate(stages):
+            mine = [Ring(segment=seg, blocks=blocks,
+                         members=[StagePeer(node_id=f"c{k}s{holder}", address=clusters[k][holder].server.address)
+                                  for k, holder in enumerate(holders)])
+                    for seg, (blocks, holders) in enumerate(rings) if holders[c] == s]
+            assignment = StageAssignment(
+                job_id="job", token=TOKEN, cluster=c, num_clusters=len(cluster_ranges), stage=s,
+                num_stages=len(stages), blocks=stage.cut, model=ModelRef(name="test"),
+                dataset=DatasetRef(name="digits"), training=TrainingSettings(),
+                averaging=AveragingSettings(every=every), rings=mine)
+            stage.averager = Averager(assignment, stage.router, stage.live, step_timeout=20.0)
+    return clusters
+
+
+def replica_state(stages: list[Stage]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for stage in stages for k, v in stage.live.items()}
+
+
+def close_job(clusters: list[list[Stage]]) -> None:
+    for stage in (s for stages in clusters for s in stages):
+        stage.averager.close()
+        stage.server.stop(0)
+
+
+def all_stages(clusters: list[list[Stage]]) -> list[Stage]:
+    return [s for stages in clusters for s in stages]
+
+
+def check(results: list[object]) -> None:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+JOBS = {
+    2: [[(0, 2), (2, 6)], [(0, 6)]],
+    3: [[(0, 1), (1, 3), (3, 6)], [(0, 4), (4, 6)], [(0, 6)]],
+    5: [[(0, 3), (3, 6)], [(0, 1), (1, 2), (2, 4), (4, 5), (5, 6)], [(0, 6)], [(0, 5), (5, 6)],
+        [(0, 2), (2, 6)]],
+}
+
+
+@pytest.mark.parametrize("num_clusters", [2, 3, 5])
+def test_finish_sets_every_replica_to_the_average(num_clusters):
+    clusters = build_job(JOBS[num_clusters])
+    try:
+        before = [replica_state(stages) for stages in clusters]
+        expected = reference_average(before)
+        assert not torch.equal(before[0]["1.1.running_var"], before[1]["1.1.running_var"])
+        check(run_all([stage.averager.finish for stage in all_stages(clusters)]))
+        after = [replica_state(stages) for stages in clusters]
+        for state in after:
+            for key, value in expected.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=key)
+                assert torch.equal(state[key], after[0][key]), f"{key} differs between clusters"
+        assert after[0]["4.0.num_batches_tracked"] == before[0]["4.0.num_batches_tracked"]
+    finally:
+        close_job(clusters)
+
+
+def test_round_keeps_local_progress_made_meanwhile():
+    clusters = build_job(JOBS[3], every=2)
+    try:
+        stages = all_stages(clusters)
+        for stage in stages:
+            stage.averager.after_step(1)  # not due: nothing starts
+        snapshots = [replica_state(c) for c in clusters]
+        for stage in stages:
+            stage.averager.after_step(2)  # due: snapshot now, average in the background
+        changes = []
+        with torch.no_grad():  # local training during the round
+            for c, cluster in enumerate(clusters):
+                change = {}
+                for stage in cluster:
+                    for key, value in stage.live.items():
+                        if value.is_floating_point():
+                            change[key] = torch.full_like(value, 0.01 * (c + 1))
+                            value.add_(change[key])
+                changes.append(change)
+        check(run_all([stage.averager.flush for stage in stages]))
+        expected = reference_average(snapshots)
+        for c, cluster in enumerate(clusters):
+            state = replica_state(cluster)
+            for key, change in changes[c].items():
+                torch.testing.assert_close(state[key], expected[key] + change, rtol=1e-6, atol=1e-6, msg=key)
+    finally:
+        close_job(clusters)
+
+
+def test_periodic_rounds_are_applied_by_later_steps():
+    clusters = build_job(JOBS[2], every=2)
+    try:
+        stages = all_stages(clusters)
+        expected = reference_average([replica_state(c) for c in clusters])
+        for stage in stages:
+            stage.averager.after_step(2)
+        for stage in stages:
+            # wait for the background round (the test's only look inside), then a step that is not
+            # due applies it without blocking
+            for future in stage.averager._running.futures:
+                future.result(timeout=WAIT)
+            stage.averager.after_step(3)
+            assert stage.averager._running is None
+        for c in clusters:
+            for key, value in replica_state(c).items():
+                torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-6, msg=key)
+    finally:
+        close_job(clusters)
+
+
+def test_back_to_back_rounds_on_every_node_then_finish():
+    clusters = build_job(JOBS[3], every=1)  # a round due at every step: they queue up behind each other
+    try:
+        expected = reference_average([replica_state(c) for c in clusters])
+
+        def train(stage: Stage) -> None:
+            for step in range(1, 6):
+                stage.averager.after_step(step)
+            stage.averager.finish()
+        check(run_all([lambda s=s: train(s) for s in all_stages(clusters)]))
+        after = [replica_state(c) for c in clusters]
+        for state in after:
+            for key, value in expected.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+                assert torch.equal(state[key], after[0][key]), f"{key} differs between clusters"
+    finally:
+        close_job(clusters)
+
+
+def test_rings_outside_the_stage_are_rejected():
+    ring = Ring(segment=0, blocks=(2, 4), members=[StagePeer(node_id="a", address="127.0.0.1:1"),
+                                                  StagePeer(node_id="b", address="127.0.0.1:2")])
+    assignment = StageAssignment(
+        job_id="j", token=TOKEN, cluster=0, num_clusters=2, stage=0, num_stages=2, blocks=(0, 3),
+        model=ModelRef(name="test"), dataset=DatasetRef(name="digits"), training=TrainingSettings(),
+        averaging=AveragingSettings(), rings=[ring])
+    with pytest.raises(ValueError, match="outside"):
+        Averager(assignment, Router(), {})
+
+
+def test_make_averager_is_none_without_work():
+    base = dict(job_id="j", token=TOKEN, cluster=0, stage=0, num_stages=1, blocks=(0, 2),
+                model=ModelRef(name="test"), dataset=DatasetRef(name="digits"), training=TrainingSettings())
+    ring = Ring(segment=0, blocks=(0, 2), members=[StagePeer(node_id="a", address="127.0.0.1:1"),
+                                                  StagePeer(node_id="b", address="127.0.0.1:2")])
+    alone = StageAssignment(num_clusters=1, averaging=AveragingSettings(), **base)
+    off = StageAssignment(num_clusters=2, averaging=AveragingSettings(strategy="none"), rings=[ring], **base)
+    assert make_averager(alone, Router(), {}) is None
+    assert make_averager(off, Router(), {}) is None
