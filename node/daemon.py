@@ -59,7 +59,7 @@ class NodeDaemon:
         self.device = device
         self.name = name
         self.progress = progress or Progress()
-        self.router = Router()
+        self.router = Router(wait_for_route=60.0)  # peers of a job get their assignments at different heartbeats
         self._job_tokens: set[str] = set()
         self.server = PeerServer(self.router, host, port, token=lambda: self._job_tokens)
         self.address = f"{advertise or host}:{self.server.port}"
@@ -138,6 +138,7 @@ class NodeDaemon:
         finally:
             self._finished.add(a.job_id)
             self._job_tokens.discard(a.token)
+            self.router.clear()
 
     def _stop_job(self, timeout: float) -> None:
         if self._job and self._job[1].is_alive():

@@ -367,16 +367,32 @@ def measure_link(address: str, *, token: str | None = None, probe_bytes: int = 4
 
 class Router:
     """A PeerServer handler that dispatches messages by kind to the parts of a node that own them
-    (the pipeline stage, the averager, ...). Unknown kinds are a protocol error for the sender."""
+    (the pipeline stage, the averager, ...).
 
-    def __init__(self):
+    Peers of one job start at slightly different moments, so a message may arrive before the part
+    that handles it exists: it waits up to `wait_for_route` seconds for the route to be registered,
+    and only then is it a protocol error for the sender.
+    """
+
+    def __init__(self, wait_for_route: float = 0.0):
+        self.wait_for_route = wait_for_route
         self._routes: dict[str, Handler] = {}
+        self._changed = threading.Condition()
 
     def route(self, kind: str, handler: Handler) -> None:
-        self._routes[kind] = handler
+        with self._changed:
+            self._routes[kind] = handler
+            self._changed.notify_all()
+
+    def clear(self) -> None:
+        """Forget every route, e.g. when the job they belonged to is over."""
+        with self._changed:
+            self._routes.clear()
 
     def __call__(self, msg: Message, peer: str) -> None:
-        handler = self._routes.get(msg.kind)
+        with self._changed:
+            self._changed.wait_for(lambda: msg.kind in self._routes, timeout=self.wait_for_route)
+            handler = self._routes.get(msg.kind)
         if handler is None:
             raise WireError(f"no handler for message kind {msg.kind!r} on this node",
                             grpc.StatusCode.UNIMPLEMENTED)
