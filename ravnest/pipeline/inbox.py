@@ -1,0 +1,96 @@
+"""A stage's inbox: gRPC handler threads put messages in, the stage's worker thread takes them out.
+
+Gradients always come out before activations (backward has priority). Activations sit in a bounded
+lane: a full lane blocks the handler, which stops reading the stream, so HTTP/2 flow control pushes
+back on the sender. Gradients need no bound: stage 0 admits at most K micro-batches, so at most K
+gradients can ever be owed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import grpc
+import torch
+
+from ravnest.wire import Message, WireError
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot go on: a peer failed, the run was stopped, or peers went silent."""
+
+
+class Inbox:
+    def __init__(self, forward_capacity: int):
+        lock = threading.Lock()
+        self._ready = threading.Condition(lock)  # the worker waits for messages
+        self._space = threading.Condition(lock)  # handlers wait for room in the forward lane
+        self._backward: deque[Message] = deque()
+        self._forward: deque[Message] = deque()
+        self._capacity = forward_capacity
+        self._owed: dict[int, torch.Size] = {}  # micro-batch -> shape of the gradient we expect
+        self._failure: str | None = None
+
+    def expect_gradient(self, micro_batch: int, shape: torch.Size) -> None:
+        with self._ready:
+            self._owed[micro_batch] = shape
+
+    def put_backward(self, msg: Message) -> None:
+        """Accept a gradient only for a micro-batch we sent and only with the shape we sent."""
+        with self._ready:
+            self._raise_if_closed()
+            grad = msg.tensors.get("grad")
+            shape = self._owed.get(msg.id)
+            if shape is None:
+                raise WireError(f"backward for micro-batch {msg.id}, which is not awaiting a gradient here")
+            if grad is None or grad.shape != shape or not grad.is_floating_point():
+                got = "no 'grad' tensor" if grad is None else f"{grad.dtype}{list(grad.shape)}"
+                raise WireError(f"backward for micro-batch {msg.id}: expected a float 'grad' of shape "
+                                f"{list(shape)}, got {got}")
+            del self._owed[msg.id]
+            self._backward.append(msg)
+            self._ready.notify()
+
+    def put_forward(self, msg: Message) -> None:
+        """Queue an activation (or evaluation) message, waiting while the lane is full."""
+        with self._ready:
+            while self._failure is None and len(self._forward) >= self._capacity:
+                self._space.wait()
+            self._raise_if_closed()
+            self._forward.append(msg)
+            self._ready.notify()
+
+    def fail(self, reason: str) -> None:
+        """Close the inbox: the worker's `get` raises PipelineError(reason), later puts are refused.
+        The first reason wins."""
+        with self._ready:
+            if self._failure is None:
+                self._failure = reason
+            self._ready.notify_all()
+            self._space.notify_all()
+
+    def get(self, *, admit: bool, timeout: float) -> Message | None:
+        """The next message, gradients first. With `admit`, returns None instead of waiting when
+        nothing is queued (stage 0 then feeds a new micro-batch)."""
+        deadline = time.monotonic() + timeout
+        with self._ready:
+            while True:
+                if self._failure is not None:
+                    raise PipelineError(self._failure)
+                if self._backward:
+                    return self._backward.popleft()
+                if self._forward:
+                    self._space.notify()
+                    return self._forward.popleft()
+                if admit:
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PipelineError(f"no message from the neighbouring stages for {timeout:.0f}s; "
+                                        "a peer has probably failed")
+                self._ready.wait(remaining)
+
+    def _raise_if_closed(self) -> None:
+        if self._failure is not None:
+            raise WireError(f"stage is not accepting messages: {self._failure}", grpc.StatusCode.ABORTED)

@@ -1,0 +1,223 @@
+"""Run a whole pipeline on this machine: one OS process (or thread) per stage over loopback gRPC, and
+the single-process reference that trains the same model on the same data for comparison."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Sequence
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from ravnest.data import load_dataset
+from ravnest.models import build_model
+from ravnest.pipeline.metrics import EvalAccumulator, StageClock
+from ravnest.pipeline.optim import StageOptimizer
+from ravnest.pipeline.stage import StageRunner
+from ravnest.spec import JobSpec, StageAssignment, StagePeer
+from ravnest.wire import PeerServer, Router
+
+Ranges = Sequence[tuple[int, int]]
+ROUTE_WAIT_S = 60.0  # stages start at different moments: a message may arrive before its stage exists
+
+
+def make_assignments(job: JobSpec, ranges: Ranges, addresses: list[str], token: str,
+                     job_id: str = "local") -> list[StageAssignment]:
+    """Assignments for one cluster whose stage s holds blocks ranges[s] and listens at addresses[s]."""
+    if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or ranges[0][0] != 0:
+        raise ValueError(f"stage ranges must be contiguous from block 0: {list(ranges)}")
+    peers = [StagePeer(node_id=f"stage{s}", address=address) for s, address in enumerate(addresses)]
+    return [StageAssignment(
+        job_id=job_id, token=token, cluster=0, num_clusters=1, stage=s, num_stages=len(ranges),
+        blocks=tuple(ranges[s]), model=job.model, dataset=job.dataset, training=job.training,
+        averaging=job.averaging, prev=peers[s - 1] if s > 0 else None,
+        next=peers[s + 1] if s + 1 < len(ranges) else None) for s in range(len(ranges))]
+
+
+def _trace_summary(runner: StageRunner) -> dict[str, Any]:
+    return {"max_in_flight": runner.trace.max_in_flight,
+            "records": [(r.micro_batch, r.forward_version, r.backward_version, r.stage_version)
+                        for r in runner.trace.records]}
+
+
+def _result(stage_results: list[dict[str, Any]], states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    merged: dict[str, torch.Tensor] = {}
+    for state in states:
+        merged.update(state)
+    return {"metrics": stage_results[-1]["metrics"], "stages": [r["metrics"] for r in stage_results],
+            "history": [r["history"] for r in stage_results], "traces": [r["trace"] for r in stage_results],
+            "state_dict": merged}
+
+
+# --- one process per stage ---------------------------------------------------------------------------
+
+def _stage_process(conn: Connection, token: str, threads: int, device: str) -> None:
+    """Child: serve gRPC, tell the parent the address, run the assigned stage, send back the results."""
+    torch.set_num_threads(threads)
+    router = Router(wait_for_route=ROUTE_WAIT_S)
+    server = PeerServer(router, "127.0.0.1", 0, token=token)
+    try:
+        conn.send(server.address)
+        assignment = StageAssignment.model_validate_json(conn.recv())
+        history: list[dict[str, float]] = []
+        runner = StageRunner(assignment, router, device=device, on_metrics=history.append)
+        metrics = runner.run()
+        # tensors travel as safetensors bytes, never pickled
+        conn.send({"metrics": metrics, "history": history, "trace": _trace_summary(runner),
+                   "state": save_tensors(runner.state_dict())})
+        conn.recv()  # keep serving until every stage is done: neighbours may still close streams
+    except BaseException:
+        conn.send({"error": traceback.format_exc()})
+    finally:
+        server.stop(0)
+
+
+def _gather(pipes: list[Connection], processes: list[mp.Process], deadline: float) -> list[Any]:
+    """One reply from every child, in stage order; the first failure (as it happens) raises."""
+    replies: dict[int, Any] = {}
+    while len(replies) < len(pipes):
+        pending = {pipes[s]: s for s in range(len(pipes)) if s not in replies}
+        sentinels = {processes[s].sentinel: s for s in pending.values()}
+        ready = wait([*pending, *sentinels], timeout=max(deadline - time.monotonic(), 0))
+        if not ready:
+            raise TimeoutError(f"stages {sorted(pending.values())} did not answer within the time limit")
+        for item in ready:
+            if item in pending:
+                stage = pending[item]
+                try:
+                    reply = item.recv()
+                except EOFError:  # the child died before answering
+                    raise RuntimeError(f"stage {stage} process exited with code "
+                                       f"{processes[stage].join(5) or processes[stage].exitcode}") from None
+                if isinstance(reply, dict) and "error" in reply:
+                    raise RuntimeError(f"stage {stage} failed:\n{reply['error']}")
+                replies[stage] = reply
+        for item in ready:
+            stage = sentinels.get(item)
+            if stage is not None and stage not in replies:
+                raise RuntimeError(f"stage {stage} process exited with code {processes[stage].exitcode}")
+    return [replies[s] for s in range(len(pipes))]
+
+
+def run_local_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 600,
+                       threads_per_stage: int = 1, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Train `job` as one cluster with one process per stage on 127.0.0.1.
+
+    Returns {"metrics": last stage's final metrics, "stages": every stage's, "history": on_metrics
+    reports per stage, "traces": per-stage version records, "state_dict": the merged full model}.
+    """
+    context = mp.get_context("spawn")
+    token = secrets.token_hex(16)
+    deadline = time.monotonic() + timeout
+    pipes: list[Connection] = []
+    processes: list[mp.Process] = []
+    try:
+        for _ in ranges:
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=_stage_process, daemon=True,
+                                      args=(child_end, token, threads_per_stage, str(device)))
+            process.start()
+            child_end.close()
+            pipes.append(parent_end)
+            processes.append(process)
+        addresses = _gather(pipes, processes, deadline)
+        for pipe, assignment in zip(pipes, make_assignments(job, ranges, addresses, token)):
+            pipe.send(assignment.model_dump_json())
+        results = _gather(pipes, processes, deadline)
+        for pipe in pipes:
+            pipe.send("shutdown")
+        for process in processes:
+            process.join(timeout=max(deadline - time.monotonic(), 5))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return _result(results, [load_tensors(r["state"]) for r in results])
+
+
+# --- one thread per stage (tests: runners stay inspectable) --------------------------------------------
+
+def run_threaded_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 300,
+                          device: str | torch.device = "cpu", averagers: Sequence[Any] | None = None,
+                          setup: Callable[[list[StageRunner]], None] | None = None) -> dict[str, Any]:
+    """Like run_local_pipeline but every stage is a thread of this process; the result also holds
+    "runners". `setup(runners)` runs before training starts (e.g. to attach observers)."""
+    token = secrets.token_hex(16)
+    routers = [Router(wait_for_route=ROUTE_WAIT_S) for _ in ranges]
+    servers = [PeerServer(router, "127.0.0.1", 0, token=token) for router in routers]
+    try:
+        assignments = make_assignments(job, ranges, [s.address for s in servers], token)
+        histories: list[list[dict[str, float]]] = [[] for _ in ranges]
+        runners = [StageRunner(a, router, device=device, on_metrics=history.append, peer_timeout=timeout,
+                               averager=averagers[s] if averagers else None)
+                   for s, (a, router, history) in enumerate(zip(assignments, routers, histories))]
+        if setup is not None:
+            setup(runners)
+        outcomes: list[Any] = [None] * len(runners)
+
+        def run(stage: int) -> None:
+            try:
+                outcomes[stage] = runners[stage].run()
+            except BaseException as exc:  # reported below, on the caller's thread
+                outcomes[stage] = exc
+
+        threads = [threading.Thread(target=run, args=(s,), name=f"stage{s}") for s in range(len(runners))]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0))
+        if any(thread.is_alive() for thread in threads):
+            for runner in runners:
+                runner.stop("timed out")
+            for thread in threads:
+                thread.join()
+            raise TimeoutError(f"pipeline did not finish within {timeout}s")
+        for stage, outcome in enumerate(outcomes):
+            if isinstance(outcome, BaseException):
+                raise RuntimeError(f"stage {stage} failed: {outcome}") from outcome
+        results = [{"metrics": m, "history": h, "trace": _trace_summary(r)}
+                   for m, h, r in zip(outcomes, histories, runners)]
+        return {**_result(results, [r.state_dict() for r in runners]), "runners": runners}
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
+# --- the single-process reference ----------------------------------------------------------------------
+
+def run_single_process(job: JobSpec, *, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Train the same model (same seed, data stream, optimizer, schedule, steps) in one process with
+    plain synchronous SGD; returns {"metrics": ..., "state_dict": ...} like the pipeline runners."""
+    training, device = job.training, torch.device(device)
+    spec = build_model(job.model.name, job.model.config, seed=training.seed)
+    model = spec.full_model().to(device)
+    dataset = load_dataset(job.dataset)
+    batches = dataset.shard(0, 1).batches(training.batch_size, seed=training.seed)
+    optimizer = StageOptimizer(model.parameters(), training)
+    clock = StageClock(training.batch_size * training.accumulation)
+    for _ in range(training.steps * training.accumulation):
+        with clock.busy():
+            x, y = (t.to(device) for t in next(batches))
+            loss = spec.loss(model(x), y)
+            (loss / training.accumulation).backward()
+            stepped = optimizer.micro_batch_done()
+        clock.add_loss(float(loss.detach()))
+        if stepped:
+            clock.step_done()
+    metrics = {**clock.snapshot(), **clock.steady_state()}
+    model.eval()
+    evaluation = EvalAccumulator()
+    with torch.no_grad():
+        for x, y in dataset.test_batches(training.batch_size):
+            x, y = x.to(device), y.to(device)
+            output = model(x)
+            evaluation.add(output, y, spec.loss(output, y))
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return {"metrics": {**metrics, **evaluation.result()}, "state_dict": state}

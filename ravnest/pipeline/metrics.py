@@ -1,0 +1,96 @@
+"""What a stage measures about itself: busy time, step timeline, losses, evaluation, and a trace of
+weight versions for tests."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+
+class StageClock:
+    """Wall time, time spent computing, and the time of every optimizer step."""
+
+    def __init__(self, samples_per_step: int, loss_window: int = 20):
+        self.samples_per_step = samples_per_step
+        self.started = time.perf_counter()
+        self.busy_s = 0.0
+        self.steps: list[tuple[float, float]] = []  # (wall time, busy time) after each optimizer step
+        self._losses: deque[float] = deque(maxlen=loss_window)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def step_done(self) -> None:
+        self.steps.append((time.perf_counter(), self.busy_s))
+
+    def add_loss(self, loss: float) -> None:
+        self._losses.append(loss)
+
+    def snapshot(self) -> dict[str, float]:
+        """Figures since the start; `loss` is the mean of the last few micro-batch losses."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        figures = {"step": float(len(self.steps)), "elapsed_s": elapsed, "utilization": self.busy_s / elapsed,
+                   "samples_per_s": len(self.steps) * self.samples_per_step / elapsed}
+        if self._losses:
+            figures["loss"] = sum(self._losses) / len(self._losses)
+        return figures
+
+    def steady_state(self) -> dict[str, float]:
+        """Utilization and throughput between 20% and 90% of the steps: no start-up, no drain."""
+        if len(self.steps) < 10:
+            return {}
+        first, last = len(self.steps) // 5, len(self.steps) * 9 // 10
+        (t0, b0), (t1, b1) = self.steps[first], self.steps[last]
+        span = max(t1 - t0, 1e-9)
+        return {"steady_utilization": (b1 - b0) / span,
+                "steady_samples_per_s": (last - first) * self.samples_per_step / span}
+
+
+class EvalAccumulator:
+    """Loss and accuracy (top-1; per token for language models) summed over an evaluation pass."""
+
+    def __init__(self) -> None:
+        self.loss_sum = 0.0
+        self.correct = 0
+        self.count = 0
+
+    def add(self, output: torch.Tensor, target: torch.Tensor, mean_loss: torch.Tensor) -> None:
+        n = target.numel()
+        self.loss_sum += float(mean_loss) * n
+        self.correct += int((output.argmax(dim=-1) == target).sum())
+        self.count += n
+
+    def result(self) -> dict[str, float]:
+        if self.count == 0:
+            return {}
+        return {"test_loss": self.loss_sum / self.count, "test_accuracy": self.correct / self.count}
+
+
+@dataclass
+class BackwardRecord:
+    micro_batch: int
+    forward_version: int   # stage's weight version when the forward ran
+    backward_version: int  # version of the weights the backward differentiated
+    stage_version: int     # stage's live version when the backward ran (> forward: staleness)
+
+
+TRACE_LIMIT = 100_000  # records kept: enough for tests, bounded for long runs
+
+
+@dataclass
+class PipelineTrace:
+    """Instrumentation for tests: recent backwards' versions and the most micro-batches in flight."""
+    records: deque[BackwardRecord] = field(default_factory=lambda: deque(maxlen=TRACE_LIMIT))
+    max_in_flight: int = 0
+
+    def in_flight(self, count: int) -> None:
+        self.max_in_flight = max(self.max_in_flight, count)

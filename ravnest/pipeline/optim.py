@@ -1,0 +1,68 @@
+"""A stage's optimizer: a torch.optim class chosen by name, gradient accumulation and the LR schedule."""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Iterable
+
+import torch
+
+from ravnest.spec import OptimizerRef, TrainingSettings
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], ref: OptimizerRef) -> torch.optim.Optimizer:
+    """`torch.optim.<ref.name>(params, **ref.kwargs)`; any other name or bad kwargs is a ValueError."""
+    cls = getattr(torch.optim, ref.name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+        raise ValueError(f"unknown optimizer {ref.name!r}: expected a torch.optim class such as Adam or SGD")
+    try:
+        return cls(list(params), **ref.kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optimizer {ref.name} rejected kwargs {ref.kwargs}: {exc}") from exc
+
+
+def lr_factor(step: int, training: TrainingSettings) -> float:
+    """Multiplier of the base LR for the update after `step` updates: linear warmup, then the schedule."""
+    warmup = training.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if training.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, training.steps - warmup))
+    if training.lr_schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return max(0.0, 1.0 - progress)  # linear decay to zero
+
+
+class StageOptimizer:
+    """Steps the optimizer once every `training.accumulation` micro-batches and advances the schedule.
+
+    Callers scale each micro-batch loss by 1/accumulation, so an update uses the mean gradient.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], training: TrainingSettings):
+        self.params = [p for p in params if p.requires_grad]
+        # A stage of parameter-free blocks still counts updates, so versions stay in step.
+        self.optimizer = build_optimizer(self.params, training.optimizer) if self.params else None
+        self.schedule = None if self.optimizer is None else torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, training))
+        self.accumulation = training.accumulation
+        self.steps = 0          # optimizer updates done = the weight version
+        self._pending = 0       # micro-batches accumulated since the last update
+
+    def micro_batch_done(self) -> bool:
+        """Count one micro-batch's gradient; step when enough accumulated. True if it stepped."""
+        self._pending += 1
+        if self._pending < self.accumulation:
+            return False
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.schedule.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._pending = 0
+        self.steps += 1
+        return True
+
+    @property
+    def lr(self) -> float:
+        return 0.0 if self.optimizer is None else self.optimizer.param_groups[0]["lr"]

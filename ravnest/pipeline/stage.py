@@ -1,0 +1,362 @@
+"""One stage of the zero-bubble asynchronous pipeline (PipeDream-style 1F1B, never flushed).
+
+A stage owns a contiguous range of the model's blocks, one worker thread (the caller of `run`) and
+the message kinds it registers on its node's Router (the gRPC handler threads only validate and
+queue). Stage 0 draws micro-batches from its data shard and sends activations plus targets forward;
+middle stages forward; the last stage computes the loss, runs backward at once and sends the input
+gradient back. Backward always goes before forward, and stage 0 admits a new micro-batch only while
+fewer than K are owed a gradient, so weights are at most K-1 updates stale. Every stage steps its own
+optimizer as soon as it has gathered `accumulation` gradients, and forwards use the weight version
+the matching backward will differentiate (see stash.py).
+
+Message kinds: "forward" (x, y) and "backward" (grad) carry micro-batch `id`s; "eval" (x, y) and
+"eval_end" (tag "final") stream the test set after training (and every `eval_every` steps); "abort"
+carries a failed neighbour's reason.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ravnest.data import load_dataset
+from ravnest.models import build_model
+from ravnest.pipeline.inbox import Inbox, PipelineError
+from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
+from ravnest.pipeline.optim import StageOptimizer
+from ravnest.pipeline.stash import StageCompute
+from ravnest.spec import StageAssignment, StagePeer
+from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError
+
+if TYPE_CHECKING:
+    from ravnest.averaging import Averager
+
+FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
+METRICS_EVERY = 10  # optimizer steps between on_metrics reports
+
+
+def stage_module(blocks: list[nn.Module], start: int, end: int) -> nn.Sequential:
+    """Blocks [start, end) as one module whose state-dict keys use global block indices."""
+    return nn.Sequential(OrderedDict((str(i), blocks[i]) for i in range(start, end)))
+
+
+@torch.no_grad()
+def boundary_example(blocks: list[nn.Module], example: torch.Tensor, start: int) -> torch.Tensor:
+    """What block `start` receives: an example input run through blocks [0, start) in eval mode."""
+    x = example
+    for block in blocks[:start]:
+        was_training = block.training
+        block.eval()
+        x = block(x)
+        block.train(was_training)
+    return x
+
+
+class StageRunner:
+    """Runs one stage of one cluster's pipeline. `averager` (also assignable before `run`, since it
+    usually needs `live_tensors()`) gets `after_step(step)` after every optimizer step and `finish()`
+    after the last one, before the final evaluation; both on the worker thread."""
+
+    def __init__(self, assignment: StageAssignment, router: Router, *,
+                 device: str | torch.device = "cpu",
+                 on_metrics: Callable[[dict[str, float]], None] = lambda m: None,
+                 averager: Averager | None = None,
+                 peer_timeout: float = 300.0):
+        a, training = assignment, assignment.training
+        if not 0 <= a.stage < a.num_stages:
+            raise ValueError(f"stage {a.stage} is outside 0..{a.num_stages - 1}")
+        self.assignment, self.training = a, training
+        self.is_first, self.is_last = a.stage == 0, a.stage == a.num_stages - 1
+        for needed, peer, side in ((not self.is_first, a.prev, "prev"), (not self.is_last, a.next, "next")):
+            if needed and peer is None:
+                raise ValueError(f"stage {a.stage} of {a.num_stages} needs a '{side}' peer")
+        self.device = torch.device(device)
+        self.on_metrics, self.averager, self.peer_timeout = on_metrics, averager, peer_timeout
+
+        spec = build_model(a.model.name, a.model.config, seed=training.seed)  # identical on every replica
+        start, end = a.blocks
+        if not 0 <= start < end <= len(spec.blocks):
+            raise ValueError(f"block range {a.blocks} is outside the model's {len(spec.blocks)} blocks")
+        self.task, self._loss = spec.task, spec.loss
+        self._input_example = None if self.is_first else boundary_example(
+            spec.blocks, spec.example_input(2), start)
+        self.module = stage_module(spec.blocks, start, end).to(self.device)
+        self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
+                                    device=self.device)
+        self.optimizer = StageOptimizer(self.module.parameters(), training)
+        self.window = training.microbatches_in_flight or a.num_stages  # K, the staleness bound
+        self.total_micro_batches = training.steps * training.accumulation
+        self.trace = PipelineTrace()
+        self.clock = StageClock(training.batch_size * training.accumulation)
+        self.final_metrics: dict[str, float] = {}
+        if self.is_first:  # clusters train on disjoint shards, each in its own order
+            self._dataset = load_dataset(a.dataset)
+            self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = self._dataset.shard(
+                a.cluster, a.num_clusters).batches(training.batch_size, seed=training.seed + a.cluster)
+
+        self.inbox = Inbox(forward_capacity=2 * self.window + 2)
+        self._streams: dict[str, OutboundStream] = {}
+        self._closing = False  # streams ending from now on are ours closing them
+        self._forward_versions: dict[int, int] = {}
+        self._next_forward_id = 0
+        self._forward_lock = threading.Lock()
+        self._admitted = self._completed = 0
+        self._eval = EvalAccumulator()
+        self._eval_round = 0
+        self._finished = False
+        self._register(router)
+
+    def _register(self, router: Router) -> None:
+        """The message kinds this stage takes; the others stay unknown here (UNIMPLEMENTED)."""
+        router.route(ABORT, self._on_abort)
+        if not self.is_first:
+            router.route(FORWARD, self._on_forward)
+            router.route(EVAL, self._on_eval)
+            router.route(EVAL_END, lambda msg, peer: self.inbox.put_forward(msg))
+        if not self.is_last:
+            router.route(BACKWARD, lambda msg, peer: self.inbox.put_backward(msg))
+
+    # --- the node-facing API ----------------------------------------------------------------------
+
+    def run(self, stop: threading.Event | None = None) -> dict[str, float]:
+        """Train `training.steps` optimizer steps, then evaluate; returns this stage's final metrics
+        (the last stage's include test_loss and test_accuracy). Raises PipelineError if a neighbour
+        fails, peers stay silent for `peer_timeout` seconds, or `stop` is set."""
+        done = threading.Event()
+        if stop is not None:
+            threading.Thread(target=self._watch, args=(stop, done), daemon=True,
+                             name=f"stage{self.assignment.stage}-stop").start()
+        self.clock = StageClock(self.clock.samples_per_step)
+        try:
+            while not self._finished:
+                msg = self.inbox.get(admit=self._can_admit(), timeout=self.peer_timeout)
+                self._handle(msg)
+            self._close_streams()
+        except BaseException as exc:
+            reason = str(exc) if isinstance(exc, PipelineError) else f"stage {self.assignment.stage} failed: {exc}"
+            self.inbox.fail(reason)
+            self._abort_neighbours(reason)
+            if isinstance(exc, PipelineError):
+                raise
+            raise PipelineError(reason) from exc
+        finally:
+            done.set()
+            self.inbox.fail(f"stage {self.assignment.stage} has finished its run")
+        self.final_metrics = {**self._metrics(), **self.clock.steady_state(), **self.final_metrics,
+                              "max_in_flight": float(self.trace.max_in_flight)}
+        self.on_metrics(self.final_metrics)
+        return self.final_metrics
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Make `run` raise PipelineError(reason) promptly, from any thread."""
+        self.inbox.fail(reason)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers on the CPU, keyed "{global block index}.<name>"."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """The live parameters and floating buffers (same keys); writing them changes the model."""
+        tensors = {k: p.detach() for k, p in self.module.named_parameters()}
+        tensors.update((k, b) for k, b in self.module.named_buffers() if b.is_floating_point())
+        return tensors
+
+    # --- gRPC handler threads: validate, then queue ------------------------------------------------
+
+    def _on_forward(self, msg: Message, peer: str) -> None:
+        self._check_activation(msg)
+        with self._forward_lock:  # the one previous stage sends micro-batches 0, 1, 2, ... in order
+            if msg.id != self._next_forward_id or msg.id >= self.total_micro_batches:
+                raise WireError(f"forward for micro-batch {msg.id}, expected {self._next_forward_id} "
+                                f"(of {self.total_micro_batches})")
+            self._next_forward_id += 1
+        self.inbox.put_forward(msg)
+
+    def _on_eval(self, msg: Message, peer: str) -> None:
+        self._check_activation(msg)
+        self.inbox.put_forward(msg)
+
+    def _on_abort(self, msg: Message, peer: str) -> None:
+        self.inbox.fail(f"stage {self.assignment.stage}: a neighbouring stage failed: {msg.note}")
+
+    def _check_activation(self, msg: Message) -> None:
+        """Reject activations this stage's first block cannot take, before they reach the worker."""
+        x, y, expected = msg.tensors.get("x"), msg.tensors.get("y"), self._input_example
+        where = f"stage {self.assignment.stage} (blocks {self.assignment.blocks[0]}-{self.assignment.blocks[1] - 1})"
+        if x is None or y is None:
+            raise WireError(f"{where}: {msg.kind} message {msg.id} needs tensors 'x' and 'y'")
+        free = 2 if self.task == "lm" else 1  # batch (and sequence) dimensions may vary
+        ok = (x.dtype == expected.dtype and x.dim() == expected.dim() and x.shape[free:] == expected.shape[free:]
+              and 1 <= x.shape[0] <= self.training.batch_size
+              and all(1 <= n <= limit for n, limit in zip(x.shape[1:free], expected.shape[1:free])))
+        if not ok:
+            shape = ["B", *(["T"] if free == 2 else []), *expected.shape[free:]]
+            raise WireError(f"{where} expects activations {expected.dtype} of shape {shape} with "
+                            f"B <= {self.training.batch_size}, got {x.dtype}{list(x.shape)}")
+        if y.dtype != torch.int64 or y.shape != x.shape[:free]:
+            raise WireError(f"{where}: targets must be int64 of shape {list(x.shape[:free])}, "
+                            f"got {y.dtype}{list(y.shape)}")
+
+    # --- the worker thread -------------------------------------------------------------------------
+
+    def _can_admit(self) -> bool:
+        return (self.is_first and self._admitted < self.total_micro_batches
+                and self._admitted - self._completed < self.window)
+
+    def _handle(self, msg: Message | None) -> None:
+        if msg is None:  # stage 0 has room for another micro-batch
+            micro_batch, self._admitted = self._admitted, self._admitted + 1
+            with self.clock.busy():
+                x, y = next(self._batches)
+            self.trace.in_flight(self._admitted - self._completed)
+            self._forward(micro_batch, x.to(self.device), y.to(self.device))
+        elif msg.kind == BACKWARD:
+            self._backward(msg.id, msg.tensors["grad"].to(self.device))
+        elif msg.kind == FORWARD:
+            self._forward(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
+        elif msg.kind == EVAL:
+            self._eval_batch(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
+        elif msg.kind == EVAL_END:
+            self._eval_end(msg.id, final=bool(msg.tags.get("final", 0)))
+        else:
+            raise PipelineError(f"unexpected message kind {msg.kind!r}")
+
+    def _forward(self, micro_batch: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        version = self.optimizer.steps
+        if self.is_last:  # loss and backward at once: the gradient leaves as early as possible
+            scale = 1.0 / self.training.accumulation
+            with self.clock.busy():
+                loss, input_grad = self.compute.forward_backward(x, lambda out: self._loss(out, y) * scale)
+            self.trace.records.append(BackwardRecord(micro_batch, version, version, version))
+            if input_grad is not None:
+                self._send("prev", Message(BACKWARD, micro_batch, {"grad": input_grad}))
+            self.clock.add_loss(float(loss) / scale)
+            self._micro_batch_done()
+            return
+        with self.clock.busy():
+            output = self.compute.forward(micro_batch, x)
+        self._forward_versions[micro_batch] = version
+        if not self.is_first:
+            self.trace.in_flight(self.compute.in_flight)
+        self.inbox.expect_gradient(micro_batch, output.shape)
+        self._send("next", Message(FORWARD, micro_batch, {"x": output, "y": y}))
+
+    def _backward(self, micro_batch: int, grad: torch.Tensor) -> None:
+        with self.clock.busy():
+            result = self.compute.backward(micro_batch, grad)
+        self.trace.records.append(BackwardRecord(micro_batch, self._forward_versions.pop(micro_batch),
+                                                 result.version, self.optimizer.steps))
+        if result.input_grad is not None:
+            self._send("prev", Message(BACKWARD, micro_batch, {"grad": result.input_grad}))
+        self._micro_batch_done()
+
+    def _micro_batch_done(self) -> None:
+        self._completed += 1
+        with self.clock.busy():
+            stepped = self.optimizer.micro_batch_done()
+        if not stepped:
+            return
+        self.compute.step_done()
+        self.clock.step_done()
+        step = self.optimizer.steps
+        if self.averager is not None:
+            self.averager.after_step(step)
+        if step % METRICS_EVERY == 0 or step == self.training.steps:
+            self.on_metrics(self._metrics())
+        if step == self.training.steps:
+            if self.averager is not None:
+                self.averager.finish()  # final synchronous round before the final evaluation
+            if self.is_first:
+                self._evaluate(final=True)
+        elif self.is_first and self.training.eval_every and step % self.training.eval_every == 0:
+            self._evaluate(final=False)
+
+    def _evaluate(self, final: bool) -> None:
+        """Stage 0: stream the whole test set through the pipeline."""
+        round_, self._eval_round = self._eval_round, self._eval_round + 1
+        for x, y in self._dataset.test_batches(self.training.batch_size):
+            self._eval_batch(round_, x.to(self.device), y.to(self.device))
+        self._eval_end(round_, final)
+
+    def _eval_batch(self, round_: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        with self.clock.busy():
+            output = self.compute.evaluate(x)
+            if self.is_last:
+                self._eval.add(output, y, self._loss(output, y))
+        if not self.is_last:
+            self._send("next", Message(EVAL, round_, {"x": output, "y": y}))
+
+    def _eval_end(self, round_: int, final: bool) -> None:
+        if self.is_last:
+            results, self._eval = self._eval.result(), EvalAccumulator()
+            self.final_metrics.update(results)
+            self.on_metrics({**self._metrics(), **results})
+        else:
+            self._send("next", Message(EVAL_END, round_, tags={"final": int(final)}))
+        self._finished = final
+
+    def _metrics(self) -> dict[str, float]:
+        in_flight = self._admitted - self._completed if self.is_first else self.compute.in_flight
+        return {**self.clock.snapshot(), "stage": float(self.assignment.stage), "in_flight": float(in_flight),
+                "lr": self.optimizer.lr}
+
+    # --- outbound streams --------------------------------------------------------------------------
+
+    def _peer(self, side: str) -> StagePeer:
+        return self.assignment.prev if side == "prev" else self.assignment.next
+
+    def _send(self, side: str, msg: Message) -> None:
+        stream = self._streams.get(side)
+        if stream is None:  # opened on first use, then kept for the whole run
+            stream = self._streams[side] = OutboundStream(
+                self._peer(side).address, token=self.assignment.token, codec=self.training.codec)
+            # A send only queues, so a stream the peer failed must wake the worker by itself.
+            # (OutboundStream has no public completion hook; its gRPC future is the truth.)
+            stream._future.add_done_callback(lambda _: self._stream_ended(side, stream))
+        # copy=False: frames are cut on gRPC's thread; nothing writes to sent tensors afterwards
+        stream.send(msg, timeout=self.peer_timeout, copy=False)
+
+    def _stream_ended(self, side: str, stream: OutboundStream) -> None:
+        if self._closing:
+            return
+        try:
+            stream.close(timeout=1.0)
+            reason = "it closed the stream"
+        except PeerError as exc:
+            reason = str(exc)
+        self.inbox.fail(f"stage {self.assignment.stage} lost its {side} stage: {reason}")
+
+    def _close_streams(self) -> None:
+        """Wait until every neighbour has received everything we sent."""
+        self._closing = True
+        for stream in self._streams.values():
+            stream.close(timeout=self.peer_timeout)
+        self._streams.clear()
+
+    def _abort_neighbours(self, reason: str) -> None:
+        """Best effort: tell both neighbours why we stop, so they fail fast with the reason."""
+        self._closing = True
+        for side in ("prev", "next"):
+            peer = self._peer(side)
+            if peer is None:
+                continue
+            try:
+                stream = self._streams.pop(side, None) or OutboundStream(
+                    peer.address, token=self.assignment.token, wait_ready=2.0)
+                stream.send(Message(ABORT, note=reason[:1000]), timeout=2.0)
+                stream.close(timeout=2.0)
+            except PeerError:
+                pass  # the neighbour is gone or failing already
+        for stream in self._streams.values():
+            stream.cancel()
+        self._streams.clear()
+
+    def _watch(self, stop: threading.Event, done: threading.Event) -> None:
+        # threading.Event has no callbacks: wake once a second to see which of the two came first
+        while not done.is_set():
+            if stop.wait(timeout=1.0):
+                self.stop("the run was stopped")
+                return

@@ -1,0 +1,291 @@
+"""The asynchronous pipeline engine: optimizer pieces, weight versioning, and whole pipelines run as
+threads of this process over loopback gRPC (fast; the multi-process runs are in test_pipeline_e2e)."""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ravnest.models import build_model
+from ravnest.pipeline import (PipelineError, StageOptimizer, StageRunner, build_optimizer, lr_factor,
+                              run_single_process, run_threaded_pipeline)
+from ravnest.pipeline.local import make_assignments
+from ravnest.pipeline.stage import stage_module
+from ravnest.pipeline.stash import StageCompute, WeightVersions
+from ravnest.spec import JobSpec, OptimizerRef, TrainingSettings
+from ravnest.wire import Message, OutboundStream, PeerError, PeerServer, Router
+
+TINY_MLP = {"name": "mlp", "config": {"input_dim": 64, "hidden": 32, "depth": 2, "num_classes": 10}}
+MLP_RANGES = [(0, 2), (2, 3), (3, 4)]
+
+
+def make_job(model: dict[str, Any] = TINY_MLP, **training: Any) -> JobSpec:
+    settings = {"steps": 30, "batch_size": 16, "optimizer": {"name": "SGD", "kwargs": {"lr": 0.05}}, **training}
+    return JobSpec.model_validate({"model": model, "dataset": {"name": "digits"}, "training": settings})
+
+
+# --- optimizer, schedule, accumulation --------------------------------------------------------------
+
+def test_lr_schedules_warm_up_then_follow_their_shape() -> None:
+    def factors(schedule: str) -> list[float]:
+        training = TrainingSettings(steps=10, warmup_steps=2, lr_schedule=schedule)
+        return [lr_factor(step, training) for step in range(10)]
+
+    assert factors("constant") == [0.5, 1.0] + [1.0] * 8
+    cosine, linear = factors("cosine"), factors("linear")
+    assert cosine[:3] == [0.5, 1.0, 1.0] and linear[:3] == [0.5, 1.0, 1.0]
+    assert all(a > b for a, b in zip(cosine[2:], cosine[3:])) and cosine[-1] > 0
+    assert linear[6] == pytest.approx(0.5)
+
+
+def test_optimizer_is_chosen_by_name_and_bad_names_are_refused() -> None:
+    params = [nn.Parameter(torch.zeros(3))]
+    assert isinstance(build_optimizer(params, OptimizerRef(name="AdamW", kwargs={"lr": 0.1})), torch.optim.AdamW)
+    for name in ("NoSuchOptimizer", "Optimizer", "lr_scheduler"):
+        with pytest.raises(ValueError, match="unknown optimizer"):
+            build_optimizer(params, OptimizerRef(name=name))
+    with pytest.raises(ValueError, match="rejected kwargs"):
+        build_optimizer(params, OptimizerRef(name="SGD", kwargs={"lr": 0.1, "bogus": 1}))
+
+
+def test_stage_optimizer_steps_once_per_accumulation() -> None:
+    weight = nn.Parameter(torch.zeros(2))
+    optimizer = StageOptimizer([weight], TrainingSettings(
+        accumulation=3, optimizer=OptimizerRef(name="SGD", kwargs={"lr": 1.0})))
+    stepped = []
+    for _ in range(6):
+        weight.grad = torch.ones(2) if weight.grad is None else weight.grad + 1
+        stepped.append(optimizer.micro_batch_done())
+    assert stepped == [False, False, True, False, False, True]
+    assert optimizer.steps == 2 and torch.equal(weight.detach(), torch.full((2,), -6.0))
+
+
+# --- weight versions and recompute ------------------------------------------------------------------
+
+def test_weight_versions_share_snapshots_and_recycle_them() -> None:
+    module = nn.Linear(2, 2)
+    versions = WeightVersions(module)
+    v0, snap_a = versions.acquire()
+    _, snap_b = versions.acquire()
+    assert v0 == 0 and snap_a is snap_b and len(versions) == 1
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    versions.advance()
+    v1, snap_c = versions.acquire()
+    assert v1 == 1 and len(versions) == 2
+    assert torch.equal(snap_c["weight"], module.weight) and not torch.equal(snap_a["weight"], module.weight)
+    versions.release(0)
+    versions.release(0)
+    assert len(versions) == 1  # version 0 retired once its last micro-batch finished
+    versions.release(1)
+    assert len(versions) == 1  # the current version stays for the next forwards
+    versions.advance()
+    assert len(versions) == 0
+
+
+def test_recompute_replays_dropout_and_matches_stash() -> None:
+    torch.manual_seed(1)
+    x, grad_out = torch.randn(8, 6), torch.randn(8, 4)
+    results = []
+    for mode in ("stash", "recompute"):
+        torch.manual_seed(2)
+        module = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+        compute = StageCompute(module, mode=mode, input_grad=True, device=torch.device("cpu"))
+        torch.manual_seed(3)
+        output = compute.forward(0, x)
+        torch.rand(100)  # the global RNG moves on before the backward
+        result = compute.backward(0, grad_out)
+        results.append((output, result.input_grad, [p.grad.clone() for p in module.parameters()]))
+    (out_s, gin_s, grads_s), (out_r, gin_r, grads_r) = results
+    assert torch.equal(out_s, out_r)
+    assert torch.allclose(gin_s, gin_r) and all(torch.allclose(a, b) for a, b in zip(grads_s, grads_r))
+
+
+# --- whole pipelines as threads -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("ranges", [MLP_RANGES, [(0, 4)]], ids=["3-stages", "1-stage"])
+def test_one_micro_batch_in_flight_equals_single_process_training(ranges: list[tuple[int, int]]) -> None:
+    """With K=1 the pipeline is plain synchronous SGD, so it must reproduce the single-process run."""
+    job = make_job(steps=12, accumulation=2, lr_schedule="cosine", warmup_steps=3, microbatches_in_flight=1,
+                   eval_every=5)
+    piped = run_threaded_pipeline(job, ranges, timeout=60)
+    single = run_single_process(job)
+    assert piped["state_dict"].keys() == single["state_dict"].keys()
+    for key, value in single["state_dict"].items():
+        assert torch.allclose(piped["state_dict"][key], value, atol=1e-6), key
+    assert piped["metrics"]["test_accuracy"] == pytest.approx(single["metrics"]["test_accuracy"])
+    assert piped["metrics"]["test_loss"] == pytest.approx(single["metrics"]["test_loss"], rel=1e-5)
+    evaluations = [m for m in piped["history"][-1] if "test_accuracy" in m]
+    assert [m["step"] for m in evaluations] == [5, 10, 12, 12]  # eval_every, the final one, run()'s result
+    assert all(trace["max_in_flight"] <= 1 for trace in piped["traces"])
+
+
+class VersionRecorder:
+    """A stand-in averager: records the stage's live weights after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.history: dict[int, dict[str, torch.Tensor]] = {}
+        self.finished_after: int | None = None
+        self.runner: StageRunner | None = None
+
+    def attach(self, runner: StageRunner) -> None:
+        self.runner = runner
+        self.after_step(0)
+
+    def after_step(self, step: int) -> None:
+        self.history[step] = {k: v.clone() for k, v in self.runner.live_tensors().items()}
+
+    def finish(self) -> None:
+        self.finished_after = max(self.history)
+
+
+@pytest.mark.parametrize("mode", ["stash", "recompute"])
+def test_backward_uses_the_weights_of_its_forward_despite_staleness(mode: str) -> None:
+    window = 3
+    job = make_job(steps=40, microbatches_in_flight=window, weight_stash=mode)
+    recorders = [VersionRecorder() for _ in MLP_RANGES]
+    captured: list[dict[int, tuple]] = [{}, {}]
+
+    def observer(store: dict[int, tuple]):
+        def observe(micro_batch, version, weights, inputs, grad_output, grads):
+            store[micro_batch] = (version, {k: w.detach().clone() for k, w in weights.items()}, inputs.detach().clone(),
+                                  grad_output.clone(), {k: g.clone() for k, g in grads.items()})
+        return observe
+
+    def setup(runners: list[StageRunner]) -> None:
+        for recorder, runner in zip(recorders, runners):
+            recorder.attach(runner)
+        for stage in (0, 1):
+            runners[stage].compute.observer = observer(captured[stage])
+
+    result = run_threaded_pipeline(job, MLP_RANGES, averagers=recorders, setup=setup, timeout=60)
+    traces = result["traces"]
+    assert traces[0]["max_in_flight"] == window  # stage 0 filled the window but never overfilled it
+    assert all(trace["max_in_flight"] <= window for trace in traces)
+    for trace in traces:
+        assert len(trace["records"]) == 40
+        assert all(fwd == bwd for _, fwd, bwd, _ in trace["records"])
+    stale = [r for r in traces[0]["records"] if r[3] > r[1]]
+    assert len(stale) >= 20, "the optimizer must have stepped between forward and backward"
+    assert all(r.finished_after == 40 for r in recorders)  # finish() after the last step
+
+    spec = build_model(job.model.name, job.model.config, seed=job.training.seed)
+    for stage in (0, 1):
+        stage_versions = {r[0]: r[3] for r in traces[stage]["records"]}
+        history = recorders[stage].history
+        module = stage_module(spec.blocks, *MLP_RANGES[stage])
+        assert len(captured[stage]) == 40
+        for micro_batch, (version, weights, inputs, grad_output, grads) in captured[stage].items():
+            for name, weight in weights.items():  # the forward's weights are that version's weights
+                assert torch.equal(weight, history[version][name])
+            if stage_versions[micro_batch] > version:  # ... and not the stage's weights at backward time
+                assert any(not torch.equal(w, history[stage_versions[micro_batch]][k]) for k, w in weights.items())
+            # an independent gradient with plain autograd on those weights
+            module.load_state_dict(weights)
+            inputs = inputs.clone().requires_grad_(stage > 0)
+            expected = torch.autograd.grad(module(inputs), list(module.parameters()), grad_output)
+            for (name, _), want in zip(module.named_parameters(), expected):
+                assert torch.allclose(grads[name], want, atol=1e-6), (stage, micro_batch, name)
+
+
+@pytest.mark.parametrize("mode", ["stash", "recompute"])
+def test_batchnorm_statistics_count_each_micro_batch_once(mode: str) -> None:
+    job = make_job({"name": "cnn", "config": {"channels": [4, 8]}}, steps=15, weight_stash=mode,
+                   optimizer={"name": "Adam", "kwargs": {"lr": 1e-3}})
+    state = run_threaded_pipeline(job, [(0, 1), (1, 2), (2, 4)], timeout=60)["state_dict"]
+    assert int(state["0.1.num_batches_tracked"]) == 15 and int(state["1.1.num_batches_tracked"]) == 15
+    initial = build_model("cnn", {"channels": [4, 8]}, seed=0).full_model().state_dict()
+    assert not torch.equal(state["0.1.running_mean"], initial["0.1.running_mean"])
+
+
+def test_fp16_codec_trains() -> None:
+    job = make_job(steps=100, codec="fp16", microbatches_in_flight=1, optimizer={"name": "Adam", "kwargs": {"lr": 1e-2}})
+    result = run_threaded_pipeline(job, MLP_RANGES, timeout=60)
+    assert result["metrics"]["test_accuracy"] > 0.7
+
+
+def test_wrong_shaped_activation_gets_a_clear_error_and_the_server_keeps_serving() -> None:
+    token = "t0ken"
+    router = Router()
+    server = PeerServer(router, "127.0.0.1", 0, token=token)
+    try:
+        assignment = make_assignments(make_job(), [(0, 2), (2, 4)], ["127.0.0.1:9", server.address], token)[1]
+        runner = StageRunner(assignment, router)
+        labels = torch.zeros(4, dtype=torch.int64)
+
+        def refused(msg: Message, pattern: str) -> None:
+            stream = OutboundStream(server.address, token=token)
+            stream.send(msg)
+            with pytest.raises(PeerError, match=pattern):
+                stream.close(timeout=10)
+
+        refused(Message("forward", 0, {"x": torch.zeros(4, 7), "y": labels}),
+                r"INVALID_ARGUMENT: stage 1 \(blocks 2-3\) expects activations torch.float32 of shape \['B', 32\]")
+        refused(Message("forward", 0, {"x": torch.zeros(4, 32)}), "needs tensors 'x' and 'y'")
+        refused(Message("forward", 0, {"x": torch.zeros(4, 32), "y": labels[:3]}), "targets must be int64")
+        refused(Message("forward", 3, {"x": torch.zeros(4, 32), "y": labels}), "micro-batch 3, expected 0 ")
+        refused(Message("backward", 0, {"grad": torch.zeros(4, 32)}), "UNIMPLEMENTED")  # the last stage
+
+        good = OutboundStream(server.address, token=token)
+        good.send(Message("forward", 0, {"x": torch.zeros(4, 32), "y": labels}))
+        assert good.close(timeout=10).messages == 1
+        assert runner.inbox.get(admit=False, timeout=5).id == 0  # it reached the worker's queue
+    finally:
+        server.stop(0)
+
+
+def test_a_failing_stage_stops_every_stage_with_its_reason() -> None:
+    calls = itertools.count()
+
+    def setup(runners: list[StageRunner]) -> None:
+        original = runners[2].compute.forward_backward
+
+        def failing(x, loss_fn):
+            if next(calls) == 5:
+                raise RuntimeError("boom in the last stage")
+            return original(x, loss_fn)
+
+        runners[2].compute.forward_backward = failing
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="stage 0 failed.*boom in the last stage"):
+        run_threaded_pipeline(make_job(), MLP_RANGES, setup=setup, timeout=60)
+    assert time.monotonic() - start < 30  # neighbours were told, nobody waited for a timeout
+
+
+def test_stop_event_ends_a_waiting_stage() -> None:
+    router = Router()
+    server = PeerServer(router, "127.0.0.1", 0)
+    try:
+        assignment = make_assignments(make_job(), [(0, 2), (2, 4)], ["127.0.0.1:9", server.address], "x")[1]
+        runner = StageRunner(assignment, router)
+        stop = threading.Event()
+        outcome: list[BaseException] = []
+        thread = threading.Thread(target=lambda: outcome.append(pytest.raises(PipelineError, runner.run, stop)))
+        thread.start()
+        stop.set()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        assert "stopped" in str(outcome[0].value)
+    finally:
+        server.stop(0)
+
+
+def test_a_neighbour_refusing_the_stream_fails_the_stage_promptly() -> None:
+    own_router = Router()
+    own, stranger = PeerServer(own_router, "127.0.0.1", 0), PeerServer(Router(), "127.0.0.1", 0)
+    try:  # the next "stage" is a node that runs no stage of this job
+        assignment = make_assignments(make_job(), [(0, 2), (2, 4)], [own.address, stranger.address], "")[0]
+        runner = StageRunner(assignment, own_router, peer_timeout=60)
+        start = time.monotonic()
+        with pytest.raises(PipelineError, match="stage 0 lost its next stage: .*UNIMPLEMENTED"):
+            runner.run()
+        assert time.monotonic() - start < 20
+    finally:
+        own.stop(0)
+        stranger.stop(0)
