@@ -314,8 +314,7 @@ class StageRunner:
             stream = self._streams[side] = OutboundStream(
                 self._peer(side).address, token=self.assignment.token, codec=self.training.codec)
             # A send only queues, so a stream the peer failed must wake the worker by itself.
-            # (OutboundStream has no public completion hook; its gRPC future is the truth.)
-            stream._future.add_done_callback(lambda _: self._stream_ended(side, stream))
+            stream.add_done_callback(lambda ended: self._stream_ended(side, ended))
         # copy=False: frames are cut on gRPC's thread; nothing writes to sent tensors afterwards
         stream.send(msg, timeout=self.peer_timeout, copy=False)
 

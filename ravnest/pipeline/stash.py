@@ -130,7 +130,12 @@ class StageCompute:
         version, weights = self.versions.acquire()
         if self.mode == "stash":
             inputs = self._prepare(x)
-            output = functional_call(self.module, {**weights, **self._buffers}, (inputs,))
+            # The graph keeps copies of the buffers (BatchNorm saves its running stats for backward):
+            # the averager rewrites the live ones in place while this micro-batch is in flight.
+            buffers = {name: b.clone() for name, b in self._buffers.items()}
+            output = functional_call(self.module, {**weights, **buffers}, (inputs,))
+            for name, b in buffers.items():
+                self._buffers[name].copy_(b)
             self._in_flight[micro_batch] = _InFlight(version, weights, inputs, output, None)
             return output.detach()
         rng = _capture_rng(self.device)

@@ -332,6 +332,11 @@ class OutboundStream:
             self._future.cancel()
             raise PeerError(f"peer {self.address}: stream did not finish within {timeout:.0f}s") from None
 
+    def add_done_callback(self, callback: Callable[["OutboundStream"], None]) -> None:
+        """Call `callback(stream)` once the stream has ended (closed, failed or cancelled): a send only
+        queues, so this is how a sender learns promptly that its peer dropped the stream."""
+        self._future.add_done_callback(lambda _: callback(self))
+
     def cancel(self) -> None:
         self._closed = True
         self._future.cancel()
