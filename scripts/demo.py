@@ -33,10 +33,13 @@ def evaluate_model_file(path: Path, spec: JobSpec) -> float:
 
 def describe_plan(job: dict) -> str:
     lines = []
-    for cluster in job.get("plan", {}).get("clusters", []):
-        stages = ", ".join(f"{s['node_name'] or s['node_id'][:8]}[blocks {s['blocks'][0]}-{s['blocks'][1] - 1}]"
-                           for s in cluster["stages"])
-        lines.append(f"  cluster {cluster['index']}: {stages}")
+    for cluster in job["plan"]["clusters"]:
+        stages = " -> ".join(f"node {s['node_id'][:8]} (blocks {s['blocks'][0]}-{s['blocks'][1] - 1})"
+                             for s in cluster["stages"])
+        lines.append(f"  cluster {cluster['cluster']}: {stages}")
+    for ring in job["plan"]["rings"]:
+        lines.append(f"  ring {ring['segment']}: blocks {ring['blocks'][0]}-{ring['blocks'][1] - 1} "
+                     f"averaged across stages {ring['stages']}")
     return "\n".join(lines)
 
 
@@ -66,8 +69,9 @@ def main() -> int:
                 shown["plan"] = True
             m, p = job.get("metrics") or {}, job.get("progress") or {}
             parts = [f"[{time.monotonic() - start:5.0f}s] {job['state']:<9}"]
-            if p:
-                parts.append(f"step {p.get('steps_done', 0)}/{p.get('steps_total', '?')}")
+            if p.get("clusters"):
+                done = min(c["steps_done"] for c in p["clusters"])
+                parts.append(f"step {done}/{p['steps_total']}")
             for key, fmt in (("loss", "loss {:.4f}"), ("samples_per_s", "{:.0f} samples/s"),
                              ("utilization", "utilization {:.2f}"), ("test_accuracy", "test accuracy {:.4f}")):
                 if m.get(key) is not None:

@@ -60,11 +60,11 @@ class LocalCluster:
     def alive_nodes(self) -> list[dict]:
         return [n for n in self.http.get("/v1/nodes").json() if n.get("state") != "gone"]
 
-    def wait_for(self, condition, timeout: float, what: str, interval: float = 0.25):
+    def wait_for(self, condition, timeout: float, what: str, interval: float = 0.25, ignore_exits=False):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for proc in self.procs:
-                if proc.poll() is not None:
+                if proc.poll() is not None and not ignore_exits:
                     raise RuntimeError(f"a process exited early (code {proc.returncode}) while waiting for {what}; "
                                        f"see {self.data_dir / 'logs'}")
             result = condition()

@@ -1,0 +1,54 @@
+"""End to end with real processes on loopback: a coordinator (SQLite) and 4 `ravnest-node` daemons
+train the README's digits CNN job across 2 clusters, then the downloaded model is checked in one
+process."""
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from ravnest.data import load_dataset
+from ravnest.models import build_model
+from ravnest.spec import JobSpec
+from scripts.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json"
+
+
+def test_digits_cnn_job_across_two_clusters(tmp_path):
+    spec_json = json.loads(JOB.read_text())
+    spec = JobSpec.model_validate(spec_json)
+    with LocalCluster(tmp_path, nodes=4) as cluster:
+        job_id = cluster.submit(spec_json)
+        job = cluster.wait_job(job_id, timeout=600)
+        assert job["state"] == "completed", job.get("reason")
+
+        plan = job["plan"]
+        assert len(plan["clusters"]) == 2
+        placed = [s["node_id"] for c in plan["clusters"] for s in c["stages"]]
+        assert len(set(placed)) == 4
+        accuracy = job["metrics"]["test_accuracy"]
+        print(f"pipeline test accuracy {accuracy:.4f}, utilization {job['metrics']['utilization']:.2f}")
+        assert accuracy >= 0.95
+
+        response = cluster.http.get(f"/v1/jobs/{job_id}/model")
+        assert response.status_code == 200
+        model = build_model(spec.model.name, spec.model.config).full_model()
+        model.load_state_dict(load(response.content))
+
+        # A node that gets SIGTERM leaves the coordinator gracefully.
+        leaving = cluster.procs[1]
+        leaving.send_signal(signal.SIGINT)
+        assert leaving.wait(timeout=30) == 0
+        cluster.wait_for(lambda: sum(n["state"] == "gone" for n in cluster.http.get("/v1/nodes").json()) == 1,
+                         timeout=30, what="the node to be listed as gone", ignore_exits=True)
+
+    model.eval()
+    data = load_dataset(spec.dataset)
+    with torch.no_grad():
+        reloaded = (model(data.test_x).argmax(-1) == data.test_y).float().mean().item()
+    print(f"downloaded model, single process: test accuracy {reloaded:.4f}")
+    assert abs(reloaded - accuracy) < 0.01
