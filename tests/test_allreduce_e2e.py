@@ -1,13 +1,10 @@
 """Ring all-reduce with every member in its own OS process, talking over loopback."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` lives at the repo root
-from bench.allreduce import MIB, run_ring  # noqa: E402
+from bench.allreduce import MIB, run_ring
 
 pytestmark = pytest.mark.slow
 
