@@ -283,7 +283,7 @@ def test_a_neighbour_refusing_the_stream_fails_the_stage_promptly() -> None:
         assignment = make_assignments(make_job(), [(0, 2), (2, 4)], [own.address, stranger.address], "")[0]
         runner = StageRunner(assignment, own_router, peer_timeout=60)
         start = time.monotonic()
-        with pytest.raises(PipelineError, match="stage 0 lost its next stage: .*UNIMPLEMENTED"):
+        with pytest.raises(PipelineError, match="stage 0 .*UNIMPLEMENTED"):  # via send() or the stream callback
             runner.run()
         assert time.monotonic() - start < 20
     finally:
