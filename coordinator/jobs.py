@@ -112,7 +112,7 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int) -> StageAssign
     stages = plan.clusters[cluster].stages
     peer = lambda s: StagePeer(node_id=stages[s].node_id, address=stages[s].address)  # noqa: E731
     rings = [] if spec.averaging.strategy == "none" else [
-        Ring(segment=ring.segment, blocks=ring.blocks,
+        Ring(segment=ring.segment, blocks=ring.blocks, weights=ring.weights,
              members=[StagePeer(node_id=plan.clusters[c].stages[s].node_id, address=plan.clusters[c].stages[s].address)
                       for c, s in enumerate(ring.stages)])
         for ring in plan.rings if ring.stages[cluster] == stage]
@@ -152,11 +152,16 @@ def metrics(stages: list[StageRow]) -> JobMetrics:
             last[row.cluster] = row
     tails = [last[c].metrics for c in sorted(last)]
     throughput = [m["samples_per_s"] for m in tails if "samples_per_s" in m]
+    averaging = [row.metrics for row in stages if "avg_rounds" in row.metrics]
     return JobMetrics(
         loss=_mean([m["loss"] for m in tails if "loss" in m]),
         samples_per_s=sum(throughput) if throughput else None,
         utilization=_mean([row.metrics["utilization"] for row in stages if "utilization" in row.metrics]),
         test_accuracy=tails[0].get("test_accuracy") if tails else None,
+        averaging_rounds=min((m["avg_rounds"] for m in averaging), default=None),
+        averaging_round_s=_mean([m["avg_round_s"] for m in averaging if "avg_round_s" in m]),
+        averaging_stall_fraction=max((m.get("avg_stall_s", 0.0) / m["elapsed_s"] for m in averaging
+                                      if m.get("elapsed_s", 0) > 0), default=None),
         stages=[StageMetrics(cluster=row.cluster, stage=row.stage, node_id=row.node_id, step=row.step,
                              metrics=row.metrics, weights_uploaded=row.weights_uploaded) for row in stages])
 

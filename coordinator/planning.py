@@ -15,12 +15,17 @@ Rules (see also docs in examples/jobs/README.md):
   gives cut points valid for every replica: one O(L * blocks^2) DP per group, not per replica,
   which is what keeps 10,000 nodes fast. Each replica's stage times are then predicted from its
   own nodes.
+- Ring shares: each ring member reduces a share of the segment balanced against the ring's link
+  rates (member r -> r+1 estimated as the slower end's bandwidth to the coordinator), so a slow
+  member does not bound the round; equal shares when the links are equal or the ring is large.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from ravnest.averaging.segments import segment_rings
+from ravnest.averaging.shares import balanced_shares
 from ravnest.models.profile import BlockCost
 from ravnest.partition import NodeCapacity, PartitionError, partition, stage_memory_bytes, stage_seconds
 from ravnest.spec import Placement
@@ -88,11 +93,28 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                                                  blocks=blocks, predicted_seconds=seconds)
                     for s, (node, blocks, seconds) in enumerate(zip(replica, ranges, stage_times))]))
     rings = [PlannedRing.model_construct(segment=i, blocks=blocks, stages=stages,
-                                         members=[clusters[c].stages[s].node_id for c, s in enumerate(stages)])
+                                         members=[clusters[c].stages[s].node_id for c, s in enumerate(stages)],
+                                         weights=ring_weights([pipelines[c][0][s] for c, s in enumerate(stages)]))
              for i, (blocks, stages) in enumerate(segment_rings([ranges for _, ranges in pipelines]))]
     throughput = sum(batch_size / c.predicted_bottleneck_seconds for c in clusters
                      if c.predicted_bottleneck_seconds > 0)
     return Plan.model_construct(clusters=clusters, rings=rings, unused=unused, predicted_samples_per_s=throughput)
+
+
+MAX_WEIGHTED_RING = 16  # balancing costs O(members^2) per iteration; larger rings share equally
+
+
+def ring_weights(members: Sequence[NodeInfo]) -> list[float] | None:
+    """Share weights for a ring of these members (in ring order), or None for equal shares."""
+    links = tuple(min(here.bandwidth, after.bandwidth) for here, after in zip(members, [*members[1:], members[0]]))
+    if len(links) < 2 or len(links) > MAX_WEIGHTED_RING or min(links) == max(links):
+        return None
+    return _balanced(links)
+
+
+@lru_cache(maxsize=1024)  # replicas dealt from one group often give rings with the same links
+def _balanced(links: tuple[float, ...]) -> list[float]:
+    return balanced_shares(list(links), iterations=200)  # within 1e-4 of 4000 iterations' bound
 
 
 def _split_group(costs: list[BlockCost], chain: list[NodeInfo], length: int, in_flight: int | None,

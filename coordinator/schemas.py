@@ -44,6 +44,8 @@ class PlannedRing(BaseModel):
     blocks: tuple[int, int]
     stages: list[int] = Field(description="the stage holding this segment, per cluster")
     members: list[str] = Field(description="node ids holding this segment, per cluster")
+    weights: list[float] | None = Field(None, description="share of the segment each member reduces "
+                                                          "(balanced against bandwidth); None: equal")
 
 
 class Plan(BaseModel):
@@ -85,6 +87,12 @@ class JobMetrics(BaseModel):
     samples_per_s: float | None = Field(None, description="sum over clusters (last stage)")
     utilization: float | None = Field(None, description="mean over all stages")
     test_accuracy: float | None = Field(None, description="cluster 0's last stage, when evaluated")
+    averaging_rounds: float | None = Field(None, description="averaging rounds applied, fewest over the "
+                                                             "stages that average")
+    averaging_round_s: float | None = Field(None, description="mean seconds per round, over those stages")
+    averaging_stall_fraction: float | None = Field(
+        None, description="largest share of a stage's time spent waiting on averaging; near 0 means the "
+                          "pipeline kept running while rounds were in flight")
     stages: list[StageMetrics] = Field(default_factory=list)
 
 

@@ -120,7 +120,8 @@ class NodeDaemon:
         try:
             runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics)
             # The averager works on the runner's live tensors, so it is attached once they exist.
-            runner.averager = make_averager(a, self.router, runner.live_tensors(), device=self.device)
+            runner.averager = make_averager(a, self.router, runner.live_tensors(), device=self.device,
+                                            optimizer_state=runner.optimizer_tensors)
             final = runner.run(stop)
             self.progress.update(prefix, final, final=True)
             reporter.close()  # final metrics reach the coordinator before the weights do

@@ -50,7 +50,11 @@ class TrainingSettings(_Strict):
 class AveragingSettings(_Strict):
     strategy: Literal["ring", "none"] = "ring"
     every: PositiveInt = Field(50, description="local optimizer steps between averaging rounds")
+    every_seconds: float | None = Field(
+        None, gt=0, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")
     codec: Literal["", "fp16", "bf16", "int8"] = ""
+    average_optimizer_state: bool = Field(
+        False, description="also average the optimizer's per-parameter state (e.g. Adam's moments)")
 
 
 class Placement(_Strict):
@@ -78,6 +82,9 @@ class Ring(_Strict):
     segment: int
     blocks: tuple[int, int]
     members: list[StagePeer]
+    weights: list[float] | None = Field(
+        None, description="share of the vector each member reduces, per member (default equal); "
+                          "balanced against the members' bandwidth")
 
 
 class StageAssignment(_Strict):

@@ -91,3 +91,22 @@ def test_ten_thousand_nodes_for_a_48_block_model_plan_fast() -> None:
     assert placed + len(plan.unused) == 10_000 and placed > 9_900
     assert all(len(c.stages) <= 16 for c in plan.clusters)
     assert elapsed < 5.0  # about 0.3 s on an idle core (bench/planner.py); loose for a shared machine
+
+
+def test_ring_shares_are_balanced_against_the_members_bandwidth() -> None:
+    from ravnest.averaging import ring_time_bound
+
+    costs = mlp_costs()
+    nodes = [node("fast1", bandwidth=1e9), node("fast2", flops=2e10, bandwidth=1e9), node("slow", bandwidth=1e7)]
+    plan = plan_job(costs, nodes, Placement(clusters=3, min_nodes=3), batch_size=32)
+    bandwidth = {n.node_id: n.bandwidth for n in nodes}
+    for ring in plan.rings:
+        rates = [bandwidth[m] for m in ring.members]
+        links = [min(a, b) for a, b in zip(rates, [*rates[1:], rates[0]])]
+        assert ring.weights is not None and len(ring.weights) == 3
+        # equal shares load each slow link with 4/3 of the segment; balanced ones with 1 of it
+        assert ring_time_bound(1.0, ring.weights, links) == pytest.approx(1 / 1e7, rel=1e-3)
+        assert ring_time_bound(1.0, [1.0] * 3, links) == pytest.approx(4 / 3 / 1e7, rel=1e-3)
+    equal = plan_job(costs, [node(f"n{i}", flops=1e10 * (i + 1)) for i in range(3)], Placement(clusters=3, min_nodes=3),
+                     batch_size=32)
+    assert all(ring.weights is None for ring in equal.rings)  # equal links: equal shares

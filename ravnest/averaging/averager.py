@@ -1,16 +1,34 @@
 """Keeps one stage's segments close to the other clusters' copies, without draining the pipeline.
 
-Every `averaging.every` optimizer steps the stage snapshots each segment it holds and averages the
-snapshots in the background, all its rings at once. Training goes on meanwhile; when the round is
-done the stage applies x += avg(snapshot) - snapshot, so the local progress made during the round is
-kept. Rounds are numbered by the step that triggered them (step // every), so every member of a ring
-runs the same rounds in the same order even when clusters train at different speeds; the final round
-(`finish`) runs in raw fp32 and sets every replica to exactly the same average.
+When a round is due the stage snapshots each segment it holds and averages the snapshots in the
+background, one thread per ring. Training goes on meanwhile; when a segment's round is done the stage
+applies x += avg(snapshot) - snapshot, so the local progress made during the round is kept.
+
+Every member of a ring must run the same rounds in the same order, whatever the clusters' speeds:
+- `averaging.every` steps: round number = step // every. All clusters train the same number of steps,
+  so they agree on the rounds by construction. The round started after step s is applied after step
+  s + max(1, every // 2) (waiting there only if the network is slower than that much compute), not
+  whenever it happens to finish: then every stage of a cluster, and every cluster, takes the
+  correction at the same step. Applying "when done" let one stage of a pipeline take it several
+  steps before its neighbour, feeding averaged blocks from unaveraged ones; with Adam that made
+  training unstable now and then (loss rising tenfold), which the fixed delay does not.
+- `averaging.every_seconds`: rounds 0, 1, 2, ... are *committed*: round k+1 is decided when round k
+  ends, identically on every member, and a member starts it once `every_seconds` have passed since
+  it started round k. Each round also all-reduces a flag "this member has finished training"; a
+  member that finishes runs the committed round at once with the flag set, and once a round carried
+  a set flag no further periodic round is committed. So nobody waits for a round a peer will never
+  start, although clusters run different numbers of steps within the same time.
+Rings are scheduled independently (each has its own members), so one ring's round never waits on
+another's. The final round (`finish`) runs in raw fp32 and sets every replica to exactly the same
+average. With `average_optimizer_state` the optimizer's per-parameter state (e.g. Adam's moments)
+travels with the parameters.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -19,38 +37,60 @@ from ravnest.averaging.ring import RingMember
 from ravnest.spec import StageAssignment
 from ravnest.wire import Router
 
-FINAL_ROUND = 1 << 40  # above every periodic round number (step // every)
+FINAL_ROUND = 1 << 40  # above every periodic round's wire number
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class RoundRecord:
+    """One periodic round of one segment, timed on the perf_counter clock (for metrics and tests)."""
+    segment: int
+    number: int
+    started: float
+    ended: float
+
+
+@dataclass
+class _Outcome:
+    snapshot: torch.Tensor
+    average: torch.Tensor
+    ended: float
+    anyone_finished: bool = False  # time mode: a member had finished training when it joined
 
 
 @dataclass
 class _Segment:
     member: RingMember
-    layout: FlatLayout
+    blocks: tuple[int, int]
+    layout: FlatLayout | None = None  # built at the first round: optimizer state appears at the first step
     # reused every round (rounds of one segment never overlap): fresh large buffers cost page faults
-    snapshot: torch.Tensor
-    average: torch.Tensor
-
-
-@dataclass
-class _Round:
-    number: int
-    futures: list[Future]  # per segment: (snapshot, average), views of the segment's buffers
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
+    snapshot: torch.Tensor | None = None
+    average: torch.Tensor | None = None
+    running: Future | None = None
+    running_round: int = 0
+    apply_at: int = 0  # step mode: the step after which the running round is applied
+    started: float = 0.0
+    pending: list[int] = field(default_factory=list)  # step mode: rounds due but not started yet
+    committed: int | None = 0  # time mode: the next round every member will run; None: no more
+    due_at: float = 0.0        # time mode: when this member starts the committed round
 
 
 class Averager:
     """Periodic, overlapped averaging of the segments `assignment.rings` names.
 
     `live` maps "{i}.<name>" (global block index i) to the stage's live parameters and floating
-    buffers; they are only read and written on the caller's thread, inside `after_step`/`finish`.
+    buffers; `optimizer_state()` (used with `averaging.average_optimizer_state`) returns the
+    optimizer's floating per-parameter state keyed the same way plus ":<state name>". All of them are
+    only read and written on the caller's thread, inside `after_step`/`flush`/`finish`.
     """
 
-    def __init__(self, assignment: StageAssignment, router: Router, live: dict[str, torch.Tensor], *,
-                 device: str | torch.device = "cpu", step_timeout: float = 300.0):
-        self.every = assignment.averaging.every
+    def __init__(self, assignment: StageAssignment, router: Router, live: Tensors, *,
+                 device: str | torch.device = "cpu", step_timeout: float = 300.0,
+                 optimizer_state: Callable[[], Tensors] | None = None):
+        settings = assignment.averaging
+        self.every, self.every_seconds = settings.every, settings.every_seconds
         self.live = live
+        self._optimizer_state = optimizer_state if settings.average_optimizer_state else None
         self.device = torch.device(device)
         for ring in assignment.rings:  # check them all before joining any
             if not (assignment.blocks[0] <= ring.blocks[0] < ring.blocks[1] <= assignment.blocks[1]):
@@ -59,51 +99,58 @@ class Averager:
             if len(ring.members) != assignment.num_clusters:
                 raise ValueError(f"ring of segment {ring.segment} has {len(ring.members)} members for "
                                  f"{assignment.num_clusters} clusters")
-        self._segments: list[_Segment] = []
-        for ring in assignment.rings:
-            member = RingMember(assignment.cluster, [m.address for m in ring.members], router,
-                                assignment.token, segment=ring.segment, codec=assignment.averaging.codec,
-                                step_timeout=step_timeout)
-            layout = FlatLayout(live, canonical_keys(live, ring.blocks))
-            buffers = torch.empty(layout.numel), torch.empty(layout.numel)
-            self._segments.append(_Segment(member, layout, *buffers))
+        now = time.perf_counter()
+        self._segments = [
+            _Segment(RingMember(assignment.cluster, [m.address for m in ring.members], router, assignment.token,
+                                segment=ring.segment, weights=ring.weights, codec=settings.codec,
+                                step_timeout=step_timeout),
+                     tuple(ring.blocks), due_at=now + (self.every_seconds or 0.0))
+            for ring in assignment.rings]
         # one thread per ring: a node serves all its rings at once
         self._pool = ThreadPoolExecutor(max(1, len(self._segments)), thread_name_prefix="ravnest-avg")
-        self._running: _Round | None = None
-        self._pending: list[int] = []  # rounds triggered while another was still running
+        self.history: list[RoundRecord] = []
+        self.stall_s = 0.0  # time the training thread spent in here, outside `finish`
 
     def after_step(self, step: int) -> None:
         """Call right after optimizer step number `step` (1 after the first step). Cheap unless a
-        round finished (apply it) or is due (snapshot and start it); blocks only when the network
-        is so slow that two rounds are already waiting."""
-        if self._running is not None and self._running.done():
-            self._apply_running()
-        if step > 0 and step % self.every == 0:
-            self._pending.append(step // self.every)
-        if self._running is not None and len(self._pending) > 1:
-            wait(self._running.futures)
-            self._apply_running()
-        if self._running is None and self._pending:
-            self._running = self._start(self._pending.pop(0))
+        round is to be applied or due (snapshot and start it); blocks only when a round (step mode)
+        is not done `every // 2` steps after it started."""
+        entered = time.perf_counter()
+        for segment in self._segments:
+            if self.every_seconds is None:
+                if segment.running is not None and step >= segment.apply_at:
+                    self._apply(segment)  # waits if the round is not done yet
+                if step > 0 and step % self.every == 0:
+                    segment.pending.append(step // self.every)
+                if segment.running is None and segment.pending:
+                    self._start(segment, segment.pending.pop(0))
+                    segment.apply_at = step + max(1, self.every // 2)
+            else:
+                if segment.running is not None and segment.running.done():
+                    self._apply(segment)
+                if segment.running is None and segment.committed is not None and entered >= segment.due_at:
+                    self._start(segment, segment.committed)
+        self.stall_s += time.perf_counter() - entered
 
     def flush(self) -> None:
-        """Block until every started or due round has run and been applied (e.g. before a checkpoint)."""
-        while self._running is not None or self._pending:
-            if self._running is None:
-                self._running = self._start(self._pending.pop(0))
-            wait(self._running.futures)
-            self._apply_running()
+        """Block until every started or due round has run and been applied (e.g. before a
+        checkpoint). Every ring's next round starts before any is waited for: a peer may be
+        waiting on one ring for us while we wait on another for it."""
+        entered = time.perf_counter()
+        self._drain(finishing=False)
+        self.stall_s += time.perf_counter() - entered
 
     def finish(self) -> None:
-        """After the last step: `flush`, then one synchronous raw-fp32 round that sets the live
-        tensors exactly to the average (equal in every cluster)."""
-        self.flush()
-        final = self._start(FINAL_ROUND, codec="")
+        """After the last step: run what is due or committed, then one synchronous raw-fp32 round
+        that sets the live tensors exactly to the average (equal in every cluster)."""
+        self._drain(finishing=True)
+        final = [(segment, self._submit(segment, FINAL_ROUND, codec="")) for segment in self._segments]
         with torch.no_grad():
-            for segment, future in zip(self._segments, final.futures):
-                _, average = future.result()
-                for key, value in segment.layout.views(average.to(self.device)).items():
-                    self.live[key].copy_(value)
+            for segment, future in final:
+                average = future.result().average.to(self.device)
+                tensors = self._tensors()
+                for key, value in segment.layout.views(average).items():
+                    tensors[key].copy_(value)
 
     def close(self) -> None:
         """Leave every ring; a round still running is abandoned (its thread ends at once)."""
@@ -111,35 +158,88 @@ class Averager:
             segment.member.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def metrics(self) -> dict[str, float]:
+        """Rounds applied (summed over this node's rings), their mean duration, and the seconds the
+        training thread spent in the averager: with overlap, a small fraction of the run."""
+        figures = {"avg_rounds": float(len(self.history)), "avg_stall_s": self.stall_s}
+        if self.history:
+            figures["avg_round_s"] = sum(r.ended - r.started for r in self.history) / len(self.history)
+        return figures
+
     # --- internals ------------------------------------------------------------------------------
 
-    def _start(self, number: int, codec: str | None = None) -> _Round:
-        futures = []
-        for segment in self._segments:
-            segment.layout.flatten(self.live, out=segment.snapshot)
-            futures.append(self._pool.submit(_average, segment, number, codec))
-        return _Round(number, futures)
+    def _tensors(self) -> Tensors:
+        if self._optimizer_state is None:
+            return self.live
+        return {**self.live, **self._optimizer_state()}
 
-    def _apply_running(self) -> None:
-        """x += avg(snapshot) - snapshot for every tensor of the finished round."""
-        running, self._running = self._running, None
+    def _drain(self, finishing: bool) -> None:
+        while True:
+            for segment in self._segments:
+                if segment.running is not None:
+                    continue
+                if self.every_seconds is None and segment.pending:
+                    self._start(segment, segment.pending.pop(0))
+                elif self.every_seconds is not None and finishing and segment.committed is not None:
+                    self._start(segment, segment.committed, finishing=True)
+            running = [s for s in self._segments if s.running is not None]
+            if not running:
+                return
+            wait([s.running for s in running])
+            for segment in running:
+                self._apply(segment)
+
+    def _start(self, segment: _Segment, number: int, finishing: bool = False) -> None:
+        segment.started = time.perf_counter()
+        segment.running_round = number
+        segment.running = self._submit(segment, number, finishing=finishing)
+        if self.every_seconds is not None:
+            segment.due_at = segment.started + self.every_seconds
+
+    def _submit(self, segment: _Segment, number: int, codec: str | None = None,
+                finishing: bool = False) -> Future:
+        """Snapshot the segment (on the caller's thread) and average it on the segment's thread."""
+        tensors = self._tensors()
+        keys = canonical_keys(tensors, segment.blocks)
+        if segment.layout is None or segment.layout.keys != keys:
+            segment.layout = FlatLayout(tensors, keys)
+            segment.snapshot, segment.average = torch.empty(segment.layout.numel), torch.empty(segment.layout.numel)
+        segment.layout.flatten(tensors, out=segment.snapshot)
+        timed = self.every_seconds is not None and number != FINAL_ROUND
+        return self._pool.submit(_average, segment, number, codec, finishing if timed else None)
+
+    def _apply(self, segment: _Segment) -> None:
+        """x += avg(snapshot) - snapshot for every tensor of the segment's finished round."""
+        future, segment.running = segment.running, None
+        outcome: _Outcome = future.result()  # re-raises the ring's error, naming peer and step
+        self.history.append(RoundRecord(segment.member.segment, segment.running_round, segment.started,
+                                        outcome.ended))
+        if self.every_seconds is not None:
+            segment.committed = None if outcome.anyone_finished else segment.running_round + 1
+        tensors = self._tensors()
         with torch.no_grad():
-            for segment, future in zip(self._segments, running.futures):
-                snapshot, average = future.result()  # re-raises the ring's error, naming peer and step
-                delta = average.sub_(snapshot).to(self.device)
-                for key, value in segment.layout.views(delta).items():
-                    target = self.live[key]
-                    target.add_(value.to(device=target.device, dtype=target.dtype))
+            delta = outcome.average.sub_(outcome.snapshot).to(self.device)
+            for key, value in segment.layout.views(delta).items():
+                target = tensors[key]
+                target.add_(value.to(device=target.device, dtype=target.dtype))
 
 
-def _average(segment: _Segment, number: int, codec: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    average = segment.member.allreduce(segment.snapshot, number, codec=codec, out=segment.average)
-    return segment.snapshot, average
+def _average(segment: _Segment, number: int, codec: str | None, finishing: bool | None) -> _Outcome:
+    """The ring work of one round. Time mode (`finishing` not None) also all-reduces the finished
+    flag, exactly (raw fp32), under the odd wire round next to the data's even one."""
+    wire_round = number if finishing is None else 2 * number
+    average = segment.member.allreduce(segment.snapshot, wire_round, codec=codec, out=segment.average)
+    anyone_finished = False
+    if finishing is not None:
+        flag = torch.tensor([1.0 if finishing else 0.0])
+        anyone_finished = bool(segment.member.allreduce(flag, wire_round + 1, codec="")[0] > 0)
+    return _Outcome(segment.snapshot, average, time.perf_counter(), anyone_finished)
 
 
-def make_averager(assignment: StageAssignment, router: Router, live: dict[str, torch.Tensor],
-                  device: str | torch.device = "cpu") -> Averager | None:
+def make_averager(assignment: StageAssignment, router: Router, live: Tensors,
+                  device: str | torch.device = "cpu",
+                  optimizer_state: Callable[[], Tensors] | None = None) -> Averager | None:
     """The averager this assignment asks for, or None when there is nothing to average."""
     if assignment.averaging.strategy == "none" or assignment.num_clusters == 1 or not assignment.rings:
         return None
-    return Averager(assignment, router, live, device=device)
+    return Averager(assignment, router, live, device=device, optimizer_state=optimizer_state)

@@ -1,5 +1,6 @@
-"""Run a whole pipeline on this machine: one OS process (or thread) per stage over loopback gRPC, and
-the single-process reference that trains the same model on the same data for comparison."""
+"""Run whole pipelines on this machine: one OS process (or thread) per stage over loopback gRPC, one
+pipeline or several clusters averaging across rings, and the single-process reference that trains
+the same model on the same data for comparison."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -14,12 +15,13 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ravnest.averaging import Averager, make_averager, segment_rings
 from ravnest.data import load_dataset
 from ravnest.models import build_model
 from ravnest.pipeline.metrics import EvalAccumulator, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.stage import StageRunner
-from ravnest.spec import JobSpec, StageAssignment, StagePeer
+from ravnest.spec import JobSpec, Ring, StageAssignment, StagePeer
 from ravnest.wire import PeerServer, Router
 
 Ranges = Sequence[tuple[int, int]]
@@ -27,16 +29,39 @@ ROUTE_WAIT_S = 60.0  # stages start at different moments: a message may arrive b
 
 
 def make_assignments(job: JobSpec, ranges: Ranges, addresses: list[str], token: str,
-                     job_id: str = "local") -> list[StageAssignment]:
+                     job_id: str = "local", *, cluster: int = 0, num_clusters: int = 1) -> list[StageAssignment]:
     """Assignments for one cluster whose stage s holds blocks ranges[s] and listens at addresses[s]."""
     if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or ranges[0][0] != 0:
         raise ValueError(f"stage ranges must be contiguous from block 0: {list(ranges)}")
-    peers = [StagePeer(node_id=f"stage{s}", address=address) for s, address in enumerate(addresses)]
+    peers = [StagePeer(node_id=f"cluster{cluster}-stage{s}", address=address) for s, address in enumerate(addresses)]
     return [StageAssignment(
-        job_id=job_id, token=token, cluster=0, num_clusters=1, stage=s, num_stages=len(ranges),
+        job_id=job_id, token=token, cluster=cluster, num_clusters=num_clusters, stage=s, num_stages=len(ranges),
         blocks=tuple(ranges[s]), model=job.model, dataset=job.dataset, training=job.training,
         averaging=job.averaging, prev=peers[s - 1] if s > 0 else None,
         next=peers[s + 1] if s + 1 < len(ranges) else None) for s in range(len(ranges))]
+
+
+def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], addresses: list[list[str]],
+                             token: str, job_id: str = "local") -> list[list[StageAssignment]]:
+    """Assignments for several clusters (each may cut the model differently): cluster c's stage s
+    holds cluster_ranges[c][s], listens at addresses[c][s] and joins the rings of its segments."""
+    clusters = [make_assignments(job, ranges, addrs, token, job_id, cluster=c, num_clusters=len(cluster_ranges))
+                for c, (ranges, addrs) in enumerate(zip(cluster_ranges, addresses))]
+    if job.averaging.strategy == "none" or len(clusters) < 2:
+        return clusters
+    for segment, (blocks, holders) in enumerate(segment_rings([list(r) for r in cluster_ranges])):
+        ring = Ring(segment=segment, blocks=blocks, members=[
+            StagePeer(node_id=f"cluster{c}-stage{s}", address=addresses[c][s]) for c, s in enumerate(holders)])
+        for c, s in enumerate(holders):
+            clusters[c][s].rings.append(ring)
+    return clusters
+
+
+def attach_averager(runner: StageRunner, router: Router, device: str | torch.device) -> Averager | None:
+    """Give `runner` the averager its assignment asks for (None when there is nothing to average)."""
+    runner.averager = make_averager(runner.assignment, router, runner.live_tensors(), device=device,
+                                    optimizer_state=runner.optimizer_tensors)
+    return runner.averager
 
 
 def _trace_summary(runner: StageRunner) -> dict[str, Any]:
@@ -66,7 +91,12 @@ def _stage_process(conn: Connection, token: str, threads: int, device: str) -> N
         assignment = StageAssignment.model_validate_json(conn.recv())
         history: list[dict[str, float]] = []
         runner = StageRunner(assignment, router, device=device, on_metrics=history.append)
-        metrics = runner.run()
+        averager = attach_averager(runner, router, device)
+        try:
+            metrics = runner.run()
+        finally:
+            if averager is not None:
+                averager.close()
         # tensors travel as safetensors bytes, never pickled
         conn.send({"metrics": metrics, "history": history, "trace": _trace_summary(runner),
                    "state": save_tensors(runner.state_dict())})
@@ -111,13 +141,22 @@ def run_local_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 600,
     Returns {"metrics": last stage's final metrics, "stages": every stage's, "history": on_metrics
     reports per stage, "traces": per-stage version records, "state_dict": the merged full model}.
     """
+    return run_local_clusters(job, [ranges], timeout=timeout, threads_per_stage=threads_per_stage,
+                              device=device)[0]
+
+
+def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeout: float = 600,
+                       threads_per_stage: int = 1, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
+    """Train `job` as several clusters (cluster c cut as cluster_ranges[c]) averaging over rings,
+    one process per stage on 127.0.0.1; one run_local_pipeline-like result per cluster."""
+    flat = [(c, s) for c, ranges in enumerate(cluster_ranges) for s in range(len(ranges))]
     context = mp.get_context("spawn")
     token = secrets.token_hex(16)
     deadline = time.monotonic() + timeout
     pipes: list[Connection] = []
     processes: list[mp.Process] = []
     try:
-        for _ in ranges:
+        for _ in flat:
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_stage_process, daemon=True,
                                       args=(child_end, token, threads_per_stage, str(device)))
@@ -126,8 +165,11 @@ def run_local_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 600,
             pipes.append(parent_end)
             processes.append(process)
         addresses = _gather(pipes, processes, deadline)
-        for pipe, assignment in zip(pipes, make_assignments(job, ranges, addresses, token)):
-            pipe.send(assignment.model_dump_json())
+        by_cluster = [[addresses[flat.index((c, s))] for s in range(len(ranges))]
+                      for c, ranges in enumerate(cluster_ranges)]
+        assignments = make_cluster_assignments(job, cluster_ranges, by_cluster, token)
+        for pipe, (c, s) in zip(pipes, flat):
+            pipe.send(assignments[c][s].model_dump_json())
         results = _gather(pipes, processes, deadline)
         for pipe in pipes:
             pipe.send("shutdown")
@@ -138,7 +180,9 @@ def run_local_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 600,
             if process.is_alive():
                 process.kill()
                 process.join()
-    return _result(results, [load_tensors(r["state"]) for r in results])
+    return [_result([results[i] for i, (c, _) in enumerate(flat) if c == cluster],
+                    [load_tensors(results[i]["state"]) for i, (c, _) in enumerate(flat) if c == cluster])
+            for cluster in range(len(cluster_ranges))]
 
 
 # --- one thread per stage (tests: runners stay inspectable) --------------------------------------------
@@ -147,45 +191,83 @@ def run_threaded_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 300,
                           device: str | torch.device = "cpu", averagers: Sequence[Any] | None = None,
                           setup: Callable[[list[StageRunner]], None] | None = None) -> dict[str, Any]:
     """Like run_local_pipeline but every stage is a thread of this process; the result also holds
-    "runners". `setup(runners)` runs before training starts (e.g. to attach observers)."""
-    token = secrets.token_hex(16)
-    routers = [Router(wait_for_route=ROUTE_WAIT_S) for _ in ranges]
-    servers = [PeerServer(router, "127.0.0.1", 0, token=token) for router in routers]
-    try:
-        assignments = make_assignments(job, ranges, [s.address for s in servers], token)
-        histories: list[list[dict[str, float]]] = [[] for _ in ranges]
-        runners = [StageRunner(a, router, device=device, on_metrics=history.append, peer_timeout=timeout,
-                               averager=averagers[s] if averagers else None)
-                   for s, (a, router, history) in enumerate(zip(assignments, routers, histories))]
+    "runners". `averagers` (stand-ins, one per stage) are attached as given; `setup(runners)` runs
+    before training starts (e.g. to attach observers)."""
+    def attach(runners: list[list[StageRunner]], routers: list[list[Router]]) -> None:
+        for s, runner in enumerate(runners[0]):
+            runner.averager = averagers[s] if averagers else None
+        if setup is not None:
+            setup(runners[0])
+    return _run_threads(job, [ranges], timeout, device, attach)[0]
+
+
+def run_threaded_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeout: float = 300,
+                          device: str | torch.device = "cpu",
+                          setup: Callable[[list[list[StageRunner]]], None] | None = None) -> list[dict[str, Any]]:
+    """Like run_local_clusters but every stage of every cluster is a thread of this process, with the
+    averager its assignment asks for; each cluster's result also holds "runners" and "averagers"."""
+    def attach(runners: list[list[StageRunner]], routers: list[list[Router]]) -> None:
+        for cluster_runners, cluster_routers in zip(runners, routers):
+            for runner, router in zip(cluster_runners, cluster_routers):
+                attach_averager(runner, router, device)
         if setup is not None:
             setup(runners)
-        outcomes: list[Any] = [None] * len(runners)
+    results = _run_threads(job, cluster_ranges, timeout, device, attach)
+    for result in results:
+        result["averagers"] = [runner.averager for runner in result["runners"]]
+    return results
 
-        def run(stage: int) -> None:
+
+def _run_threads(job: JobSpec, cluster_ranges: Sequence[Ranges], timeout: float, device: str | torch.device,
+                 attach: Callable[[list[list[StageRunner]], list[list[Router]]], None]) -> list[dict[str, Any]]:
+    token = secrets.token_hex(16)
+    routers = [[Router(wait_for_route=ROUTE_WAIT_S) for _ in ranges] for ranges in cluster_ranges]
+    servers = [PeerServer(router, "127.0.0.1", 0, token=token) for cluster in routers for router in cluster]
+    addresses = iter(server.address for server in servers)
+    histories: list[list[list[dict[str, float]]]] = [[[] for _ in ranges] for ranges in cluster_ranges]
+    runners: list[list[StageRunner]] = []
+    try:
+        assignments = make_cluster_assignments(
+            job, cluster_ranges, [[next(addresses) for _ in ranges] for ranges in cluster_ranges], token)
+        runners = [[StageRunner(a, router, device=device, on_metrics=history.append, peer_timeout=timeout)
+                    for a, router, history in zip(*cluster)] for cluster in zip(assignments, routers, histories)]
+        attach(runners, routers)
+        flat = [runner for cluster in runners for runner in cluster]
+        outcomes: list[Any] = [None] * len(flat)
+
+        def run(index: int) -> None:
             try:
-                outcomes[stage] = runners[stage].run()
+                outcomes[index] = flat[index].run()
             except BaseException as exc:  # reported below, on the caller's thread
-                outcomes[stage] = exc
+                outcomes[index] = exc
 
-        threads = [threading.Thread(target=run, args=(s,), name=f"stage{s}") for s in range(len(runners))]
+        threads = [threading.Thread(target=run, args=(i,), name=f"cluster{r.assignment.cluster}-stage"
+                                    f"{r.assignment.stage}") for i, r in enumerate(flat)]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0))
         if any(thread.is_alive() for thread in threads):
-            for runner in runners:
+            for runner in flat:
                 runner.stop("timed out")
             for thread in threads:
                 thread.join()
             raise TimeoutError(f"pipeline did not finish within {timeout}s")
-        for stage, outcome in enumerate(outcomes):
+        for runner, outcome in zip(flat, outcomes):
             if isinstance(outcome, BaseException):
-                raise RuntimeError(f"stage {stage} failed: {outcome}") from outcome
-        results = [{"metrics": m, "history": h, "trace": _trace_summary(r)}
-                   for m, h, r in zip(outcomes, histories, runners)]
-        return {**_result(results, [r.state_dict() for r in runners]), "runners": runners}
+                a = runner.assignment
+                raise RuntimeError(f"cluster {a.cluster} stage {a.stage} failed: {outcome}") from outcome
+        results = []
+        for cluster, cluster_histories in zip(runners, histories):
+            stages = [{"metrics": r.final_metrics, "history": h, "trace": _trace_summary(r)}
+                      for r, h in zip(cluster, cluster_histories)]
+            results.append({**_result(stages, [r.state_dict() for r in cluster]), "runners": cluster})
+        return results
     finally:
+        for runner in (r for cluster in runners for r in cluster):
+            if isinstance(runner.averager, Averager):
+                runner.averager.close()
         for server in servers:
             server.stop(0)
 

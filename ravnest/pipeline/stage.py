@@ -164,6 +164,20 @@ class StageRunner:
         tensors.update((k, b) for k, b in self.module.named_buffers() if b.is_floating_point())
         return tensors
 
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer's live per-parameter floating state (e.g. Adam's exp_avg, exp_avg_sq), keyed
+        "{parameter key}:{state name}" so every cluster names it alike; empty before the first step.
+        Only tensors shaped like their parameter: scalars such as Adam's `step` stay local."""
+        optimizer = self.optimizer.optimizer
+        if optimizer is None:
+            return {}
+        tensors = {}
+        for key, param in self.module.named_parameters():
+            for name, value in sorted(optimizer.state.get(param, {}).items()):
+                if torch.is_tensor(value) and value.is_floating_point() and value.shape == param.shape:
+                    tensors[f"{key}:{name}"] = value
+        return tensors
+
     # --- gRPC handler threads: validate, then queue ------------------------------------------------
 
     def _on_forward(self, msg: Message, peer: str) -> None:
@@ -300,8 +314,9 @@ class StageRunner:
 
     def _metrics(self) -> dict[str, float]:
         in_flight = self._admitted - self._completed if self.is_first else self.compute.in_flight
+        averaging = getattr(self.averager, "metrics", None)  # test stand-ins may not report any
         return {**self.clock.snapshot(), "stage": float(self.assignment.stage), "in_flight": float(in_flight),
-                "lr": self.optimizer.lr}
+                "lr": self.optimizer.lr, **(averaging() if averaging is not None else {})}
 
     # --- outbound streams --------------------------------------------------------------------------
 
