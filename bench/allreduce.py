@@ -71,9 +71,9 @@ def _ring_member(args: argparse.Namespace) -> None:
     result = torch.empty_like(x)
     for round, _ in enumerate(sys.stdin):
         result.copy_(x)  # in place, like gloo's all_reduce, into a buffer reused every round
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         member.allreduce(result, round, out=result)
-        reply = {"seconds": time.perf_counter() - start}
+        reply = {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}
         if args.check and round == 0:
             expected = reference_mean([member_input(r, args.numel) for r in range(args.world)])
             reply["max_error"] = float((result - expected).abs().max()) if args.numel else 0.0
@@ -91,9 +91,9 @@ def _gloo_member(args: argparse.Namespace) -> None:
     y = torch.empty_like(x)
     for _ in sys.stdin:
         y.copy_(x)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         dist.all_reduce(y)
-        _emit({"seconds": time.perf_counter() - start})
+        _emit({"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu})
     dist.destroy_process_group()
 
 
@@ -162,29 +162,32 @@ def run_ring(world: int, numel: int, *, rounds: int, warmup: int = 1, hosts: lis
     members = Members(commands)
     try:
         members.write({"addresses": [reply["address"] for reply in members.read()]})
-        times, errors = [], []
+        times, cpu, errors = [], [], []
         for i in range(warmup + rounds):
             replies = members.round()
             errors += [r["max_error"] for r in replies if "max_error" in r]
             if i >= warmup:
                 times.append(max(r["seconds"] for r in replies))
+                cpu.append(sum(r["cpu"] for r in replies))
     finally:
         members.close()
-    return {"times": times, "max_error": max(errors) if errors else None}
+    return {"times": times, "cpu": cpu, "max_error": max(errors) if errors else None}
 
 
-def run_gloo(world: int, numel: int, *, rounds: int, warmup: int = 1) -> list[float]:
-    """torch.distributed gloo all_reduce over loopback: per-round times (slowest member)."""
+def run_gloo(world: int, numel: int, *, rounds: int, warmup: int = 1) -> dict:
+    """torch.distributed gloo all_reduce over loopback: per-round times (slowest member) and CPU
+    seconds (all members)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     members = Members([_member_command(r, world, numel, ["--gloo", "--port", str(port)]) for r in range(world)])
     try:
         members.read()
-        times = [max(r["seconds"] for r in members.round()) for _ in range(warmup + rounds)]
+        replies = [members.round() for _ in range(warmup + rounds)][warmup:]
     finally:
         members.close()
-    return times[warmup:]
+    return {"times": [max(r["seconds"] for r in rs) for rs in replies],
+            "cpu": [sum(r["cpu"] for r in rs) for rs in replies]}
 
 
 def bus_bandwidth(world: int, nbytes: int, seconds: float) -> float:

@@ -3,7 +3,8 @@
 Both runs move the same payload (fp32 tensors cut into chunks of the same size) from this process to
 a receiver process started with `spawn`, each process on one torch thread. The raw stream is the
 floor of what gRPC can do here: a generic handler with identity (de)serializers that receives bytes
-and drops them. Ours also frames, validates and assembles real tensors on the receiving side.
+and drops them. Ours also frames, validates and assembles real tensors on the receiving side. Both
+run with the allocator setting our endpoints make (`keep_freed_buffers`), so only the framing differs.
 
     python -m bench.wire [--quick] [--repeat N] [--no-docs]
 
@@ -27,7 +28,7 @@ from bench.common import write_section
 from ravnest.wire import ChannelPool, Message, OutboundStream, PeerServer
 from ravnest.wire.codec import byte_view
 from ravnest.wire.messages import DEFAULT_CHUNK_BYTES
-from ravnest.wire.transport import GRPC_OPTIONS
+from ravnest.wire.transport import GRPC_OPTIONS, keep_freed_buffers
 
 RAW_METHOD = "/bench.Raw/Sink"
 MIB = 1 << 20
@@ -47,6 +48,7 @@ def _serve(mode: str, addresses: mp.Queue, stop: mp.Event) -> None:
         stop.wait()
         server.stop(0)
         return
+    keep_freed_buffers()  # the same allocator setting as our endpoints, so only the framing differs
     raw = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     raw.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "bench.Raw", {"Sink": grpc.stream_unary_rpc_method_handler(_raw_sink)}),))
@@ -72,6 +74,7 @@ def _send_wire(address: str, tensors: list[torch.Tensor], chunk_bytes: int, copy
 
 
 def _send_raw(address: str, tensors: list[torch.Tensor], chunk_bytes: int) -> float:
+    keep_freed_buffers()
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     sink = channel.stream_unary(RAW_METHOD, request_serializer=None, response_deserializer=None)
     sink(iter([b"warmup"]))

@@ -1,6 +1,7 @@
 """Ring all-reduce and the Averager, with every member a PeerServer on 127.0.0.1 in this process."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -195,26 +196,33 @@ class Stage:
     def __init__(self, blocks: list[nn.Module], cut: tuple[int, int]):
         self.cut = cut
         self.live = {f"{i}.{k}": v for i in range(*cut) for k, v in blocks[i].state_dict(keep_vars=True).items()}
+        # stands in for StageRunner.optimizer_tensors(): Adam-like moments, different in every replica
+        self.optimizer_state = {f"{k}:{name}": torch.randn_like(v) for k, v in self.live.items()
+                                if isinstance(v, nn.Parameter) for name in ("exp_avg", "exp_avg_sq")}
         self.router = Router()
         self.server = PeerServer(self.router, token=TOKEN)
         self.averager: Averager | None = None
 
 
-def build_job(cluster_ranges: list[list[tuple[int, int]]], every: int = 1) -> list[list[Stage]]:
+def build_job(cluster_ranges: list[list[tuple[int, int]]], every: int = 1,
+              averaging: AveragingSettings | None = None,
+              weights: list[float] | None = None) -> list[list[Stage]]:
+    averaging = averaging or AveragingSettings(every=every)
     clusters = [[Stage(make_blocks(seed=c), cut) for cut in ranges] for c, ranges in enumerate(cluster_ranges)]
     rings = segment_rings(cluster_ranges)
     for c, stages in enumerate(clusters):
         for s, stage in enumerate(stages):
             mine = [Ring(segment=seg, blocks=blocks,
                          members=[StagePeer(node_id=f"c{k}s{holder}", address=clusters[k][holder].server.address)
-                                  for k, holder in enumerate(holders)])
+                                  for k, holder in enumerate(holders)], weights=weights)
                     for seg, (blocks, holders) in enumerate(rings) if holders[c] == s]
             assignment = StageAssignment(
                 job_id="job", token=TOKEN, cluster=c, num_clusters=len(cluster_ranges), stage=s,
                 num_stages=len(stages), blocks=stage.cut, model=ModelRef(name="test"),
                 dataset=DatasetRef(name="digits"), training=TrainingSettings(),
-                averaging=AveragingSettings(every=every), rings=mine)
-            stage.averager = Averager(assignment, stage.router, stage.live, step_timeout=20.0)
+                averaging=averaging, rings=mine)
+            stage.averager = Averager(assignment, stage.router, stage.live, step_timeout=20.0,
+                                      optimizer_state=lambda stage=stage: stage.optimizer_state)
     return clusters
 
 
@@ -303,10 +311,10 @@ def test_periodic_rounds_are_applied_by_later_steps():
         for stage in stages:
             # wait for the background round (the test's only look inside), then a step that is not
             # due applies it without blocking
-            for future in stage.averager._running.futures:
-                future.result(timeout=WAIT)
+            for segment in stage.averager._segments:
+                segment.running.result(timeout=WAIT)
             stage.averager.after_step(3)
-            assert stage.averager._running is None
+            assert all(segment.running is None for segment in stage.averager._segments)
         for c in clusters:
             for key, value in replica_state(c).items():
                 torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-6, msg=key)
@@ -353,3 +361,85 @@ def test_make_averager_is_none_without_work():
     off = StageAssignment(num_clusters=2, averaging=AveragingSettings(strategy="none"), rings=[ring], **base)
     assert make_averager(alone, Router(), {}) is None
     assert make_averager(off, Router(), {}) is None
+
+
+def test_ring_weights_reach_the_members_and_the_average_is_unchanged():
+    weights = [1.0, 3.0, 2.0]
+    clusters = build_job(JOBS[3], weights=weights)
+    try:
+        assert all(seg.member.weights == weights for stage in all_stages(clusters) for seg in stage.averager._segments)
+        expected = reference_average([replica_state(c) for c in clusters])
+        check(run_all([stage.averager.finish for stage in all_stages(clusters)]))
+        for cluster in clusters:
+            for key, value in replica_state(cluster).items():
+                torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-6, msg=key)
+    finally:
+        close_job(clusters)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_optimizer_state_is_averaged_only_when_asked(enabled):
+    clusters = build_job(JOBS[3], averaging=AveragingSettings(every=1, average_optimizer_state=enabled))
+    try:
+        before = [{k: v.clone() for s in c for k, v in s.optimizer_state.items()} for c in clusters]
+        expected = reference_average(before)
+        check(run_all([stage.averager.finish for stage in all_stages(clusters)]))
+        for c, cluster in enumerate(clusters):
+            for key, value in ((k, v) for s in cluster for k, v in s.optimizer_state.items()):
+                target = expected[key] if enabled else before[c][key]
+                torch.testing.assert_close(value, target, rtol=1e-6, atol=1e-6, msg=key)
+    finally:
+        close_job(clusters)
+
+
+def test_runner_exposes_adam_moments_keyed_by_parameter():
+    from ravnest.pipeline.local import make_assignments
+    from ravnest.pipeline.stage import StageRunner
+    from ravnest.spec import JobSpec
+
+    job = JobSpec.model_validate({"model": {"name": "mlp", "config": {"depth": 1}}, "dataset": {"name": "digits"}})
+    assignment = make_assignments(job, [(0, 3)], ["127.0.0.1:9"], TOKEN)[0]
+    runner = StageRunner(assignment, Router())
+    assert runner.optimizer_tensors() == {}  # Adam creates its state at the first step
+    x, y = next(runner._batches)
+    runner._loss(runner.module(x), y).backward()
+    assert runner.optimizer.micro_batch_done()
+    tensors = runner.optimizer_tensors()
+    params = dict(runner.module.named_parameters())
+    assert set(tensors) == {f"{k}:{name}" for k in params for name in ("exp_avg", "exp_avg_sq")}
+    assert all(t.shape == params[k.split(":")[0]].shape for k, t in tensors.items())
+    assert tensors is not runner.optimizer_tensors() and all(  # live: the optimizer's own tensors
+        t is runner.optimizer.optimizer.state[params[k.split(":")[0]]][k.split(":")[1]] for k, t in tensors.items())
+
+
+def test_rounds_every_few_seconds_agree_across_clusters_of_unequal_speed():
+    """Clusters step at different rates and for different counts within the same time; they still
+    run the same rounds on every ring, never wait on a round a peer will not start, and end equal."""
+    clusters = build_job(JOBS[3], averaging=AveragingSettings(every_seconds=0.05))
+    try:
+        def train(stage: Stage, cluster: int) -> None:
+            pause, steps = [(0.004, 60), (0.01, 30), (0.03, 8)][cluster]
+            for step in range(1, steps + 1):
+                with torch.no_grad():
+                    for value in stage.live.values():
+                        if value.is_floating_point():
+                            value.add_(0.001 * (cluster + 1))
+                stage.averager.after_step(step)
+                time.sleep(pause)
+            stage.averager.finish()
+        check(run_all([lambda s=s, c=c: train(s, c) for c, cluster in enumerate(clusters) for s in cluster]))
+        after = [replica_state(c) for c in clusters]
+        for state in after[1:]:
+            for key, value in state.items():
+                assert torch.equal(value, after[0][key]), f"{key} differs between clusters"
+        rounds: dict[int, set[tuple[int, ...]]] = {}
+        for stage in all_stages(clusters):
+            for segment in {r.segment for r in stage.averager.history}:
+                numbers = tuple(r.number for r in stage.averager.history if r.segment == segment)
+                assert numbers == tuple(range(len(numbers))), "rounds run in order, none skipped"
+                rounds.setdefault(segment, set()).add(numbers)
+        assert all(len(variants) == 1 for variants in rounds.values()), rounds  # same rounds on every member
+        assert min(len(next(iter(v))) for v in rounds.values()) >= 2  # periodic rounds did happen
+        assert all(stage.averager.metrics()["avg_rounds"] >= 2 for stage in all_stages(clusters))
+    finally:
+        close_job(clusters)

@@ -183,8 +183,10 @@ def test_decode_checks_the_buffer_length() -> None:
 def test_fast_chunk_frames_are_protobuf_frames(size: int) -> None:
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     wire = chunk_frame(memoryview(data))
-    assert wire == peer_pb2.Frame(chunk=data).SerializeToString()
+    assert peer_pb2.Frame.FromString(wire) == peer_pb2.Frame(chunk=data)
+    assert len(wire) == 8 + size  # the data starts 8-byte aligned within the frame
     assert bytes(read_chunk(wire)) == data
+    assert read_chunk(peer_pb2.Frame(chunk=data).SerializeToString()) is not None  # canonical frames too
 
 
 def test_only_plain_chunk_frames_take_the_fast_path() -> None:
@@ -197,6 +199,9 @@ def test_only_plain_chunk_frames_take_the_fast_path() -> None:
     assert bytes(read_chunk(non_minimal)) == b"abc" == peer_pb2.Frame.FromString(non_minimal).chunk
     with pytest.raises(WireError, match="malformed frame"):
         parse_frame(b"\x1a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01")
+    two_padding = b"\x1a\x00" + wire  # only one leading empty chunk takes the fast path
+    assert read_chunk(two_padding) is None and parse_frame(two_padding).chunk == b"abc"
+    assert bytes(read_chunk(b"\x1a\x00")) == b""  # an empty chunk alone is still an empty chunk
 
 
 # --- hostile streams -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ cost is CPU per byte, not one connection's window).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -31,6 +32,7 @@ KIND = "ring"
 TENSOR = "x"
 DEFAULT_CHUNK_BYTES = 4 << 20  # the wire's largest frame: one frame per ring message
 _TAGS = ("segment", "round", "step", "chunk", "numel", "sender")
+FAILED_FLUSH_TIMEOUT = 5.0  # how long a failed round waits for its queued sends before dropping them
 
 
 class RingError(RuntimeError):
@@ -55,7 +57,8 @@ class RingHub:
         self._streams: dict[str, list[OutboundStream]] = {}
         self._address_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
-        router.route(KIND, self._deliver)
+        # Ring chunks are only read (added or copied into the round's buffer): no copy out of the frame.
+        router.route(KIND, self._deliver, zero_copy=True)
 
     @classmethod
     def for_router(cls, router: Router, token: str | None, lanes: int = 1) -> RingHub:
@@ -113,9 +116,22 @@ class RingHub:
     # --- outbound -------------------------------------------------------------------------------
 
     def send(self, address: str, msg: Message, codec: str, timeout: float) -> None:
+        """Queue `msg` without a snapshot: its tensor is read when gRPC takes it (see `flush`)."""
         streams = self._outbound(address, timeout)
         try:
-            streams[msg.tags["chunk"] % len(streams)].send(msg, codec=codec, timeout=timeout)
+            streams[msg.tags["chunk"] % len(streams)].send(msg, codec=codec, timeout=timeout, copy=False)
+        except PeerError:
+            self._drop(address)
+            raise
+
+    def flush(self, address: str, timeout: float) -> None:
+        """Return once everything queued to `address` has been framed, so its tensors may change.
+        A stream that fails or does not get there in time is dropped: then nothing reads them later."""
+        with self._lock:
+            streams = self._streams.get(address, [])
+        try:
+            for stream in streams:
+                stream.flush(timeout)
         except PeerError:
             self._drop(address)
             raise
@@ -211,8 +227,14 @@ class RingMember:
                             part.div_(n)
                     else:
                         part.copy_(received)
-                    if step < last_step:  # send() serializes at once: `part` may change afterwards
+                    if step < last_step:  # `part` is not written again before the flush below
                         self._send(round, step + 1, c, part, buf.numel(), codec)
+        except BaseException:
+            with contextlib.suppress(PeerError):  # the round failed anyway; just release `buf`
+                self.hub.flush(self._next, min(self.step_timeout, FAILED_FLUSH_TIMEOUT))
+            raise
+        else:
+            self._flush(round)
         finally:
             self.hub.end_round(self.segment, round)
         return buf
@@ -241,6 +263,12 @@ class RingMember:
             self.hub.send(self._next, Message(KIND, step, {TENSOR: part}, tags), codec, self.step_timeout)
         except PeerError as e:
             raise PeerError(f"{self._where(round, step, chunk)}: sending to {self._next}: {e}") from None
+
+    def _flush(self, round: int) -> None:
+        try:
+            self.hub.flush(self._next, self.step_timeout)
+        except PeerError as e:
+            raise PeerError(f"ring segment {self.segment} round {round}: sending to {self._next}: {e}") from None
 
     def _receive(self, round: int, step: int, chunk: int, size: int, numel: int) -> torch.Tensor:
         item = self.hub.mailbox.take((self.segment, round, step, chunk), self.step_timeout, self._closed)

@@ -7,6 +7,7 @@ more than the configured limits, nor build a tensor whose bytes do not match its
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import grpc
@@ -32,6 +33,8 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ITEMSIZES = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 CODECS = ("", "fp16", "bf16", "int8")
 _CODEC_WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
+# `wrap` views received bytes on purpose (read-only by contract); torch would warn about it once.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 class WireError(Exception):
@@ -159,6 +162,17 @@ def byte_view(t: torch.Tensor) -> memoryview:
 def allocate(h: peer_pb2.TensorHeader) -> torch.Tensor:
     """Uninitialised wire-dtype tensor for a validated header; fill it through `byte_view`."""
     return torch.empty(tuple(h.shape), dtype=DTYPES[h.dtype])
+
+
+def wrap(h: peer_pb2.TensorHeader, buffer: bytes | memoryview) -> torch.Tensor | None:
+    """A tensor sharing memory with exactly `h.nbytes` bytes of a validated header, without copying,
+    or None when the bytes are not aligned for its dtype. It must be treated as read-only."""
+    if len(buffer) != h.nbytes or not h.nbytes:
+        return None
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    if raw.data_ptr() % ITEMSIZES[h.dtype]:
+        return None
+    return raw.view(DTYPES[h.dtype]).view(tuple(h.shape))
 
 
 def restore(h: peer_pb2.TensorHeader, wire: torch.Tensor) -> torch.Tensor:

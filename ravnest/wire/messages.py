@@ -1,14 +1,15 @@
 """Messages: a kind, an id, integer tags and named tensors, cut into frames and put back together.
 
 Frames travel as serialized `ravnest.v1.Frame`s. Data chunks, which are nearly all of the bytes,
-are written and read without the protobuf object: a chunk frame is one tag byte, a varint length
-and the raw bytes, so the sender copies each byte once into the frame and the receiver copies it
-once from the frame into the tensor it is assembling.
+are written and read without the protobuf object: a chunk frame is an 8-byte prefix and the raw
+bytes, so the sender copies each byte once into the frame and the receiver copies it once from the
+frame into the tensor it is assembling, or not at all when the handler accepts read-only tensors
+that share the frame's memory (`zero_copy`) and the tensor came in one chunk.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Union
+from typing import Callable, Iterable, Iterator, Union
 
 import grpc
 import torch
@@ -16,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from ravnest.v1 import peer_pb2
 from ravnest.wire.codec import (WireError, WireLimits, allocate, byte_view, decoded_nbytes, encode,
-                                restore, validate_header)
+                                restore, validate_header, wrap)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 _CHUNK_TAG = 0x1A  # Frame.chunk: field number 3, wire type 2 (length-delimited)
@@ -35,30 +36,37 @@ class Message:
     note: str = ""
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+# A chunk frame's prefix: an empty chunk field, then the real one with a 5-byte (padded) varint length.
+# Protobuf keeps the last of repeated oneof fields, so any parser reads exactly the data; the 8 bytes
+# put the data 8-byte aligned in the receiver's 16-byte-aligned buffer, so it can be viewed in place.
+_EMPTY_CHUNK = bytes((_CHUNK_TAG, 0))
+_MAX_PADDED_LENGTH = 1 << 35
+
+
+def _chunk_prefix(n: int) -> bytes:
+    if not 0 <= n < _MAX_PADDED_LENGTH:
+        raise ValueError(f"chunk of {n} bytes is too large for one frame")
+    return _EMPTY_CHUNK + bytes((_CHUNK_TAG, (n & 0x7F) | 0x80, (n >> 7 & 0x7F) | 0x80,
+                                 (n >> 14 & 0x7F) | 0x80, (n >> 21 & 0x7F) | 0x80, n >> 28))
 
 
 def chunk_frame(data: bytes | memoryview) -> bytes:
     """A serialized Frame holding `data` as its chunk, built with a single copy of the data."""
-    return b"".join((bytes((_CHUNK_TAG,)), _varint(len(data)), data))
+    return b"".join((_chunk_prefix(len(data)), data))
 
 
 def read_chunk(data: bytes) -> memoryview | None:
     """The chunk of a serialized Frame that holds nothing but a chunk, without copying; else None.
 
     Anything else (headers, extra or unknown fields, odd encodings) returns None and goes through
-    the protobuf parser, so this shortcut accepts exactly what the parser would read as a chunk.
+    the protobuf parser, so this shortcut accepts exactly what the parser would read as a chunk:
+    one chunk field, optionally after one empty chunk field (which the last one supersedes).
     """
-    if not data or data[0] != _CHUNK_TAG:
+    start = 2 if len(data) > 2 and data[0] == _CHUNK_TAG and data[1] == 0 else 0
+    if len(data) <= start or data[start] != _CHUNK_TAG:
         return None
     length = shift = 0
-    for pos in range(1, min(len(data), 11)):
+    for pos in range(start + 1, min(len(data), start + 11)):
         byte = data[pos]
         length |= (byte & 0x7F) << shift
         shift += 7
@@ -119,8 +127,11 @@ def message_frames(msg: Message, codec: str = "", chunk_bytes: int = DEFAULT_CHU
 class MessageAssembler:
     """Turns a stream of frames back into Messages, validating everything before allocating."""
 
-    def __init__(self, limits: WireLimits = WireLimits()):
+    def __init__(self, limits: WireLimits = WireLimits(), zero_copy: Callable[[str], bool] | None = None):
+        """`zero_copy(kind)` says whether messages of that kind may carry read-only tensors sharing the
+        received frames' memory (see `Router.route`)."""
         self.limits = limits
+        self.zero_copy = zero_copy
 
     def messages(self, frames: Iterable[FrameLike]) -> Iterator[Message]:
         frames = iter(frames)
@@ -165,6 +176,7 @@ class MessageAssembler:
         if any(len(key) > limits.max_name_chars for key in mh.tags):
             raise WireError(f"{where}: tag name longer than {limits.max_name_chars} chars")
         msg = Message(kind=mh.kind, id=mh.id, tags=dict(mh.tags), note=mh.note)
+        in_place = self.zero_copy is not None and self.zero_copy(mh.kind)
         total = 0
         for _ in range(mh.num_tensors):
             body, th = self._next(frames)
@@ -179,13 +191,14 @@ class MessageAssembler:
             if total > limits.max_message_bytes:
                 raise WireError(f"{where}: {total} bytes exceed the limit of {limits.max_message_bytes}",
                                 grpc.StatusCode.RESOURCE_EXHAUSTED)
-            msg.tensors[th.name] = restore(th, self._read_tensor(th, frames))
+            msg.tensors[th.name] = restore(th, self._read_tensor(th, frames, in_place))
         return msg
 
-    def _read_tensor(self, th: peer_pb2.TensorHeader, frames: Iterator[FrameLike]) -> torch.Tensor:
-        """Copy the chunks straight into a tensor allocated from the validated header."""
-        tensor = allocate(th)
-        dest = byte_view(tensor)
+    def _read_tensor(self, th: peer_pb2.TensorHeader, frames: Iterator[FrameLike],
+                     in_place: bool = False) -> torch.Tensor:
+        """Copy the chunks straight into a tensor allocated from the validated header; with `in_place`,
+        a tensor that arrives in one aligned chunk is instead a read-only view of that chunk."""
+        tensor = dest = None
         filled = 0
         while filled < th.nbytes:
             body, chunk = self._next(frames)
@@ -202,6 +215,13 @@ class MessageAssembler:
                                 f"{self.limits.max_chunk_bytes}", grpc.StatusCode.RESOURCE_EXHAUSTED)
             if filled + n > th.nbytes:
                 raise WireError(f"tensor {th.name!r}: {filled + n} bytes, more than the declared {th.nbytes}")
+            if dest is None:
+                if in_place and n == th.nbytes:
+                    view = wrap(th, chunk)
+                    if view is not None:
+                        return view
+                tensor = allocate(th)
+                dest = byte_view(tensor)
             dest[filled:filled + n] = chunk
             filled += n
-        return tensor
+        return allocate(th) if tensor is None else tensor

@@ -10,6 +10,8 @@ bytes are still exactly `ravnest.v1.Frame`s, and any client of the generated stu
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hmac
 import logging
 import queue
@@ -43,6 +45,31 @@ MAX_PING_REPLY_BYTES = 16 << 20
 
 Handler = Callable[[Message, str], None]
 TokenSource = Union[str, Callable[[], Collection[str]]]
+
+
+def keep_freed_buffers() -> None:
+    """Let glibc malloc reuse freed tensor-sized blocks instead of handing them back to the kernel.
+
+    Every message allocates buffers of megabytes (frames, tensors). By default glibc maps most of
+    them fresh and unmaps or trims them on free, so each byte received or sent pays a page fault
+    (a third of the sender's CPU in bench.wire). Blocks below 32 MiB (glibc's ceiling for the
+    threshold) now come from the heap, and up to 256 MiB of free heap is kept. Process-wide and
+    idempotent; called by PeerServer and OutboundStream; a no-op without glibc.
+    """
+    global _malloc_tuned
+    if _malloc_tuned:
+        return
+    _malloc_tuned = True
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    for option, value in _MALLOPT.items():
+        mallopt(option, value)
+
+
+_malloc_tuned = False
+_MALLOPT = {-3: 32 << 20, -1: 256 << 20, -2: 16 << 20}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD
 
 
 class PeerError(RuntimeError):
@@ -96,6 +123,7 @@ class _PeerService:
     def __init__(self, handler: Handler, limits: WireLimits):
         self._handler = handler
         self._limits = limits
+        self._zero_copy = getattr(handler, "zero_copy", None)  # e.g. Router.zero_copy
 
     def handlers(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -110,7 +138,7 @@ class _PeerService:
         count = nbytes = 0
         peer = context.peer()
         try:
-            for msg in MessageAssembler(self._limits).messages(request_iterator):
+            for msg in MessageAssembler(self._limits, self._zero_copy).messages(request_iterator):
                 self._deliver(msg, peer)
                 count += 1
                 nbytes += sum(t.numel() * t.element_size() for t in msg.tensors.values())
@@ -143,7 +171,9 @@ class _PeerService:
 
 
 class PeerServer:
-    """A node's gRPC endpoint. `handler(message, peer)` runs on a server thread per stream.
+    """A node's gRPC endpoint. `handler(message, peer)` runs on a server thread per stream. A handler
+    with a `zero_copy(kind) -> bool` method (like `Router`) gets read-only tensors that share the
+    received frames' memory for the kinds it names.
 
     A handler exception fails only its own stream: ValueError → INVALID_ARGUMENT, WireError → its code,
     anything else → INTERNAL, each with the reason. `token` is the bearer token every call must
@@ -154,6 +184,7 @@ class PeerServer:
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
                  limits: WireLimits = WireLimits(), token: TokenSource | None = None,
                  tls: tuple[bytes, bytes] | None = None, max_streams: int = 32):
+        keep_freed_buffers()
         interceptors = [_TokenInterceptor(token)] if token else []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams),
                                    options=_server_options(limits), interceptors=interceptors,
@@ -239,6 +270,7 @@ class OutboundStream:
                  pool: ChannelPool | None = None, wait_ready: float = 30.0):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        keep_freed_buffers()
         self.address = address
         self.codec = codec
         self.chunk_bytes = chunk_bytes
@@ -266,6 +298,9 @@ class OutboundStream:
             frames = self._queue.get()
             if frames is self._END:
                 return
+            if isinstance(frames, threading.Event):  # a flush marker: everything before it is out
+                frames.set()
+                continue
             yield from frames
 
     def _on_done(self, _future) -> None:
@@ -287,6 +322,8 @@ class OutboundStream:
                 self._future.result()
             except grpc.RpcError as e:
                 raise _peer_error(self.address, e) from None
+            except grpc.FutureCancelledError:
+                raise PeerError(f"peer {self.address}: stream cancelled by this side") from None
             raise PeerError(f"peer {self.address} closed the stream")
 
     def _put(self, item: object, deadline: float | None) -> None:
@@ -308,6 +345,7 @@ class OutboundStream:
         sends it, which is faster for large tensors, and the caller must then leave the tensors
         unchanged until the stream is closed (e.g. freshly computed activations)."""
         if self._closed:
+            self._raise_if_failed()  # the peer's reason, when it has one, says more than "closed"
             raise PeerError(f"peer {self.address}: stream already closed")
         parts = prepare_message(msg, self.codec if codec is None else codec)
         frames = chunked_frames(parts, self.chunk_bytes)
@@ -315,6 +353,17 @@ class OutboundStream:
             frames = list(frames)
         self._put(frames, None if timeout is None else time.monotonic() + timeout)
         self._raise_if_failed()  # the stream may have failed while we waited
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every message queued so far has been cut into frames and handed to gRPC, after
+        which the tensors of `send(copy=False)` are free to change. PeerError if the stream fails."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        marker = threading.Event()
+        self._put(marker, deadline)
+        while not marker.wait(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
+            self._raise_if_failed()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise PeerError(f"peer {self.address}: flush timed out")
 
     def close(self, timeout: float = 60.0) -> peer_pb2.StreamSummary:
         """Finish the stream after everything queued was sent; returns the peer's summary."""
@@ -382,17 +431,30 @@ class Router:
     def __init__(self, wait_for_route: float = 0.0):
         self.wait_for_route = wait_for_route
         self._routes: dict[str, Handler] = {}
+        self._zero_copy: set[str] = set()
         self._changed = threading.Condition()
 
-    def route(self, kind: str, handler: Handler) -> None:
+    def route(self, kind: str, handler: Handler, *, zero_copy: bool = False) -> None:
+        """Send messages of `kind` to `handler`. With `zero_copy`, a tensor that arrived in one chunk
+        shares the received frame's memory instead of being copied out of it: the handler must treat
+        it as read-only (copy before modifying in place)."""
         with self._changed:
             self._routes[kind] = handler
+            if zero_copy:
+                self._zero_copy.add(kind)
+            else:
+                self._zero_copy.discard(kind)
             self._changed.notify_all()
+
+    def zero_copy(self, kind: str) -> bool:
+        """Whether the route of `kind` accepts read-only tensors viewing the received frames."""
+        return kind in self._zero_copy
 
     def clear(self) -> None:
         """Forget every route, e.g. when the job they belonged to is over."""
         with self._changed:
             self._routes.clear()
+            self._zero_copy.clear()
 
     def __call__(self, msg: Message, peer: str) -> None:
         with self._changed:
