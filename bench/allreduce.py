@@ -202,12 +202,13 @@ def loopback(args: argparse.Namespace) -> str:
     for world in (2, 4):
         ours = run_ring(world, nbytes // 4, rounds=args.rounds, lanes=args.lanes, check=True)
         gloo = run_gloo(world, nbytes // 4, rounds=args.rounds)
-        t_ours, t_gloo = statistics.median(ours["times"]), statistics.median(gloo)
+        t_ours, t_gloo = statistics.median(ours["times"]), statistics.median(gloo["times"])
+        cpu_ours, cpu_gloo = statistics.median(ours["cpu"]), statistics.median(gloo["cpu"])
         ratio = t_gloo / t_ours
         ratios.append(ratio)
-        line = (f"n={world}: ours {t_ours * 1e3:.0f} ms, bus {bus_bandwidth(world, nbytes, t_ours) / 1e9:.3f} GB/s "
-                f"(max error vs reference {ours['max_error']:.1e}); gloo {t_gloo * 1e3:.0f} ms, bus "
-                f"{bus_bandwidth(world, nbytes, t_gloo) / 1e9:.3f} GB/s; ours/gloo {ratio:.2f}")
+        line = (f"n={world}: ours {t_ours * 1e3:.0f} ms, bus {bus_bandwidth(world, nbytes, t_ours) / 1e9:.3f} GB/s, "
+                f"CPU {cpu_ours:.2f} s (max error vs reference {ours['max_error']:.1e}); gloo {t_gloo * 1e3:.0f} ms, "
+                f"bus {bus_bandwidth(world, nbytes, t_gloo) / 1e9:.3f} GB/s, CPU {cpu_gloo:.2f} s; ours/gloo {ratio:.2f}")
         print(line, flush=True)
         lines.append(line)
     summary = (f"{args.size_mib:g} MiB fp32 on 127.0.0.1, one process per member, 1 torch thread each, "

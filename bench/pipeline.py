@@ -22,14 +22,15 @@ from ravnest.models import build_model, profile_blocks
 from ravnest.partition import NodeCapacity, partition
 from ravnest.pipeline import run_local_pipeline, run_single_process
 from ravnest.spec import JobSpec
+from ravnest.wire.transport import keep_freed_buffers
 
 MODEL = {"name": "mlp", "config": {"input_dim": 64, "hidden": 1536, "depth": 6, "num_classes": 10}}
 
 
-def make_job(steps: int, batch_size: int) -> JobSpec:
+def make_job(steps: int, batch_size: int, in_flight: int | None = None) -> JobSpec:
     return JobSpec.model_validate({
         "model": MODEL, "dataset": {"name": "digits"},
-        "training": {"steps": steps, "batch_size": batch_size,
+        "training": {"steps": steps, "batch_size": batch_size, "microbatches_in_flight": in_flight,
                      "optimizer": {"name": "Adam", "kwargs": {"lr": 1e-4}}}})
 
 
@@ -60,14 +61,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps (noisier figures)")
     parser.add_argument("--repeat", type=int, default=1, help="alternate the two runs this many times")
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--in-flight", type=int, default=None, help="staleness bound K (default: stages)")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args(argv)
     steps = 40 if args.quick else 150
     load = os.getloadavg()[0]  # other work on the machine skews every figure below
-    job = make_job(steps, args.batch_size)
+    job = make_job(steps, args.batch_size, args.in_flight)
     ranges = balanced_cut(job, 2)
     print(f"model {MODEL['config']}, batch {args.batch_size}, {steps} steps, cut {ranges}", flush=True)
     torch.set_num_threads(1)
+    keep_freed_buffers()  # the allocator setting every stage process has (via PeerServer): only pipelining differs
     runs = [measure_once(job, ranges) for _ in range(args.repeat)]
     speedups = [piped / single for single, piped, _, _ in runs]
     utilizations = [statistics.mean(stages) for *_, stages in runs]

@@ -221,7 +221,7 @@ class MessageAssembler:
                     if view is not None:
                         return view
                 tensor = allocate(th)
-                dest = byte_view(tensor)
-            dest[filled:filled + n] = chunk
+                dest = tensor.view(-1).view(torch.uint8) if tensor.numel() else byte_view(tensor)
+            dest[filled:filled + n].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
             filled += n
         return allocate(th) if tensor is None else tensor
