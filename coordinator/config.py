@@ -16,6 +16,8 @@ class Settings:
     heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals
     max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload
     pipeline_cap: int = 16  # most stages in one pipeline; bigger groups become several replicas
+    probe_peers: int = 2  # links an idle node is asked to measure per heartbeat (0: never ask)
+    probe_retry_s: float = 30.0  # ask again for a link that was asked for but not reported by then
     background: bool = True  # run the periodic reaper/placer task (tests drive `tick` themselves)
     clock: Callable[[], float] = field(default=time.time, repr=False)
 

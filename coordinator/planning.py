@@ -7,9 +7,10 @@ Rules (see also docs in examples/jobs/README.md):
 - With "auto", each k-means group of m similar nodes is split into R = floor(m / L) replicas of
   L nodes (one replica of m nodes when m < L; the m mod L nodes left over stay idle as spares);
   fewer, longer replicas are tried if those cannot hold the model.
-- Chain order: bandwidth descending (then compute). Peer links are estimated as the slower end's
-  bandwidth to the coordinator, so the slowest node goes last, where it bounds one link, not two,
-  and the last stage sends no activations forward at all.
+- Chain order: bandwidth descending (then compute), so the slowest node goes last, where it bounds
+  one link, not two, and the last stage sends no activations forward at all. A peer link is what
+  the nodes measured between themselves (link probes, the slower direction) when they did, else it
+  is estimated as the slower end's bandwidth to the coordinator.
 - Replicas of one group are dealt rank by rank from that order (stage i of every replica comes
   from the same slice of the sorted nodes), so one partition over the slice-wise weakest capacities
   gives cut points valid for every replica: one O(L * blocks^2) DP per group, not per replica,
@@ -21,7 +22,7 @@ Rules (see also docs in examples/jobs/README.md):
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 from ravnest.averaging.segments import segment_rings
@@ -46,19 +47,34 @@ def chain_order(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     return sorted(nodes, key=lambda n: (-n.bandwidth, -n.flops, n.node_id))
 
 
-def capacities(chain: Sequence[NodeInfo]) -> list[NodeCapacity]:
-    """Each node's capacity, its link to the next estimated from both ends' coordinator links."""
+# (node id, peer id) -> (bandwidth bytes/s, round-trip seconds) as measured from the node
+Links = Mapping[tuple[str, str], tuple[float, float]]
+
+
+def link(here: NodeInfo, after: NodeInfo, links: Links | None = None) -> tuple[float, float]:
+    """(bandwidth, latency) between two nodes: measured (slower direction) if either end probed it,
+    else estimated from both ends' links to the coordinator."""
+    measured = [m for m in ((links or {}).get((here.node_id, after.node_id)),
+                            (links or {}).get((after.node_id, here.node_id))) if m is not None]
+    if measured:
+        return min(m[0] for m in measured), max(m[1] for m in measured)
+    return min(here.bandwidth, after.bandwidth), (here.latency + after.latency) / 2
+
+
+def capacities(chain: Sequence[NodeInfo], links: Links | None = None) -> list[NodeCapacity]:
+    """Each node's capacity with its link to the next (see `link`)."""
     result = []
     for here, after in zip(chain, [*chain[1:], None]):
-        bandwidth = min(here.bandwidth, after.bandwidth) if after else here.bandwidth
-        latency = (here.latency + after.latency) / 2 if after else 0.0
+        bandwidth, latency = link(here, after, links) if after else (here.bandwidth, 0.0)
         result.append(NodeCapacity(here.flops, here.memory_bytes, bandwidth, latency))
     return result
 
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
-             batch_size: int, in_flight: int | None = None, pipeline_cap: int = 16, seed: int = 0) -> Plan:
-    """Clusters, stages and rings for a job over `nodes`; PlanningError with the reason if impossible."""
+             batch_size: int, in_flight: int | None = None, pipeline_cap: int = 16, seed: int = 0,
+             links: Links | None = None) -> Plan:
+    """Clusters, stages and rings for a job over `nodes`; PlanningError with the reason if impossible.
+    `links` are the peer links the nodes measured (see `link`)."""
     length = pipeline_length(len(costs), placement, pipeline_cap)
     budget = in_flight or length
     smallest = min(stage_memory_bytes(costs, i, i + 1, budget) for i in range(len(costs)))
@@ -76,7 +92,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     pipelines: list[tuple[list[NodeInfo], list[tuple[int, int]]]] = []
     for group in groups:
         chain = chain_order([usable[i] for i in group])
-        replicas, ranges = _split_group(costs, chain, length, in_flight, single=exact is not None)
+        replicas, ranges = _split_group(costs, chain, length, in_flight, single=exact is not None, links=links)
         used = {n.node_id for replica in replicas for n in replica}
         unused.update({n.node_id: "spare: its group did not fill another replica" for n in chain
                        if n.node_id not in used})
@@ -86,7 +102,8 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     clusters = []
     for index, (replica, ranges) in enumerate(pipelines):
         merged = _merge_stages(costs, ranges)
-        stage_times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(capacities(replica))]
+        stage_times = [stage_seconds(merged, capacity, s, s + 1)
+                       for s, capacity in enumerate(capacities(replica, links))]
         clusters.append(PlannedCluster.model_construct(
             cluster=index, predicted_bottleneck_seconds=max(stage_times),
             stages=[PlannedStage.model_construct(stage=s, node_id=node.node_id, address=node.address,
@@ -94,7 +111,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                     for s, (node, blocks, seconds) in enumerate(zip(replica, ranges, stage_times))]))
     rings = [PlannedRing.model_construct(segment=i, blocks=blocks, stages=stages,
                                          members=[clusters[c].stages[s].node_id for c, s in enumerate(stages)],
-                                         weights=ring_weights([pipelines[c][0][s] for c, s in enumerate(stages)]))
+                                         weights=ring_weights([pipelines[c][0][s] for c, s in enumerate(stages)], links))
              for i, (blocks, stages) in enumerate(segment_rings([ranges for _, ranges in pipelines]))]
     throughput = sum(batch_size / c.predicted_bottleneck_seconds for c in clusters
                      if c.predicted_bottleneck_seconds > 0)
@@ -104,12 +121,12 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
 MAX_WEIGHTED_RING = 16  # balancing costs O(members^2) per iteration; larger rings share equally
 
 
-def ring_weights(members: Sequence[NodeInfo]) -> list[float] | None:
+def ring_weights(members: Sequence[NodeInfo], links: Links | None = None) -> list[float] | None:
     """Share weights for a ring of these members (in ring order), or None for equal shares."""
-    links = tuple(min(here.bandwidth, after.bandwidth) for here, after in zip(members, [*members[1:], members[0]]))
-    if len(links) < 2 or len(links) > MAX_WEIGHTED_RING or min(links) == max(links):
+    rates = tuple(link(here, after, links)[0] for here, after in zip(members, [*members[1:], members[0]]))
+    if len(rates) < 2 or len(rates) > MAX_WEIGHTED_RING or min(rates) == max(rates):
         return None
-    return _balanced(links)
+    return _balanced(rates)
 
 
 @lru_cache(maxsize=1024)  # replicas dealt from one group often give rings with the same links
@@ -118,7 +135,7 @@ def _balanced(links: tuple[float, ...]) -> list[float]:
 
 
 def _split_group(costs: list[BlockCost], chain: list[NodeInfo], length: int, in_flight: int | None,
-                 single: bool) -> tuple[list[list[NodeInfo]], list[tuple[int, int]]]:
+                 single: bool, links: Links | None = None) -> tuple[list[list[NodeInfo]], list[tuple[int, int]]]:
     """Replicas (each a chain) from one group, and the block ranges they all share."""
     count = len(chain)
     if single:  # one pipeline: up to the cap, longer only when shorter ones lack memory
@@ -131,7 +148,7 @@ def _split_group(costs: list[BlockCost], chain: list[NodeInfo], length: int, in_
         # stage i of every replica comes from slice i of the chain order
         dealt = [[chain[i * replicas + r] for i in range(depth)] for r in range(replicas)]
         try:
-            return dealt, partition(costs, _weakest(dealt), in_flight=in_flight or depth).ranges
+            return dealt, partition(costs, _weakest(dealt, links), in_flight=in_flight or depth).ranges
         except PartitionError as e:
             last_error = str(e)
     raise PlanningError(f"a group of {count} nodes cannot hold the model: {last_error}")
@@ -145,9 +162,9 @@ def _merge_stages(costs: list[BlockCost], ranges: list[tuple[int, int]]) -> list
             for a, b in ranges]
 
 
-def _weakest(replicas: list[list[NodeInfo]]) -> list[NodeCapacity]:
+def _weakest(replicas: list[list[NodeInfo]], links: Links | None = None) -> list[NodeCapacity]:
     """Stage by stage, the weakest capacity over the replicas, so one plan is valid for all."""
-    per_replica = [capacities(chain) for chain in replicas]
+    per_replica = [capacities(chain, links) for chain in replicas]
     return [NodeCapacity(min(c.flops for c in stage), min(c.memory_bytes for c in stage),
                          min(c.bandwidth_to_next for c in stage), max(c.latency_to_next for c in stage))
             for stage in zip(*per_replica)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from ravnest.spec import JobSpec, NodeProfile
+from ravnest.spec import JobSpec, LinkReport, NodeProfile
 
 
 class Health(BaseModel):
@@ -23,6 +23,7 @@ class NodeView(BaseModel):
     job_id: str | None = None
     cluster: int | None = None
     stage: int | None = None
+    links: list[LinkReport] = Field(default_factory=list, description="links this node measured to peers")
 
 
 class PlannedStage(BaseModel):

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from ravnest.models import build_model, profile_blocks
 from ravnest.models.profile import BlockCost
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse,
-                          MetricsReport, NodeProfile)
+                          LinkReport, MetricsReport, NodeProfile, PeerProbe)
 
 from . import jobs
 from .clustering import NodeInfo
@@ -29,10 +29,11 @@ from .jobs import JobState
 from .planning import PlanningError, plan_job
 from .schemas import Health, JobCreated, JobSummary, JobView, NodeView, Plan
 from .security import bearer_token, check_join_token, hash_token, new_id, new_token, token_matches
-from .store import JobRow, NodeRow, StageRow, Store, stage_of_node, stages_of
+from .store import JobRow, LinkRow, NodeRow, StageRow, Store, stage_of_node, stages_of
 
 IDLE, BUSY, GONE = "idle", "busy", "gone"
 HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header on top of the tensors' bytes
+MAX_LINKS_PER_NODE = 16  # a node stops being asked for probes once it measured this many links
 
 
 @functools.lru_cache(maxsize=32)
@@ -60,6 +61,8 @@ class Coordinator:
         self.started_at = self.clock()
         self._lock = threading.RLock()
         self._plans: dict[str, Plan] = {}
+        self.probe_token = _probe_token(settings.data_dir)
+        self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
 
     # --- nodes ---------------------------------------------------------------------------------------
 
@@ -73,13 +76,15 @@ class Coordinator:
                                state=IDLE, joined_at=now, last_seen=now, job_id=None)
                 session.add(node)
             self.place_pending()
-        return JoinResponse(node_id=node.id, node_token=token, heartbeat_interval_s=self.settings.heartbeat_interval_s)
+        return JoinResponse(node_id=node.id, node_token=token, heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                            probe_token=self.probe_token)
 
     def heartbeat(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse:
         with self._lock:
             with self.store.session() as session:
                 node = self._node(session, node_id, authorization)
                 node.last_seen = self.clock()
+                self._record_links(session, node, request.links)
                 freed = node.state == GONE
                 if freed:  # missed heartbeats, but it is back
                     node.state = BUSY if node.job_id else IDLE
@@ -89,6 +94,8 @@ class Coordinator:
                     freed = freed or released
                 if request.job_id and request.job_id != node.job_id and response.cancel_job is None:
                     response.cancel_job = request.job_id  # it runs something it no longer holds
+                if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
+                    response.probe = self._probes_for(session, node)
             if freed:
                 self.place_pending()
         return response
@@ -117,6 +124,37 @@ class Coordinator:
             return response, True
         return response, False
 
+    def _record_links(self, session: Session, node: NodeRow, reports: list[LinkReport]) -> None:
+        """Keep the latest measurement per peer; reports on unknown peers or itself are dropped
+        (a peer may have left and been forgotten meanwhile)."""
+        now = self.clock()
+        for report in reports:
+            self._probes_asked.pop((node.id, report.peer_id), None)
+            if report.peer_id == node.id or session.get(NodeRow, report.peer_id) is None:
+                continue
+            session.merge(LinkRow(node_id=node.id, peer_id=report.peer_id, bandwidth=report.bandwidth_bytes_per_s,
+                                  latency=report.latency_s, measured_at=now))
+
+    def _probes_for(self, session: Session, node: NodeRow) -> list[PeerProbe]:
+        """Up to `probe_peers` live peers whose link this node has not measured nor been asked for
+        lately, oldest members first; none once it measured MAX_LINKS_PER_NODE links."""
+        want, now = self.settings.probe_peers, self.clock()
+        if len(self._probes_asked) > 10_000:  # forget requests that were never answered
+            self._probes_asked = {k: at for k, at in self._probes_asked.items() if now - at < self.settings.probe_retry_s}
+        measured = select(LinkRow.peer_id).where(LinkRow.node_id == node.id)
+        if want <= 0 or (session.scalar(select(func.count()).select_from(measured.subquery())) or 0) >= MAX_LINKS_PER_NODE:
+            return []
+        asked = {peer for (asker, peer), at in self._probes_asked.items()
+                 if asker == node.id and now - at < self.settings.probe_retry_s}
+        candidates = session.scalars(select(NodeRow).where(
+            NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.token_hash.is_not(None),
+            NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s, NodeRow.id.not_in(measured))
+            .order_by(NodeRow.joined_at).limit(want + len(asked)))
+        chosen = [peer for peer in candidates if peer.id not in asked][:want]
+        for peer in chosen:
+            self._probes_asked[(node.id, peer.id)] = now
+        return [PeerProbe(node_id=peer.id, address=peer.address) for peer in chosen]
+
     def leave(self, node_id: str, authorization: str | None) -> None:
         with self._lock, self.store.session() as session:
             node = self._node(session, node_id, authorization)
@@ -138,11 +176,16 @@ class Coordinator:
             rows = session.execute(select(NodeRow, StageRow).outerjoin(
                 StageRow, (StageRow.job_id == NodeRow.job_id) & (StageRow.node_id == NodeRow.id))
                 .order_by(NodeRow.joined_at)).all()
+            links: dict[str, list[LinkReport]] = {}
+            for row in session.scalars(select(LinkRow).order_by(LinkRow.peer_id)):
+                links.setdefault(row.node_id, []).append(LinkReport(
+                    peer_id=row.peer_id, bandwidth_bytes_per_s=row.bandwidth, latency_s=row.latency))
             return [NodeView(id=node.id, name=node.name, address=node.address,
                              profile=NodeProfile.model_validate(node.profile),
                              state=GONE if node.last_seen < cutoff else node.state,
                              joined_at=node.joined_at, last_seen=node.last_seen, job_id=node.job_id,
-                             cluster=stage.cluster if stage else None, stage=stage.stage if stage else None)
+                             cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
+                             links=links.get(node.id, []))
                     for node, stage in rows]
 
     def _node(self, session: Session, node_id: str, authorization: str | None) -> NodeRow:
@@ -356,21 +399,24 @@ class Coordinator:
                     continue
                 jobs.transition(job, JobState.PLACING, f"placing on {len(idle)} idle nodes", now)
                 try:
-                    plan = self._plan_on(spec, idle)
+                    plan = self._plan_on(session, spec, idle)
                 except PlanningError as e:
                     jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
                     continue
                 used = self._reserve(session, job, plan, idle)
                 idle = [node for node in idle if node.id not in used]
 
-    def _plan_on(self, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
+    def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = _costs(spec)
         infos = [NodeInfo(node.id, node.profile["flops"], node.profile["memory_bytes"],
                           node.profile["bandwidth_bytes_per_s"], node.profile["latency_s"], node.address)
                  for node in nodes]
+        ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
+        links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))
+                 if row.node_id in ids and row.peer_id in ids}
         return plan_job(costs, infos, spec.placement, batch_size=spec.training.batch_size,
                         in_flight=spec.training.microbatches_in_flight, pipeline_cap=self.settings.pipeline_cap,
-                        seed=spec.training.seed)
+                        seed=spec.training.seed, links=links)
 
     def _reserve(self, session: Session, job: JobRow, plan: Plan, idle: list[NodeRow]) -> set[str]:
         job.plan = plan.model_dump(mode="json")
@@ -386,6 +432,15 @@ class Coordinator:
                 used.add(node.id)
         job.reason = f"{len(plan.clusters)} clusters, {len(used)} nodes; waiting for every node to fetch its stage"
         return used
+
+
+def _probe_token(data_dir: Path) -> str:
+    """The token peers' Ping probes carry, kept in the data directory so it outlives a restart."""
+    path = data_dir / "probe_token"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(new_token())
+    return path.read_text().strip()
 
 
 def _undelivered(session: Session, job_id: str) -> int:

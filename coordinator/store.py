@@ -1,4 +1,4 @@
-"""The coordinator's SQL store: nodes, jobs and the stages of each placed job.
+"""The coordinator's SQL store: nodes, the links they measured, jobs and the stages of each placed job.
 
 Only portable SQLAlchemy types (String, Integer, Float, Boolean, Text, JSON), so the same models run
 on SQLite (the default, a file in the data directory) and on PostgreSQL given its URL. JSON columns
@@ -60,6 +60,16 @@ class StageRow(Base):
     metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     weights_uploaded: Mapped[bool] = mapped_column(Boolean, default=False)
     updated_at: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class LinkRow(Base):
+    """A link one node measured to another (directional: latency and upload bandwidth from `node_id`)."""
+    __tablename__ = "links"
+    node_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    peer_id: Mapped[str] = mapped_column(ID, primary_key=True, index=True)
+    bandwidth: Mapped[float] = mapped_column(Float)  # bytes/s
+    latency: Mapped[float] = mapped_column(Float)  # round trip, seconds
+    measured_at: Mapped[float] = mapped_column(Float)
 
 
 class Store:

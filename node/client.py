@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse,
+from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           MetricsReport)
 
 
@@ -53,9 +53,9 @@ class CoordinatorClient:
         self.node_id, self._node_token = joined.node_id, joined.node_token
         return joined
 
-    def heartbeat(self, job_id: str | None) -> HeartbeatResponse:
+    def heartbeat(self, job_id: str | None, links: list[LinkReport] = ()) -> HeartbeatResponse:
         body = self._call("POST", f"/v1/nodes/{self.node_id}/heartbeat", token=self._node_token,
-                          json=HeartbeatRequest(job_id=job_id).model_dump())
+                          json=HeartbeatRequest(job_id=job_id, links=list(links)).model_dump())
         return HeartbeatResponse.model_validate(body.json())
 
     def report_metrics(self, job_id: str, report: MetricsReport) -> None:

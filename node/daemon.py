@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from node.client import CoordinatorClient, CoordinatorError
+from node.links import LinkProber
 from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import make_averager
@@ -61,7 +62,10 @@ class NodeDaemon:
         self.progress = progress or Progress()
         self.router = Router(wait_for_route=60.0)  # peers of a job get their assignments at different heartbeats
         self._job_tokens: set[str] = set()
-        self.server = PeerServer(self.router, host, port, token=lambda: self._job_tokens)
+        self._probe_tokens: set[str] = set()  # the coordinator's, once joined: peers may Ping us
+        self.server = PeerServer(self.router, host, port, token=lambda: self._job_tokens,
+                                 ping_token=lambda: self._probe_tokens)
+        self._prober: LinkProber | None = None
         self.address = f"{advertise or host}:{self.server.port}"
         self._job: tuple[str, threading.Thread, threading.Event] | None = None
         self._finished: set[str] = set()
@@ -72,6 +76,9 @@ class NodeDaemon:
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile))
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, {profile.memory_bytes / 2**30:.1f} GiB free)")
+        if joined.probe_token:
+            self._probe_tokens = {joined.probe_token}
+            self._prober = LinkProber(joined.probe_token)
         try:
             while not stop.is_set():
                 self._heartbeat()
@@ -83,6 +90,8 @@ class NodeDaemon:
                 self.progress.log("left the coordinator")
             except (httpx.HTTPError, CoordinatorError) as e:
                 self.progress.log(f"could not leave cleanly: {e}")
+            if self._prober:
+                self._prober.close()
             self.server.stop()
 
     def _running_job_id(self) -> str | None:
@@ -91,11 +100,14 @@ class NodeDaemon:
         return None
 
     def _heartbeat(self) -> None:
+        links = self._prober.take() if self._prober else []
         try:
-            reply = self.client.heartbeat(self._running_job_id())
+            reply = self.client.heartbeat(self._running_job_id(), links)
         except (httpx.HTTPError, CoordinatorError) as e:
             self.progress.log(f"heartbeat failed, will retry: {e}")
             return
+        if reply.probe and self._prober:
+            self._prober.ask(reply.probe)
         if reply.cancel_job and self._job and reply.cancel_job == self._job[0]:
             self.progress.log(f"job {reply.cancel_job} was cancelled; stopping")
             self._job[2].set()

@@ -128,15 +128,33 @@ class JoinResponse(_Strict):
     node_id: str
     node_token: str = Field(description="credential for this node's later calls")
     heartbeat_interval_s: float
+    probe_token: str = Field("", description="peers' Ping calls carry it (link probes, never data streams)")
+
+
+class LinkReport(_Strict):
+    """What a node measured of its link to a peer (a gRPC Ping probe)."""
+    peer_id: str = Field(max_length=64)
+    bandwidth_bytes_per_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0, description="round trip")
+
+
+class PeerProbe(_Strict):
+    """A peer the coordinator asks a node to measure its link to."""
+    node_id: str
+    address: str
 
 
 class HeartbeatRequest(_Strict):
     job_id: str | None = Field(None, description="the job this node is running, if any")
+    links: list[LinkReport] = Field(default_factory=list, max_length=64,
+                                    description="links measured since the last heartbeat")
 
 
 class HeartbeatResponse(_Strict):
     assignment: StageAssignment | None = None
     cancel_job: str | None = Field(None, description="stop working on this job")
+    probe: list[PeerProbe] = Field(default_factory=list, description="measure the link to these peers and "
+                                                                     "report it with a later heartbeat")
 
 
 class MetricsReport(_Strict):

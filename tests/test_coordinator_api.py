@@ -87,7 +87,7 @@ def placed_job(client: TestClient, nodes: int = 4, **placement) -> tuple[str, li
 
 def test_join_heartbeat_list_leave(client: TestClient) -> None:
     node_id, auth = join(client, "alpha")
-    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None}
+    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None, "probe": []}  # no peers yet
     nodes = client.get("/v1/nodes").json()
     assert [(n["id"], n["name"], n["state"]) for n in nodes] == [(node_id, "alpha", "idle")]
     assert nodes[0]["profile"]["flops"] == 1e10
@@ -98,6 +98,27 @@ def test_join_heartbeat_list_leave(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok", "nodes_alive": 0, "jobs_active": 0}
     assert client.get("/v1/probe", params={"bytes": 1000}).content == bytes(1000)
     assert client.get("/v1/probe", params={"bytes": -1}).status_code == 422
+
+
+def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: TestClient) -> None:
+    a, b, c = (join(client, name) for name in ("alpha", "beta", "gamma"))
+    asked = beat(client, *a)["probe"]
+    assert [p["node_id"] for p in asked] == [b[0], c[0]]  # probe_peers = 2, oldest members first
+    assert asked[0]["address"] == "127.0.0.1:5004"
+    assert beat(client, *a)["probe"] == []  # asked already: not again before probe_retry_s
+    links = [{"peer_id": b[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02},
+             {"peer_id": "no-such-node", "bandwidth_bytes_per_s": 1e9, "latency_s": 0.0},
+             {"peer_id": a[0], "bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}]
+    r = client.post(f"/v1/nodes/{a[0]}/heartbeat", json={"links": links}, headers=a[1])
+    assert r.status_code == 200 and r.json()["probe"] == []
+    views = {n["id"]: n for n in client.get("/v1/nodes").json()}
+    assert views[a[0]]["links"] == [{"peer_id": b[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02}]
+    assert views[b[0]]["links"] == []
+    bad = [{"peer_id": b[0], "bandwidth_bytes_per_s": -1, "latency_s": 0.0}]
+    r = client.post(f"/v1/nodes/{a[0]}/heartbeat", json={"links": bad}, headers=a[1])
+    assert r.status_code == 422 and "bandwidth_bytes_per_s" in r.text
+    assert client.get("/v1/nodes").json()[0]["links"][0]["bandwidth_bytes_per_s"] == 5e6  # nothing written
+    assert beat(client, *a, job_id="some-job")["probe"] == []  # a node that trains is never asked
 
 
 def test_join_token_is_required_when_set(tmp_path: Path, clock: FakeClock) -> None:
@@ -263,7 +284,8 @@ def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
     # finished nodes go idle once they report no job
     for node_id, auth, _ in assignments:
-        assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None}
+        reply = beat(client, node_id, auth)
+        assert reply["assignment"] is None and reply["cancel_job"] is None
     assert {n["state"] for n in client.get("/v1/nodes").json()} == {"idle"}
 
 

@@ -22,6 +22,12 @@ def test_digits_cnn_job_across_two_clusters(tmp_path):
     spec_json = json.loads(JOB.read_text())
     spec = JobSpec.model_validate(spec_json)
     with LocalCluster(tmp_path, nodes=4) as cluster:
+        # idle nodes measure their links to peers when the coordinator asks (gRPC Ping probes)
+        cluster.wait_for(lambda: all(len(n["links"]) >= 2 for n in cluster.alive_nodes()), timeout=60,
+                         what="every node to report links to two peers")
+        ids = {n["id"] for n in cluster.alive_nodes()}
+        links = [(n["id"], link) for n in cluster.alive_nodes() for link in n["links"]]
+        assert all(link["peer_id"] in ids - {me} and link["bandwidth_bytes_per_s"] > 0 for me, link in links)
         job_id = cluster.submit(spec_json)
         job = cluster.wait_job(job_id, timeout=600)
         assert job["state"] == "completed", job.get("reason")

@@ -48,6 +48,22 @@ def test_chain_puts_the_slowest_link_last() -> None:
     assert [n.node_id for n in chain_order(nodes)] == ["fast", "mid", "slow"]
 
 
+def test_measured_peer_links_replace_the_estimate_from_coordinator_links() -> None:
+    costs = mlp_costs()
+    a, b = node("a", bandwidth=1e9), node("b", bandwidth=1e9)
+    placement = Placement(clusters=1)
+    estimated = plan_job(costs, [a, b], placement, batch_size=32).clusters[0]
+    # both ends have fast links to the coordinator, but measured each other at 100 kB/s (either direction)
+    for links in ({("a", "b"): (1e5, 0.05)}, {("b", "a"): (1e5, 0.05)}):
+        measured = plan_job(costs, [a, b], placement, batch_size=32, links=links).clusters[0]
+        assert measured.stages[0].predicted_seconds > 10 * estimated.stages[0].predicted_seconds
+    # a measured link faster than the estimate is believed too; the slower direction counts
+    fast = plan_job(costs, [node("a", bandwidth=1e5), node("b", bandwidth=1e5)], placement, batch_size=32,
+                    links={("a", "b"): (1e9, 0.001), ("b", "a"): (5e8, 0.002)}).clusters[0]
+    slow = plan_job(costs, [node("a", bandwidth=1e5), node("b", bandwidth=1e5)], placement, batch_size=32).clusters[0]
+    assert fast.predicted_bottleneck_seconds < slow.predicted_bottleneck_seconds
+
+
 def test_faster_nodes_get_more_blocks() -> None:
     costs = mlp_costs()
     plan = plan_job(costs, [node("big", flops=1e12), node("small", flops=1e10)], Placement(clusters=1),

@@ -248,6 +248,20 @@ def test_single_string_token() -> None:
         node.server.stop(0)
 
 
+def test_ping_token_opens_ping_only() -> None:
+    node = Node(token="job-secret", ping_token=lambda: {"probe-secret"})
+    try:
+        latency, bandwidth = measure_link(node.server.address, token="probe-secret", probe_bytes=1 << 16)
+        assert latency > 0 and bandwidth > 0
+        with pytest.raises(grpc.RpcError) as info:
+            raw_stream(node.server.address, list(message_frames(Message("ok"))), token="probe-secret")
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert node.received.empty()
+        node.assert_serves_a_good_stream(token="job-secret")
+    finally:
+        node.server.stop(0)
+
+
 def self_signed_certificate() -> tuple[bytes, bytes]:
     x509 = pytest.importorskip("cryptography.x509", reason="TLS test needs the `cryptography` package")
     from cryptography.hazmat.primitives import hashes, serialization

@@ -40,6 +40,7 @@ GRPC_OPTIONS = [
 AUTH_HEADER = "authorization"
 SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 STREAM_METHOD = f"/{SERVICE}/Stream"
+PING_METHOD = f"/{SERVICE}/Ping"
 MAX_STATUS_CHARS = 1000  # status details travel in an HTTP/2 header: keep them short
 MAX_PING_REPLY_BYTES = 16 << 20
 
@@ -87,10 +88,12 @@ class _TokenInterceptor(grpc.ServerInterceptor):
     """Rejects every call whose `authorization: Bearer <token>` is not an accepted token.
 
     `token` is one token, or a callable returning the tokens accepted right now (e.g. one per job).
+    `ping_token`, in the same forms, is accepted on Ping alone: peers probing the link, no data.
     """
 
-    def __init__(self, token: TokenSource):
+    def __init__(self, token: TokenSource | None, ping_token: TokenSource | None = None):
         self._token = token
+        self._ping_token = ping_token
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong peer token")
@@ -98,15 +101,23 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
 
-    def _accepts(self, offered: str) -> bool:
-        accepted = [self._token] if isinstance(self._token, str) else list(self._token())
+    @staticmethod
+    def _tokens(source: TokenSource | None) -> list[str]:
+        if source is None:
+            return []
+        return [source] if isinstance(source, str) else list(source())
+
+    def _accepts(self, offered: str, method: str) -> bool:
+        accepted = self._tokens(self._token)
+        if method == PING_METHOD:
+            accepted += self._tokens(self._ping_token)
         # Compare every token in constant time so timing reveals nothing about any of them.
-        return any([hmac.compare_digest(offered.encode(), f"Bearer {t}".encode()) for t in accepted])
+        return any([hmac.compare_digest(offered.encode(), f"Bearer {t}".encode()) for t in accepted if t])
 
     def intercept_service(self, continuation, handler_call_details):
         metadata = dict(handler_call_details.invocation_metadata or ())
         offered = metadata.get(AUTH_HEADER, "")
-        if isinstance(offered, str) and self._accepts(offered):
+        if isinstance(offered, str) and self._accepts(offered, handler_call_details.method):
             return continuation(handler_call_details)
         if handler_call_details.method == STREAM_METHOD:
             return self._deny_stream
@@ -177,15 +188,17 @@ class PeerServer:
 
     A handler exception fails only its own stream: ValueError → INVALID_ARGUMENT, WireError → its code,
     anything else → INTERNAL, each with the reason. `token` is the bearer token every call must
-    carry, or a callable returning the tokens accepted at the moment of the call. `tls` is
+    carry, or a callable returning the tokens accepted at the moment of the call; `ping_token` (same
+    forms) is also accepted on Ping, so peers can probe the link without any job's credential. `tls` is
     (certificate chain PEM, private key PEM).
     """
 
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
                  limits: WireLimits = WireLimits(), token: TokenSource | None = None,
-                 tls: tuple[bytes, bytes] | None = None, max_streams: int = 32):
+                 ping_token: TokenSource | None = None, tls: tuple[bytes, bytes] | None = None,
+                 max_streams: int = 32):
         keep_freed_buffers()
-        interceptors = [_TokenInterceptor(token)] if token else []
+        interceptors = [_TokenInterceptor(token, ping_token)] if token else []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams),
                                    options=_server_options(limits), interceptors=interceptors,
                                    maximum_concurrent_rpcs=max_streams)

@@ -1,0 +1,71 @@
+"""Link probes the coordinator asks for: latency and bandwidth to a peer over its gRPC Ping, measured
+on a thread of their own so heartbeats never wait on a slow or unreachable peer."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import grpc
+
+from ravnest.spec import LinkReport, PeerProbe
+from ravnest.wire import ChannelPool, measure_link
+
+log = logging.getLogger(__name__)
+PROBE_BYTES = 1 << 20  # enough to leave slow start behind on a LAN, about a second at 10 Mbit/s
+PROBE_TIMEOUT_S = 10.0
+MAX_QUEUED = 16
+
+
+class LinkProber:
+    """Measures the links it is asked to, one at a time; `take()` hands over what was measured."""
+
+    def __init__(self, token: str, probe_bytes: int = PROBE_BYTES):
+        self._token, self._probe_bytes = token, probe_bytes
+        self._todo: queue.Queue[PeerProbe | None] = queue.Queue(MAX_QUEUED)
+        self._queued: set[str] = set()
+        self._done: list[LinkReport] = []
+        self._lock = threading.Lock()
+        self._pool = ChannelPool()
+        self._thread = threading.Thread(target=self._run, name="link-prober", daemon=True)
+        self._thread.start()
+
+    def ask(self, probes: list[PeerProbe]) -> None:
+        """Queue probes not already queued; more than the queue holds are dropped (asked again later)."""
+        for probe in probes:
+            with self._lock:
+                if probe.node_id in self._queued:
+                    continue
+                self._queued.add(probe.node_id)
+            try:
+                self._todo.put_nowait(probe)
+            except queue.Full:
+                with self._lock:
+                    self._queued.discard(probe.node_id)
+
+    def take(self) -> list[LinkReport]:
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def _run(self) -> None:
+        while (probe := self._todo.get()) is not None:
+            try:
+                latency, bandwidth = measure_link(probe.address, token=self._token, probe_bytes=self._probe_bytes,
+                                                  timeout=PROBE_TIMEOUT_S, pool=self._pool)
+                report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+            except (grpc.RpcError, ValueError) as e:  # unreachable, refused, or a malformed address
+                log.info("link probe to %s (%s) failed: %s", probe.node_id, probe.address, e)
+                report = None
+            with self._lock:
+                self._queued.discard(probe.node_id)
+                if report is not None:
+                    self._done.append(report)
+
+    def close(self, timeout: float = 5.0) -> None:
+        try:
+            self._todo.put_nowait(None)
+        except queue.Full:
+            pass  # daemon thread: it ends with the process
+        self._thread.join(timeout)
+        self._pool.close()
