@@ -1,4 +1,5 @@
-"""The coordinator's REST API, run for real in-process (TestClient) on a temporary SQLite store."""
+"""The coordinator's REST API, run for real in-process (TestClient) on a temporary store: every test
+that takes the `settings` fixture runs twice, on SQLite and on a real PostgreSQL server."""
 from __future__ import annotations
 
 import os
@@ -48,9 +49,14 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request) -> str | None:
+    return request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
+
+
 @pytest.fixture
-def settings(tmp_path: Path, clock: FakeClock) -> Settings:
-    return Settings(data_dir=tmp_path, heartbeat_interval_s=INTERVAL, background=False, clock=clock)
+def settings(tmp_path: Path, clock: FakeClock, db_url: str | None) -> Settings:
+    return Settings(data_dir=tmp_path, db_url=db_url, heartbeat_interval_s=INTERVAL, background=False, clock=clock)
 
 
 @pytest.fixture

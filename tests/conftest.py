@@ -1,0 +1,28 @@
+"""Fixtures shared by several test modules."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tests.postgres import PostgresServer
+
+_databases = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One PostgreSQL server for the session, or a skip saying why there is none."""
+    pytest.importorskip("psycopg", reason="PostgreSQL tests need psycopg (pip install -e .[postgres])")
+    try:
+        server = PostgresServer()
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"no PostgreSQL server for this test: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """A fresh, empty database on the session's server."""
+    return postgres_server.create_database(f"ravnest_test_{next(_databases)}")
