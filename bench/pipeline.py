@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
             f"`{command.strip()}`\n\n"
             f"MLP {MODEL['config']} on digits, batch {args.batch_size}, {steps} Adam steps, cut {ranges} from "
             f"the partitioner; one process on one torch thread against two stage processes on one torch "
-            f"thread each (loopback gRPC, K=2 micro-batches in flight), the same samples in both. Steady "
+            f"thread each (loopback gRPC, K={args.in_flight or len(ranges)} micro-batches in flight), the same "
+            f"samples in both. Steady "
             f"state (20%-90% of the steps), medians over {args.repeat} alternated run(s): {summary}. "
             f"Machine: {os.cpu_count()} cores, load average {load:.1f} at the start "
             f"(other work shares it, so figures are noisy).\n"))
