@@ -9,7 +9,7 @@ import threading
 import grpc
 
 from ravnest.spec import LinkReport, PeerProbe
-from ravnest.wire import ChannelPool, measure_link
+from ravnest.wire import measure_link
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 20  # enough to leave slow start behind on a LAN, about a second at 10 Mbit/s
@@ -26,7 +26,7 @@ class LinkProber:
         self._queued: set[str] = set()
         self._done: list[LinkReport] = []
         self._lock = threading.Lock()
-        self._pool = ChannelPool()
+        self._measured = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="link-prober", daemon=True)
         self._thread.start()
 
@@ -43,8 +43,10 @@ class LinkProber:
                 with self._lock:
                     self._queued.discard(probe.node_id)
 
-    def take(self) -> list[LinkReport]:
-        with self._lock:
+    def take(self, wait: float = 0.0) -> list[LinkReport]:
+        """The links measured since the last call; waits up to `wait` seconds for a first one."""
+        with self._measured:
+            self._measured.wait_for(lambda: self._done, timeout=wait)
             done, self._done = self._done, []
         return done
 
@@ -52,15 +54,16 @@ class LinkProber:
         while (probe := self._todo.get()) is not None:
             try:
                 latency, bandwidth = measure_link(probe.address, token=self._token, probe_bytes=self._probe_bytes,
-                                                  timeout=PROBE_TIMEOUT_S, pool=self._pool)
+                                                  timeout=PROBE_TIMEOUT_S)  # the process's shared channels
                 report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
             except (grpc.RpcError, ValueError) as e:  # unreachable, refused, or a malformed address
                 log.info("link probe to %s (%s) failed: %s", probe.node_id, probe.address, e)
                 report = None
-            with self._lock:
+            with self._measured:
                 self._queued.discard(probe.node_id)
                 if report is not None:
                     self._done.append(report)
+                    self._measured.notify_all()
 
     def close(self, timeout: float = 5.0) -> None:
         try:
@@ -68,4 +71,3 @@ class LinkProber:
         except queue.Full:
             pass  # daemon thread: it ends with the process
         self._thread.join(timeout)
-        self._pool.close()
