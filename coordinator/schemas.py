@@ -24,6 +24,7 @@ class NodeView(BaseModel):
     cluster: int | None = None
     stage: int | None = None
     links: list[LinkReport] = Field(default_factory=list, description="links this node measured to peers")
+    note: str = Field("", description="why this node got no stage when a job was last placed, if it got none")
 
 
 class PlannedStage(BaseModel):

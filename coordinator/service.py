@@ -63,6 +63,7 @@ class Coordinator:
         self._plans: dict[str, Plan] = {}
         self.probe_token = _probe_token(settings.data_dir)
         self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
+        self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
 
     # --- nodes ---------------------------------------------------------------------------------------
 
@@ -96,6 +97,7 @@ class Coordinator:
                     response.cancel_job = request.job_id  # it runs something it no longer holds
                 if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
                     response.probe = self._probes_for(session, node)
+                    response.note = self._left_out.get(node.id, "")
             if freed:
                 self.place_pending()
         return response
@@ -149,7 +151,7 @@ class Coordinator:
         candidates = session.scalars(select(NodeRow).where(
             NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.token_hash.is_not(None),
             NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s, NodeRow.id.not_in(measured))
-            .order_by(NodeRow.joined_at).limit(want + len(asked)))
+            .order_by(NodeRow.joined_at, NodeRow.id).limit(want + len(asked)))
         chosen = [peer for peer in candidates if peer.id not in asked][:want]
         for peer in chosen:
             self._probes_asked[(node.id, peer.id)] = now
@@ -175,7 +177,7 @@ class Coordinator:
         with self.store.session() as session:
             rows = session.execute(select(NodeRow, StageRow).outerjoin(
                 StageRow, (StageRow.job_id == NodeRow.job_id) & (StageRow.node_id == NodeRow.id))
-                .order_by(NodeRow.joined_at)).all()
+                .order_by(NodeRow.joined_at, NodeRow.id)).all()
             links: dict[str, list[LinkReport]] = {}
             for row in session.scalars(select(LinkRow).order_by(LinkRow.peer_id)):
                 links.setdefault(row.node_id, []).append(LinkReport(
@@ -185,7 +187,8 @@ class Coordinator:
                              state=GONE if node.last_seen < cutoff else node.state,
                              joined_at=node.joined_at, last_seen=node.last_seen, job_id=node.job_id,
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
-                             links=links.get(node.id, []))
+                             links=links.get(node.id, []),
+                             note=self._left_out.get(node.id, "") if node.state == IDLE else "")
                     for node, stage in rows]
 
     def _node(self, session: Session, node_id: str, authorization: str | None) -> NodeRow:
@@ -430,6 +433,9 @@ class Coordinator:
                 node = by_id[stage.node_id]
                 node.state, node.job_id = BUSY, job.id
                 used.add(node.id)
+                self._left_out.pop(node.id, None)
+        for node_id, why in plan.unused.items():
+            self._left_out[node_id] = f"no stage in job {job.id}: {why}"
         job.reason = f"{len(plan.clusters)} clusters, {len(used)} nodes; waiting for every node to fetch its stage"
         return used
 

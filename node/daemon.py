@@ -66,6 +66,7 @@ class NodeDaemon:
         self.server = PeerServer(self.router, host, port, token=lambda: self._job_tokens,
                                  ping_token=lambda: self._probe_tokens)
         self._prober: LinkProber | None = None
+        self._note = ""  # the coordinator's last word on why this node is idle
         self.address = f"{advertise or host}:{self.server.port}"
         self._job: tuple[str, threading.Thread, threading.Event] | None = None
         self._finished: set[str] = set()
@@ -108,6 +109,9 @@ class NodeDaemon:
             return
         if reply.probe and self._prober:
             self._prober.ask(reply.probe)
+        if reply.note and reply.note != self._note:
+            self.progress.log(f"coordinator: {reply.note}")
+        self._note = reply.note
         if reply.cancel_job and self._job and reply.cancel_job == self._job[0]:
             self.progress.log(f"job {reply.cancel_job} was cancelled; stopping")
             self._job[2].set()

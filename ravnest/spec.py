@@ -155,6 +155,7 @@ class HeartbeatResponse(_Strict):
     cancel_job: str | None = Field(None, description="stop working on this job")
     probe: list[PeerProbe] = Field(default_factory=list, description="measure the link to these peers and "
                                                                      "report it with a later heartbeat")
+    note: str = Field("", description="why this idle node got no stage when a job was last placed")
 
 
 class MetricsReport(_Strict):

@@ -93,7 +93,7 @@ def placed_job(client: TestClient, nodes: int = 4, **placement) -> tuple[str, li
 
 def test_join_heartbeat_list_leave(client: TestClient) -> None:
     node_id, auth = join(client, "alpha")
-    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None, "probe": []}  # no peers yet
+    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None, "probe": [], "note": ""}
     nodes = client.get("/v1/nodes").json()
     assert [(n["id"], n["name"], n["state"]) for n in nodes] == [(node_id, "alpha", "idle")]
     assert nodes[0]["profile"]["flops"] == 1e10
@@ -109,8 +109,7 @@ def test_join_heartbeat_list_leave(client: TestClient) -> None:
 def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: TestClient) -> None:
     a, b, c = (join(client, name) for name in ("alpha", "beta", "gamma"))
     asked = beat(client, *a)["probe"]
-    assert [p["node_id"] for p in asked] == [b[0], c[0]]  # probe_peers = 2, oldest members first
-    assert asked[0]["address"] == "127.0.0.1:5004"
+    assert {(p["node_id"], p["address"]) for p in asked} == {(b[0], "127.0.0.1:5004"), (c[0], "127.0.0.1:5005")}
     assert beat(client, *a)["probe"] == []  # asked already: not again before probe_retry_s
     links = [{"peer_id": b[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02},
              {"peer_id": "no-such-node", "bandwidth_bytes_per_s": 1e9, "latency_s": 0.0},
@@ -123,7 +122,8 @@ def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: Te
     bad = [{"peer_id": b[0], "bandwidth_bytes_per_s": -1, "latency_s": 0.0}]
     r = client.post(f"/v1/nodes/{a[0]}/heartbeat", json={"links": bad}, headers=a[1])
     assert r.status_code == 422 and "bandwidth_bytes_per_s" in r.text
-    assert client.get("/v1/nodes").json()[0]["links"][0]["bandwidth_bytes_per_s"] == 5e6  # nothing written
+    views = {n["id"]: n for n in client.get("/v1/nodes").json()}
+    assert views[a[0]]["links"][0]["bandwidth_bytes_per_s"] == 5e6  # nothing written
     assert beat(client, *a, job_id="some-job")["probe"] == []  # a node that trains is never asked
 
 
@@ -348,6 +348,18 @@ def test_placement_failure_gives_a_reason(client: TestClient) -> None:
     assert r.status_code == 201
     job = client.get(f"/v1/jobs/{r.json()['id']}").json()
     assert job["state"] == "failed" and "cannot place" in job["reason"] and "MiB" in job["reason"]
+
+
+def test_a_node_that_fits_nowhere_is_told_why(client: TestClient) -> None:
+    tiny_id, tiny_auth = join(client, "tiny", memory=1000)
+    job_id, members = placed_job(client)
+    plan = client.get(f"/v1/jobs/{job_id}").json()["plan"]
+    assert tiny_id in plan["unused"] and tiny_id not in {s["node_id"] for c in plan["clusters"] for s in c["stages"]}
+    note = beat(client, tiny_id, tiny_auth)["note"]
+    assert job_id in note and "MiB" in note and "smallest block" in note
+    views = {n["id"]: n for n in client.get("/v1/nodes").json()}
+    assert views[tiny_id]["note"] == note and views[members[0][0]]["note"] == ""
+    assert beat(client, *members[0])["note"] == ""  # placed nodes hear nothing of the kind
 
 
 def free_port() -> int:
