@@ -107,7 +107,12 @@ class StageAssignment(_Strict):
 
 # --- node <-> coordinator REST bodies -------------------------------------------------------------
 
-class NodeProfile(_Strict):
+class _Measured(_Strict):
+    """Figures the planner computes with: "Infinity" or "NaN" would poison every plan."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class NodeProfile(_Measured):
     """What a node measured about itself when it joined."""
     flops: float = Field(gt=0, description="matmul FLOP/s on the chosen device")
     memory_bytes: int = Field(gt=0, description="memory free for training on the chosen device")
@@ -131,7 +136,7 @@ class JoinResponse(_Strict):
     probe_token: str = Field("", description="peers' Ping calls carry it (link probes, never data streams)")
 
 
-class LinkReport(_Strict):
+class LinkReport(_Measured):
     """What a node measured of its link to a peer (a gRPC Ping probe)."""
     peer_id: str = Field(max_length=64)
     bandwidth_bytes_per_s: float = Field(gt=0)

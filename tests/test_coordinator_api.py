@@ -195,6 +195,10 @@ def test_bad_requests_are_refused_and_write_nothing(client: TestClient) -> None:
     assert r.status_code == 422 and "JSON" in r.json()["detail"]
     r = client.post("/v1/nodes", json={"address": "x:1", "profile": profile(memory=-5)})
     assert r.status_code == 422 and "memory_bytes" in r.json()["detail"]
+    infinite = b'{"address": "x:1", "profile": {"flops": Infinity, "memory_bytes": 1, "bandwidth_bytes_per_s": 1, ' \
+               b'"latency_s": 0}}'  # Python's JSON parser takes this literal; the planner must never see it
+    r = client.post("/v1/nodes", content=infinite, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "finite" in r.json()["detail"]
     for path in ("/v1/jobs/nope", "/v1/jobs/nope/model"):
         r = client.get(path)
         assert r.status_code == 404 and "nope" in r.json()["detail"]
