@@ -54,8 +54,9 @@ Links = Mapping[tuple[str, str], tuple[float, float]]
 def link(here: NodeInfo, after: NodeInfo, links: Links | None = None) -> tuple[float, float]:
     """(bandwidth, latency) between two nodes: measured (slower direction) if either end probed it,
     else estimated from both ends' links to the coordinator."""
-    measured = [m for m in ((links or {}).get((here.node_id, after.node_id)),
-                            (links or {}).get((after.node_id, here.node_id))) if m is not None]
+    links = links or {}
+    measured = [m for m in (links.get((here.node_id, after.node_id)), links.get((after.node_id, here.node_id)))
+                if m is not None]
     if measured:
         return min(m[0] for m in measured), max(m[1] for m in measured)
     return min(here.bandwidth, after.bandwidth), (here.latency + after.latency) / 2

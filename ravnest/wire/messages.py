@@ -16,7 +16,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from ravnest.v1 import peer_pb2
-from ravnest.wire.codec import (WireError, WireLimits, allocate, byte_view, decoded_nbytes, encode,
+from ravnest.wire.codec import (WireError, WireLimits, allocate, decoded_nbytes, encode,
                                 restore, validate_header, wrap)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -221,7 +221,7 @@ class MessageAssembler:
                     if view is not None:
                         return view
                 tensor = allocate(th)
-                dest = tensor.view(-1).view(torch.uint8) if tensor.numel() else byte_view(tensor)
+                dest = tensor.view(-1).view(torch.uint8)  # nbytes > 0 here, so never a 0-element view
             dest[filled:filled + n].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
             filled += n
         return allocate(th) if tensor is None else tensor
