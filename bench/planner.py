@@ -18,7 +18,7 @@ import numpy as np
 
 from ravnest.models import build_model, profile_blocks
 from ravnest.models.profile import BlockCost
-from ravnest.spec import Placement
+from ravnest.spec import Placement, TrainingSettings
 
 from bench.common import write_section
 from coordinator.clustering import NodeInfo
@@ -65,7 +65,7 @@ def main() -> None:
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        plan = plan_job(costs, nodes, Placement(), batch_size=BATCH_SIZE)
+        plan = plan_job(costs, nodes, Placement(), training=TrainingSettings(batch_size=BATCH_SIZE))
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
 

@@ -55,9 +55,10 @@ def transition(job: JobRow, state: JobState, reason: str, now: float) -> None:
 
 
 def validate_spec(spec: JobSpec) -> ModelSpec:
-    """Everything about a job that can be checked before any node sees it; InvalidRequest if wrong."""
+    """Everything about a job that can be checked before any node sees it; InvalidRequest if wrong.
+    Nothing here allocates weights: the model is only described (shapes come from the meta device)."""
     try:
-        model = build_model(spec.model.name, spec.model.config, seed=spec.training.seed)
+        model = build_model(spec.model.name, spec.model.config)
     except ModelError as e:
         raise InvalidRequest(f"model: {e}") from e
     dataset = spec.dataset
@@ -73,6 +74,9 @@ def validate_spec(spec: JobSpec) -> ModelSpec:
         _check_accepts_digits(model, spec)
     _check_optimizer(spec)
     placement = spec.placement
+    if placement.max_nodes is not None and placement.max_nodes < placement.min_nodes:
+        raise InvalidRequest(f"placement.max_nodes ({placement.max_nodes}) is below placement.min_nodes "
+                             f"({placement.min_nodes})")
     if isinstance(placement.clusters, int):
         if placement.clusters < 1:
             raise InvalidRequest("placement.clusters must be >= 1 or \"auto\"")
@@ -83,12 +87,13 @@ def validate_spec(spec: JobSpec) -> ModelSpec:
 
 
 def _check_accepts_digits(model: ModelSpec, spec: JobSpec) -> None:
-    """digits ships with scikit-learn, so the coordinator can try the model on two real samples."""
+    """digits ships with scikit-learn, so the coordinator passes a batch of its shape through the
+    model on the meta device (shapes only, no weights)."""
     try:
         data = load_dataset(spec.dataset)
         with torch.no_grad():
-            output = model.full_model().eval()(data.train_x[:2])
-    except (DatasetError, RuntimeError, ValueError) as e:
+            output = model.blocks(device="meta")(data.train_x[:2].to("meta"))
+    except (DatasetError, RuntimeError, ValueError, ModelError) as e:
         raise InvalidRequest(f"model {spec.model.name!r} does not accept digits images (1x8x8): {e}") from e
     if output.shape != (2, output.shape[-1]) or output.shape[-1] < (data.num_classes or 0):
         raise InvalidRequest(f"model {spec.model.name!r} outputs shape {tuple(output.shape)} for 2 digits; "
@@ -116,9 +121,12 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int) -> StageAssign
              members=[StagePeer(node_id=plan.clusters[c].stages[s].node_id, address=plan.clusters[c].stages[s].address)
                       for c, s in enumerate(ring.stages)])
         for ring in plan.rings if ring.stages[cluster] == stage]
+    planned = stages[stage]
     return StageAssignment(
         job_id=job.id, token=job.job_token, cluster=cluster, num_clusters=len(plan.clusters), stage=stage,
-        num_stages=len(stages), blocks=stages[stage].blocks, model=spec.model, dataset=spec.dataset,
+        num_stages=len(stages), blocks=planned.blocks, input_shape=planned.input_shape,
+        input_dtype=planned.input_dtype, predicted_memory_bytes=planned.predicted_memory_bytes,
+        model=spec.model, dataset=spec.dataset,
         training=spec.training, averaging=spec.averaging,
         prev=peer(stage - 1) if stage > 0 else None, next=peer(stage + 1) if stage + 1 < len(stages) else None,
         rings=rings)
@@ -144,7 +152,7 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def metrics(stages: list[StageRow]) -> JobMetrics:
+def metrics(stages: list[StageRow], plan: Plan | None = None) -> JobMetrics:
     """Live figures: the loss and throughput seen by each cluster's last stage, utilization of all."""
     last: dict[int, StageRow] = {}
     for row in stages:
@@ -163,7 +171,17 @@ def metrics(stages: list[StageRow]) -> JobMetrics:
         averaging_stall_fraction=max((m.get("avg_stall_s", 0.0) / m["elapsed_s"] for m in averaging
                                       if m.get("elapsed_s", 0) > 0), default=None),
         stages=[StageMetrics(cluster=row.cluster, stage=row.stage, node_id=row.node_id, step=row.step,
-                             metrics=row.metrics, weights_uploaded=row.weights_uploaded) for row in stages])
+                             metrics=row.metrics, weights_uploaded=row.weights_uploaded,
+                             predicted_memory_bytes=_predicted_memory(plan, row),
+                             peak_memory_bytes=row.metrics.get("memory_peak_bytes"))
+                for row in stages])
+
+
+def _predicted_memory(plan: Plan | None, row: StageRow) -> int | None:
+    try:
+        return plan.clusters[row.cluster].stages[row.stage].predicted_memory_bytes if plan else None
+    except IndexError:
+        return None
 
 
 def check_finite(values: dict[str, float]) -> None:

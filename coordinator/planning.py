@@ -1,12 +1,16 @@
 """Turn clusters of nodes into pipelines: chain order, block ranges per stage, averaging rings.
 
 Rules (see also docs in examples/jobs/README.md):
-- A pipeline has at most L = min(blocks, placement.stages_per_cluster or `pipeline_cap`) stages;
-  deeper pipelines add latency and staleness without adding useful parallelism.
-- With `placement.clusters = N` each of the N clusters is one pipeline of (up to L of) its nodes.
-- With "auto", each k-means group of m similar nodes is split into R = floor(m / L) replicas of
-  L nodes (one replica of m nodes when m < L; the m mod L nodes left over stay idle as spares);
-  fewer, longer replicas are tried if those cannot hold the model.
+- The shape is chosen by predicted throughput within memory. For each pipeline depth d a group of
+  m nodes can take (up to min(blocks, `pipeline_cap`); deeper only when shallower ones lack memory;
+  exactly `placement.stages_per_cluster` when given, or deeper if that lacks memory), the planner
+  partitions the blocks, predicts samples/s of the whole group (R = floor(m / d) data-parallel
+  replicas with "auto", one pipeline per cluster with `placement.clusters = N`) and takes the best;
+  within 10% of the best it takes the shallowest, since every extra stage adds staleness. So a small
+  model goes data-parallel (one node per replica) and a big one gets as many stages as it needs.
+- A replica's samples/s is batch x min(1 / slowest stage, K / round trip), capped by averaging: a
+  ring all-reduce of its stage's parameters every `averaging.every` steps (bandwidth and latency
+  terms) that takes longer than those steps stalls training.
 - Chain order: bandwidth descending (then compute), so the slowest node goes last, where it bounds
   one link, not two, and the last stage sends no activations forward at all. A peer link is what
   the nodes measured between themselves (link probes, the slower direction) when they did, else it
@@ -23,24 +27,25 @@ Rules (see also docs in examples/jobs/README.md):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ravnest.averaging.segments import segment_rings
 from ravnest.averaging.shares import balanced_shares
 from ravnest.models.profile import BlockCost
-from ravnest.partition import NodeCapacity, PartitionError, partition, stage_memory_bytes, stage_seconds
-from ravnest.spec import Placement
+from ravnest.partition import Load, NodeCapacity, PartitionError, partition, stage_memory_bytes, stage_seconds
+from ravnest.pipeline.memory import training_load
+from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
 from .schemas import Plan, PlannedCluster, PlannedRing, PlannedStage
 
 
+PREFER_SHALLOW = 0.9  # a shallower pipeline within this share of the best throughput is preferred
+
+
 class PlanningError(ValueError):
     """The job cannot be placed on these nodes; the message says why."""
-
-
-def pipeline_length(num_blocks: int, placement: Placement, pipeline_cap: int) -> int:
-    return max(1, min(num_blocks, placement.stages_per_cluster or pipeline_cap))
 
 
 def chain_order(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
@@ -71,52 +76,142 @@ def capacities(chain: Sequence[NodeInfo], links: Links | None = None) -> list[No
     return result
 
 
+@dataclass
+class Shape:
+    """One way to use a group of nodes: replicas of one pipeline, its cuts, and what it predicts."""
+    replicas: list[list[NodeInfo]]
+    ranges: list[tuple[int, int]]
+    load: Load
+    samples_per_s: float
+
+    def describe(self) -> str:
+        return f"{len(self.replicas)} x {len(self.ranges)} stage(s): {self.samples_per_s:,.0f} samples/s"
+
+
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
-             batch_size: int, in_flight: int | None = None, pipeline_cap: int = 16, seed: int = 0,
-             links: Links | None = None) -> Plan:
+             training: TrainingSettings | None = None, averaging: AveragingSettings | None = None,
+             pipeline_cap: int = 16, links: Links | None = None) -> Plan:
     """Clusters, stages and rings for a job over `nodes`; PlanningError with the reason if impossible.
     `links` are the peer links the nodes measured (see `link`)."""
-    length = pipeline_length(len(costs), placement, pipeline_cap)
-    budget = in_flight or length
-    smallest = min(stage_memory_bytes(costs, i, i + 1, budget) for i in range(len(costs)))
-    unused = {n.node_id: f"has {n.memory_bytes / 2**20:.0f} MiB; the smallest block needs {smallest / 2**20:.0f} MiB"
+    training, averaging = training or TrainingSettings(), averaging or AveragingSettings()
+    single_load = training_load(training, 1)
+    smallest = min(stage_memory_bytes(costs, i, i + 1, single_load) for i in range(len(costs)))
+    unused = {n.node_id: f"offers {_mib(n.memory_bytes)}; the smallest block needs {_mib(smallest)}"
               for n in nodes if n.memory_bytes < smallest}
     usable = [n for n in nodes if n.node_id not in unused]
+    if placement.max_nodes is not None and len(usable) > placement.max_nodes:
+        usable = sorted(usable, key=lambda n: (-n.flops, -n.bandwidth, n.node_id))
+        unused.update({n.node_id: f"placement.max_nodes is {placement.max_nodes}" for n in usable[placement.max_nodes:]})
+        usable = usable[:placement.max_nodes]
     if not usable:
-        raise PlanningError(f"no node can hold even one block of the model ({smallest / 2**20:.0f} MiB needed)")
+        offers = ", ".join(_mib(n.memory_bytes) for n in nodes[:8]) + (", ..." if len(nodes) > 8 else "")
+        raise PlanningError(f"no node can hold even one block of the model: the smallest block needs "
+                            f"{_mib(smallest)}, the {len(nodes)} node(s) offer {offers}")
     exact = placement.clusters if isinstance(placement.clusters, int) else None
     try:
-        groups = cluster_nodes(usable, stage_memory_bytes(costs, 0, len(costs), budget), exact, seed)
+        groups = cluster_nodes(usable, stage_memory_bytes(costs, 0, len(costs), single_load), exact, training.seed)
     except ClusteringError as e:
         raise PlanningError(str(e)) from e
 
-    pipelines: list[tuple[list[NodeInfo], list[tuple[int, int]]]] = []
+    shapes: list[Shape] = []
+    why: list[str] = []
     for group in groups:
         chain = chain_order([usable[i] for i in group])
-        replicas, ranges = _split_group(costs, chain, length, in_flight, single=exact is not None, links=links)
-        used = {n.node_id for replica in replicas for n in replica}
-        unused.update({n.node_id: "spare: its group did not fill another replica" for n in chain
-                       if n.node_id not in used})
-        pipelines += [(replica, ranges) for replica in replicas]
+        options = _depths(len(costs), len(chain), placement, pipeline_cap)
+        shape, considered = _choose_shape(costs, chain, options, many=exact is None, averaged=len(groups) > 1,
+                                          training=training, averaging=averaging, links=links)
+        used = {n.node_id for replica in shape.replicas for n in replica}
+        unused.update({n.node_id: "spare: the chosen shape leaves it over" for n in chain if n.node_id not in used})
+        shapes.append(shape)
+        why.append(f"{len(chain)} node(s) -> {shape.describe()}"
+                   + (f" (considered {'; '.join(considered)})" if len(considered) > 1 else ""))
 
     # model_construct: these values are computed here, validating 10,000 of them again costs ~0.5 s
-    clusters = []
-    for index, (replica, ranges) in enumerate(pipelines):
-        merged = _merge_stages(costs, ranges)
+    clusters: list[PlannedCluster] = []
+    pipelines = [(replica, shape) for shape in shapes for replica in shape.replicas]
+    for index, (replica, shape) in enumerate(pipelines):
+        merged = _merge_stages(costs, shape.ranges)
         stage_times = [stage_seconds(merged, capacity, s, s + 1)
                        for s, capacity in enumerate(capacities(replica, links))]
         clusters.append(PlannedCluster.model_construct(
             cluster=index, predicted_bottleneck_seconds=max(stage_times),
-            stages=[PlannedStage.model_construct(stage=s, node_id=node.node_id, address=node.address,
-                                                 blocks=blocks, predicted_seconds=seconds)
-                    for s, (node, blocks, seconds) in enumerate(zip(replica, ranges, stage_times))]))
+            stages=[PlannedStage.model_construct(
+                stage=s, node_id=node.node_id, address=node.address, blocks=blocks, predicted_seconds=seconds,
+                predicted_memory_bytes=stage_memory_bytes(costs, *blocks, shape.load),
+                input_shape=list(costs[blocks[0] - 1].output_shape) if blocks[0] > 0 else None,
+                input_dtype=costs[blocks[0] - 1].output_dtype if blocks[0] > 0 else "float32")
+                for s, (node, blocks, seconds) in enumerate(zip(replica, shape.ranges, stage_times))]))
     rings = [PlannedRing.model_construct(segment=i, blocks=blocks, stages=stages,
                                          members=[clusters[c].stages[s].node_id for c, s in enumerate(stages)],
                                          weights=ring_weights([pipelines[c][0][s] for c, s in enumerate(stages)], links))
-             for i, (blocks, stages) in enumerate(segment_rings([ranges for _, ranges in pipelines]))]
-    throughput = sum(batch_size / c.predicted_bottleneck_seconds for c in clusters
-                     if c.predicted_bottleneck_seconds > 0)
-    return Plan.model_construct(clusters=clusters, rings=rings, unused=unused, predicted_samples_per_s=throughput)
+             for i, (blocks, stages) in enumerate(segment_rings([shape.ranges for _, shape in pipelines]))]
+    throughput = sum(shape.samples_per_s for shape in shapes)
+    reason = f"{len(clusters)} cluster(s) x {'/'.join(str(len(s.ranges)) for s in shapes)} stage(s), predicted " \
+             f"{throughput:,.0f} samples/s; " + "; ".join(why)
+    return Plan.model_construct(clusters=clusters, rings=rings, unused=unused, predicted_samples_per_s=throughput,
+                                reason=reason)
+
+
+def _mib(count: float) -> str:
+    return f"{count / 2**20:,.0f} MiB"
+
+
+def _depths(num_blocks: int, num_nodes: int, placement: Placement, pipeline_cap: int) -> tuple[list[int], list[int]]:
+    """Pipeline depths to compare, and deeper ones to fall back on when none of those fits."""
+    most = min(num_blocks, num_nodes)
+    if placement.stages_per_cluster:
+        first = min(placement.stages_per_cluster, most)
+        return [first], list(range(first + 1, most + 1))
+    cap = min(most, pipeline_cap)
+    return list(range(1, cap + 1)), list(range(cap + 1, most + 1))
+
+
+def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[list[int], list[int]], *,
+                  many: bool, averaged: bool, training: TrainingSettings, averaging: AveragingSettings,
+                  links: Links | None) -> tuple[Shape, list[str]]:
+    """The best shape for one group (see the module docstring) and a word on each one considered."""
+    preferred, fallback = options
+    shapes: list[Shape] = []
+    considered: list[str] = []
+    last_error = ""
+    for depths in (preferred, fallback):
+        for depth in depths:
+            count = len(chain) // depth if many else 1
+            # stage i of every replica comes from slice i of the chain order
+            dealt = [[chain[i * count + r] for i in range(depth)] for r in range(count)]
+            with_rings = averaging.strategy != "none" and (averaged or count > 1)
+            load = training_load(training, depth, averaging=with_rings)
+            try:
+                ranges = partition(costs, _weakest(dealt, links), load=load).ranges
+            except PartitionError as e:
+                last_error = str(e)
+                considered.append(f"{count} x {depth} stage(s): does not fit")
+                continue
+            shape = Shape(dealt, ranges, load, _samples_per_s(costs, dealt, ranges, load, training, averaging, links))
+            shapes.append(shape)
+            considered.append(shape.describe())
+        if shapes:
+            break
+    if not shapes:
+        raise PlanningError(f"a group of {len(chain)} nodes cannot hold the model: {last_error}")
+    best = max(shape.samples_per_s for shape in shapes)
+    return min((s for s in shapes if s.samples_per_s >= PREFER_SHALLOW * best), key=lambda s: len(s.ranges)), considered
+
+
+def _samples_per_s(costs: list[BlockCost], replicas: list[list[NodeInfo]], ranges: list[tuple[int, int]],
+                   load: Load, training: TrainingSettings, averaging: AveragingSettings, links: Links | None) -> float:
+    """Predicted samples/s of these replicas together (the weakest replica's pace, times their number)."""
+    weakest = _weakest(replicas, links)
+    merged = _merge_stages(costs, ranges)
+    times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
+    step = training.accumulation * max(max(times), sum(times) / load.in_flight)  # seconds per optimizer step
+    if len(replicas) > 1 and averaging.strategy != "none" and averaging.every_seconds is None:
+        members = len(replicas)
+        round_seconds = max(2 * (members - 1) / members * merged[s].param_bytes / weakest[s].bandwidth_to_next
+                            + 2 * (members - 1) * max(n.latency for n in (r[s] for r in replicas))
+                            for s in range(len(ranges)))
+        step = max(step, round_seconds / averaging.every)
+    return len(replicas) * training.batch_size * training.accumulation / step
 
 
 MAX_WEIGHTED_RING = 16  # balancing costs O(members^2) per iteration; larger rings share equally
@@ -133,26 +228,6 @@ def ring_weights(members: Sequence[NodeInfo], links: Links | None = None) -> lis
 @lru_cache(maxsize=1024)  # replicas dealt from one group often give rings with the same links
 def _balanced(links: tuple[float, ...]) -> list[float]:
     return balanced_shares(list(links), iterations=200)  # within 1e-4 of 4000 iterations' bound
-
-
-def _split_group(costs: list[BlockCost], chain: list[NodeInfo], length: int, in_flight: int | None,
-                 single: bool, links: Links | None = None) -> tuple[list[list[NodeInfo]], list[tuple[int, int]]]:
-    """Replicas (each a chain) from one group, and the block ranges they all share."""
-    count = len(chain)
-    if single:  # one pipeline: up to the cap, longer only when shorter ones lack memory
-        options = [(1, depth) for depth in range(min(count, length), min(count, len(costs)) + 1)]
-    else:  # as many full-depth replicas as fit (fewer than `length` nodes stay over); then fewer, longer ones
-        most = count // min(length, count)
-        options = [(replicas, min(count // replicas, len(costs))) for replicas in range(most, 0, -1)]
-    last_error = ""
-    for replicas, depth in options:
-        # stage i of every replica comes from slice i of the chain order
-        dealt = [[chain[i * replicas + r] for i in range(depth)] for r in range(replicas)]
-        try:
-            return dealt, partition(costs, _weakest(dealt, links), in_flight=in_flight or depth).ranges
-        except PartitionError as e:
-            last_error = str(e)
-    raise PlanningError(f"a group of {count} nodes cannot hold the model: {last_error}")
 
 
 def _merge_stages(costs: list[BlockCost], ranges: list[tuple[int, int]]) -> list[BlockCost]:

@@ -33,6 +33,10 @@ class PlannedStage(BaseModel):
     address: str
     blocks: tuple[int, int]
     predicted_seconds: float = Field(description="predicted seconds per micro-batch (forward+backward+transfer)")
+    predicted_memory_bytes: int = Field(0, description="memory the stage is predicted to hold (weights, gradients, "
+                                                       "optimizer state, weight versions, activations, buffers)")
+    input_shape: list[int] | None = Field(None, description="activations it receives per micro-batch; None on stage 0")
+    input_dtype: str = "float32"
 
 
 class PlannedCluster(BaseModel):
@@ -55,6 +59,7 @@ class Plan(BaseModel):
     rings: list[PlannedRing]
     unused: dict[str, str] = Field(default_factory=dict, description="node id -> why it got no stage")
     predicted_samples_per_s: float
+    reason: str = Field("", description="why the job has this shape (clusters x stages), with the alternatives")
 
 
 class StateChange(BaseModel):
@@ -82,6 +87,9 @@ class StageMetrics(BaseModel):
     step: int
     metrics: dict[str, float]
     weights_uploaded: bool
+    predicted_memory_bytes: int | None = Field(None, description="what the planner predicted this stage holds")
+    peak_memory_bytes: float | None = Field(None, description="what the node measured: peak above idle "
+                                                              "(RSS on CPU, allocated on CUDA)")
 
 
 class JobMetrics(BaseModel):

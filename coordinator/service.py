@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ravnest.models import build_model, profile_blocks
+from ravnest.models import build_model, profile_blocks, state_shapes
 from ravnest.models.profile import BlockCost
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse,
                           LinkReport, MetricsReport, NodeProfile, PeerProbe)
@@ -38,6 +38,7 @@ MAX_LINKS_PER_NODE = 16  # a node stops being asked for probes once it measured 
 
 @functools.lru_cache(maxsize=32)
 def _block_costs(name: str, config_json: str, batch_size: int) -> tuple[BlockCost, ...]:
+    """Profiled on the meta device: no weights are allocated, whatever the model's size."""
     return tuple(profile_blocks(build_model(name, json.loads(config_json)), batch_size))
 
 
@@ -47,9 +48,8 @@ def _costs(spec: JobSpec) -> list[BlockCost]:
 
 @functools.lru_cache(maxsize=32)
 def _state_shapes(name: str, config_json: str) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Every key of the full model's state dict -> (shape, bytes)."""
-    state = build_model(name, json.loads(config_json)).full_model().state_dict()
-    return {key: (tuple(t.shape), t.nelement() * t.element_size()) for key, t in state.items()}
+    """Every key of the full model's state dict -> (shape, bytes), from the meta device."""
+    return state_shapes(build_model(name, json.loads(config_json)))
 
 
 class Coordinator:
@@ -115,7 +115,8 @@ class Coordinator:
             stage.delivered = True
             response.assignment = jobs.assignment(job, self._plan(job), stage.cluster, stage.stage)
             if job.state == JobState.PLACING.value and not _undelivered(session, job.id):
-                jobs.transition(job, JobState.RUNNING, "every node has its assignment", self.clock())
+                jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self._plan(job).reason}",
+                                self.clock())
             done = False
         else:
             if job.state in jobs.STOPPED:
@@ -246,7 +247,8 @@ class Coordinator:
             job = self._job(session, job_id)
             stages = stages_of(session, job.id)
             return JobView(**_summary(job).model_dump(), spec=JobSpec.model_validate(job.spec),
-                           history=job.history, progress=jobs.progress(job, stages), metrics=jobs.metrics(stages),
+                           history=job.history, progress=jobs.progress(job, stages),
+                           metrics=jobs.metrics(stages, self._plan(job) if job.plan else None),
                            final_metrics=job.final_metrics, plan=self._plan(job) if job.plan else None,
                            model_url=f"/v1/jobs/{job.id}/model" if job.state == JobState.COMPLETED.value else None)
 
@@ -348,7 +350,8 @@ class Coordinator:
                 self._merge_model(job, len(cluster0))
                 job.final_metrics = dict(cluster0[-1].metrics)
                 if job.state == JobState.PLACING.value:  # every node is done, so every node was told
-                    jobs.transition(job, JobState.RUNNING, "every node has its assignment", self.clock())
+                    jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self._plan(job).reason}",
+                                self.clock())
                 jobs.transition(job, JobState.COMPLETED, "every stage of cluster 0 uploaded its weights",
                                 self.clock())
 
@@ -417,9 +420,8 @@ class Coordinator:
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))
                  if row.node_id in ids and row.peer_id in ids}
-        return plan_job(costs, infos, spec.placement, batch_size=spec.training.batch_size,
-                        in_flight=spec.training.microbatches_in_flight, pipeline_cap=self.settings.pipeline_cap,
-                        seed=spec.training.seed, links=links)
+        return plan_job(costs, infos, spec.placement, training=spec.training, averaging=spec.averaging,
+                        pipeline_cap=self.settings.pipeline_cap, links=links)
 
     def _reserve(self, session: Session, job: JobRow, plan: Plan, idle: list[NodeRow]) -> set[str]:
         job.plan = plan.model_dump(mode="json")
@@ -436,7 +438,7 @@ class Coordinator:
                 self._left_out.pop(node.id, None)
         for node_id, why in plan.unused.items():
             self._left_out[node_id] = f"no stage in job {job.id}: {why}"
-        job.reason = f"{len(plan.clusters)} clusters, {len(used)} nodes; waiting for every node to fetch its stage"
+        job.reason = f"planned {plan.reason}; waiting for every node to fetch its stage"
         return used
 
 

@@ -11,8 +11,15 @@ import torch
 
 from node.client import CoordinatorClient, CoordinatorError
 from node.daemon import NodeDaemon
-from node.profiler import pick_device
+from node.profiler import parse_size, pick_device
 from node.progress import Progress
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
     join.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list")
+    join.add_argument("--max-memory", type=_size, default=None, metavar="SIZE",
+                      help="most memory this node offers for training, e.g. 6GiB (default: 80%% of what is "
+                           "free now); no stage that needs more is assigned here")
     join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     join.add_argument("--wait", type=float, default=60.0,
                       help="seconds to keep trying while the coordinator is not reachable yet")
@@ -45,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client.wait_until_reachable(args.wait, stop)
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
-                            advertise=args.advertise, name=args.name, progress=progress)
+                            advertise=args.advertise, name=args.name, progress=progress,
+                            max_memory=args.max_memory)
         daemon.serve(stop)
     except (CoordinatorError, httpx.HTTPError) as e:
         progress.log(f"error: cannot work with the coordinator at {args.coordinator}: {e}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -65,10 +66,13 @@ class CoordinatorClient:
         report = FailureReport(node_id=self.node_id, reason=reason[:2000])
         self._call("POST", f"/v1/jobs/{job_id}/fail", token=self._node_token, json=report.model_dump())
 
-    def upload_weights(self, job_id: str, cluster: int, stage: int, safetensors_bytes: bytes) -> None:
-        self._call("PUT", f"/v1/jobs/{job_id}/weights", token=self._node_token,
-                   params={"cluster": cluster, "stage": stage}, content=safetensors_bytes,
-                   headers={"Content-Type": "application/octet-stream"})
+    def upload_weights(self, job_id: str, cluster: int, stage: int, safetensors_file: Path) -> None:
+        """Streams the file: a stage's weights are never held in memory a second time."""
+        with safetensors_file.open("rb") as body:
+            self._call("PUT", f"/v1/jobs/{job_id}/weights", token=self._node_token,
+                       params={"cluster": cluster, "stage": stage}, content=body,
+                       headers={"Content-Type": "application/octet-stream",
+                                "Content-Length": str(safetensors_file.stat().st_size)})
 
     def leave(self) -> None:
         if self.node_id:

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import queue
+import tempfile
 import threading
 import traceback
+from pathlib import Path
 
 import httpx
 import torch
-from safetensors.torch import save as safetensors_save
 
 from node.client import CoordinatorClient, CoordinatorError
 from node.links import LinkProber
@@ -55,8 +56,9 @@ class MetricsReporter:
 class NodeDaemon:
     def __init__(self, client: CoordinatorClient, *, device: torch.device, host: str = "127.0.0.1",
                  port: int = 0, advertise: str | None = None, name: str = "",
-                 progress: Progress | None = None):
+                 progress: Progress | None = None, max_memory: int | None = None):
         self.client = client
+        self.max_memory = max_memory
         self.device = device
         self.name = name
         self.progress = progress or Progress()
@@ -73,10 +75,10 @@ class NodeDaemon:
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
-        profile = profile_node(self.client.http, self.device)
+        profile = profile_node(self.client.http, self.device, self.max_memory)
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile))
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
-                          f"{profile.flops / 1e9:.1f} GFLOP/s, {profile.memory_bytes / 2**30:.1f} GiB free)")
+                          f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
         if joined.probe_token:
             self._probe_tokens = {joined.probe_token}
             self._prober = LinkProber(joined.probe_token)
@@ -124,7 +126,8 @@ class NodeDaemon:
 
     def _run_job(self, a: StageAssignment, stop: threading.Event) -> None:
         prefix = f"job {a.job_id[:8]} cluster {a.cluster} stage {a.stage + 1}/{a.num_stages}"
-        self.progress.log(f"{prefix}: blocks {a.blocks[0]}..{a.blocks[1] - 1}")
+        predicted = f", predicted memory {a.predicted_memory_bytes / 2**20:.0f} MiB" if a.predicted_memory_bytes else ""
+        self.progress.log(f"{prefix}: blocks {a.blocks[0]}..{a.blocks[1] - 1}{predicted}")
         reporter = MetricsReporter(self.client, a.job_id)
         self._job_tokens.add(a.token)
 
@@ -140,8 +143,13 @@ class NodeDaemon:
                                             optimizer_state=runner.optimizer_tensors)
             final = runner.run(stop)
             self.progress.update(prefix, final, final=True)
+            if "memory_peak_bytes" in final:
+                self.progress.log(f"{prefix}: peak memory {final['memory_peak_bytes'] / 2**20:.0f} MiB above idle{predicted}")
             reporter.close()  # final metrics reach the coordinator before the weights do
-            self.client.upload_weights(a.job_id, a.cluster, a.stage, _to_safetensors(runner.state_dict()))
+            with tempfile.TemporaryDirectory(prefix="ravnest-weights-") as folder:
+                weights = Path(folder) / "stage.safetensors"
+                runner.save_weights(weights)
+                self.client.upload_weights(a.job_id, a.cluster, a.stage, weights)
             self.progress.log(f"{prefix}: done, weights uploaded")
         except Exception as e:  # report any failure to the coordinator, which fails the job with the reason
             reporter.close()
@@ -162,6 +170,3 @@ class NodeDaemon:
             self._job[2].set()
             self._job[1].join(timeout)
 
-
-def _to_safetensors(state: dict[str, torch.Tensor]) -> bytes:
-    return safetensors_save({k: v.detach().to("cpu").contiguous() for k, v in state.items()})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import httpx
@@ -36,6 +37,28 @@ def matmul_flops(device: torch.device, size: int = 512, seconds: float = 0.3) ->
     return 2 * size**3 * runs / elapsed
 
 
+SAFETY_MARGIN = 0.8  # of the memory free now: the owner keeps using the machine
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(text: str) -> int:
+    """'6GiB', '512 MiB', '1.5G' (powers of 1000), '1000000' -> bytes; ValueError if not a size."""
+    match = _SIZE.fullmatch(text)
+    unit = match and _UNITS.get(match.group(2).upper())
+    if not match or unit is None or float(match.group(1)) <= 0:
+        raise ValueError(f"not a memory size: {text!r} (examples: 6GiB, 512MiB, 2G)")
+    return int(float(match.group(1)) * unit)
+
+
+def offered_memory(device: torch.device, max_memory: int | None = None) -> int:
+    """What this node offers for training: a safety margin under what is free now, capped by the
+    volunteer's `max_memory`."""
+    offered = int(free_memory_bytes(device) * SAFETY_MARGIN)
+    return offered if max_memory is None else min(offered, max_memory)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -57,10 +80,10 @@ def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20) -> tuple[
     return latency, probe_bytes / max(elapsed - latency, 1e-6)
 
 
-def profile_node(client: httpx.Client, device: torch.device) -> NodeProfile:
+def profile_node(client: httpx.Client, device: torch.device, max_memory: int | None = None) -> NodeProfile:
     latency, bandwidth = coordinator_link(client)
     return NodeProfile(
-        flops=matmul_flops(device), memory_bytes=free_memory_bytes(device), device=str(device),
+        flops=matmul_flops(device), memory_bytes=offered_memory(device, max_memory), device=str(device),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
         cores=torch.get_num_threads(), bandwidth_bytes_per_s=bandwidth, latency_s=latency)
 

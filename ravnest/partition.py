@@ -2,8 +2,22 @@
 
 A stage's time per micro-batch is its compute (forward + backward = 3x forward FLOPs, over the
 node's FLOP/s) plus sending its boundary activation forward and the same-size gradient back over
-the link to the next node. An asynchronous pipeline runs at the pace of its slowest stage, so the
+the link to the next node, plus a fixed cost per message each way (framing, gRPC, Python: about a
+millisecond on a laptop core, which is what makes a pipeline of tiny blocks slower than one node). An asynchronous pipeline runs at the pace of its slowest stage, so the
 partition minimises the maximum stage time, subject to every stage fitting its node's memory.
+
+A stage's memory (`stage_memory_bytes`), with P its blocks' parameter bytes and K micro-batches in
+flight, is what the stage runner really holds:
+
+    P x (1 live + 1 gradient + s optimizer state + v weight versions + a averaging copies)
+    + activations saved for backward: K micro-batches (the last stage: 1, plus the loss' logits twice)
+    + wire buffers: 2 x (input + output activation of one micro-batch)
+
+s is the optimizer's state per parameter (SGD 0, momentum 1, Adam 2: `pipeline.optim.optimizer_state_factor`);
+v = K weight snapshots while a forward's weights can change before its backward (K > 1, not on the
+last stage, which runs forward and backward at once); a = 2 (snapshot and average) when the stage
+takes part in averaging rings. With weight_stash "recompute" a micro-batch keeps only its input, and
+one recomputed forward's activations exist at a time.
 """
 from __future__ import annotations
 
@@ -13,7 +27,18 @@ from dataclasses import dataclass, field
 
 from ravnest.models.profile import BlockCost
 
-ADAM_STATE_FACTOR = 4  # parameters + gradients + two Adam moments
+
+
+@dataclass(frozen=True)
+class Load:
+    """How a stage trains, as far as its memory is concerned (see the module docstring)."""
+    in_flight: int = 1               # K, micro-batches a stage may hold between forward and backward
+    optimizer_state: float = 2.0     # optimizer state bytes per parameter byte (Adam: 2)
+    recompute: bool = False          # weight_stash "recompute": keep inputs, redo the forward
+    averaging_copies: float = 0.0    # parameter-sized buffers an averaging strategy keeps
+
+
+MESSAGE_OVERHEAD_S = 0.001  # fixed cost of one activation or gradient message between stages
 
 
 @dataclass
@@ -36,14 +61,10 @@ class PartitionError(ValueError):
     """No partition fits the nodes' memory, or the inputs are invalid."""
 
 
-def stage_memory_bytes(costs: list[BlockCost], start: int, end: int, in_flight: int) -> int:
-    """Memory to train blocks [start, end) with `in_flight` micro-batches outstanding.
-
-    Weights, gradients and Adam state, one stashed weight version per in-flight micro-batch (so its
-    backward uses the weights of its forward), and the stashed activations of each micro-batch.
-    """
-    return _memory(sum(c.param_bytes for c in costs[start:end]), sum(c.activation_bytes for c in costs[start:end]),
-                   in_flight)
+def stage_memory_bytes(costs: list[BlockCost], start: int, end: int, load: Load) -> int:
+    """Bytes a node needs to train blocks [start, end) under `load` (see the module docstring)."""
+    return _memory(costs, sum(c.param_bytes for c in costs[start:end]), sum(c.saved_bytes for c in costs[start:end]),
+                   start, end, load)
 
 
 def stage_seconds(costs: list[BlockCost], node: NodeCapacity, start: int, end: int) -> float:
@@ -52,40 +73,52 @@ def stage_seconds(costs: list[BlockCost], node: NodeCapacity, start: int, end: i
     return _seconds(sum(c.flops for c in costs[start:end]), node, boundary)
 
 
-def _memory(param_bytes: int, activation_bytes: int, in_flight: int) -> int:
-    return (ADAM_STATE_FACTOR + in_flight) * param_bytes + in_flight * activation_bytes
+def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, start: int, end: int, load: Load) -> int:
+    last = end == len(costs)
+    k = load.in_flight
+    versions = k if k > 1 and not last else 0
+    weights = param_bytes * (2 + load.optimizer_state + versions + load.averaging_copies)
+    received = costs[start - 1].activation_bytes if start > 0 else 0
+    sent = costs[end - 1].activation_bytes
+    if last:
+        activations = saved_bytes + 2 * sent  # the loss keeps log-probabilities, then their gradient
+    elif load.recompute:
+        activations = k * received + saved_bytes
+    else:
+        activations = k * saved_bytes
+    return int(weights + activations + 2 * (received + sent))
 
 
 def _seconds(forward_flops: float, node: NodeCapacity, boundary_bytes: int | None) -> float:
     compute = 3 * forward_flops / node.flops
     if boundary_bytes is None:
         return compute
-    return compute + 2 * boundary_bytes / node.bandwidth_to_next + node.latency_to_next
+    return compute + 2 * boundary_bytes / node.bandwidth_to_next + node.latency_to_next + 2 * MESSAGE_OVERHEAD_S
 
 
-def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, in_flight: int | None = None,
+def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load | None = None,
               use_all_nodes: bool = True) -> Partition:
     """Contiguous stages minimising the slowest stage, by dynamic programming over (node, block prefix).
 
     Node j runs stage j. With `use_all_nodes` every node gets at least one block (only the first
     len(costs) nodes when there are more nodes than blocks); otherwise a prefix of the nodes may be
-    used if that is faster. `in_flight` defaults to the number of usable nodes, the pipeline's
-    staleness bound. O(nodes * blocks^2).
+    used if that is faster. `load` defaults to Adam with K = the number of usable nodes, the
+    pipeline's default staleness bound. O(nodes * blocks^2).
     """
-    _validate(costs, nodes, in_flight)
+    _validate(costs, nodes, load)
     nodes = nodes[:len(costs)]
-    in_flight = len(nodes) if in_flight is None else in_flight
+    load = load or Load(in_flight=len(nodes))
     count = len(costs)
     flops = [0.0, *itertools.accumulate(c.flops for c in costs)]
     params = [0, *itertools.accumulate(c.param_bytes for c in costs)]
-    activations = [0, *itertools.accumulate(c.activation_bytes for c in costs)]
+    saved = [0, *itertools.accumulate(c.saved_bytes for c in costs)]
 
     def seconds(node: NodeCapacity, start: int, end: int) -> float:
         boundary = costs[end - 1].activation_bytes if end < count else None
         return _seconds(flops[end] - flops[start], node, boundary)
 
     def fits(node: NodeCapacity, start: int, end: int) -> bool:
-        memory = _memory(params[end] - params[start], activations[end] - activations[start], in_flight)
+        memory = _memory(costs, params[end] - params[start], saved[end] - saved[start], start, end, load)
         return memory <= node.memory_bytes
 
     # best[j][end]: smallest bottleneck placing blocks [0, end) on nodes 0..j-1, each non-empty
@@ -102,52 +135,52 @@ def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, in_flight: i
                     best[j][end], choice[j][end] = value, start
     stages = len(nodes) if use_all_nodes else min(range(1, len(nodes) + 1), key=lambda j: best[j][count])
     if math.isinf(best[stages][count]):
-        raise PartitionError(_infeasible_reason(costs, nodes, in_flight))
+        raise PartitionError(_infeasible_reason(costs, nodes, load))
     ranges: list[tuple[int, int]] = []
     end = count
     for j in range(stages, 0, -1):
         ranges.append((choice[j][end], end))
         end = choice[j][end]
     ranges.reverse()
-    return _describe(costs, nodes, ranges, in_flight)
+    return _describe(costs, nodes, ranges, load)
 
 
-def brute_force_partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, in_flight: int | None = None,
+def brute_force_partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load | None = None,
                           use_all_nodes: bool = True) -> Partition:
     """The same optimum as `partition`, by trying every set of cut points (exponential; for tests)."""
-    _validate(costs, nodes, in_flight)
+    _validate(costs, nodes, load)
     nodes = nodes[:len(costs)]
-    in_flight = len(nodes) if in_flight is None else in_flight
+    load = load or Load(in_flight=len(nodes))
     stage_counts = [len(nodes)] if use_all_nodes else range(1, len(nodes) + 1)
     best: Partition | None = None
     for stages in stage_counts:
         for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
             bounds = [0, *cuts, len(costs)]
             ranges = list(zip(bounds, bounds[1:]))
-            if all(stage_memory_bytes(costs, a, b, in_flight) <= node.memory_bytes
+            if all(stage_memory_bytes(costs, a, b, load) <= node.memory_bytes
                    for (a, b), node in zip(ranges, nodes)):
-                candidate = _describe(costs, nodes, ranges, in_flight)
+                candidate = _describe(costs, nodes, ranges, load)
                 if best is None or candidate.bottleneck_seconds < best.bottleneck_seconds:
                     best = candidate
     if best is None:
-        raise PartitionError(_infeasible_reason(costs, nodes, in_flight))
+        raise PartitionError(_infeasible_reason(costs, nodes, load))
     return best
 
 
 def _describe(costs: list[BlockCost], nodes: list[NodeCapacity], ranges: list[tuple[int, int]],
-              in_flight: int) -> Partition:
+              load: Load) -> Partition:
     times = [stage_seconds(costs, node, a, b) for (a, b), node in zip(ranges, nodes)]
-    memory = [stage_memory_bytes(costs, a, b, in_flight) for a, b in ranges]
+    memory = [stage_memory_bytes(costs, a, b, load) for a, b in ranges]
     return Partition(ranges, times, max(times), memory)
 
 
-def _validate(costs: list[BlockCost], nodes: list[NodeCapacity], in_flight: int | None) -> None:
+def _validate(costs: list[BlockCost], nodes: list[NodeCapacity], load: Load | None) -> None:
     if not costs:
         raise PartitionError("the model has no blocks")
     if not nodes:
         raise PartitionError("no nodes to place the model on")
-    if in_flight is not None and in_flight < 1:
-        raise PartitionError(f"in_flight must be >= 1, got {in_flight}")
+    if load is not None and load.in_flight < 1:
+        raise PartitionError(f"in_flight must be >= 1, got {load.in_flight}")
     for index, node in enumerate(nodes[:len(costs)]):
         if not node.flops > 0:
             raise PartitionError(f"node {index} has no compute (flops={node.flops})")
@@ -155,21 +188,21 @@ def _validate(costs: list[BlockCost], nodes: list[NodeCapacity], in_flight: int 
             raise PartitionError(f"node {index} has no bandwidth to the next node")
 
 
-def _infeasible_reason(costs: list[BlockCost], nodes: list[NodeCapacity], in_flight: int) -> str:
-    largest_block = max(range(len(costs)), key=lambda i: stage_memory_bytes(costs, i, i + 1, in_flight))
-    block_need = stage_memory_bytes(costs, largest_block, largest_block + 1, in_flight)
-    largest_node = max(node.memory_bytes for node in nodes)
-    load = f"with {in_flight} micro-batches in flight"
-    if block_need > largest_node:
-        return (f"block {largest_block} alone needs {_size(block_need)} ({load}) but the largest node holds "
-                f"{_size(largest_node)}")
-    total_need = stage_memory_bytes(costs, 0, len(costs), in_flight)
-    total_have = sum(node.memory_bytes for node in nodes)
-    if total_need > total_have:
-        return (f"the model needs {_size(total_need)} ({load}) but the {len(nodes)} nodes hold at most "
-                f"{_size(total_have)} together")
-    return (f"no contiguous split of the {len(costs)} blocks fits each stage into its node's memory: the model "
-            f"needs {_size(total_need)} ({load}); the nodes hold {', '.join(_size(n.memory_bytes) for n in nodes)}")
+def _infeasible_reason(costs: list[BlockCost], nodes: list[NodeCapacity], load: Load) -> str:
+    """Why nothing fits, with the figures: what the model and its largest block need against what
+    each node offers."""
+    need = [stage_memory_bytes(costs, i, i + 1, load) for i in range(len(costs))]
+    largest_block = max(range(len(costs)), key=need.__getitem__)
+    total_need = stage_memory_bytes(costs, 0, len(costs), load)
+    offers = ", ".join(_size(n.memory_bytes) for n in nodes)
+    figures = (f"the whole model needs {_size(total_need)} on one node, its largest block (block {largest_block}) "
+               f"{_size(need[largest_block])}, with {load.in_flight} micro-batch(es) in flight; the "
+               f"{len(nodes)} node(s) offer {offers}")
+    if need[largest_block] > max(node.memory_bytes for node in nodes):
+        return f"block {largest_block} fits no node: {figures}"
+    if total_need > sum(node.memory_bytes for node in nodes):
+        return f"the nodes hold too little together: {figures}"
+    return f"no contiguous split of the {len(costs)} blocks fits each stage into its node's memory: {figures}"
 
 
 def _size(count: float) -> str:

@@ -59,7 +59,8 @@ class AveragingSettings(_Strict):
 
 class Placement(_Strict):
     clusters: int | Literal["auto"] = "auto"
-    min_nodes: PositiveInt = Field(1, description="wait in 'pending' until this many idle nodes joined")
+    min_nodes: PositiveInt = Field(1, description="wait in 'pending' until at least this many idle nodes joined")
+    max_nodes: PositiveInt | None = Field(None, description="use at most this many nodes (default: all idle ones)")
     stages_per_cluster: int | None = Field(None, ge=1, description="default: every node in the cluster")
 
 
@@ -96,6 +97,11 @@ class StageAssignment(_Strict):
     stage: int
     num_stages: int
     blocks: tuple[int, int] = Field(description="half-open range of block indices")
+    input_shape: list[int] | None = Field(
+        None, description="shape of the activations this stage receives for a micro-batch of "
+                          "training.batch_size (batch first; sequence length may be shorter); None on stage 0")
+    input_dtype: str = Field("float32", description="their dtype, e.g. 'float32'")
+    predicted_memory_bytes: int | None = Field(None, description="what the planner predicts this stage holds")
     model: ModelRef
     dataset: DatasetRef
     training: TrainingSettings

@@ -261,7 +261,7 @@ def stage_weights(assignment: dict, state: dict[str, torch.Tensor]) -> bytes:
 def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
     job_id, members = placed_job(client)
     assignments = [(node_id, auth, beat(client, node_id, auth)["assignment"]) for node_id, auth in members]
-    trained = build_model("cnn", {"channels": [8, 8]}, seed=123).full_model().state_dict()
+    trained = build_model("cnn", {"channels": [8, 8]}).full_model(seed=123).state_dict()
     node_id, auth, a = assignments[0]
     url = f"/v1/jobs/{job_id}/weights?cluster={a['cluster']}&stage={a['stage']}"
     wrong_blocks = save_safetensors({"99.weight": torch.zeros(1)})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ravnest.data import load_dataset
-from ravnest.models import (BlockCost, ModelError, ModelSpec, available_models, build_model, input_bytes,
+from ravnest.models import (BlockCost, InputSpec, ModelError, ModelSpec, available_models, build_model, input_bytes,
                             profile_blocks, register_model)
 from ravnest.models import registry
 
@@ -32,10 +32,10 @@ def test_builtins_are_available() -> None:
 
 @pytest.mark.parametrize("name", sorted(SMALL_CONFIGS))
 def test_blocks_chain_to_the_task_output(name: str) -> None:
-    spec = build_model(name, SMALL_CONFIGS[name], seed=0)
+    spec = build_model(name, SMALL_CONFIGS[name])
     x = spec.example_input(5)
-    for block in spec.blocks:
-        x = block(x)
+    for index in range(spec.num_blocks):
+        x = spec.block(index, seed=0)(x)
     if spec.task == "classify":
         assert x.shape == (5, spec.config["num_classes"])
         target = torch.zeros(5, dtype=torch.int64)
@@ -50,17 +50,52 @@ def test_blocks_chain_to_the_task_output(name: str) -> None:
 def test_full_model_keys_are_prefixed_by_block_index(name: str) -> None:
     spec = build_model(name, SMALL_CONFIGS[name])
     keys = spec.full_model().state_dict().keys()
-    for index, block in enumerate(spec.blocks):
+    blocks = [spec.block(i) for i in range(spec.num_blocks)]
+    for index, block in enumerate(blocks):
         assert {f"{index}.{key}" for key in block.state_dict()} <= keys
-    assert len(keys) == sum(len(block.state_dict()) for block in spec.blocks)
+    assert len(keys) == sum(len(block.state_dict()) for block in blocks)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_CONFIGS))
+def test_a_block_built_alone_equals_the_same_block_of_the_whole_model(name: str) -> None:
+    spec = build_model(name, SMALL_CONFIGS[name])
+    whole = spec.full_model(seed=11).state_dict()
+    last = spec.num_blocks - 1
+    for start, end in [(last, last + 1), (1, spec.num_blocks), (0, 2)]:
+        part = spec.blocks(start, end, seed=11).state_dict()
+        assert part and all(int(key.split(".")[0]) in range(start, end) for key in part)
+        assert all(torch.equal(tensor, whole[key]) for key, tensor in part.items())
+
+
+def test_blocks_on_the_meta_device_have_shapes_and_no_storage() -> None:
+    spec = build_model("gpt", {"d_model": 4096, "n_layers": 2, "n_heads": 32, "vocab_size": 50_000})
+    model = spec.full_model(device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) > 600_000_000  # 2.4 GB in fp32, allocated nowhere
+    assert model(spec.example_input(2, device="meta")).shape == (2, 64, 50_000)
+
+
+def test_a_builder_that_picks_its_own_device_is_refused(isolated_registry: None) -> None:
+    @register_model("stubborn")
+    def build_stubborn(config: dict) -> ModelSpec:
+        def make_block(index: int) -> torch.nn.Module:
+            block = torch.nn.Linear(2, 2)
+            block.register_buffer("table", torch.zeros(3, device="cpu"))
+            return block
+        return ModelSpec("stubborn", config, 1, make_block, "classify", InputSpec((2,)))
+
+    spec = build_model("stubborn")
+    assert spec.block(0, seed=0).table.shape == (3,)  # on the CPU it is where it should be
+    with pytest.raises(ModelError, match="default device"):
+        spec.block(0, device="meta")
 
 
 def test_config_defaults_are_resolved() -> None:
     spec = build_model("gpt", {"n_layers": 2})
     assert spec.config == {"vocab_size": 128, "seq_len": 64, "d_model": 128, "n_layers": 2, "n_heads": 4,
                            "dropout": 0.0}
-    assert len(spec.blocks) == 2 + 2
-    assert len(build_model("mlp").blocks) == 4 + 2
+    assert spec.num_blocks == 2 + 2
+    assert build_model("mlp").num_blocks == 4 + 2
 
 
 def test_example_inputs_have_model_dtypes() -> None:
@@ -73,9 +108,9 @@ def test_example_inputs_have_model_dtypes() -> None:
 def test_cnn_handles_28x28_and_has_batch_norm() -> None:
     spec = build_model("cnn", {"image_size": 28})
     assert spec.full_model()(spec.example_input(2)).shape == (2, 10)
-    assert any(isinstance(m, torch.nn.BatchNorm2d) for block in spec.blocks for m in block.modules())
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in spec.full_model().modules())
     plain = build_model("cnn", {"batch_norm": False})
-    assert not any(isinstance(m, torch.nn.BatchNorm2d) for block in plain.blocks for m in block.modules())
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in plain.full_model().modules())
 
 
 def test_mlp_flattens_images() -> None:
@@ -84,7 +119,7 @@ def test_mlp_flattens_images() -> None:
 
 
 def test_gpt_is_causal() -> None:
-    spec = build_model("gpt", SMALL_CONFIGS["gpt"], seed=1)
+    spec = build_model("gpt", SMALL_CONFIGS["gpt"])
     model = spec.full_model().eval()
     ids = spec.example_input(2)
     changed = ids.clone()
@@ -99,16 +134,16 @@ def test_seed_gives_identical_weights_and_keeps_global_rng(name: str) -> None:
     torch.manual_seed(123)
     expected_next = torch.rand(1)
     torch.manual_seed(123)
-    first = build_model(name, SMALL_CONFIGS[name], seed=7).full_model().state_dict()
+    first = build_model(name, SMALL_CONFIGS[name]).full_model(seed=7).state_dict()
     assert torch.equal(torch.rand(1), expected_next)  # building did not consume the caller's RNG
-    second = build_model(name, SMALL_CONFIGS[name], seed=7).full_model().state_dict()
-    other = build_model(name, SMALL_CONFIGS[name], seed=8).full_model().state_dict()
+    second = build_model(name, SMALL_CONFIGS[name]).full_model(seed=7).state_dict()
+    other = build_model(name, SMALL_CONFIGS[name]).full_model(seed=8).state_dict()
     assert all(torch.equal(first[key], second[key]) for key in first)
     assert any(not torch.equal(first[key], other[key]) for key in first if first[key].is_floating_point())
 
 
 def test_dropout_forward_is_deterministic_given_rng_state() -> None:
-    spec = build_model("gpt", {**SMALL_CONFIGS["gpt"], "dropout": 0.3}, seed=0)
+    spec = build_model("gpt", {**SMALL_CONFIGS["gpt"], "dropout": 0.3})
     model = spec.full_model().train()
     ids = spec.example_input(2)
     torch.manual_seed(5)
@@ -148,28 +183,28 @@ def test_json_friendly_values_are_accepted() -> None:
 def test_gpt_rejects_sequences_longer_than_seq_len() -> None:
     spec = build_model("gpt", SMALL_CONFIGS["gpt"])
     with pytest.raises(ValueError, match="longer than seq_len=16"):
-        spec.blocks[0](torch.zeros(1, 17, dtype=torch.int64))
+        spec.block(0)(torch.zeros(1, 17, dtype=torch.int64))
 
 
 def test_register_model_decorator(isolated_registry: None) -> None:
     @register_model("tiny")
     def build_tiny(config: dict) -> ModelSpec:
-        return ModelSpec("tiny", config, [torch.nn.Linear(2, 2)], "classify", input_fn=lambda n: torch.rand(n, 2))
+        return ModelSpec("tiny", config, 1, lambda index: torch.nn.Linear(2, 2), "classify", InputSpec((2,)))
 
     assert "tiny" in available_models()
-    assert build_model("tiny", seed=0).example_input(3).shape == (3, 2)
+    assert build_model("tiny").example_input(3).shape == (3, 2)
 
 
 def test_entry_point_plugins_load_lazily(isolated_registry: None, monkeypatch: pytest.MonkeyPatch,
                                          tmp_path) -> None:
     (tmp_path / "ravnest_test_plugin.py").write_text(textwrap.dedent("""
         import torch
-        from ravnest.models import ModelSpec
+        from ravnest.models import InputSpec, ModelSpec
         LOADS = []
         def build(config):
             LOADS.append(config)
-            return ModelSpec("plugged", config, [torch.nn.Linear(3, 4)], "classify",
-                             input_fn=lambda n: torch.rand(n, 3))
+            return ModelSpec("plugged", config, 1, lambda index: torch.nn.Linear(3, 4), "classify",
+                             InputSpec((3,)))
         def broken(config):
             return None
     """))
@@ -184,7 +219,7 @@ def test_entry_point_plugins_load_lazily(isolated_registry: None, monkeypatch: p
 
     monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
     assert {"plugged", "broken", "mlp"} <= set(available_models())
-    spec = build_model("plugged", {"a": 1}, seed=3)
+    spec = build_model("plugged", {"a": 1})
     assert spec.full_model()(spec.example_input(2)).shape == (2, 4)
     assert groups and set(groups) == {"ravnest.models"}
     with pytest.raises(ModelError, match="did not return a ModelSpec"):
@@ -208,12 +243,9 @@ def test_mlp_profile_matches_hand_counts() -> None:
     assert input_bytes(spec, 5) == 5 * 12 * 4
 
 
-def test_cnn_profile_counts_bn_buffers_and_leaves_them_untouched() -> None:
-    spec = build_model("cnn", {"channels": [4, 8]}, seed=0)
-    before = {k: v.clone() for k, v in spec.full_model().state_dict().items()}
+def test_cnn_profile_counts_bn_buffers() -> None:
+    spec = build_model("cnn", {"channels": [4, 8]})
     costs = profile_blocks(spec, batch_size=6)
-    after = spec.full_model().state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
     # conv 1->4 (no bias under BN) + BN weight/bias, and running mean/var as float buffers
     assert costs[0].params == 4 * 9 + 2 * 4
     assert costs[0].param_bytes == 4 * (costs[0].params + 2 * 4)
@@ -256,7 +288,7 @@ def one_thread() -> Iterator[None]:
 
 def test_cnn_learns_digits_single_process(one_thread: None) -> None:
     """The default cnn reaches >= 95% test accuracy on sklearn digits in 300 Adam steps."""
-    spec = build_model("cnn", seed=0)
+    spec = build_model("cnn")
     model = spec.full_model()
     data = load_dataset({"name": "digits"})
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
@@ -274,7 +306,7 @@ def test_cnn_learns_digits_single_process(one_thread: None) -> None:
 
 def test_gpt_learns_text(one_thread: None) -> None:
     data = load_dataset({"name": "text", "path": textwrap.__file__, "seq_len": 32})
-    spec = build_model("gpt", {"vocab_size": data.vocab_size, "seq_len": 32, "d_model": 64, "n_layers": 2}, seed=0)
+    spec = build_model("gpt", {"vocab_size": data.vocab_size, "seq_len": 32, "d_model": 64, "n_layers": 2})
     model = spec.full_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     batches = data.batches(16, seed=0)

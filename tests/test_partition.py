@@ -7,14 +7,15 @@ import time
 import pytest
 
 from ravnest.models import BlockCost, build_model, profile_blocks
-from ravnest.partition import (NodeCapacity, Partition, PartitionError, brute_force_partition, partition,
+from ravnest.partition import (Load, NodeCapacity, Partition, PartitionError, brute_force_partition, partition,
                                stage_memory_bytes)
 
 MB = 1 << 20
 
 
 def block(flops: float, activation: int = MB, param_bytes: int = MB) -> BlockCost:
-    return BlockCost(params=param_bytes // 4, param_bytes=param_bytes, flops=flops, activation_bytes=activation)
+    return BlockCost(params=param_bytes // 4, param_bytes=param_bytes, flops=flops, activation_bytes=activation,
+                     saved_bytes=activation)
 
 
 def node(flops: float = 1e9, memory: int = 1 << 40, bandwidth: float = 1e9, latency: float = 0.0) -> NodeCapacity:
@@ -27,7 +28,7 @@ def check_valid(result: Partition, costs: list[BlockCost], nodes: list[NodeCapac
     assert all(r[1] == s[0] for r, s in zip(result.ranges, result.ranges[1:]))
     assert len(result.ranges) == len(result.stage_seconds) == len(result.stage_memory) <= len(nodes)
     for (a, b), capacity, memory in zip(result.ranges, nodes, result.stage_memory):
-        assert memory == stage_memory_bytes(costs, a, b, in_flight) <= capacity.memory_bytes
+        assert memory == stage_memory_bytes(costs, a, b, Load(in_flight)) <= capacity.memory_bytes
     assert result.bottleneck_seconds == max(result.stage_seconds)
 
 
@@ -35,38 +36,47 @@ def test_stage_time_formula_by_hand() -> None:
     costs = [block(6e9, activation=100 * MB), block(3e9, activation=7 * MB), block(3e9)]
     nodes = [node(flops=2e9, bandwidth=100 * MB, latency=0.5), node(flops=1e9)]
     result = partition(costs, nodes)
-    # [0,1): 3*6e9/2e9 = 9 s + 2*100MB/100MB/s + 0.5 = 11.5 s; [1,3): 3*6e9/1e9 = 18 s
-    # [0,2): 3*9e9/2e9 = 13.5 s + 2*7/100 + 0.5 = 14.14 s; [2,3): 9 s  -> the better split
+    # [0,1): 3*6e9/2e9 = 9 s + 2*100MB/100MB/s + 0.5 + 2 messages = 11.502 s; [1,3): 3*6e9/1e9 = 18 s
+    # [0,2): 3*9e9/2e9 = 13.5 s + 2*7/100 + 0.5 + 0.002 = 14.142 s; [2,3): 9 s  -> the better split
     assert result.ranges == [(0, 2), (2, 3)]
-    assert result.stage_seconds == pytest.approx([14.14, 9.0])
-    assert result.bottleneck_seconds == pytest.approx(14.14)
+    assert result.stage_seconds == pytest.approx([14.142, 9.0])
+    assert result.bottleneck_seconds == pytest.approx(14.142)
 
 
 def test_stage_memory_formula() -> None:
-    costs = [block(1, activation=3, param_bytes=10), block(1, activation=5, param_bytes=20)]
-    # (4 + K) x params + K x activations
-    assert stage_memory_bytes(costs, 0, 2, in_flight=2) == 6 * 30 + 2 * 8
-    assert stage_memory_bytes(costs, 1, 2, in_flight=1) == 5 * 20 + 5
+    costs = [BlockCost(0, 10, 1.0, activation_bytes=3, saved_bytes=7), BlockCost(0, 20, 1.0, 5, saved_bytes=11),
+             BlockCost(0, 40, 1.0, 2, saved_bytes=13)]
+    adam_k2 = Load(in_flight=2)
+    # not last, K = 2: params x (live + grad + 2 Adam + 2 versions) + K x saved + 2 x (in + out)
+    assert stage_memory_bytes(costs, 0, 2, adam_k2) == 30 * 6 + 2 * 18 + 2 * (0 + 5)
+    # K = 1 needs no weight versions; SGD keeps no state
+    assert stage_memory_bytes(costs, 1, 2, Load(in_flight=1, optimizer_state=0)) == 20 * 2 + 11 + 2 * (3 + 5)
+    # the last stage: no versions, one micro-batch's activations, the loss' logits twice
+    assert stage_memory_bytes(costs, 2, 3, adam_k2) == 40 * 4 + 13 + 2 * 2 + 2 * (5 + 2)
+    # recompute keeps K inputs and one forward's activations; averaging rings add two copies
+    assert stage_memory_bytes(costs, 1, 2, Load(2, 2.0, recompute=True, averaging_copies=2)) == \
+        20 * 8 + 2 * 3 + 11 + 2 * (3 + 5)
 
 
 def test_memory_forces_a_slower_split() -> None:
     costs = [block(1e9, activation=10, param_bytes=100) for _ in range(3)]
     fast, small = node(flops=1e10, memory=2000), node(flops=1e8, memory=2000)
-    need_one = stage_memory_bytes(costs, 0, 1, 2)
+    need_one = stage_memory_bytes(costs, 0, 1, Load(2))
     small.memory_bytes = need_one  # the slow node can hold one block only
     result = partition(costs, [fast, small])
     assert result.ranges == [(0, 2), (2, 3)]
-    fast.memory_bytes = small.memory_bytes = need_one * 3 // 2  # enough in total, but not per stage
+    fast.memory_bytes = small.memory_bytes = need_one * 5 // 4  # enough in total, but not per stage
     with pytest.raises(PartitionError, match="no contiguous split of the 3 blocks fits"):
         partition(costs, [fast, small])
-    fast.memory_bytes = small.memory_bytes = 100  # each block fits (26 B), all ten (260 B) do not
-    with pytest.raises(PartitionError, match=r"the model needs 260 B .* 2 nodes hold at most 200 B"):
+    fast.memory_bytes = small.memory_bytes = 80  # each block fits, all ten do not
+    with pytest.raises(PartitionError, match=r"too little together: the whole model needs 180 B on one node, "
+                                             r"its largest block \(block 9\) 74 B, .* the 2 node\(s\) offer 80 B, 80 B"):
         partition([block(1, activation=10, param_bytes=1) for _ in range(10)], [fast, small])
 
 
 def test_a_block_larger_than_every_node() -> None:
     costs = [block(1, param_bytes=10 * MB), block(1)]
-    with pytest.raises(PartitionError, match=r"block 0 alone needs 62 MiB .* largest node holds 5 MiB"):
+    with pytest.raises(PartitionError, match=r"block 0 fits no node: .* block \(block 0\) 64 MiB, .* offer 5 MiB, 5 MiB"):
         partition(costs, [node(memory=5 * MB), node(memory=5 * MB)])
 
 
@@ -87,9 +97,9 @@ def test_prefix_of_nodes_when_links_are_slow() -> None:
 def test_in_flight_defaults_to_the_node_count() -> None:
     costs = [block(1, param_bytes=100, activation=10) for _ in range(4)]
     result = partition(costs, [node(), node(), node()])
-    assert result.stage_memory == [stage_memory_bytes(costs, a, b, 3) for a, b in result.ranges]
-    explicit = partition(costs, [node(), node(), node()], in_flight=1)
-    assert explicit.stage_memory == [stage_memory_bytes(costs, a, b, 1) for a, b in explicit.ranges]
+    assert result.stage_memory == [stage_memory_bytes(costs, a, b, Load(3)) for a, b in result.ranges]
+    explicit = partition(costs, [node(), node(), node()], load=Load(in_flight=1))
+    assert explicit.stage_memory == [stage_memory_bytes(costs, a, b, Load(1)) for a, b in explicit.ranges]
 
 
 @pytest.mark.parametrize("costs, nodes, message", [
@@ -102,7 +112,7 @@ def test_invalid_inputs(costs: list[BlockCost], nodes: list[NodeCapacity], messa
     with pytest.raises(PartitionError, match=message):
         partition(costs, nodes)
     with pytest.raises(PartitionError, match="in_flight"):
-        partition([BlockCost(1, 4, 1.0, 4)], [NodeCapacity(1, 1, 1)], in_flight=0)
+        partition([BlockCost(1, 4, 1.0, 4)], [NodeCapacity(1, 1, 1)], load=Load(in_flight=0))
 
 
 @pytest.mark.parametrize("use_all_nodes", [True, False])
@@ -117,14 +127,15 @@ def test_dp_matches_brute_force_on_random_cases(use_all_nodes: bool) -> None:
                               bandwidth_to_next=10 ** rng.uniform(5, 8), latency_to_next=rng.uniform(0, 0.01))
                  for _ in range(rng.randint(1, 5))]
         in_flight = rng.choice([None, 1, 3])
+        load = None if in_flight is None else Load(in_flight)
         try:
-            expected = brute_force_partition(costs, nodes, in_flight=in_flight, use_all_nodes=use_all_nodes)
+            expected = brute_force_partition(costs, nodes, load=load, use_all_nodes=use_all_nodes)
         except PartitionError:
             with pytest.raises(PartitionError):
-                partition(costs, nodes, in_flight=in_flight, use_all_nodes=use_all_nodes)
+                partition(costs, nodes, load=load, use_all_nodes=use_all_nodes)
             infeasible += 1
             continue
-        result = partition(costs, nodes, in_flight=in_flight, use_all_nodes=use_all_nodes)
+        result = partition(costs, nodes, load=load, use_all_nodes=use_all_nodes)
         assert result.bottleneck_seconds == pytest.approx(expected.bottleneck_seconds, rel=1e-9)
         used = min(len(nodes), len(costs))
         check_valid(result, costs, nodes, used if in_flight is None else in_flight)

@@ -199,7 +199,7 @@ def test_batchnorm_statistics_count_each_micro_batch_once(mode: str) -> None:
                    optimizer={"name": "Adam", "kwargs": {"lr": 1e-3}})
     state = run_threaded_pipeline(job, [(0, 1), (1, 2), (2, 4)], timeout=60)["state_dict"]
     assert int(state["0.1.num_batches_tracked"]) == 15 and int(state["1.1.num_batches_tracked"]) == 15
-    initial = build_model("cnn", {"channels": [4, 8]}, seed=0).full_model().state_dict()
+    initial = build_model("cnn", {"channels": [4, 8]}).full_model(seed=0).state_dict()
     assert not torch.equal(state["0.1.running_mean"], initial["0.1.running_mean"])
 
 

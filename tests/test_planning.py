@@ -10,7 +10,8 @@ from coordinator.clustering import NodeInfo
 from coordinator.planning import PlanningError, chain_order, plan_job
 from ravnest.models import build_model, profile_blocks
 from ravnest.models.profile import BlockCost
-from ravnest.spec import Placement
+from ravnest.partition import Load, stage_memory_bytes
+from ravnest.spec import AveragingSettings, OptimizerRef, Placement, TrainingSettings
 
 GIB = 1 << 30
 
@@ -30,7 +31,7 @@ def covers(ranges: list[tuple[int, int]], blocks: int) -> bool:
 def test_two_clusters_cover_the_model_and_rings_join_them() -> None:
     costs = mlp_costs()
     nodes = [node(f"n{i}") for i in range(4)]
-    plan = plan_job(costs, nodes, Placement(clusters=2, min_nodes=4), batch_size=32)
+    plan = plan_job(costs, nodes, Placement(clusters=2, min_nodes=4, stages_per_cluster=2))
     assert len(plan.clusters) == 2
     assert {s.node_id for c in plan.clusters for s in c.stages} == {n.node_id for n in nodes}
     for cluster in plan.clusters:
@@ -51,37 +52,36 @@ def test_chain_puts_the_slowest_link_last() -> None:
 def test_measured_peer_links_replace_the_estimate_from_coordinator_links() -> None:
     costs = mlp_costs()
     a, b = node("a", bandwidth=1e9), node("b", bandwidth=1e9)
-    placement = Placement(clusters=1)
-    estimated = plan_job(costs, [a, b], placement, batch_size=32).clusters[0]
+    placement = Placement(clusters=1, stages_per_cluster=2)
+    estimated = plan_job(costs, [a, b], placement).clusters[0]
     # both ends have fast links to the coordinator, but measured each other at 100 kB/s (either direction)
     for links in ({("a", "b"): (1e5, 0.05)}, {("b", "a"): (1e5, 0.05)}):
-        measured = plan_job(costs, [a, b], placement, batch_size=32, links=links).clusters[0]
+        measured = plan_job(costs, [a, b], placement, links=links).clusters[0]
         assert measured.stages[0].predicted_seconds > 10 * estimated.stages[0].predicted_seconds
     # a measured link faster than the estimate is believed too; the slower direction counts
-    fast = plan_job(costs, [node("a", bandwidth=1e5), node("b", bandwidth=1e5)], placement, batch_size=32,
+    fast = plan_job(costs, [node("a", bandwidth=1e5), node("b", bandwidth=1e5)], placement,
                     links={("a", "b"): (1e9, 0.001), ("b", "a"): (5e8, 0.002)}).clusters[0]
-    slow = plan_job(costs, [node("a", bandwidth=1e5), node("b", bandwidth=1e5)], placement, batch_size=32).clusters[0]
+    slow = plan_job(costs, [node("a", bandwidth=1e5), node("b", bandwidth=1e5)], placement).clusters[0]
     assert fast.predicted_bottleneck_seconds < slow.predicted_bottleneck_seconds
 
 
 def test_faster_nodes_get_more_blocks() -> None:
-    costs = mlp_costs()
-    plan = plan_job(costs, [node("big", flops=1e12), node("small", flops=1e10)], Placement(clusters=1),
-                    batch_size=32)
+    costs = profile_blocks(build_model("mlp", {"depth": 10, "hidden": 1024}), 32)  # compute-bound
+    plan = plan_job(costs, [node("big", flops=1e12), node("small", flops=1e10)],
+                    Placement(clusters=1, stages_per_cluster=2))
     sizes = {s.node_id: s.blocks[1] - s.blocks[0] for s in plan.clusters[0].stages}
     assert sizes["big"] > sizes["small"]
 
 
 def test_stages_per_cluster_caps_the_pipeline() -> None:
-    plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(6)], Placement(clusters=1, stages_per_cluster=3),
-                    batch_size=32)
+    plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(6)], Placement(clusters=1, stages_per_cluster=3))
     assert len(plan.clusters[0].stages) == 3 and len(plan.unused) == 3
 
 
 def test_a_big_group_becomes_several_replicas_with_the_same_cuts() -> None:
     costs = mlp_costs()  # 12 blocks
     nodes = [node(f"n{i:02d}") for i in range(42)]
-    plan = plan_job(costs, nodes, Placement(), batch_size=32, pipeline_cap=4)
+    plan = plan_job(costs, nodes, Placement(stages_per_cluster=4))
     assert len(plan.clusters) == 10 and all(len(c.stages) == 4 for c in plan.clusters)
     assert len({tuple(s.blocks for s in c.stages) for c in plan.clusters}) == 1
     assert len(plan.unused) == 2 and all("spare" in reason for reason in plan.unused.values())
@@ -90,18 +90,18 @@ def test_a_big_group_becomes_several_replicas_with_the_same_cuts() -> None:
 
 def test_nodes_too_small_for_any_block_are_left_out_with_a_reason() -> None:
     costs = mlp_costs()
-    plan = plan_job(costs, [node("ok"), node("tiny", memory=100)], Placement(), batch_size=32)
+    plan = plan_job(costs, [node("ok"), node("tiny", memory=100)], Placement())
     assert "smallest block" in plan.unused["tiny"]
     assert [s.node_id for s in plan.clusters[0].stages] == ["ok"]
     with pytest.raises(PlanningError, match="no node can hold"):
-        plan_job(costs, [node("tiny", memory=100)], Placement(), batch_size=32)
+        plan_job(costs, [node("tiny", memory=100)], Placement())
 
 
 def test_ten_thousand_nodes_for_a_48_block_model_plan_fast() -> None:
     costs = [BlockCost(params=10**6, param_bytes=4 * 10**6, flops=2e9, activation_bytes=2**20) for _ in range(48)]
     nodes = synthetic_nodes(10_000)
     start = time.perf_counter()
-    plan = plan_job(costs, nodes, Placement(), batch_size=8)
+    plan = plan_job(costs, nodes, Placement(), training=TrainingSettings(batch_size=8))
     elapsed = time.perf_counter() - start
     placed = sum(len(c.stages) for c in plan.clusters)
     assert placed + len(plan.unused) == 10_000 and placed > 9_900
@@ -114,7 +114,7 @@ def test_ring_shares_are_balanced_against_the_members_bandwidth() -> None:
 
     costs = mlp_costs()
     nodes = [node("fast1", bandwidth=1e9), node("fast2", flops=2e10, bandwidth=1e9), node("slow", bandwidth=1e7)]
-    plan = plan_job(costs, nodes, Placement(clusters=3, min_nodes=3), batch_size=32)
+    plan = plan_job(costs, nodes, Placement(clusters=3, min_nodes=3))
     bandwidth = {n.node_id: n.bandwidth for n in nodes}
     for ring in plan.rings:
         rates = [bandwidth[m] for m in ring.members]
@@ -123,6 +123,37 @@ def test_ring_shares_are_balanced_against_the_members_bandwidth() -> None:
         # equal shares load each slow link with 4/3 of the segment; balanced ones with 1 of it
         assert ring_time_bound(1.0, ring.weights, links) == pytest.approx(1 / 1e7, rel=1e-3)
         assert ring_time_bound(1.0, [1.0] * 3, links) == pytest.approx(4 / 3 / 1e7, rel=1e-3)
-    equal = plan_job(costs, [node(f"n{i}", flops=1e10 * (i + 1)) for i in range(3)], Placement(clusters=3, min_nodes=3),
-                     batch_size=32)
+    equal = plan_job(costs, [node(f"n{i}", flops=1e10 * (i + 1)) for i in range(3)], Placement(clusters=3, min_nodes=3))
     assert all(ring.weights is None for ring in equal.rings)  # equal links: equal shares
+
+
+def test_a_small_model_goes_data_parallel_and_says_why() -> None:
+    plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)], Placement())
+    assert [len(c.stages) for c in plan.clusters] == [1, 1, 1, 1]
+    assert plan.reason.startswith("4 cluster(s) x 1 stage(s), predicted")
+    assert "1 x 4 stage(s)" in plan.reason  # the deepest alternative was considered and lost
+    one = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)], Placement(clusters=1))
+    assert len(one.clusters) == 1 and len(one.clusters[0].stages) == 1 and len(one.unused) == 3
+
+
+def test_a_big_model_gets_as_many_stages_as_its_memory_needs() -> None:
+    costs = profile_blocks(build_model("gpt", {"d_model": 256, "n_layers": 8}), 8)
+    training = TrainingSettings(batch_size=8, optimizer=OptimizerRef(name="SGD", kwargs={"lr": 0.1}),
+                                microbatches_in_flight=1)
+    offer = stage_memory_bytes(costs, 0, len(costs), Load(1, optimizer_state=0.0)) * 2 // 5  # 3 stages or more
+    nodes = [node(f"n{i}", memory=offer) for i in range(4)]
+    plan = plan_job(costs, nodes, Placement(), training=training)
+    assert len(plan.clusters) == 1 and len(plan.clusters[0].stages) in (3, 4)
+    assert "2 x 2 stage(s): does not fit" in plan.reason
+    for stage in plan.clusters[0].stages:
+        assert 0 < stage.predicted_memory_bytes <= offer
+    assert [s.input_shape for s in plan.clusters[0].stages][1] == [8, 64, 256]
+    with pytest.raises(PlanningError, match=r"have 48 MiB of memory; the model needs 119 MiB"):
+        plan_job(costs, nodes[:1], Placement(), training=training)
+
+
+def test_max_nodes_caps_the_nodes_used() -> None:
+    plan = plan_job(mlp_costs(), [node(f"n{i}", flops=1e10 * (i + 1)) for i in range(5)], Placement(max_nodes=2))
+    used = {s.node_id for c in plan.clusters for s in c.stages}
+    assert used == {"n4", "n3"}  # the fastest
+    assert sum("max_nodes" in why for why in plan.unused.values()) == 3

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from .registry import ModelSpec, register_model, require, resolve_config
+from .registry import InputSpec, ModelSpec, register_model, require, resolve_config
 
 DEFAULTS: dict[str, Any] = {"in_channels": 1, "image_size": 8, "channels": [32, 64], "num_classes": 10,
                             "batch_norm": True}
@@ -36,17 +35,20 @@ def build_cnn(config: dict[str, Any]) -> ModelSpec:
                                        for c in channels), "cnn", "channels must be a non-empty list of ints >= 1")
     for key in ("in_channels", "image_size", "num_classes"):
         require(cfg[key] >= 1, "cnn", f"{key} must be >= 1")
-    blocks: list[nn.Module] = []
-    size, in_channels = cfg["image_size"], cfg["in_channels"]
+    # (in_channels, out_channels, pool) per conv block; pooling stops once the map is one pixel
+    convs, size, in_channels = [], cfg["image_size"], cfg["in_channels"]
     for out_channels in channels:
-        pool = size >= 2  # stop halving once the feature map is a single pixel
-        blocks.append(_conv_block(in_channels, out_channels, cfg["batch_norm"], pool))
+        pool = size >= 2
+        convs.append((in_channels, out_channels, pool))
         size, in_channels = (size // 2 if pool else size), out_channels
-    blocks.append(nn.Sequential(nn.Flatten(), nn.Linear(in_channels * size * size, HIDDEN), nn.ReLU()))
-    blocks.append(nn.Linear(HIDDEN, cfg["num_classes"]))
+    flat = in_channels * size * size
+
+    def make_block(index: int) -> nn.Module:
+        if index < len(convs):
+            return _conv_block(*convs[index][:2], cfg["batch_norm"], convs[index][2])
+        if index == len(convs):
+            return nn.Sequential(nn.Flatten(), nn.Linear(flat, HIDDEN), nn.ReLU())
+        return nn.Linear(HIDDEN, cfg["num_classes"])
+
     shape = (cfg["in_channels"], cfg["image_size"], cfg["image_size"])
-
-    def example_input(batch_size: int) -> torch.Tensor:
-        return torch.rand(batch_size, *shape)
-
-    return ModelSpec("cnn", cfg, blocks, "classify", input_fn=example_input)
+    return ModelSpec("cnn", cfg, len(convs) + 2, make_block, "classify", InputSpec(shape))

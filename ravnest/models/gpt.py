@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .registry import ModelSpec, register_model, require, resolve_config
+from .registry import InputSpec, ModelSpec, register_model, require, resolve_config
 
 DEFAULTS: dict[str, Any] = {"vocab_size": 128, "seq_len": 64, "d_model": 128, "n_layers": 4, "n_heads": 4,
                             "dropout": 0.0}
@@ -70,13 +70,14 @@ def build_gpt(config: dict[str, Any]) -> ModelSpec:
     require(cfg["d_model"] % cfg["n_heads"] == 0, "gpt",
             f"d_model ({cfg['d_model']}) must be divisible by n_heads ({cfg['n_heads']})")
     require(0.0 <= cfg["dropout"] < 1.0, "gpt", "dropout must be in [0, 1)")
-    d_model, dropout = cfg["d_model"], cfg["dropout"]
-    blocks: list[nn.Module] = [Embedding(cfg["vocab_size"], cfg["seq_len"], d_model, dropout)]
-    blocks += [TransformerBlock(d_model, cfg["n_heads"], dropout) for _ in range(cfg["n_layers"])]
-    blocks.append(nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, cfg["vocab_size"])))
-    vocab_size, seq_len = cfg["vocab_size"], cfg["seq_len"]
+    d_model, dropout, n_layers = cfg["d_model"], cfg["dropout"], cfg["n_layers"]
 
-    def example_input(batch_size: int) -> torch.Tensor:
-        return torch.randint(0, vocab_size, (batch_size, seq_len), dtype=torch.int64)
+    def make_block(index: int) -> nn.Module:
+        if index == 0:
+            return Embedding(cfg["vocab_size"], cfg["seq_len"], d_model, dropout)
+        if index <= n_layers:
+            return TransformerBlock(d_model, cfg["n_heads"], dropout)
+        return nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, cfg["vocab_size"]))
 
-    return ModelSpec("gpt", cfg, blocks, "lm", input_fn=example_input)
+    tokens = InputSpec((cfg["seq_len"],), torch.int64, high=cfg["vocab_size"])
+    return ModelSpec("gpt", cfg, n_layers + 2, make_block, "lm", tokens)

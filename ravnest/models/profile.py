@@ -1,11 +1,12 @@
-"""Per-block cost profiles: parameters, FLOPs, boundary activation sizes and, optionally, timings.
+"""Per-block cost profiles: parameters, FLOPs, activation shapes and bytes and, optionally, timings.
 
-The planner partitions blocks over nodes from these numbers, so they are computed by running each
-block once on a real example micro-batch (the output of the previous block).
+The planner partitions blocks over nodes and predicts each stage's memory from these numbers. They
+come from running every block once on the meta device, so profiling a 10 B-parameter model
+allocates nothing: shapes, FLOPs (counted per op from shapes) and what autograd saves for backward
+are all known without data.
 """
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ class BlockCost:
     param_bytes: int       # parameters + floating-point buffers, in bytes
     flops: float           # forward FLOPs for one micro-batch; backward is about 2x
     activation_bytes: int  # bytes of this block's output for one micro-batch (crosses a stage boundary)
+    saved_bytes: int = 0   # bytes autograd keeps from forward to backward for one micro-batch (not weights)
+    output_shape: tuple[int, ...] = ()  # for one micro-batch, batch dimension first
+    output_dtype: str = "float32"
     forward_seconds: float | None = None   # measured on the local device when measure=True
     backward_seconds: float | None = None
 
@@ -33,7 +37,7 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 def input_bytes(spec: ModelSpec, batch_size: int) -> int:
     """Bytes of one micro-batch of model input (what block 0 receives)."""
-    return tensor_bytes(spec.example_input(batch_size))
+    return tensor_bytes(spec.example_input(batch_size, device="meta"))
 
 
 def _state_bytes(block: nn.Module) -> int:
@@ -51,16 +55,27 @@ def _cpu_attention_flops(query_shape: torch.Size, key_shape: torch.Size, value_s
 _EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops}
 
 
-def _count_flops(block: nn.Module, x: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Forward FLOPs and output, leaving the block's buffers (e.g. BatchNorm statistics) untouched."""
-    saved = {name: buf.clone() for name, buf in block.named_buffers()}
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata  # one StorageImpl per allocation, meta tensors included
+
+
+def _trace(block: nn.Module, x: torch.Tensor) -> tuple[float, int, torch.Tensor]:
+    """Forward FLOPs, bytes saved for backward (each storage once, weights excluded) and the output,
+    for a block on the meta device in training mode."""
+    weights = {_storage_key(t) for t in [*block.parameters(), *block.buffers()]}
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in weights:
+            saved[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    x = x.detach().requires_grad_(x.is_floating_point())  # a pipeline stage sends the input gradient back
     counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
-    with torch.no_grad(), counter:
+    with counter, torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         out = block(x)
-    with torch.no_grad():
-        for name, buf in block.named_buffers():
-            buf.copy_(saved[name])
-    return float(counter.get_total_flops()), out
+    return float(counter.get_total_flops()), sum(saved.values()), out.detach()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -68,24 +83,23 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_block(block: nn.Module, x: torch.Tensor, device: torch.device, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of a copy of `block` on `device` (the original is not moved)."""
-    local = copy.deepcopy(block).to(device)
-    x = x.detach().to(device)
+def _time_block(block: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of `block` on `x` (both on the same device)."""
+    device = x.device
     if x.is_floating_point():
         x.requires_grad_(True)  # a pipeline stage also sends the input gradient back
     forward_times, backward_times = [], []
     for attempt in range(repeats + 1):  # the first run warms up kernels and allocators
         _synchronize(device)
         start = time.perf_counter()
-        out = local(x)
+        out = block(x)
         _synchronize(device)
         middle = time.perf_counter()
         if out.requires_grad:
             out.backward(torch.ones_like(out))
         _synchronize(device)
         end = time.perf_counter()
-        local.zero_grad(set_to_none=True)
+        block.zero_grad(set_to_none=True)
         x.grad = None
         if attempt:
             forward_times.append(middle - start)
@@ -95,18 +109,31 @@ def _time_block(block: nn.Module, x: torch.Tensor, device: torch.device, repeats
 
 def profile_blocks(spec: ModelSpec, batch_size: int, *, measure: bool = False,
                    device: str | torch.device = "cpu", repeats: int = 3) -> list[BlockCost]:
-    """Cost of every block of `spec` for micro-batches of `batch_size`, in block order."""
+    """Cost of every block of `spec` for micro-batches of `batch_size`, in block order. Shapes,
+    FLOPs and bytes come from the meta device; `measure=True` also times each block on `device`
+    (built there one at a time, with random weights)."""
     if batch_size < 1 or repeats < 1:
         raise ValueError("batch_size and repeats must be >= 1")
     device = torch.device(device)
     costs = []
-    x = spec.example_input(batch_size)
-    for block in spec.blocks:
-        flops, out = _count_flops(block, x)
+    x = spec.example_input(batch_size, device="meta")
+    for index in range(spec.num_blocks):
+        block = spec.block(index, device="meta")
+        flops, saved, out = _trace(block, x)
         cost = BlockCost(params=sum(p.numel() for p in block.parameters()), param_bytes=_state_bytes(block),
-                         flops=flops, activation_bytes=tensor_bytes(out))
+                         flops=flops, activation_bytes=tensor_bytes(out), saved_bytes=saved,
+                         output_shape=tuple(out.shape), output_dtype=str(out.dtype).removeprefix("torch."))
         if measure:
-            cost.forward_seconds, cost.backward_seconds = _time_block(block, x, device, repeats)
+            real_input = (spec.example_input(batch_size, device) if index == 0
+                          else torch.rand(x.shape, device=device).to(x.dtype))
+            cost.forward_seconds, cost.backward_seconds = _time_block(
+                spec.block(index, device=device), real_input, repeats)
         costs.append(cost)
         x = out
     return costs
+
+
+def state_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Every key of the whole model's state dict -> (shape, bytes), from the meta device."""
+    state = spec.blocks(device="meta").state_dict()
+    return {key: (tuple(t.shape), tensor_bytes(t)) for key, t in state.items()}

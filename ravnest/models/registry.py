@@ -1,4 +1,17 @@
-"""The model registry: architecture names -> builders that return a model as an ordered list of blocks.
+"""The model registry: architecture names -> builders that describe a model as an ordered list of blocks.
+
+A builder returns a `ModelSpec`: a description, not weights. It knows how many blocks the model has
+and how to build any one of them alone (`make_block(i)`), so that
+
+- the coordinator profiles and plans on the meta device and never allocates a weight, and
+- a node materializes only its own blocks, with initial weights that depend only on (seed, block
+  index): every replica and every stage agrees without building the rest of the model.
+
+The builder contract, for built-ins and plug-ins alike (see docs/models.md):
+1. `builder(config) -> ModelSpec`: validates `config` (raise ModelError) and allocates nothing.
+2. `make_block(i)` builds block i alone, creating tensors with torch's default device and default
+   RNG (never a device of its own choosing), so `torch.device("meta")` and seeding apply to it.
+3. Block i's output feeds block i+1; `input` describes what block 0 takes.
 
 Built-ins register themselves with `@register_model`; third-party architectures installed on a node
 plug in through the entry-point group "ravnest.models" and are loaded only when first looked up.
@@ -7,7 +20,8 @@ Only names and JSON configs travel between machines, never code.
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -15,26 +29,79 @@ from torch import nn
 from torch.nn import functional as F
 
 ENTRY_POINT_GROUP = "ravnest.models"
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: seeds of neighbouring blocks differ in every bit
 
 
 class ModelError(ValueError):
     """Unknown architecture or an invalid config for it."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class InputSpec:
+    """One sample of block 0's input: its shape (no batch dimension) and dtype; integer inputs are
+    token ids in [0, high)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    high: int | None = None
+
+    def example(self, batch_size: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """A random batch (on "meta": shapes only, nothing allocated)."""
+        shape = (batch_size, *self.shape)
+        if torch.device(device).type == "meta":
+            return torch.empty(shape, dtype=self.dtype, device="meta")
+        if self.dtype.is_floating_point:
+            return torch.rand(shape, dtype=self.dtype, device=device)
+        return torch.randint(0, self.high or 2, shape, dtype=self.dtype, device=device)
+
+
+def block_seed(seed: int, index: int) -> int:
+    """The RNG seed block `index` is initialised with: a function of (seed, index) only."""
+    return (seed * _SEED_MIX + index + 1) % (1 << 63)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """A model as blocks: block i's output feeds block i+1; the unit of partitioning and checkpoints."""
+    """A model as `num_blocks` blocks: block i's output feeds block i+1; the unit of partitioning,
+    memory planning and checkpoints. Holds no weights: blocks are built when asked for."""
     name: str
     config: dict[str, Any]
-    blocks: list[nn.Module]
+    num_blocks: int
+    make_block: Callable[[int], nn.Module]
     task: str  # "classify": output [B, C], target [B]; "lm": output [B, T, V], target [B, T]
-    input_fn: Callable[[int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    input: InputSpec
 
-    def example_input(self, batch_size: int) -> torch.Tensor:
+    def block(self, index: int, *, seed: int | None = None, device: str | torch.device = "cpu") -> nn.Module:
+        """Block `index` alone. With `seed` its initial weights are the same on every machine and
+        device: they are drawn on the CPU (at most one block there at a time) and moved at once."""
+        if not 0 <= index < self.num_blocks:
+            raise ModelError(f"{self.name}: block {index} is outside 0..{self.num_blocks - 1}")
+        device = torch.device(device)
+        if device.type == "meta":
+            with torch.device("meta"):
+                return self._checked(index, self.make_block(index), device)
+        if seed is None:
+            return self._checked(index, self.make_block(index), torch.device("cpu")).to(device)
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG state stays untouched
+            torch.manual_seed(block_seed(seed, index))
+            return self._checked(index, self.make_block(index), torch.device("cpu")).to(device)
+
+    def blocks(self, start: int = 0, end: int | None = None, *, seed: int | None = None,
+               device: str | torch.device = "cpu") -> nn.Sequential:
+        """Blocks [start, end) as one module whose state-dict keys use global block indices
+        ("{index}.<name>"), so stages' state dicts merge into the whole model's."""
+        end = self.num_blocks if end is None else end
+        if not 0 <= start < end <= self.num_blocks:
+            raise ModelError(f"{self.name}: block range [{start}, {end}) is outside the model's "
+                             f"{self.num_blocks} blocks")
+        return nn.Sequential(OrderedDict((str(i), self.block(i, seed=seed, device=device)) for i in range(start, end)))
+
+    def full_model(self, *, seed: int | None = None, device: str | torch.device = "cpu") -> nn.Sequential:
+        """Every block (for one machine: tests, single-process baselines, loading a trained model)."""
+        return self.blocks(seed=seed, device=device)
+
+    def example_input(self, batch_size: int, device: str | torch.device = "cpu") -> torch.Tensor:
         """A random input for block 0 with the right shape and dtype."""
-        if self.input_fn is None:
-            raise ModelError(f"model {self.name!r} does not describe its input (ModelSpec.input_fn)")
-        return self.input_fn(batch_size)
+        return self.input.example(batch_size, device)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy; for language models over every token."""
@@ -42,9 +109,14 @@ class ModelSpec:
             return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
         return F.cross_entropy(output, target)
 
-    def full_model(self) -> nn.Sequential:
-        """All blocks as one module; state-dict keys are "{block index}.<param>"."""
-        return nn.Sequential(*self.blocks)
+    def _checked(self, index: int, block: object, device: torch.device) -> nn.Module:
+        if not isinstance(block, nn.Module):
+            raise ModelError(f"{self.name}: make_block({index}) returned {type(block).__name__}, not an nn.Module")
+        for key, tensor in [*block.named_parameters(), *block.named_buffers()]:
+            if tensor.device.type != device.type:  # it would break meta planning and per-device builds
+                raise ModelError(f"{self.name}: block {index} put {key!r} on {tensor.device}; builders must "
+                                 f"create tensors on torch's default device")
+        return block
 
 
 Builder = Callable[[dict[str, Any]], ModelSpec]
@@ -84,17 +156,10 @@ def _lookup(name: str) -> Builder:
     return builder
 
 
-def build_model(name: str, config: dict[str, Any] | None = None, *, seed: int | None = None) -> ModelSpec:
-    """Build architecture `name`; with `seed`, initial weights are identical on every machine."""
-    builder = _lookup(name)
-    if seed is None:
-        spec = builder(dict(config or {}))
-    else:
-        # fork_rng keeps the caller's global RNG state untouched
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            spec = builder(dict(config or {}))
-    if not isinstance(spec, ModelSpec) or not spec.blocks:
+def build_model(name: str, config: dict[str, Any] | None = None) -> ModelSpec:
+    """The description of architecture `name` with `config`; allocates no weights."""
+    spec = _lookup(name)(dict(config or {}))
+    if not isinstance(spec, ModelSpec) or spec.num_blocks < 1:
         raise ModelError(f"builder for {name!r} did not return a ModelSpec with blocks")
     return spec
 

@@ -17,7 +17,7 @@ from safetensors.torch import save as save_tensors
 
 from ravnest.averaging import Averager, make_averager, segment_rings
 from ravnest.data import load_dataset
-from ravnest.models import build_model
+from ravnest.models import build_model, profile_blocks
 from ravnest.pipeline.metrics import EvalAccumulator, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.stage import StageRunner
@@ -34,9 +34,13 @@ def make_assignments(job: JobSpec, ranges: Ranges, addresses: list[str], token: 
     if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or ranges[0][0] != 0:
         raise ValueError(f"stage ranges must be contiguous from block 0: {list(ranges)}")
     peers = [StagePeer(node_id=f"cluster{cluster}-stage{s}", address=address) for s, address in enumerate(addresses)]
+    costs = profile_blocks(build_model(job.model.name, job.model.config), job.training.batch_size)  # meta: cheap
+    inputs = [costs[start - 1] if start > 0 else None for start, _ in ranges]
     return [StageAssignment(
         job_id=job_id, token=token, cluster=cluster, num_clusters=num_clusters, stage=s, num_stages=len(ranges),
-        blocks=tuple(ranges[s]), model=job.model, dataset=job.dataset, training=job.training,
+        blocks=tuple(ranges[s]), input_shape=list(inputs[s].output_shape) if inputs[s] else None,
+        input_dtype=inputs[s].output_dtype if inputs[s] else "float32",
+        model=job.model, dataset=job.dataset, training=job.training,
         averaging=job.averaging, prev=peers[s - 1] if s > 0 else None,
         next=peers[s + 1] if s + 1 < len(ranges) else None) for s in range(len(ranges))]
 
@@ -278,8 +282,8 @@ def run_single_process(job: JobSpec, *, device: str | torch.device = "cpu") -> d
     """Train the same model (same seed, data stream, optimizer, schedule, steps) in one process with
     plain synchronous SGD; returns {"metrics": ..., "state_dict": ...} like the pipeline runners."""
     training, device = job.training, torch.device(device)
-    spec = build_model(job.model.name, job.model.config, seed=training.seed)
-    model = spec.full_model().to(device)
+    spec = build_model(job.model.name, job.model.config)
+    model = spec.full_model(seed=training.seed, device=device)
     dataset = load_dataset(job.dataset)
     batches = dataset.shard(0, 1).batches(training.batch_size, seed=training.seed)
     optimizer = StageOptimizer(model.parameters(), training)

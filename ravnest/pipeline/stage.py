@@ -16,14 +16,15 @@ carries a failed neighbour's reason.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
-from torch import nn
+from safetensors.torch import save_file
 
 from ravnest.data import load_dataset
 from ravnest.models import build_model
+from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
 from ravnest.pipeline.optim import StageOptimizer
@@ -36,23 +37,6 @@ if TYPE_CHECKING:
 
 FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
 METRICS_EVERY = 10  # optimizer steps between on_metrics reports
-
-
-def stage_module(blocks: list[nn.Module], start: int, end: int) -> nn.Sequential:
-    """Blocks [start, end) as one module whose state-dict keys use global block indices."""
-    return nn.Sequential(OrderedDict((str(i), blocks[i]) for i in range(start, end)))
-
-
-@torch.no_grad()
-def boundary_example(blocks: list[nn.Module], example: torch.Tensor, start: int) -> torch.Tensor:
-    """What block `start` receives: an example input run through blocks [0, start) in eval mode."""
-    x = example
-    for block in blocks[:start]:
-        was_training = block.training
-        block.eval()
-        x = block(x)
-        block.train(was_training)
-    return x
 
 
 class StageRunner:
@@ -76,18 +60,23 @@ class StageRunner:
         self.device = torch.device(device)
         self.on_metrics, self.averager, self.peer_timeout = on_metrics, averager, peer_timeout
 
-        spec = build_model(a.model.name, a.model.config, seed=training.seed)  # identical on every replica
+        self.memory = PeakMemory(self.device)
+        spec = build_model(a.model.name, a.model.config)
         start, end = a.blocks
-        if not 0 <= start < end <= len(spec.blocks):
-            raise ValueError(f"block range {a.blocks} is outside the model's {len(spec.blocks)} blocks")
-        self.task, self._loss = spec.task, spec.loss
-        self._input_example = None if self.is_first else boundary_example(
-            spec.blocks, spec.example_input(2), start)
-        self.module = stage_module(spec.blocks, start, end).to(self.device)
-        self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
-                                    device=self.device)
-        self.optimizer = StageOptimizer(self.module.parameters(), training)
+        if not 0 <= start < end <= spec.num_blocks:
+            raise ValueError(f"block range {a.blocks} is outside the model's {spec.num_blocks} blocks")
+        if not self.is_first and a.input_shape is None:
+            raise ValueError(f"stage {a.stage} needs the shape of its input activations (input_shape)")
+        self.task, self._loss = spec.task, spec.loss  # the spec holds a config, never another block
+        self._input_dtype = getattr(torch, a.input_dtype, None)
+        if not isinstance(self._input_dtype, torch.dtype):
+            raise ValueError(f"unknown input dtype {a.input_dtype!r}")
+        # only this stage's blocks, built on its device; weights depend on (seed, block index) alone
+        self.module = spec.blocks(start, end, seed=training.seed, device=self.device)
         self.window = training.microbatches_in_flight or a.num_stages  # K, the staleness bound
+        self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
+                                    device=self.device, snapshots=self.window > 1)
+        self.optimizer = StageOptimizer(self.module.parameters(), training)
         self.total_micro_batches = training.steps * training.accumulation
         self.trace = PipelineTrace()
         self.clock = StageClock(training.batch_size * training.accumulation)
@@ -158,6 +147,12 @@ class StageRunner:
         """Parameters and buffers on the CPU, keyed "{global block index}.<name>"."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
+    def save_weights(self, path: str | Path) -> None:
+        """Parameters and buffers as a safetensors file (no pickle). On the CPU the live tensors are
+        written in place, without a second copy of the stage in memory."""
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.module.state_dict().items()}
+        save_file(state, str(path))
+
     def live_tensors(self) -> dict[str, torch.Tensor]:
         """The live parameters and floating buffers (same keys); writing them changes the model."""
         tensors = {k: p.detach() for k, p in self.module.named_parameters()}
@@ -198,18 +193,18 @@ class StageRunner:
 
     def _check_activation(self, msg: Message) -> None:
         """Reject activations this stage's first block cannot take, before they reach the worker."""
-        x, y, expected = msg.tensors.get("x"), msg.tensors.get("y"), self._input_example
+        x, y, expected = msg.tensors.get("x"), msg.tensors.get("y"), self.assignment.input_shape
         where = f"stage {self.assignment.stage} (blocks {self.assignment.blocks[0]}-{self.assignment.blocks[1] - 1})"
         if x is None or y is None:
             raise WireError(f"{where}: {msg.kind} message {msg.id} needs tensors 'x' and 'y'")
-        free = 2 if self.task == "lm" else 1  # batch (and sequence) dimensions may vary
-        ok = (x.dtype == expected.dtype and x.dim() == expected.dim() and x.shape[free:] == expected.shape[free:]
-              and 1 <= x.shape[0] <= self.training.batch_size
-              and all(1 <= n <= limit for n, limit in zip(x.shape[1:free], expected.shape[1:free])))
+        free = 2 if self.task == "lm" else 1  # batch (and sequence) dimensions may be smaller
+        ok = (x.dtype == self._input_dtype and x.dim() == len(expected) and list(x.shape[free:]) == expected[free:]
+              and all(1 <= n <= limit for n, limit in zip(x.shape[:free], expected[:free])))
         if not ok:
-            shape = ["B", *(["T"] if free == 2 else []), *expected.shape[free:]]
-            raise WireError(f"{where} expects activations {expected.dtype} of shape {shape} with "
-                            f"B <= {self.training.batch_size}, got {x.dtype}{list(x.shape)}")
+            shape = ["B", *(["T"] if free == 2 else []), *expected[free:]]
+            limits = ", ".join(f"{name} <= {limit}" for name, limit in zip(shape, expected[:free]))
+            raise WireError(f"{where} expects activations {self.assignment.input_dtype} of shape {shape} with "
+                            f"{limits}, got {str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
         if y.dtype != torch.int64 or y.shape != x.shape[:free]:
             raise WireError(f"{where}: targets must be int64 of shape {list(x.shape[:free])}, "
                             f"got {y.dtype}{list(y.shape)}")
@@ -315,8 +310,10 @@ class StageRunner:
     def _metrics(self) -> dict[str, float]:
         in_flight = self._admitted - self._completed if self.is_first else self.compute.in_flight
         averaging = getattr(self.averager, "metrics", None)  # test stand-ins may not report any
+        peak = self.memory.peak_bytes()
         return {**self.clock.snapshot(), "stage": float(self.assignment.stage), "in_flight": float(in_flight),
-                "lr": self.optimizer.lr, **(averaging() if averaging is not None else {})}
+                "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
+                **(averaging() if averaging is not None else {})}
 
     # --- outbound streams --------------------------------------------------------------------------
 

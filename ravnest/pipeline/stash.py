@@ -27,9 +27,14 @@ BackwardObserver = Callable[[int, int, Tensors, torch.Tensor, torch.Tensor, Tens
 
 
 class WeightVersions:
-    """Reference-counted parameter snapshots, one per weight version with micro-batches in flight."""
+    """Reference-counted parameter snapshots, one per weight version with micro-batches in flight.
 
-    def __init__(self, module: nn.Module):
+    With `snapshots=False` every version is the live parameters themselves: right when no optimizer
+    step can fall between a micro-batch's forward and its backward (one micro-batch in flight), and
+    it saves a parameter-sized copy."""
+
+    def __init__(self, module: nn.Module, snapshots: bool = True):
+        self.snapshots = snapshots
         self._live = dict(module.named_parameters())
         self._snapshots: dict[int, Tensors] = {}
         self._users: Counter[int] = Counter()
@@ -39,7 +44,7 @@ class WeightVersions:
     @torch.no_grad()
     def acquire(self) -> tuple[int, Tensors]:
         """The current version and its snapshot (taken on first use), held until `release`."""
-        snapshot = self._snapshots.get(self.current)
+        snapshot = self._snapshots.get(self.current) if self.snapshots else self._live
         if snapshot is None:
             if self._spare:
                 snapshot = self._spare.pop()
@@ -69,7 +74,9 @@ class WeightVersions:
 
     def _retire(self, version: int) -> None:
         # Its micro-batches are all done, so no autograd graph still holds these tensors.
-        self._spare.append(self._snapshots.pop(version))
+        snapshot = self._snapshots.pop(version, None)
+        if snapshot is not None:
+            self._spare.append(snapshot)
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -107,14 +114,15 @@ def _replayed_rng(state: RngState, device: torch.device) -> Iterator[None]:
 class StageCompute:
     """Forward and backward of one stage's blocks with weight versioning ("stash" or "recompute")."""
 
-    def __init__(self, module: nn.Module, *, mode: str, input_grad: bool, device: torch.device):
+    def __init__(self, module: nn.Module, *, mode: str, input_grad: bool, device: torch.device,
+                 snapshots: bool = True):
         if mode not in ("stash", "recompute"):
             raise ValueError(f"unknown weight_stash mode {mode!r}")
         self.module = module
         self.mode = mode
         self.input_grad = input_grad  # False on stage 0: its input is data
         self.device = device
-        self.versions = WeightVersions(module)
+        self.versions = WeightVersions(module, snapshots)
         self._params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())
         self._in_flight: dict[int, _InFlight] = {}

@@ -1,0 +1,88 @@
+"""A stage's memory, predicted and measured.
+
+Predicted: `training_load` turns a job's training settings into the `partition.Load` the planner's
+memory model (`partition.stage_memory_bytes`) needs; the optimizer's share is found by stepping the
+optimizer once on a small parameter, so any torch.optim class is counted as it really behaves.
+
+Measured: `PeakMemory` reports how far memory rose above where it was when the stage started:
+peak RSS (VmHWM, reset through /proc/self/clear_refs) on the CPU, torch's peak allocation on CUDA.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from ravnest.partition import Load
+from ravnest.pipeline.optim import build_optimizer
+from ravnest.spec import OptimizerRef, TrainingSettings
+
+RING_COPIES = 2.0  # a ring averager keeps a snapshot and an average of its segment
+_PROBE_SHAPE = (8, 8)
+
+
+def optimizer_state_factor(ref: OptimizerRef) -> float:
+    """Bytes of per-parameter optimizer state per parameter byte: SGD 0, SGD with momentum 1, Adam 2."""
+    return _state_factor(ref.name, json.dumps(ref.kwargs, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _state_factor(name: str, kwargs_json: str) -> float:
+    param = torch.nn.Parameter(torch.zeros(_PROBE_SHAPE))
+    optimizer = build_optimizer([param], OptimizerRef(name=name, kwargs=json.loads(kwargs_json)))
+    param.grad = torch.ones_like(param)
+    try:
+        optimizer.step()
+    except TypeError:  # optimizers that need a closure (LBFGS) keep history; count Adam's two moments
+        return 2.0
+    state = optimizer.state.get(param, {})
+    held = sum(t.nelement() * t.element_size() for t in state.values()
+               if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0)
+    return held / (param.nelement() * param.element_size())
+
+
+def training_load(training: TrainingSettings, num_stages: int, *, averaging: bool = False) -> Load:
+    """The memory-relevant facts of a job's training on a pipeline of `num_stages` stages."""
+    return Load(in_flight=training.microbatches_in_flight or num_stages,
+                optimizer_state=optimizer_state_factor(training.optimizer),
+                recompute=training.weight_stash == "recompute",
+                averaging_copies=RING_COPIES if averaging else 0.0)
+
+
+_STATUS = Path("/proc/self/status")
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class PeakMemory:
+    """Peak memory above the level at construction: the RSS high-water mark on the CPU (the whole
+    process: a node runs one stage at a time), torch's peak allocation on CUDA."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            try:  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+            self._base = _status_bytes("VmRSS") or 0
+
+    def peak_bytes(self) -> int | None:
+        """Bytes above the starting level at the peak so far; None where it cannot be measured."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self._base
+        peak = _status_bytes("VmHWM")
+        return None if peak is None else max(0, peak - self._base)
