@@ -36,7 +36,7 @@ def make_job(steps: int, batch_size: int, in_flight: int | None = None) -> JobSp
 
 def balanced_cut(job: JobSpec, stages: int) -> list[tuple[int, int]]:
     """Cut points minimising the slowest stage over identical nodes with a fast link."""
-    spec = build_model(job.model.name, job.model.config, seed=job.training.seed)
+    spec = build_model(job.model.name, job.model.config)
     costs = profile_blocks(spec, job.training.batch_size)
     node = NodeCapacity(flops=1e10, memory_bytes=1 << 40, bandwidth_to_next=1e9)
     return partition(costs, [node] * stages).ranges

@@ -123,7 +123,8 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         used = {n.node_id for replica in shape.replicas for n in replica}
         unused.update({n.node_id: "spare: the chosen shape leaves it over" for n in chain if n.node_id not in used})
         shapes.append(shape)
-        why.append(f"{len(chain)} node(s) -> {shape.describe()}"
+        asked = f" (placement.stages_per_cluster = {placement.stages_per_cluster})" if placement.stages_per_cluster else ""
+        why.append(f"{len(chain)} node(s) -> {shape.describe()}{asked}"
                    + (f" (considered {'; '.join(considered)})" if len(considered) > 1 else ""))
 
     # model_construct: these values are computed here, validating 10,000 of them again costs ~0.5 s

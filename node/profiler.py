@@ -80,7 +80,25 @@ def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20) -> tuple[
     return latency, probe_bytes / max(elapsed - latency, 1e-6)
 
 
+def warm_up(device: torch.device) -> None:
+    """Load what torch loads lazily on first use, before the node counts as idle: the first
+    optimizer imports torch._dynamo and sympy (~70 MiB), the first forward and backward set up the
+    kernels and their workspaces. A job's measured memory is then the job's own."""
+    from torch.func import functional_call  # noqa: F401  (the stage's forward)
+
+    from ravnest.models import build_model
+    from ravnest.pipeline.optim import build_optimizer
+    from ravnest.spec import OptimizerRef
+
+    spec = build_model("gpt", {"vocab_size": 8, "seq_len": 4, "d_model": 8, "n_layers": 1, "n_heads": 2})
+    model = spec.full_model(seed=0, device=device)
+    optimizer = build_optimizer(model.parameters(), OptimizerRef())
+    spec.loss(model(spec.example_input(2, device)), torch.zeros(2, 4, dtype=torch.int64, device=device)).backward()
+    optimizer.step()
+
+
 def profile_node(client: httpx.Client, device: torch.device, max_memory: int | None = None) -> NodeProfile:
+    warm_up(device)
     latency, bandwidth = coordinator_link(client)
     return NodeProfile(
         flops=matmul_flops(device), memory_bytes=offered_memory(device, max_memory), device=str(device),

@@ -11,7 +11,8 @@ flight, is what the stage runner really holds:
 
     P x (1 live + 1 gradient + s optimizer state + v weight versions + a averaging copies)
     + activations saved for backward: K micro-batches (the last stage: 1, plus the loss' logits twice)
-    + wire buffers: 2 x (input + output activation of one micro-batch)
+    + backward workspace: the gradients of one block's activations (its largest block's saved bytes)
+    + wire queues: SEND_QUEUE + 1 outgoing and K + RECEIVE_SLACK incoming activations
 
 s is the optimizer's state per parameter (SGD 0, momentum 1, Adam 2: `pipeline.optim.optimizer_state_factor`);
 v = K weight snapshots while a forward's weights can change before its backward (K > 1, not on the
@@ -39,6 +40,8 @@ class Load:
 
 
 MESSAGE_OVERHEAD_S = 0.001  # fixed cost of one activation or gradient message between stages
+SEND_QUEUE = 2  # messages a stage queues for a neighbour before its send waits (back-pressure)
+RECEIVE_SLACK = 2  # activations a stage queues beyond its K in flight (evaluation streams more)
 
 
 @dataclass
@@ -64,7 +67,7 @@ class PartitionError(ValueError):
 def stage_memory_bytes(costs: list[BlockCost], start: int, end: int, load: Load) -> int:
     """Bytes a node needs to train blocks [start, end) under `load` (see the module docstring)."""
     return _memory(costs, sum(c.param_bytes for c in costs[start:end]), sum(c.saved_bytes for c in costs[start:end]),
-                   start, end, load)
+                   max(c.saved_bytes for c in costs[start:end]), start, end, load)
 
 
 def stage_seconds(costs: list[BlockCost], node: NodeCapacity, start: int, end: int) -> float:
@@ -73,7 +76,8 @@ def stage_seconds(costs: list[BlockCost], node: NodeCapacity, start: int, end: i
     return _seconds(sum(c.flops for c in costs[start:end]), node, boundary)
 
 
-def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, start: int, end: int, load: Load) -> int:
+def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspace: int, start: int, end: int,
+            load: Load) -> int:
     last = end == len(costs)
     k = load.in_flight
     versions = k if k > 1 and not last else 0
@@ -86,7 +90,25 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, start: i
         activations = k * received + saved_bytes
     else:
         activations = k * saved_bytes
-    return int(weights + activations + 2 * (received + sent))
+    queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
+    return int(weights + activations + workspace + queues)
+
+
+class _RangeMax:
+    """max(values[start:end]) in O(1) after O(n log n) set-up (a sparse table)."""
+
+    def __init__(self, values: list[int]):
+        self._levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            below = self._levels[-1]
+            self._levels.append([max(below[i], below[i + width]) for i in range(len(values) - 2 * width + 1)])
+            width *= 2
+
+    def __call__(self, start: int, end: int) -> int:
+        level = (end - start).bit_length() - 1
+        row = self._levels[level]
+        return max(row[start], row[end - (1 << level)])
 
 
 def _seconds(forward_flops: float, node: NodeCapacity, boundary_bytes: int | None) -> float:
@@ -112,13 +134,15 @@ def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load |
     flops = [0.0, *itertools.accumulate(c.flops for c in costs)]
     params = [0, *itertools.accumulate(c.param_bytes for c in costs)]
     saved = [0, *itertools.accumulate(c.saved_bytes for c in costs)]
+    largest_saved = _RangeMax([c.saved_bytes for c in costs])
 
     def seconds(node: NodeCapacity, start: int, end: int) -> float:
         boundary = costs[end - 1].activation_bytes if end < count else None
         return _seconds(flops[end] - flops[start], node, boundary)
 
     def fits(node: NodeCapacity, start: int, end: int) -> bool:
-        memory = _memory(costs, params[end] - params[start], saved[end] - saved[start], start, end, load)
+        memory = _memory(costs, params[end] - params[start], saved[end] - saved[start], largest_saved(start, end),
+                         start, end, load)
         return memory <= node.memory_bytes
 
     # best[j][end]: smallest bottleneck placing blocks [0, end) on nodes 0..j-1, each non-empty

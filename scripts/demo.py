@@ -32,14 +32,25 @@ def evaluate_model_file(path: Path, spec: JobSpec) -> float:
 
 
 def describe_plan(job: dict) -> str:
-    lines = []
+    lines = [f"  why: {job['plan']['reason']}"]
     for cluster in job["plan"]["clusters"]:
-        stages = " -> ".join(f"node {s['node_id'][:8]} (blocks {s['blocks'][0]}-{s['blocks'][1] - 1})"
-                             for s in cluster["stages"])
+        stages = " -> ".join(f"node {s['node_id'][:8]} (blocks {s['blocks'][0]}-{s['blocks'][1] - 1}, "
+                             f"~{s['predicted_memory_bytes'] / 2**20:.0f} MiB)" for s in cluster["stages"])
         lines.append(f"  cluster {cluster['cluster']}: {stages}")
     for ring in job["plan"]["rings"]:
         lines.append(f"  ring {ring['segment']}: blocks {ring['blocks'][0]}-{ring['blocks'][1] - 1} "
                      f"averaged across stages {ring['stages']}")
+    return "\n".join(lines)
+
+
+def describe_memory(job: dict) -> str:
+    """Predicted against measured memory per stage (peak above the node's idle level)."""
+    lines = ["memory per stage (predicted by the planner / measured peak above idle):"]
+    for stage in job["metrics"]["stages"]:
+        predicted, peak = stage.get("predicted_memory_bytes"), stage.get("peak_memory_bytes")
+        if predicted and peak is not None:
+            lines.append(f"  cluster {stage['cluster']} stage {stage['stage']}: {predicted / 2**20:7.1f} MiB / "
+                         f"{peak / 2**20:7.1f} MiB")
     return "\n".join(lines)
 
 
@@ -90,6 +101,7 @@ def main() -> int:
     accuracy = (job.get("metrics") or {}).get("test_accuracy")
     reloaded = evaluate_model_file(model_path, spec)
     print(f"\nfinished in {time.monotonic() - start:.0f}s")
+    print(describe_memory(job))
     print(f"final test accuracy (reported by the pipeline): {accuracy:.4f}" if accuracy is not None else
           "final test accuracy: not reported")
     print(f"test accuracy of the downloaded model, reloaded in one process: {reloaded:.4f}")

@@ -23,9 +23,10 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1):
+    def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = ()):
         self.data_dir = Path(data_dir)
         self.nodes = nodes
+        self.node_args = list(node_args)  # extra `ravnest-node join` flags, e.g. ["--max-memory", "1GiB"]
         self.threads_per_node = threads_per_node
         self.url = f"http://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen] = []
@@ -48,7 +49,7 @@ class LocalCluster:
         self.wait_for(lambda: self._healthy(), timeout, "coordinator to answer /healthz")
         for i in range(self.nodes):
             self._spawn(["node.cli", "join", "--coordinator", self.url, "--name", f"node-{i}",
-                         "--threads", str(self.threads_per_node)], f"node-{i}.log")
+                         "--threads", str(self.threads_per_node), *self.node_args], f"node-{i}.log")
         self.wait_for(lambda: len(self.alive_nodes()) >= self.nodes, timeout, f"{self.nodes} nodes to join")
 
     def _healthy(self) -> bool:

@@ -41,7 +41,7 @@ def profile(flops: float = 1e10, memory: int = 2**30, bandwidth: float = 1e8) ->
 def digits_job(**placement) -> dict:
     return {"name": "t", "model": {"name": "cnn", "config": {"channels": [8, 8]}}, "dataset": {"name": "digits"},
             "training": {"steps": 20, "batch_size": 8}, "averaging": {"every": 5},
-            "placement": {"clusters": 2, "min_nodes": 4, **placement}}
+            "placement": {"clusters": 2, "min_nodes": 4, "stages_per_cluster": 2, **placement}}
 
 
 @pytest.fixture
@@ -234,7 +234,7 @@ def test_placement_on_four_nodes_in_two_clusters_with_rings(client: TestClient) 
         assert a["job_id"] == job_id and a["num_clusters"] == 2 and a["token"]
         assignments[node_id] = a
     assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "running"
-    num_blocks = len(build_model("cnn", {"channels": [8, 8]}).blocks)
+    num_blocks = build_model("cnn", {"channels": [8, 8]}).num_blocks
     for a in assignments.values():
         assert a["rings"], "every stage holds at least one segment"
         for ring in a["rings"]:
@@ -243,6 +243,10 @@ def test_placement_on_four_nodes_in_two_clusters_with_rings(client: TestClient) 
             held = [assignments[m["node_id"]] for m in ring["members"]]
             assert all(h["blocks"][0] <= ring["blocks"][0] and ring["blocks"][1] <= h["blocks"][1] for h in held)
         assert (a["prev"] is None) == (a["stage"] == 0) and (a["next"] is None) == (a["stage"] == a["num_stages"] - 1)
+        # a later stage learns its input's shape from the plan; every stage its predicted memory
+        assert (a["input_shape"] is None) == (a["stage"] == 0) and a["predicted_memory_bytes"] > 0
+        if a["input_shape"]:
+            assert a["input_shape"][0] == 8 and a["input_dtype"] == "float32"
     for cluster in range(2):
         ranges = sorted(tuple(a["blocks"]) for a in assignments.values() if a["cluster"] == cluster)
         assert ranges[0][0] == 0 and ranges[-1][1] == num_blocks and ranges[0][1] == ranges[1][0]

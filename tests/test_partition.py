@@ -47,15 +47,16 @@ def test_stage_memory_formula() -> None:
     costs = [BlockCost(0, 10, 1.0, activation_bytes=3, saved_bytes=7), BlockCost(0, 20, 1.0, 5, saved_bytes=11),
              BlockCost(0, 40, 1.0, 2, saved_bytes=13)]
     adam_k2 = Load(in_flight=2)
-    # not last, K = 2: params x (live + grad + 2 Adam + 2 versions) + K x saved + 2 x (in + out)
-    assert stage_memory_bytes(costs, 0, 2, adam_k2) == 30 * 6 + 2 * 18 + 2 * (0 + 5)
+    # not last, K = 2: params x (live + grad + 2 Adam + 2 versions) + K x saved + the largest block's
+    # saved (backward workspace) + 3 queued outputs (SEND_QUEUE + 1) + (K + 2) queued inputs
+    assert stage_memory_bytes(costs, 0, 2, adam_k2) == 30 * 6 + 2 * 18 + 11 + 3 * 5 + 4 * 0
     # K = 1 needs no weight versions; SGD keeps no state
-    assert stage_memory_bytes(costs, 1, 2, Load(in_flight=1, optimizer_state=0)) == 20 * 2 + 11 + 2 * (3 + 5)
-    # the last stage: no versions, one micro-batch's activations, the loss' logits twice
-    assert stage_memory_bytes(costs, 2, 3, adam_k2) == 40 * 4 + 13 + 2 * 2 + 2 * (5 + 2)
+    assert stage_memory_bytes(costs, 1, 2, Load(in_flight=1, optimizer_state=0)) == 20 * 2 + 11 + 11 + 3 * 5 + 3 * 3
+    # the last stage: no versions, one micro-batch's activations, the loss' logits twice, sends nothing
+    assert stage_memory_bytes(costs, 2, 3, adam_k2) == 40 * 4 + 13 + 2 * 2 + 13 + 4 * 5
     # recompute keeps K inputs and one forward's activations; averaging rings add two copies
     assert stage_memory_bytes(costs, 1, 2, Load(2, 2.0, recompute=True, averaging_copies=2)) == \
-        20 * 8 + 2 * 3 + 11 + 2 * (3 + 5)
+        20 * 8 + (2 * 3 + 11) + 11 + 3 * 5 + 4 * 3
 
 
 def test_memory_forces_a_slower_split() -> None:
@@ -68,15 +69,21 @@ def test_memory_forces_a_slower_split() -> None:
     fast.memory_bytes = small.memory_bytes = need_one * 5 // 4  # enough in total, but not per stage
     with pytest.raises(PartitionError, match="no contiguous split of the 3 blocks fits"):
         partition(costs, [fast, small])
-    fast.memory_bytes = small.memory_bytes = 80  # each block fits, all ten do not
-    with pytest.raises(PartitionError, match=r"too little together: the whole model needs 180 B on one node, "
-                                             r"its largest block \(block 9\) 74 B, .* the 2 node\(s\) offer 80 B, 80 B"):
-        partition([block(1, activation=10, param_bytes=1) for _ in range(10)], [fast, small])
+    ten = [block(1, activation=1, param_bytes=100) for _ in range(10)]
+    whole, largest = stage_memory_bytes(ten, 0, 10, Load(2)), max(stage_memory_bytes(ten, i, i + 1, Load(2))
+                                                                    for i in range(10))
+    fast.memory_bytes = small.memory_bytes = whole // 2 - 1  # each block fits, all ten do not
+    assert largest <= fast.memory_bytes
+    offer = f"{(whole // 2 - 1) / 1024:.3g} KiB"
+    with pytest.raises(PartitionError, match=rf"too little together: the whole model needs {whole / 1024:.3g} KiB on "
+                                             rf"one node, its largest block \(block \d\) {largest} B, with 2 "
+                                             rf"micro-batch\(es\) in flight; the 2 node\(s\) offer {offer}, {offer}"):
+        partition(ten, [fast, small])
 
 
 def test_a_block_larger_than_every_node() -> None:
     costs = [block(1, param_bytes=10 * MB), block(1)]
-    with pytest.raises(PartitionError, match=r"block 0 fits no node: .* block \(block 0\) 64 MiB, .* offer 5 MiB, 5 MiB"):
+    with pytest.raises(PartitionError, match=r"block 0 fits no node: .* block \(block 0\) 6\d MiB, .* offer 5 MiB, 5 MiB"):
         partition(costs, [node(memory=5 * MB), node(memory=5 * MB)])
 
 

@@ -15,7 +15,6 @@ from ravnest.models import build_model
 from ravnest.pipeline import (PipelineError, StageOptimizer, StageRunner, build_optimizer, lr_factor,
                               run_single_process, run_threaded_pipeline)
 from ravnest.pipeline.local import make_assignments
-from ravnest.pipeline.stage import stage_module
 from ravnest.pipeline.stash import StageCompute, WeightVersions
 from ravnest.spec import JobSpec, OptimizerRef, TrainingSettings
 from ravnest.wire import Message, OutboundStream, PeerError, PeerServer, Router
@@ -174,11 +173,11 @@ def test_backward_uses_the_weights_of_its_forward_despite_staleness(mode: str) -
     assert len(stale) >= 20, "the optimizer must have stepped between forward and backward"
     assert all(r.finished_after == 40 for r in recorders)  # finish() after the last step
 
-    spec = build_model(job.model.name, job.model.config, seed=job.training.seed)
+    spec = build_model(job.model.name, job.model.config)
     for stage in (0, 1):
         stage_versions = {r[0]: r[3] for r in traces[stage]["records"]}
         history = recorders[stage].history
-        module = stage_module(spec.blocks, *MLP_RANGES[stage])
+        module = spec.blocks(*MLP_RANGES[stage])
         assert len(captured[stage]) == 40
         for micro_batch, (version, weights, inputs, grad_output, grads) in captured[stage].items():
             for name, weight in weights.items():  # the forward's weights are that version's weights
@@ -225,7 +224,7 @@ def test_wrong_shaped_activation_gets_a_clear_error_and_the_server_keeps_serving
                 stream.close(timeout=10)
 
         refused(Message("forward", 0, {"x": torch.zeros(4, 7), "y": labels}),
-                r"INVALID_ARGUMENT: stage 1 \(blocks 2-3\) expects activations torch.float32 of shape \['B', 32\]")
+                r"INVALID_ARGUMENT: stage 1 \(blocks 2-3\) expects activations float32 of shape \['B', 32\]")
         refused(Message("forward", 0, {"x": torch.zeros(4, 32)}), "needs tensors 'x' and 'y'")
         refused(Message("forward", 0, {"x": torch.zeros(4, 32), "y": labels[:3]}), "targets must be int64")
         refused(Message("forward", 3, {"x": torch.zeros(4, 32), "y": labels}), "micro-batch 3, expected 0 ")

@@ -148,7 +148,7 @@ def test_a_big_model_gets_as_many_stages_as_its_memory_needs() -> None:
     for stage in plan.clusters[0].stages:
         assert 0 < stage.predicted_memory_bytes <= offer
     assert [s.input_shape for s in plan.clusters[0].stages][1] == [8, 64, 256]
-    with pytest.raises(PlanningError, match=r"have 48 MiB of memory; the model needs 119 MiB"):
+    with pytest.raises(PlanningError, match=r"all 1 nodes together have \d+ MiB of memory; the model needs \d+ MiB"):
         plan_job(costs, nodes[:1], Placement(), training=training)
 
 

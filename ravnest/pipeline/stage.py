@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from ravnest.data import load_dataset
 from ravnest.models import build_model
+from ravnest.partition import RECEIVE_SLACK, SEND_QUEUE
 from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
@@ -86,7 +87,7 @@ class StageRunner:
             self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = self._dataset.shard(
                 a.cluster, a.num_clusters).batches(training.batch_size, seed=training.seed + a.cluster)
 
-        self.inbox = Inbox(forward_capacity=2 * self.window + 2)
+        self.inbox = Inbox(forward_capacity=self.window + RECEIVE_SLACK)  # bounds what the planner counts
         self._streams: dict[str, OutboundStream] = {}
         self._closing = False  # streams ending from now on are ours closing them
         self._forward_versions: dict[int, int] = {}
@@ -324,7 +325,8 @@ class StageRunner:
         stream = self._streams.get(side)
         if stream is None:  # opened on first use, then kept for the whole run
             stream = self._streams[side] = OutboundStream(
-                self._peer(side).address, token=self.assignment.token, codec=self.training.codec)
+                self._peer(side).address, token=self.assignment.token, codec=self.training.codec,
+                max_pending=SEND_QUEUE)
             # A send only queues, so a stream the peer failed must wake the worker by itself.
             stream.add_done_callback(lambda ended: self._stream_ended(side, ended))
         # copy=False: frames are cut on gRPC's thread; nothing writes to sent tensors afterwards
