@@ -136,6 +136,7 @@ class NodeDaemon:
                                        step=int(metrics.get("step", 0)), metrics=metrics))
             self.progress.update(prefix, metrics)
 
+        runner = None
         try:
             runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics)
             # The averager works on the runner's live tensors, so it is attached once they exist.
@@ -144,7 +145,8 @@ class NodeDaemon:
             final = runner.run(stop)
             self.progress.update(prefix, final, final=True)
             if "memory_peak_bytes" in final:
-                self.progress.log(f"{prefix}: peak memory {final['memory_peak_bytes'] / 2**20:.0f} MiB above idle{predicted}")
+                peak = final["memory_peak_bytes"] / 2**20
+                self.progress.log(f"{prefix}: peak memory {peak:.0f} MiB above idle{predicted}")
             reporter.close()  # final metrics reach the coordinator before the weights do
             with tempfile.TemporaryDirectory(prefix="ravnest-weights-") as folder:
                 weights = Path(folder) / "stage.safetensors"
@@ -161,6 +163,8 @@ class NodeDaemon:
                 except (httpx.HTTPError, CoordinatorError):
                     pass
         finally:
+            if runner is not None and runner.averager is not None:
+                runner.averager.close()  # leave the job's rings: the next job joins its own
             self._finished.add(a.job_id)
             self._job_tokens.discard(a.token)
             self.router.clear()

@@ -107,6 +107,9 @@ def test_link_loads_and_balanced_shares():
     assert ring_time_bound(1.0, shares, links) == pytest.approx(1 / 50, rel=1e-3)
     assert ring_time_bound(1.0, [1.0] * 4, links) == pytest.approx(1.5 / 50)
     assert balanced_shares([100.0] * 3) == pytest.approx([1 / 3] * 3)
+    # links 10^4 to 10^5 times slower than the fastest once underflowed every share to 0 (0/0)
+    skewed = balanced_shares([1e9, 1e5, 1e9, 3e4], iterations=200)
+    assert sum(skewed) == pytest.approx(1.0) and all(share > 0 for share in skewed)
 
 
 @pytest.mark.parametrize("codec,tolerance", [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 4e-2)])

@@ -62,9 +62,16 @@ class RingHub:
 
     @classmethod
     def for_router(cls, router: Router, token: str | None, lanes: int = 1) -> RingHub:
-        """The hub already serving this router, or a new one."""
+        """The hub already serving this router for this job (`token`), or a new one. A node serves
+        job after job: an idle hub of an earlier job is replaced, its streams carried the old token."""
         with cls._registry_lock:
             hub = cls._by_router.get(router)
+            if hub is not None and hub.token != token:
+                with hub._lock:
+                    busy = sorted(hub._segments)
+                if busy:
+                    raise ValueError(f"this node still serves another job's rings (segments {busy})")
+                hub = None
             if hub is None:
                 hub = cls._by_router[router] = cls(router, token, lanes)
             return hub

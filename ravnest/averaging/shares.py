@@ -40,6 +40,9 @@ def ring_time_bound(nbytes: float, fractions: list[float], link_bandwidths: list
     return max(load * nbytes / bw for load, bw in zip(loads, link_bandwidths))
 
 
+MIN_SHARE = 1e-6  # every member keeps a sliver of the segment: an empty share would leave it out of the ring
+
+
 def balanced_shares(link_bandwidths: list[float], iterations: int = 4000) -> list[float]:
     """Share fractions that (nearly) minimise `ring_time_bound` for the given link rates.
 
@@ -60,7 +63,10 @@ def balanced_shares(link_bandwidths: list[float], iterations: int = 4000) -> lis
         # successors' shares); moving mass towards the shares it carries once lowers it.
         step = 0.5 / math.sqrt(t + 1)
         crossings = [sum(1 for s in range(2 * n - 2) if (worst - s) % n == j) for j in range(n)]
-        fractions = [f * math.exp(-step * c / rates[worst]) for f, c in zip(fractions, crossings)]
+        # shifted by the largest exponent so that very slow links cannot underflow every factor to 0
+        exponents = [-step * c / rates[worst] for c in crossings]
+        top = max(exponents)
+        fractions = [max(f * math.exp(e - top), MIN_SHARE) for f, e in zip(fractions, exponents)]
         total = sum(fractions)
         fractions = [f / total for f in fractions]
         cost = ring_time_bound(1.0, fractions, rates)
