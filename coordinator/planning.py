@@ -85,7 +85,7 @@ class Shape:
     samples_per_s: float
 
     def describe(self) -> str:
-        return f"{len(self.replicas)} x {len(self.ranges)} stage(s): {self.samples_per_s:,.0f} samples/s"
+        return f"{len(self.replicas)} x {len(self.ranges)} stage(s): {_rate(self.samples_per_s)}"
 
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
@@ -148,9 +148,13 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
              for i, (blocks, stages) in enumerate(segment_rings([shape.ranges for _, shape in pipelines]))]
     throughput = sum(shape.samples_per_s for shape in shapes)
     reason = f"{len(clusters)} cluster(s) x {'/'.join(str(len(s.ranges)) for s in shapes)} stage(s), predicted " \
-             f"{throughput:,.0f} samples/s; " + "; ".join(why)
+             f"{_rate(throughput)}; " + "; ".join(why)
     return Plan.model_construct(clusters=clusters, rings=rings, unused=unused, predicted_samples_per_s=throughput,
                                 reason=reason)
+
+
+def _rate(samples_per_s: float) -> str:
+    return f"{samples_per_s:,.0f} samples/s" if samples_per_s >= 100 else f"{samples_per_s:.3g} samples/s"
 
 
 def _mib(count: float) -> str:

@@ -15,6 +15,7 @@ from node.links import LinkProber
 from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import make_averager
+from ravnest.pipeline.memory import release_free_memory
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
 from ravnest.wire import PeerServer, Router
@@ -168,6 +169,8 @@ class NodeDaemon:
             self._finished.add(a.job_id)
             self._job_tokens.discard(a.token)
             self.router.clear()
+            runner = None
+            release_free_memory()  # an idle volunteer gets its memory back
 
     def _stop_job(self, timeout: float) -> None:
         if self._job and self._job[1].is_alive():

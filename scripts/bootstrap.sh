@@ -17,4 +17,6 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   pip install -q $TORCH_SPEC
 fi
 pip install -q -e ".[dev]"
+# the example model plug-in (docs/models.md), which the tests use as a third party would
+pip install -q --no-deps -e examples/model-plugin
 echo "ravnest installed in $VENV (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"

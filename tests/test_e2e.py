@@ -58,3 +58,37 @@ def test_digits_cnn_job_across_two_clusters(tmp_path):
         reloaded = (model(data.test_x).argmax(-1) == data.test_y).float().mean().item()
     print(f"downloaded model, single process: test accuracy {reloaded:.4f}")
     assert abs(reloaded - accuracy) < 0.01
+
+
+MLP_JOB = JOB.parent / "digits-mlp.json"
+
+
+def test_shipped_digits_mlp_goes_data_parallel_and_the_same_nodes_serve_the_next_job(tmp_path):
+    """A tiny model gains nothing from pipeline stages: the planner makes 4 data-parallel replicas
+    and says why; the same 4 nodes then run the job again (rings, tokens and streams are per job)."""
+    spec_json = json.loads(MLP_JOB.read_text())
+    with LocalCluster(tmp_path, nodes=4) as cluster:
+        for attempt in range(2):
+            cluster.wait_for(lambda: all(n["state"] == "idle" for n in cluster.alive_nodes()), timeout=60,
+                             what="every node to be idle")
+            job = cluster.wait_job(cluster.submit(spec_json), timeout=600)
+            assert job["state"] == "completed", job.get("reason")
+            plan = job["plan"]
+            assert [len(c["stages"]) for c in plan["clusters"]] == [1, 1, 1, 1]
+            assert plan["reason"].startswith("4 cluster(s) x 1 stage(s)") and "1 x 4 stage(s)" in plan["reason"]
+            print(f"job {attempt + 1}: test accuracy {job['metrics']['test_accuracy']:.4f}; {plan['reason']}")
+            assert job["metrics"]["test_accuracy"] >= 0.95
+            assert job["metrics"]["averaging_rounds"] >= 5
+
+
+def test_a_plugin_architecture_trains_as_a_pipeline_on_real_nodes(tmp_path):
+    """The example plug-in (examples/model-plugin, installed as a package) runs like a built-in."""
+    job = {"name": "resmlp", "model": {"name": "resmlp", "config": {"width": 64, "depth": 2}},
+           "dataset": {"name": "digits"},
+           "training": {"steps": 150, "batch_size": 32, "optimizer": {"name": "Adam", "kwargs": {"lr": 0.003}}},
+           "placement": {"clusters": 1, "stages_per_cluster": 2, "min_nodes": 2}}
+    with LocalCluster(tmp_path, nodes=2) as cluster:
+        result = cluster.wait_job(cluster.submit(job), timeout=600)
+    assert result["state"] == "completed", result.get("reason")
+    assert len(result["plan"]["clusters"][0]["stages"]) == 2
+    assert result["metrics"]["test_accuracy"] >= 0.9

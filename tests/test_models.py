@@ -319,3 +319,16 @@ def test_gpt_learns_text(one_thread: None) -> None:
         optimizer.step()
         losses.append(loss.item())
     assert sum(losses[-10:]) / 10 < losses[0] - 1.5  # from ~ln(128) = 4.85 nats to well below
+
+
+def test_the_example_plugin_package_meets_the_block_contract() -> None:
+    """examples/model-plugin is installed like any third-party package (scripts/bootstrap.sh): found
+    through its entry point, profiled on the meta device, each block built alone as in the whole."""
+    assert "resmlp" in available_models()
+    spec = build_model("resmlp", {"depth": 3, "width": 32})
+    assert registry.ENTRY_POINT_GROUP == "ravnest.models" and spec.num_blocks == 5
+    costs = profile_blocks(spec, batch_size=8)
+    assert [c.output_shape for c in costs] == [(8, 32)] * 4 + [(8, 10)] and all(c.saved_bytes > 0 for c in costs)
+    whole = spec.full_model(seed=4).state_dict()
+    alone = spec.blocks(2, 4, seed=4).state_dict()
+    assert alone and all(torch.equal(tensor, whole[key]) for key, tensor in alone.items())

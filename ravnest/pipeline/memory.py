@@ -9,7 +9,10 @@ peak RSS (VmHWM, reset through /proc/self/clear_refs) on the CPU, torch's peak a
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import gc
 import json
 from pathlib import Path
 
@@ -54,6 +57,17 @@ def training_load(training: TrainingSettings, num_stages: int, *, averaging: boo
 _STATUS = Path("/proc/self/status")
 
 
+def release_free_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the OS (glibc's malloc_trim): the
+    wire keeps up to 256 MiB of freed buffers for speed, which an idle volunteer should get back,
+    and a job's baseline must not contain the previous job's leftovers. A no-op without glibc."""
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _status_bytes(field: str) -> int | None:
     try:
         for line in _STATUS.read_text().splitlines():
@@ -74,6 +88,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            release_free_memory()
             try:  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
                 Path("/proc/self/clear_refs").write_text("5")
             except OSError:

@@ -2,7 +2,7 @@
 from ravnest.wire.codec import CODECS, WireError, WireLimits
 from ravnest.wire.messages import Message
 from ravnest.wire.transport import (ChannelPool, OutboundStream, PeerError, PeerServer, Router,
-                                    measure_link, ping)
+                                    measure_link, ping, wait_authorized)
 
 __all__ = ["CODECS", "ChannelPool", "Message", "OutboundStream", "PeerError", "PeerServer", "Router",
-           "WireError", "WireLimits", "measure_link", "ping"]
+           "WireError", "WireLimits", "measure_link", "ping", "wait_authorized"]

@@ -423,6 +423,24 @@ def ping(address: str, *, token: str | None = None, payload_bytes: int = 0, repl
     return time.perf_counter() - start
 
 
+def wait_authorized(address: str, token: str | None, timeout: float, pool: ChannelPool | None = None) -> None:
+    """Wait until the peer accepts `token` (a Ping carrying it succeeds). Peers of one job get
+    their credentials at their own next heartbeat, so a neighbour may briefly not know the job
+    yet; past `timeout` its refusal is final (PeerError). The peer is remote: nothing to wait on
+    but asking again, with backoff."""
+    deadline, delay = time.monotonic() + timeout, 0.05
+    while True:
+        try:
+            ping(address, token=token, timeout=max(1.0, min(10.0, deadline - time.monotonic())), pool=pool)
+            return
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE) \
+                    or time.monotonic() + delay > deadline:
+                raise _peer_error(address, e) from None
+        time.sleep(delay)
+        delay = min(2 * delay, 1.0)
+
+
 def measure_link(address: str, *, token: str | None = None, probe_bytes: int = 4 << 20,
                  timeout: float = 10.0, pool: ChannelPool | None = None) -> tuple[float, float]:
     """(latency seconds, bandwidth bytes/s) to a peer: an empty ping, then a payload ping."""

@@ -1,0 +1,101 @@
+"""Memory: the largest gpt that trains on 4 nodes each capped at the same `--max-memory`, against the
+largest that trains on one node with that cap. Each node holds only its stage, so 4 nodes should
+train a model about 4 times as large (less what every stage needs besides weights).
+
+"Trains" means: the coordinator places it, a few SGD steps run to completion, and every node's
+measured peak memory above idle stays within the cap. Depth (transformer layers) is found by
+doubling, then bisection; all other settings are fixed. Real processes on loopback: a coordinator
+and N `ravnest-node join --max-memory CAP` daemons.
+
+    python -m bench.memory [--cap 256MiB] [--d-model 256] [--no-docs]
+
+The last line printed is `memory largest_params_4_nodes=<N> largest_params_1_node=<M> ratio=<N/M>`.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from bench.common import write_section
+from node.profiler import parse_size
+from ravnest.models import build_model, profile_blocks
+from scripts.local_cluster import LocalCluster
+
+SEQ_LEN, BATCH, STEPS, HEADS = 32, 4, 3, 4
+TEXT = Path(__file__).resolve().parent.parent / "ravnest" / "pipeline" / "stage.py"  # any text file
+
+
+def job(d_model: int, layers: int, nodes: int) -> dict:
+    return {"name": f"memory-{layers}", "model": {"name": "gpt", "config": config(d_model, layers)},
+            "dataset": {"name": "text", "path": str(TEXT), "seq_len": SEQ_LEN},
+            "training": {"steps": STEPS, "batch_size": BATCH, "microbatches_in_flight": 1,
+                         "optimizer": {"name": "SGD", "kwargs": {"lr": 0.01}}},
+            "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": nodes}}
+
+
+def config(d_model: int, layers: int) -> dict:
+    return {"vocab_size": 128, "seq_len": SEQ_LEN, "d_model": d_model, "n_layers": layers, "n_heads": HEADS}
+
+
+def params(d_model: int, layers: int) -> int:
+    return sum(c.params for c in profile_blocks(build_model("gpt", config(d_model, layers)), BATCH))
+
+
+def trains(cluster: LocalCluster, d_model: int, layers: int, nodes: int, cap: int) -> bool:
+    result = cluster.wait_job(cluster.submit(job(d_model, layers, nodes)), timeout=900)
+    peaks = [s["peak_memory_bytes"] or 0 for s in result["metrics"]["stages"]]
+    ok = result["state"] == "completed" and max(peaks, default=0) <= cap
+    stages = len(result["plan"]["clusters"][0]["stages"]) if result.get("plan") else 0
+    detail = (f"{stages} stage(s), peak {max(peaks) / 2**20:.0f} MiB" if result["state"] == "completed"
+              else result["reason"][:160])
+    print(f"  {nodes} node(s), {layers} layers ({params(d_model, layers) / 1e6:.1f} M params): "
+          f"{'trains' if ok else 'does not'} ({detail})", flush=True)
+    return ok
+
+
+def largest(cluster: LocalCluster, d_model: int, nodes: int, cap: int) -> int:
+    """Most layers that train: doubling until one does not, then bisection."""
+    good, bad = 0, 1
+    while trains(cluster, d_model, bad, nodes, cap):
+        good, bad = bad, bad * 2
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if trains(cluster, d_model, middle, nodes, cap) else (good, middle)
+    return good
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap", default="256MiB", help="--max-memory of every node")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    cap = parse_size(args.cap)
+    layers = {}
+    for nodes in (4, 1):
+        with tempfile.TemporaryDirectory(prefix="ravnest-bench-memory-") as folder, \
+                LocalCluster(Path(folder), nodes=nodes, node_args=["--max-memory", args.cap]) as cluster:
+            layers[nodes] = largest(cluster, args.d_model, nodes, cap)
+    many, one = (params(args.d_model, layers[n]) if layers[n] else 0 for n in (4, 1))
+    ratio = many / one if one else float("inf")
+    if not args.no_docs:
+        write_section("Memory", f"""
+Largest gpt (d_model {args.d_model}, seq_len {SEQ_LEN}, batch {BATCH}, SGD, K=1, {STEPS} steps) that trains
+on 4 local node processes each started with `--max-memory {args.cap}`, against one node with the same cap.
+"Trains": placed, completed, and every node's measured peak above idle within the cap.
+
+| nodes | largest depth | parameters | fp32 weights |
+|---|---|---|---|
+| 4 | {layers[4]} layers | {many / 1e6:.1f} M | {many * 4 / 2**20:.0f} MiB |
+| 1 | {layers[1]} layers | {one / 1e6:.1f} M | {one * 4 / 2**20:.0f} MiB |
+
+Ratio **{ratio:.2f}** (4 is the ideal: every stage also holds activations, workspace and queues).
+
+    python -m bench.memory --cap {args.cap} --d-model {args.d_model}
+""")
+    print(f"memory largest_params_4_nodes={many} largest_params_1_node={one} ratio={ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

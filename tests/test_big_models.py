@@ -1,0 +1,81 @@
+"""Models bigger than any one machine, through real processes on loopback: the coordinator plans a
+10 B-parameter model without allocating its weights, and a model whose fp32 weights exceed every
+node's `--max-memory` trains as a 4-stage pipeline with each node's measured peak memory close to
+what the planner predicted for its stage."""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from ravnest.models import build_model, profile_blocks
+from scripts.local_cluster import LocalCluster
+
+GIB = 1 << 30
+TEXT = Path(__file__).resolve().parent.parent / "ravnest" / "pipeline" / "stage.py"  # text on every "node"
+
+
+def lm_job(config: dict, **training) -> dict:
+    return {"name": "big", "model": {"name": "gpt", "config": config},
+            "dataset": {"name": "text", "path": str(TEXT), "seq_len": config["seq_len"]},
+            "training": {"batch_size": 4, **training}, "averaging": {"strategy": "none"},
+            "placement": {"clusters": 1, "min_nodes": 4}}
+
+
+def peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp_path: Path) -> None:
+    config = {"vocab_size": 50_000, "seq_len": 1024, "d_model": 4096, "n_layers": 48, "n_heads": 32}
+    with LocalCluster(tmp_path, nodes=0) as cluster:
+        for i in range(8):  # volunteers that joined over REST and offer 64 GiB each
+            response = cluster.http.post("/v1/nodes", json={
+                "name": f"big{i}", "address": f"127.0.0.{i + 1}:7000",
+                "profile": {"flops": 1e13, "memory_bytes": 64 * GIB, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.01}})
+            assert response.status_code == 201, response.text
+        start = time.monotonic()
+        response = cluster.http.post("/v1/jobs", json=lm_job(config, steps=10, microbatches_in_flight=1,
+                                                             optimizer={"name": "SGD", "kwargs": {"lr": 0.1}}))
+        elapsed = time.monotonic() - start
+        assert response.status_code == 201, response.text
+        job = cluster.job(response.json()["id"])
+        peak = peak_rss_bytes(cluster.procs[0].pid)
+    assert job["state"] == "placing", job["reason"]
+    stages = job["plan"]["clusters"][0]["stages"]
+    assert len(stages) >= 2 and all(s["predicted_memory_bytes"] <= 64 * GIB for s in stages)
+    print(f"10 B-parameter gpt: planned in {elapsed:.1f} s, coordinator peak RSS {peak / 2**20:.0f} MiB, "
+          f"{len(stages)} stages: {job['plan']['reason'][:200]}")
+    assert elapsed < 10.0
+    assert peak < GIB
+
+
+BIG = {"vocab_size": 128, "seq_len": 32, "d_model": 512, "n_layers": 16, "n_heads": 8}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,in_flight,cap", [("SGD", 1, "128MiB"), ("Adam", 4, "700MiB")])
+def test_a_model_larger_than_a_node_trains_within_its_predicted_memory(tmp_path: Path, optimizer: str,
+                                                                       in_flight: int, cap: str) -> None:
+    weights = sum(c.param_bytes for c in profile_blocks(build_model("gpt", BIG), 4))
+    job = lm_job(BIG, steps=12, microbatches_in_flight=in_flight,
+                 optimizer={"name": optimizer, "kwargs": {"lr": 0.05 if optimizer == "SGD" else 1e-3}})
+    with LocalCluster(tmp_path, nodes=4, node_args=["--max-memory", cap]) as cluster:
+        offered = [n["profile"]["memory_bytes"] for n in cluster.alive_nodes()]
+        if optimizer == "SGD":
+            assert all(weights > offer for offer in offered), "the whole model must not fit any one node"
+        result = cluster.wait_job(cluster.submit(job), timeout=600)
+    assert result["state"] == "completed", result["reason"]
+    assert len(result["plan"]["clusters"][0]["stages"]) == 4
+    assert result["final_metrics"]["loss"] < math.log(BIG["vocab_size"]) - 0.5  # from ln(128) = 4.85 down
+    print(f"\n{optimizer} K={in_flight}, cap {cap}, whole model {weights / 2**20:.0f} MiB of fp32 weights")
+    for stage in result["metrics"]["stages"]:
+        predicted, measured = stage["predicted_memory_bytes"], stage["peak_memory_bytes"]
+        print(f"  stage {stage['stage']}: predicted {predicted / 2**20:6.1f} MiB, measured peak above idle "
+              f"{measured / 2**20:6.1f} MiB ({measured / predicted:.2f}x)")
+        assert 0 < measured <= 1.25 * predicted
