@@ -7,6 +7,9 @@ measured peak memory above idle stays within the cap. Depth (transformer layers)
 doubling, then bisection; all other settings are fixed. Real processes on loopback: a coordinator
 and N `ravnest-node join --max-memory CAP` daemons.
 
+It also trains one gpt whose fp32 weights exceed a node's cap as a 4-stage pipeline, with SGD K=1
+and with Adam K=4, and tabulates each stage's predicted memory against its measured peak.
+
     python -m bench.memory [--cap 256MiB] [--d-model 256] [--no-docs]
 
 The last line printed is `memory largest_params_4_nodes=<N> largest_params_1_node=<M> ratio=<N/M>`.
@@ -24,6 +27,18 @@ from scripts.local_cluster import LocalCluster
 
 SEQ_LEN, BATCH, STEPS, HEADS = 32, 4, 3, 4
 TEXT = Path(__file__).resolve().parent.parent / "ravnest" / "pipeline" / "stage.py"  # any text file
+# 194 MiB of fp32 weights; (optimizer, K, each node's --max-memory) for the predicted-vs-measured table
+BIG_GPT = {"vocab_size": 128, "seq_len": SEQ_LEN, "d_model": 512, "n_layers": 16, "n_heads": 8}
+BIG_RUNS = [("SGD", 1, "128MiB"), ("Adam", 4, "700MiB")]
+
+
+def big_job(optimizer: str, in_flight: int, steps: int = 12) -> dict:
+    """BIG_GPT on one cluster of 4 nodes, a few steps."""
+    return {"name": "big", "model": {"name": "gpt", "config": BIG_GPT},
+            "dataset": {"name": "text", "path": str(TEXT), "seq_len": SEQ_LEN},
+            "training": {"steps": steps, "batch_size": BATCH, "microbatches_in_flight": in_flight,
+                         "optimizer": {"name": optimizer, "kwargs": {"lr": 0.05 if optimizer == "SGD" else 1e-3}}},
+            "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": 4}}
 
 
 def job(d_model: int, layers: int, nodes: int) -> dict:
@@ -65,6 +80,23 @@ def largest(cluster: LocalCluster, d_model: int, nodes: int, cap: int) -> int:
     return good
 
 
+def prediction_table() -> str:
+    """Markdown rows: BIG_GPT trained under each of BIG_RUNS, predicted against measured per stage."""
+    rows = []
+    for optimizer, in_flight, cap in BIG_RUNS:
+        with tempfile.TemporaryDirectory(prefix="ravnest-bench-memory-") as folder, \
+                LocalCluster(Path(folder), nodes=4, node_args=["--max-memory", cap]) as cluster:
+            result = cluster.wait_job(cluster.submit(big_job(optimizer, in_flight)), timeout=900)
+        if result["state"] != "completed":
+            raise SystemExit(f"{optimizer} K={in_flight}: {result['state']}: {result['reason']}")
+        for stage in result["metrics"]["stages"]:
+            predicted, measured = stage["predicted_memory_bytes"], stage["peak_memory_bytes"]
+            rows.append(f"| {optimizer} | {in_flight} | {cap} | {stage['stage']} | {predicted / 2**20:.1f} MiB | "
+                        f"{measured / 2**20:.1f} MiB | {measured / predicted:.2f} |")
+            print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap", default="256MiB", help="--max-memory of every node")
@@ -79,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
             layers[nodes] = largest(cluster, args.d_model, nodes, cap)
     many, one = (params(args.d_model, layers[n]) if layers[n] else 0 for n in (4, 1))
     ratio = many / one if one else float("inf")
+    table = prediction_table()
+    weights = sum(c.param_bytes for c in profile_blocks(build_model("gpt", BIG_GPT), BATCH))
     if not args.no_docs:
         write_section("Memory", f"""
 Largest gpt (d_model {args.d_model}, seq_len {SEQ_LEN}, batch {BATCH}, SGD, K=1, {STEPS} steps) that trains
@@ -91,6 +125,14 @@ on 4 local node processes each started with `--max-memory {args.cap}`, against o
 | 1 | {layers[1]} layers | {one / 1e6:.1f} M | {one * 4 / 2**20:.0f} MiB |
 
 Ratio **{ratio:.2f}** (4 is the ideal: every stage also holds activations, workspace and queues).
+
+The planner's memory promise, on a gpt of {weights / 2**20:.0f} MiB of fp32 weights (d_model 512, 16 layers,
+batch {BATCH}) trained as a 4-stage pipeline, 12 steps: predicted stage memory against each node's
+measured peak RSS above idle (the acceptance bound is 1.25).
+
+| optimizer | K | --max-memory | stage | predicted | measured | measured / predicted |
+|---|---|---|---|---|---|---|
+{table}
 
     python -m bench.memory --cap {args.cap} --d-model {args.d_model}
 """)

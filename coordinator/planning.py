@@ -101,17 +101,17 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     usable = [n for n in nodes if n.node_id not in unused]
     if placement.max_nodes is not None and len(usable) > placement.max_nodes:
         usable = sorted(usable, key=lambda n: (-n.flops, -n.bandwidth, n.node_id))
-        unused.update({n.node_id: f"placement.max_nodes is {placement.max_nodes}" for n in usable[placement.max_nodes:]})
+        capped = f"placement.max_nodes is {placement.max_nodes}"
+        unused.update({n.node_id: capped for n in usable[placement.max_nodes:]})
         usable = usable[:placement.max_nodes]
     if not usable:
-        offers = ", ".join(_mib(n.memory_bytes) for n in nodes[:8]) + (", ..." if len(nodes) > 8 else "")
         raise PlanningError(f"no node can hold even one block of the model: the smallest block needs "
-                            f"{_mib(smallest)}, the {len(nodes)} node(s) offer {offers}")
+                            f"{_mib(smallest)}; {_offers(nodes)}")
     exact = placement.clusters if isinstance(placement.clusters, int) else None
     try:
         groups = cluster_nodes(usable, stage_memory_bytes(costs, 0, len(costs), single_load), exact, training.seed)
     except ClusteringError as e:
-        raise PlanningError(str(e)) from e
+        raise PlanningError(f"{e}; {_offers(usable)}") from e
 
     shapes: list[Shape] = []
     why: list[str] = []
@@ -123,7 +123,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         used = {n.node_id for replica in shape.replicas for n in replica}
         unused.update({n.node_id: "spare: the chosen shape leaves it over" for n in chain if n.node_id not in used})
         shapes.append(shape)
-        asked = f" (placement.stages_per_cluster = {placement.stages_per_cluster})" if placement.stages_per_cluster else ""
+        asked = f" (stages_per_cluster = {placement.stages_per_cluster})" if placement.stages_per_cluster else ""
         why.append(f"{len(chain)} node(s) -> {shape.describe()}{asked}"
                    + (f" (considered {'; '.join(considered)})" if len(considered) > 1 else ""))
 
@@ -155,6 +155,11 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
 
 def _rate(samples_per_s: float) -> str:
     return f"{samples_per_s:,.0f} samples/s" if samples_per_s >= 100 else f"{samples_per_s:.3g} samples/s"
+
+
+def _offers(nodes: Sequence[NodeInfo]) -> str:
+    listed = ", ".join(f"{n.node_id[:8]} {_mib(n.memory_bytes)}" for n in nodes[:8])
+    return f"the {len(nodes)} node(s) offer {listed}{', ...' if len(nodes) > 8 else ''}"
 
 
 def _mib(count: float) -> str:
@@ -212,8 +217,8 @@ def _samples_per_s(costs: list[BlockCost], replicas: list[list[NodeInfo]], range
     step = training.accumulation * max(max(times), sum(times) / load.in_flight)  # seconds per optimizer step
     if len(replicas) > 1 and averaging.strategy != "none" and averaging.every_seconds is None:
         members = len(replicas)
-        round_seconds = max(2 * (members - 1) / members * merged[s].param_bytes / weakest[s].bandwidth_to_next
-                            + 2 * (members - 1) * max(n.latency for n in (r[s] for r in replicas))
+        round_seconds = max(2 * (members - 1) / members * merged[s].param_bytes / min(r[s].bandwidth for r in replicas)
+                            + 2 * (members - 1) * max(r[s].latency for r in replicas)
                             for s in range(len(ranges)))
         step = max(step, round_seconds / averaging.every)
     return len(replicas) * training.batch_size * training.accumulation / step

@@ -3,8 +3,9 @@
 A stage's time per micro-batch is its compute (forward + backward = 3x forward FLOPs, over the
 node's FLOP/s) plus sending its boundary activation forward and the same-size gradient back over
 the link to the next node, plus a fixed cost per message each way (framing, gRPC, Python: about a
-millisecond on a laptop core, which is what makes a pipeline of tiny blocks slower than one node). An asynchronous pipeline runs at the pace of its slowest stage, so the
-partition minimises the maximum stage time, subject to every stage fitting its node's memory.
+millisecond on a laptop core, which is what makes a pipeline of tiny blocks slower than one node).
+An asynchronous pipeline runs at the pace of its slowest stage, so the partition minimises the
+maximum stage time, subject to every stage fitting its node's memory.
 
 A stage's memory (`stage_memory_bytes`), with P its blocks' parameter bytes and K micro-batches in
 flight, is what the stage runner really holds:

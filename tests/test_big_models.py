@@ -10,18 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.memory import BIG_GPT, BIG_RUNS, TEXT, big_job
 from ravnest.models import build_model, profile_blocks
 from scripts.local_cluster import LocalCluster
 
 GIB = 1 << 30
-TEXT = Path(__file__).resolve().parent.parent / "ravnest" / "pipeline" / "stage.py"  # text on every "node"
-
-
-def lm_job(config: dict, **training) -> dict:
-    return {"name": "big", "model": {"name": "gpt", "config": config},
-            "dataset": {"name": "text", "path": str(TEXT), "seq_len": config["seq_len"]},
-            "training": {"batch_size": 4, **training}, "averaging": {"strategy": "none"},
-            "placement": {"clusters": 1, "min_nodes": 4}}
 
 
 def peak_rss_bytes(pid: int) -> int:
@@ -33,6 +26,7 @@ def peak_rss_bytes(pid: int) -> int:
 
 def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp_path: Path) -> None:
     config = {"vocab_size": 50_000, "seq_len": 1024, "d_model": 4096, "n_layers": 48, "n_heads": 32}
+    assert sum(c.params for c in profile_blocks(build_model("gpt", config), 4)) > 10**10
     with LocalCluster(tmp_path, nodes=0) as cluster:
         for i in range(8):  # volunteers that joined over REST and offer 64 GiB each
             response = cluster.http.post("/v1/nodes", json={
@@ -40,8 +34,10 @@ def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp
                 "profile": {"flops": 1e13, "memory_bytes": 64 * GIB, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.01}})
             assert response.status_code == 201, response.text
         start = time.monotonic()
-        response = cluster.http.post("/v1/jobs", json=lm_job(config, steps=10, microbatches_in_flight=1,
-                                                             optimizer={"name": "SGD", "kwargs": {"lr": 0.1}}))
+        job = {"model": {"name": "gpt", "config": config}, "dataset": {"name": "text", "path": str(TEXT)},
+               "training": {"batch_size": 4, "microbatches_in_flight": 1, "optimizer": {"name": "SGD"}},
+               "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": 4}}
+        response = cluster.http.post("/v1/jobs", json=job)
         elapsed = time.monotonic() - start
         assert response.status_code == 201, response.text
         job = cluster.job(response.json()["id"])
@@ -55,16 +51,12 @@ def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp
     assert peak < GIB
 
 
-BIG = {"vocab_size": 128, "seq_len": 32, "d_model": 512, "n_layers": 16, "n_heads": 8}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer,in_flight,cap", [("SGD", 1, "128MiB"), ("Adam", 4, "700MiB")])
+@pytest.mark.parametrize("optimizer,in_flight,cap", BIG_RUNS)
 def test_a_model_larger_than_a_node_trains_within_its_predicted_memory(tmp_path: Path, optimizer: str,
                                                                        in_flight: int, cap: str) -> None:
-    weights = sum(c.param_bytes for c in profile_blocks(build_model("gpt", BIG), 4))
-    job = lm_job(BIG, steps=12, microbatches_in_flight=in_flight,
-                 optimizer={"name": optimizer, "kwargs": {"lr": 0.05 if optimizer == "SGD" else 1e-3}})
+    weights = sum(c.param_bytes for c in profile_blocks(build_model("gpt", BIG_GPT), 4))
+    job = big_job(optimizer, in_flight)
     with LocalCluster(tmp_path, nodes=4, node_args=["--max-memory", cap]) as cluster:
         offered = [n["profile"]["memory_bytes"] for n in cluster.alive_nodes()]
         if optimizer == "SGD":
@@ -72,7 +64,7 @@ def test_a_model_larger_than_a_node_trains_within_its_predicted_memory(tmp_path:
         result = cluster.wait_job(cluster.submit(job), timeout=600)
     assert result["state"] == "completed", result["reason"]
     assert len(result["plan"]["clusters"][0]["stages"]) == 4
-    assert result["final_metrics"]["loss"] < math.log(BIG["vocab_size"]) - 0.5  # from ln(128) = 4.85 down
+    assert result["final_metrics"]["loss"] < math.log(BIG_GPT["vocab_size"]) - 0.5  # from ln(128) = 4.85 down
     print(f"\n{optimizer} K={in_flight}, cap {cap}, whole model {weights / 2**20:.0f} MiB of fp32 weights")
     for stage in result["metrics"]["stages"]:
         predicted, measured = stage["predicted_memory_bytes"], stage["peak_memory_bytes"]

@@ -3,6 +3,7 @@ that takes the `settings` fixture runs twice, on SQLite and on a real PostgreSQL
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -410,3 +411,23 @@ def test_oversized_weights_upload_is_refused(client: TestClient, settings: Setti
                    content=bytes(3 << 20), headers=auth)
     assert r.status_code == 413 and "limit" in r.json()["detail"]
     assert not list((settings.data_dir / "jobs" / job_id).rglob("*.safetensors"))
+
+
+def test_a_model_that_cannot_fit_the_joined_nodes_fails_with_the_figures(client: TestClient) -> None:
+    for i in range(2):
+        join(client, f"small{i}", memory=64 << 20)
+    big = {"name": "big", "model": {"name": "gpt", "config": {"d_model": 1024, "n_layers": 8}},
+           "dataset": {"name": "text", "path": "/nonexistent-on-the-coordinator.txt"},
+           "placement": {"min_nodes": 2}}
+    response = client.post("/v1/jobs", json=big)
+    assert response.status_code == 201, response.text
+    job = client.get(f"/v1/jobs/{response.json()['id']}").json()
+    assert job["state"] == "failed"
+    assert re.search(r"cannot place the job: .*the model needs [\d,]+ MiB.*the 2 node\(s\) offer \w+ 64 MiB, "
+                     r"\w+ 64 MiB", job["reason"]), job["reason"]
+    assert all(n["state"] == "idle" for n in client.get("/v1/nodes").json())  # nothing was reserved
+
+
+def test_placement_max_nodes_must_not_be_below_min_nodes(client: TestClient) -> None:
+    response = client.post("/v1/jobs", json=digits_job(min_nodes=4, max_nodes=2))
+    assert response.status_code == 422 and "max_nodes" in response.text

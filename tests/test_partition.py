@@ -83,7 +83,8 @@ def test_memory_forces_a_slower_split() -> None:
 
 def test_a_block_larger_than_every_node() -> None:
     costs = [block(1, param_bytes=10 * MB), block(1)]
-    with pytest.raises(PartitionError, match=r"block 0 fits no node: .* block \(block 0\) 6\d MiB, .* offer 5 MiB, 5 MiB"):
+    with pytest.raises(PartitionError,
+                       match=r"block 0 fits no node: .* block \(block 0\) 6\d MiB, .* offer 5 MiB, 5 MiB"):
         partition(costs, [node(memory=5 * MB), node(memory=5 * MB)])
 
 

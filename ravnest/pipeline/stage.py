@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from ravnest.data import load_dataset
 from ravnest.models import build_model
 from ravnest.partition import RECEIVE_SLACK, SEND_QUEUE
-from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.inbox import Inbox, PipelineError
+from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.stash import StageCompute
