@@ -14,6 +14,8 @@ flight, is what the stage runner really holds:
     + activations saved for backward: K micro-batches (the last stage: 1, plus the loss' logits twice)
     + backward workspace: the gradients of one block's activations (its largest block's saved bytes)
     + wire queues: SEND_QUEUE + 1 outgoing and K + RECEIVE_SLACK incoming activations
+    + a base: what any stage costs a node whatever its blocks (gRPC threads' heaps, stream buffers,
+      Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
 
 s is the optimizer's state per parameter (SGD 0, momentum 1, Adam 2: `pipeline.optim.optimizer_state_factor`);
 v = K weight snapshots while a forward's weights can change before its backward (K > 1, not on the
@@ -38,6 +40,7 @@ class Load:
     optimizer_state: float = 2.0     # optimizer state bytes per parameter byte (Adam: 2)
     recompute: bool = False          # weight_stash "recompute": keep inputs, redo the forward
     averaging_copies: float = 0.0    # parameter-sized buffers an averaging strategy keeps
+    stage_base: int = 0              # bytes any stage costs, whatever its blocks
 
 
 MESSAGE_OVERHEAD_S = 0.001  # fixed cost of one activation or gradient message between stages
@@ -92,7 +95,7 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     else:
         activations = k * saved_bytes
     queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
-    return int(weights + activations + workspace + queues)
+    return int(weights + activations + workspace + queues + load.stage_base)
 
 
 class _RangeMax:

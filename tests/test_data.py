@@ -162,3 +162,16 @@ def test_not_an_npz_file(tmp_path: Path) -> None:
     path.write_bytes(b"not a zip file")
     with pytest.raises(DatasetError, match="cannot read"):
         load_dataset({"name": "npz", "path": str(path)})
+
+
+def test_digits_are_scikit_learns_digits_read_without_importing_it() -> None:
+    from sklearn.datasets import load_digits
+
+    reference = load_digits()
+    data = load_dataset({"name": "digits", "test_fraction": 0.0})
+    assert data.train_x.shape == (1797, 1, 8, 8) and data.train_x.dtype == torch.float32
+    # same images and labels (the split shuffles rows: compare them as sets of rows)
+    ours = torch.cat([data.train_x.reshape(-1, 64) * 16, data.train_y[:, None].float()], dim=1)
+    theirs = torch.cat([torch.tensor(reference.data, dtype=torch.float32),
+                        torch.tensor(reference.target, dtype=torch.float32)[:, None]], dim=1)
+    assert torch.equal(torch.unique(ours, dim=0), torch.unique(theirs, dim=0))

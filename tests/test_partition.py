@@ -51,12 +51,16 @@ def test_stage_memory_formula() -> None:
     # saved (backward workspace) + 3 queued outputs (SEND_QUEUE + 1) + (K + 2) queued inputs
     assert stage_memory_bytes(costs, 0, 2, adam_k2) == 30 * 6 + 2 * 18 + 11 + 3 * 5 + 4 * 0
     # K = 1 needs no weight versions; SGD keeps no state
-    assert stage_memory_bytes(costs, 1, 2, Load(in_flight=1, optimizer_state=0)) == 20 * 2 + 11 + 11 + 3 * 5 + 3 * 3
+    assert stage_memory_bytes(costs, 1, 2, Load(in_flight=1, optimizer_state=0)) == \
+        20 * 2 + 11 + 11 + 3 * 5 + 3 * 3
     # the last stage: no versions, one micro-batch's activations, the loss' logits twice, sends nothing
     assert stage_memory_bytes(costs, 2, 3, adam_k2) == 40 * 4 + 13 + 2 * 2 + 13 + 4 * 5
     # recompute keeps K inputs and one forward's activations; averaging rings add two copies
     assert stage_memory_bytes(costs, 1, 2, Load(2, 2.0, recompute=True, averaging_copies=2)) == \
         20 * 8 + (2 * 3 + 11) + 11 + 3 * 5 + 4 * 3
+    # and every stage costs a node its base, whatever its blocks
+    assert stage_memory_bytes(costs, 0, 2, Load(in_flight=2, stage_base=1000)) == \
+        stage_memory_bytes(costs, 0, 2, adam_k2) + 1000
 
 
 def test_memory_forces_a_slower_split() -> None:
