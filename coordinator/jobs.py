@@ -178,10 +178,7 @@ def metrics(stages: list[StageRow], plan: Plan | None = None) -> JobMetrics:
 
 
 def _predicted_memory(plan: Plan | None, row: StageRow) -> int | None:
-    try:
-        return plan.clusters[row.cluster].stages[row.stage].predicted_memory_bytes if plan else None
-    except IndexError:
-        return None
+    return plan.clusters[row.cluster].stages[row.stage].predicted_memory_bytes if plan else None
 
 
 def check_finite(values: dict[str, float]) -> None:
