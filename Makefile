@@ -27,6 +27,7 @@ bench: install
 	$(PY) -m bench.pipeline
 	$(PY) -m bench.allreduce
 	$(PY) -m bench.planner
+	$(PY) -m bench.memory
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -8,6 +8,8 @@ Rules (see also docs in examples/jobs/README.md):
   replicas with "auto", one pipeline per cluster with `placement.clusters = N`) and takes the best;
   within 10% of the best it takes the shallowest, since every extra stage adds staleness. So a small
   model goes data-parallel (one node per replica) and a big one gets as many stages as it needs.
+  Depths are tried from shallow to deep and the search stops after two in a row predict less than
+  the best so far (throughput over depth rises, then falls).
 - A replica's samples/s is batch x min(1 / slowest stage, K / round trip), capped by averaging: a
   ring all-reduce of its stage's parameters every `averaging.every` steps (bandwidth and latency
   terms) that takes longer than those steps stalls training.
@@ -185,19 +187,24 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
     considered: list[str] = []
     last_error = ""
     for depths in (preferred, fallback):
+        falling = 0  # deeper shapes in a row predicting less than the best so far
         for depth in depths:
+            if falling == 2:  # throughput over depth rises, then falls: deeper ones will not win
+                break
             count = len(chain) // depth if many else 1
             # stage i of every replica comes from slice i of the chain order
             dealt = [[chain[i * count + r] for i in range(depth)] for r in range(count)]
             with_rings = averaging.strategy != "none" and (averaged or count > 1)
             load = training_load(training, depth, averaging=with_rings)
+            weakest = _weakest(dealt, links)
             try:
-                ranges = partition(costs, _weakest(dealt, links), load=load).ranges
+                ranges = partition(costs, weakest, load=load).ranges
             except PartitionError as e:
                 last_error = str(e)
                 considered.append(f"{count} x {depth} stage(s): does not fit")
                 continue
-            shape = Shape(dealt, ranges, load, _samples_per_s(costs, dealt, ranges, load, training, averaging, links))
+            shape = Shape(dealt, ranges, load, _samples_per_s(costs, dealt, weakest, ranges, load, training, averaging))
+            falling = falling + 1 if shapes and shape.samples_per_s < max(s.samples_per_s for s in shapes) else 0
             shapes.append(shape)
             considered.append(shape.describe())
         if shapes:
@@ -208,18 +215,20 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
     return min((s for s in shapes if s.samples_per_s >= PREFER_SHALLOW * best), key=lambda s: len(s.ranges)), considered
 
 
-def _samples_per_s(costs: list[BlockCost], replicas: list[list[NodeInfo]], ranges: list[tuple[int, int]],
-                   load: Load, training: TrainingSettings, averaging: AveragingSettings, links: Links | None) -> float:
-    """Predicted samples/s of these replicas together (the weakest replica's pace, times their number)."""
-    weakest = _weakest(replicas, links)
+def _samples_per_s(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: list[NodeCapacity],
+                   ranges: list[tuple[int, int]], load: Load, training: TrainingSettings,
+                   averaging: AveragingSettings) -> float:
+    """Predicted samples/s of these replicas together: the pace of `weakest` (stage by stage the
+    weakest capacity over the replicas), times their number."""
     merged = _merge_stages(costs, ranges)
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
     step = training.accumulation * max(max(times), sum(times) / load.in_flight)  # seconds per optimizer step
     if len(replicas) > 1 and averaging.strategy != "none" and averaging.every_seconds is None:
         members = len(replicas)
-        round_seconds = max(2 * (members - 1) / members * merged[s].param_bytes / min(r[s].bandwidth for r in replicas)
-                            + 2 * (members - 1) * max(r[s].latency for r in replicas)
-                            for s in range(len(ranges)))
+        slowest = [(min(r[s].bandwidth for r in replicas), max(r[s].latency for r in replicas))
+                   for s in range(len(ranges))]
+        round_seconds = max(2 * (members - 1) * (merged[s].param_bytes / members / bandwidth + latency)
+                            for s, (bandwidth, latency) in enumerate(slowest))
         step = max(step, round_seconds / averaging.every)
     return len(replicas) * training.batch_size * training.accumulation / step
 

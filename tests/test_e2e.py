@@ -75,7 +75,7 @@ def test_shipped_digits_mlp_goes_data_parallel_and_the_same_nodes_serve_the_next
             assert job["state"] == "completed", job.get("reason")
             plan = job["plan"]
             assert [len(c["stages"]) for c in plan["clusters"]] == [1, 1, 1, 1]
-            assert plan["reason"].startswith("4 cluster(s) x 1 stage(s)") and "1 x 4 stage(s)" in plan["reason"]
+            assert plan["reason"].startswith("4 cluster(s) x 1 stage(s)") and "2 x 2 stage(s)" in plan["reason"]
             print(f"job {attempt + 1}: test accuracy {job['metrics']['test_accuracy']:.4f}; {plan['reason']}")
             assert job["metrics"]["test_accuracy"] >= 0.95
             assert job["metrics"]["averaging_rounds"] >= 5
