@@ -26,7 +26,8 @@ import torch
 
 from ravnest.averaging.mailbox import Mailbox
 from ravnest.averaging.shares import share_bounds
-from ravnest.wire import CODECS, ChannelPool, Message, OutboundStream, PeerError, Router, WireError
+from ravnest.wire import CODECS, ChannelPool, Message, OutboundStream, PeerError, Router, WireError, wait_authorized
+from ravnest.wire.transport import AUTH_GRACE_S
 
 KIND = "ring"
 TENSOR = "x"
@@ -153,6 +154,7 @@ class RingHub:
             with self._lock:
                 streams = self._streams.get(address)
             if streams is None:
+                wait_authorized(address, self.token, min(timeout, AUTH_GRACE_S))  # the peer may not know the job yet
                 # Extra lanes get their own channel (own TCP connection); the first uses the shared pool.
                 streams = [OutboundStream(address, token=self.token, chunk_bytes=DEFAULT_CHUNK_BYTES,
                                           pool=None if lane == 0 else ChannelPool(), wait_ready=timeout)

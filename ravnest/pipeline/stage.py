@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
 METRICS_EVERY = 10  # optimizer steps between on_metrics reports
-AUTH_GRACE_S = 30.0  # how long a neighbour may take to learn this job's credential (its next heartbeat)
 
 
 class StageRunner:
@@ -325,7 +324,7 @@ class StageRunner:
     def _send(self, side: str, msg: Message) -> None:
         stream = self._streams.get(side)
         if stream is None:  # opened on first use, then kept for the whole run
-            wait_authorized(self._peer(side).address, self.assignment.token, AUTH_GRACE_S)
+            wait_authorized(self._peer(side).address, self.assignment.token)
             stream = self._streams[side] = OutboundStream(
                 self._peer(side).address, token=self.assignment.token, codec=self.training.codec,
                 max_pending=SEND_QUEUE)

@@ -423,7 +423,11 @@ def ping(address: str, *, token: str | None = None, payload_bytes: int = 0, repl
     return time.perf_counter() - start
 
 
-def wait_authorized(address: str, token: str | None, timeout: float, pool: ChannelPool | None = None) -> None:
+AUTH_GRACE_S = 30.0  # how long a job's peer may take to learn the job's credential (its next heartbeat)
+
+
+def wait_authorized(address: str, token: str | None, timeout: float = AUTH_GRACE_S,
+                    pool: ChannelPool | None = None) -> None:
     """Wait until the peer accepts `token` (a Ping carrying it succeeds). Peers of one job get
     their credentials at their own next heartbeat, so a neighbour may briefly not know the job
     yet; past `timeout` its refusal is final (PeerError). The peer is remote: nothing to wait on
