@@ -154,7 +154,8 @@ class RingHub:
             with self._lock:
                 streams = self._streams.get(address)
             if streams is None:
-                wait_authorized(address, self.token, min(timeout, AUTH_GRACE_S))  # the peer may not know the job yet
+                # a peer of this job may not have fetched its assignment (and the job's token) yet
+                wait_authorized(address, self.token, min(timeout, AUTH_GRACE_S))
                 # Extra lanes get their own channel (own TCP connection); the first uses the shared pool.
                 streams = [OutboundStream(address, token=self.token, chunk_bytes=DEFAULT_CHUNK_BYTES,
                                           pool=None if lane == 0 else ChannelPool(), wait_ready=timeout)
