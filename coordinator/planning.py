@@ -34,7 +34,7 @@ from functools import lru_cache
 
 from ravnest.averaging.segments import segment_rings
 from ravnest.averaging.shares import balanced_shares
-from ravnest.models.profile import BlockCost
+from ravnest.models.profile import BlockCost, stage_input
 from ravnest.partition import Load, NodeCapacity, PartitionError, partition, stage_memory_bytes, stage_seconds
 from ravnest.pipeline.memory import training_load
 from ravnest.spec import AveragingSettings, Placement, TrainingSettings
@@ -132,17 +132,20 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     # model_construct: these values are computed here, validating 10,000 of them again costs ~0.5 s
     clusters: list[PlannedCluster] = []
     pipelines = [(replica, shape) for shape in shapes for replica in shape.replicas]
+    # the same for every replica of a shape: one merged profile, input and memory per stage
+    per_shape = {id(shape): (_merge_stages(costs, shape.ranges), [stage_input(costs, a) for a, _ in shape.ranges],
+                             [stage_memory_bytes(costs, a, b, shape.load) for a, b in shape.ranges])
+                 for shape in shapes}
     for index, (replica, shape) in enumerate(pipelines):
-        merged = _merge_stages(costs, shape.ranges)
+        merged, inputs, memory = per_shape[id(shape)]
         stage_times = [stage_seconds(merged, capacity, s, s + 1)
                        for s, capacity in enumerate(capacities(replica, links))]
         clusters.append(PlannedCluster.model_construct(
             cluster=index, predicted_bottleneck_seconds=max(stage_times),
             stages=[PlannedStage.model_construct(
                 stage=s, node_id=node.node_id, address=node.address, blocks=blocks, predicted_seconds=seconds,
-                predicted_memory_bytes=stage_memory_bytes(costs, *blocks, shape.load),
-                input_shape=list(costs[blocks[0] - 1].output_shape) if blocks[0] > 0 else None,
-                input_dtype=costs[blocks[0] - 1].output_dtype if blocks[0] > 0 else "float32")
+                predicted_memory_bytes=memory[s],
+                input_shape=inputs[s][0], input_dtype=inputs[s][1])
                 for s, (node, blocks, seconds) in enumerate(zip(replica, shape.ranges, stage_times))]))
     rings = [PlannedRing.model_construct(segment=i, blocks=blocks, stages=stages,
                                          members=[clusters[c].stages[s].node_id for c, s in enumerate(stages)],

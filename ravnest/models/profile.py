@@ -133,6 +133,14 @@ def profile_blocks(spec: ModelSpec, batch_size: int, *, measure: bool = False,
     return costs
 
 
+def stage_input(costs: list[BlockCost], start: int) -> tuple[list[int] | None, str]:
+    """(shape, dtype) of what a stage starting at block `start` receives for one micro-batch: the
+    previous block's output; (None, "float32") for stage 0, which reads data."""
+    if start == 0:
+        return None, "float32"
+    return list(costs[start - 1].output_shape), costs[start - 1].output_dtype
+
+
 def state_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], int]]:
     """Every key of the whole model's state dict -> (shape, bytes), from the meta device."""
     state = spec.blocks(device="meta").state_dict()

@@ -17,7 +17,7 @@ from safetensors.torch import save as save_tensors
 
 from ravnest.averaging import Averager, make_averager, segment_rings
 from ravnest.data import load_dataset
-from ravnest.models import build_model, profile_blocks
+from ravnest.models import BlockCost, build_model, profile_blocks, stage_input
 from ravnest.pipeline.metrics import EvalAccumulator, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.stage import StageRunner
@@ -29,27 +29,33 @@ ROUTE_WAIT_S = 60.0  # stages start at different moments: a message may arrive b
 
 
 def make_assignments(job: JobSpec, ranges: Ranges, addresses: list[str], token: str,
-                     job_id: str = "local", *, cluster: int = 0, num_clusters: int = 1) -> list[StageAssignment]:
-    """Assignments for one cluster whose stage s holds blocks ranges[s] and listens at addresses[s]."""
+                     job_id: str = "local", *, cluster: int = 0, num_clusters: int = 1,
+                     costs: list[BlockCost] | None = None) -> list[StageAssignment]:
+    """Assignments for one cluster whose stage s holds blocks ranges[s] and listens at addresses[s];
+    `costs` (the model's profile, for the stages' input shapes) is computed when not given."""
     if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or ranges[0][0] != 0:
         raise ValueError(f"stage ranges must be contiguous from block 0: {list(ranges)}")
     peers = [StagePeer(node_id=f"cluster{cluster}-stage{s}", address=address) for s, address in enumerate(addresses)]
-    costs = profile_blocks(build_model(job.model.name, job.model.config), job.training.batch_size)  # meta: cheap
-    inputs = [costs[start - 1] if start > 0 else None for start, _ in ranges]
+    costs = costs or _profile(job)
+    inputs = [stage_input(costs, start) for start, _ in ranges]
     return [StageAssignment(
         job_id=job_id, token=token, cluster=cluster, num_clusters=num_clusters, stage=s, num_stages=len(ranges),
-        blocks=tuple(ranges[s]), input_shape=list(inputs[s].output_shape) if inputs[s] else None,
-        input_dtype=inputs[s].output_dtype if inputs[s] else "float32",
-        model=job.model, dataset=job.dataset, training=job.training,
-        averaging=job.averaging, prev=peers[s - 1] if s > 0 else None,
+        blocks=tuple(ranges[s]), input_shape=inputs[s][0], input_dtype=inputs[s][1], model=job.model,
+        dataset=job.dataset, training=job.training, averaging=job.averaging, prev=peers[s - 1] if s > 0 else None,
         next=peers[s + 1] if s + 1 < len(ranges) else None) for s in range(len(ranges))]
+
+
+def _profile(job: JobSpec) -> list[BlockCost]:
+    return profile_blocks(build_model(job.model.name, job.model.config), job.training.batch_size)  # meta: cheap
 
 
 def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], addresses: list[list[str]],
                              token: str, job_id: str = "local") -> list[list[StageAssignment]]:
     """Assignments for several clusters (each may cut the model differently): cluster c's stage s
     holds cluster_ranges[c][s], listens at addresses[c][s] and joins the rings of its segments."""
-    clusters = [make_assignments(job, ranges, addrs, token, job_id, cluster=c, num_clusters=len(cluster_ranges))
+    costs = _profile(job)
+    clusters = [make_assignments(job, ranges, addrs, token, job_id, cluster=c, num_clusters=len(cluster_ranges),
+                                 costs=costs)
                 for c, (ranges, addrs) in enumerate(zip(cluster_ranges, addresses))]
     if job.averaging.strategy == "none" or len(clusters) < 2:
         return clusters
