@@ -10,11 +10,13 @@ import os
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.background import BackgroundTask
 
 from ravnest.spec import FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse, MetricsReport
 
@@ -122,6 +124,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def cancel(job_id: str) -> JobView:
         return service.cancel(job_id)
 
+    @app.post("/v1/jobs/{job_id}/resume", response_model=JobView, tags=["jobs"])
+    def resume(job_id: str) -> JobView:
+        """Continue a failed or cancelled job from its last checkpoint, on the nodes there are now."""
+        return service.resume(job_id)
+
     @app.get("/v1/jobs/{job_id}/model", tags=["jobs"], response_class=FileResponse,
              responses={200: {"content": {"application/octet-stream": {}}, "description": "safetensors"}})
     def download_model(job_id: str) -> FileResponse:
@@ -140,11 +147,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         service.report_failure(job_id, authorization, report)
         return Response(status_code=204)
 
-    @app.put("/v1/jobs/{job_id}/weights", status_code=204, tags=["node reports"], openapi_extra=OCTET_STREAM_BODY)
-    async def upload_weights(job_id: str, request: Request, cluster: int = Query(ge=0), stage: int = Query(ge=0),
-                             authorization: str | None = AUTH) -> Response:
-        """Body: the stage's state dict as raw safetensors bytes, keys "{global block index}.<name>"."""
-        limit = await run_in_threadpool(service.weights_upload_limit, job_id, authorization, cluster, stage)
+    async def receive(request: Request, job_id: str, limit: int) -> Path:
+        """The request body streamed into a temporary file of the job's folder (never all in memory);
+        the caller moves it away when accepted, else it is removed."""
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise TooLarge(f"upload of {declared} bytes exceeds this stage's limit of {limit} bytes")
@@ -154,15 +159,61 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         path = Path(name)
         try:
             size = 0
-            with os.fdopen(handle, "wb") as out:  # streamed to disk: never the whole body in memory
+            with os.fdopen(handle, "wb") as out:
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
                         raise TooLarge(f"upload exceeds this stage's limit of {limit} bytes")
                     out.write(chunk)
+        except BaseException:  # a sender that died mid-body leaves nothing behind
+            path.unlink(missing_ok=True)
+            raise
+        return path
+
+    @app.put("/v1/jobs/{job_id}/weights", status_code=204, tags=["node reports"], openapi_extra=OCTET_STREAM_BODY)
+    async def upload_weights(job_id: str, request: Request, cluster: int = Query(ge=0), stage: int = Query(ge=0),
+                             authorization: str | None = AUTH) -> Response:
+        """Body: the stage's state dict as raw safetensors bytes, keys "{global block index}.<name>"."""
+        limit = await run_in_threadpool(service.upload_limit, job_id, authorization, cluster, stage)
+        path = await receive(request, job_id, limit)
+        try:
             await run_in_threadpool(service.accept_weights, job_id, authorization, cluster, stage, path)
         finally:
             path.unlink(missing_ok=True)  # accepted uploads were moved away already
         return Response(status_code=204)
+
+    @app.put("/v1/jobs/{job_id}/checkpoint", status_code=204, tags=["node reports"],
+             openapi_extra=OCTET_STREAM_BODY)
+    async def upload_checkpoint(job_id: str, request: Request, cluster: int = Query(ge=0), stage: int = Query(ge=0),
+                                generation: int = Query(ge=0), step: int = Query(ge=0),
+                                kind: Literal["periodic", "snapshot"] = Query("periodic"),
+                                authorization: str | None = AUTH) -> Response:
+        """Body: the stage's state at `step` as safetensors: its state dict plus optimizer state keyed
+        "{parameter key}:{state name}". `snapshot`: handed in when the job is re-planned."""
+        limit = await run_in_threadpool(service.upload_limit, job_id, authorization, cluster, stage, checkpoint=True)
+        path = await receive(request, job_id, limit)
+        try:
+            await run_in_threadpool(service.accept_checkpoint, job_id, authorization, cluster, stage, generation,
+                                    step, kind, path)
+        finally:
+            path.unlink(missing_ok=True)
+        return Response(status_code=204)
+
+    @app.get("/v1/jobs/{job_id}/state", tags=["node reports"], response_class=FileResponse,
+             responses={200: {"content": {"application/octet-stream": {}}, "description": "safetensors"}})
+    async def stage_state(job_id: str, cluster: int = Query(ge=0), stage: int = Query(ge=0),
+                          authorization: str | None = AUTH) -> FileResponse:
+        """The state a re-planned stage continues from: its blocks' parameters and optimizer state."""
+        outgoing = service.job_dir(job_id) / "outgoing"
+        outgoing.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=outgoing, suffix=".safetensors")
+        os.close(handle)
+        path = Path(name)
+        try:
+            await run_in_threadpool(service.stage_state, job_id, authorization, cluster, stage, path)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return FileResponse(path, media_type="application/octet-stream", background=BackgroundTask(path.unlink))
 
     return app

@@ -2,12 +2,16 @@
 outside (progress, metrics, each node's stage assignment).
 
     pending ──► placing ──► running ──► completed
-       │           │           │
-       └───────────┴───────────┴──► failed | cancelled
+     ▲ │           │ │         │ │
+     │ │           │ └─► recovering ◄┘
+     │ │           │         │ (re-planned: back to pending, one generation later)
+     │ └───────────┴─────────┴──► failed | cancelled ──(resume)──► pending
 
 pending: waiting for `placement.min_nodes` idle live nodes. placing: planned, nodes reserved, not
-every node has fetched its assignment yet. running: every node has it. Each change is kept in the
-job's history with its time and reason.
+every node has fetched its assignment yet. running: every node has it. recovering: a node was lost or
+a stage failed while training; the survivors stop and hand in their state, then the job is planned
+again on whatever nodes are there and continues from the freshest state of every block. Each change
+is kept in the job's history with its time and reason.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class JobState(str, Enum):
     PENDING = "pending"
     PLACING = "placing"
     RUNNING = "running"
+    RECOVERING = "recovering"
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -39,8 +44,11 @@ TERMINAL = {JobState.COMPLETED.value, JobState.FAILED.value, JobState.CANCELLED.
 STOPPED = {JobState.FAILED.value, JobState.CANCELLED.value}  # its nodes must be told to stop
 _NEXT = {
     JobState.PENDING: {JobState.PLACING, JobState.FAILED, JobState.CANCELLED},
-    JobState.PLACING: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED},
-    JobState.RUNNING: {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED},
+    JobState.PLACING: {JobState.RUNNING, JobState.RECOVERING, JobState.FAILED, JobState.CANCELLED},
+    JobState.RUNNING: {JobState.COMPLETED, JobState.RECOVERING, JobState.FAILED, JobState.CANCELLED},
+    JobState.RECOVERING: {JobState.PENDING, JobState.FAILED, JobState.CANCELLED},
+    JobState.FAILED: {JobState.PENDING},  # resumed from its last checkpoint
+    JobState.CANCELLED: {JobState.PENDING},
 }
 TASK_OF_DATASET = {"digits": "classify", "npz": "classify", "text": "lm"}
 
@@ -123,7 +131,8 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int) -> StageAssign
         for ring in plan.rings if ring.stages[cluster] == stage]
     planned = stages[stage]
     return StageAssignment(
-        job_id=job.id, token=job.job_token, cluster=cluster, num_clusters=len(plan.clusters), stage=stage,
+        job_id=job.id, generation=job.generation, resume_step=(job.resume or {}).get("step", 0),
+        checkpoint_every=spec.checkpoints.every if cluster == 0 else 0, token=job.job_token, cluster=cluster, num_clusters=len(plan.clusters), stage=stage,
         num_stages=len(stages), blocks=planned.blocks, input_shape=planned.input_shape,
         input_dtype=planned.input_dtype, predicted_memory_bytes=planned.predicted_memory_bytes,
         model=spec.model, dataset=spec.dataset,

@@ -116,9 +116,24 @@ class JobSummary(BaseModel):
     updated_at: float
 
 
+class Recovery(BaseModel):
+    """One re-plan of a job: what was lost, where it continued from, how long training stood still."""
+    at: float = Field(description="when the loss was noticed")
+    reason: str
+    generation: int = Field(description="the generation (run) that was lost")
+    reached_step: int = Field(description="the furthest step any stage of that run had reached")
+    resume_step: int | None = Field(None, description="the step the next run continued from")
+    steps_redone: int | None = Field(None, description="steps between resume_step and reached_step, trained again")
+    sources: list[str] = Field(default_factory=list, description="where each block range's state came from")
+    recovery_s: float | None = Field(None, description="seconds from the loss to training again")
+
+
 class JobView(JobSummary):
     spec: JobSpec
     history: list[StateChange]
+    generation: int = Field(0, description="re-plans so far: after a lost node, a failed stage or a resume")
+    recoveries: list[Recovery] = Field(default_factory=list)
+    checkpoint_step: int | None = Field(None, description="step of the latest complete checkpoint")
     progress: Progress
     metrics: JobMetrics
     final_metrics: dict[str, float] | None = None

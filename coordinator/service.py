@@ -10,10 +10,7 @@ import os
 import threading
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ravnest.models import build_model, profile_blocks, state_shapes
@@ -21,18 +18,21 @@ from ravnest.models.profile import BlockCost
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse,
                           LinkReport, MetricsReport, NodeProfile, PeerProbe)
 
-from . import jobs
+from . import artifacts, jobs
 from .clustering import NodeInfo
 from .config import Settings
 from .errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthorized
 from .jobs import JobState
 from .planning import PlanningError, plan_job
-from .schemas import Health, JobCreated, JobSummary, JobView, NodeView, Plan
+from .recovery import StoredState, resume_point
+from .schemas import Health, JobCreated, JobSummary, JobView, NodeView, Plan, Recovery
 from .security import bearer_token, check_join_token, hash_token, new_id, new_token, token_matches
-from .store import JobRow, LinkRow, NodeRow, StageRow, Store, stage_of_node, stages_of
+from .store import CheckpointRow, JobRow, LinkRow, NodeRow, StageRow, Store, stage_of_node, stages_of
 
 IDLE, BUSY, GONE = "idle", "busy", "gone"
 HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header on top of the tensors' bytes
+OPTIMIZER_STATE_FACTOR = 3  # a checkpoint holds parameters plus at most this many copies (Adam: 2)
+PERIODIC, SNAPSHOT = "periodic", "snapshot"
 MAX_LINKS_PER_NODE = 16  # a node stops being asked for probes once it measured this many links
 
 
@@ -121,6 +121,8 @@ class Coordinator:
         else:
             if job.state in jobs.STOPPED:
                 response.cancel_job = job.id
+            elif job.state == JobState.RECOVERING.value:
+                response.recover_job = job.id  # stop, hand in the stage's state, then be placed anew
             done = True
         if done and request.job_id != node.job_id:
             node.job_id, node.state = None, IDLE
@@ -211,13 +213,11 @@ class Coordinator:
         return node
 
     def _node_lost(self, session: Session, node: NodeRow, reason: str) -> None:
-        """The node is gone: a job that still needed it fails (re-planning is not implemented yet)."""
+        """The node is gone: a job that still needed it is re-planned without it."""
         job = session.get(JobRow, node.job_id) if node.job_id else None
         stage = stage_of_node(session, job.id, node.id) if job is not None else None
         if job is not None and job.state in jobs.ACTIVE and stage is not None and not stage.weights_uploaded:
-            jobs.transition(job, JobState.FAILED, f"{reason} while holding cluster {stage.cluster} stage "
-                                                  f"{stage.stage}; re-planning onto other nodes is not implemented yet",
-                            self.clock())
+            self._recover(session, job, f"{reason} while holding cluster {stage.cluster} stage {stage.stage}")
         node.state, node.job_id = GONE, None
 
     # --- jobs ----------------------------------------------------------------------------------------
@@ -247,7 +247,10 @@ class Coordinator:
             job = self._job(session, job_id)
             stages = stages_of(session, job.id)
             return JobView(**_summary(job).model_dump(), spec=JobSpec.model_validate(job.spec),
-                           history=job.history, progress=jobs.progress(job, stages),
+                           history=job.history, generation=job.generation,
+                           recoveries=[Recovery.model_validate(fault) for fault in job.faults or []],
+                           checkpoint_step=self._manifest(job.id).get("step"),
+                           progress=jobs.progress(job, stages),
                            metrics=jobs.metrics(stages, self._plan(job) if job.plan else None),
                            final_metrics=job.final_metrics, plan=self._plan(job) if job.plan else None,
                            model_url=f"/v1/jobs/{job.id}/model" if job.state == JobState.COMPLETED.value else None)
@@ -261,6 +264,25 @@ class Coordinator:
             jobs.transition(job, JobState.CANCELLED, "cancelled by request", self.clock())
         return self.get_job(job_id)
 
+    def resume(self, job_id: str) -> JobView:
+        """Continue a failed or cancelled job from the freshest state its stages left (its last
+        checkpoint, or snapshots handed in since), on whatever nodes are there now."""
+        with self._lock:
+            with self.store.session() as session:
+                job = self._job(session, job_id)
+                if job.state not in jobs.STOPPED:
+                    raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be resumed")
+                resume = self._resume_point(session, job)
+                if resume is None:
+                    raise Conflict(f"job {job_id} has no checkpoint covering every block to resume from; "
+                                   f"submit it again (checkpoints.every sets how often they are written)")
+                self._start_generation(session, job, resume)
+                job.faults = []  # a resumed job gets its full budget of recoveries again
+                jobs.transition(job, JobState.PENDING, f"resumed from step {resume['step']}; waiting for nodes",
+                                self.clock())
+            self.place_pending()
+        return self.get_job(job_id)
+
     def report_metrics(self, job_id: str, authorization: str | None, report: MetricsReport) -> None:
         jobs.check_finite(report.metrics)
         with self._lock, self.store.session() as session:
@@ -268,8 +290,11 @@ class Coordinator:
             if (report.cluster, report.stage) != (stage.cluster, stage.stage):
                 raise Forbidden(f"node {report.node_id} holds cluster {stage.cluster} stage {stage.stage}, "
                                 f"not cluster {report.cluster} stage {report.stage}")
-            if job.state in jobs.STOPPED:
+            if job.state in jobs.STOPPED | {JobState.RECOVERING.value}:
                 raise Conflict(f"job {job_id} is {job.state}")
+            if job.faults and "recovery_s" not in job.faults[-1] and report.step > (job.resume or {}).get("step", 0):
+                fault = job.faults[-1]  # the first step after a re-plan: training again
+                job.faults = [*job.faults[:-1], {**fault, "recovery_s": self.clock() - fault["at"]}]
             stage.step = max(stage.step, report.step)
             stage.metrics = {**stage.metrics, **report.metrics}  # keeps e.g. test_accuracy between evaluations
             stage.updated_at = self.clock()
@@ -277,10 +302,13 @@ class Coordinator:
     def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:
         with self._lock, self.store.session() as session:
             job, stage = self._job_member(session, job_id, authorization, report.node_id)
-            if job.state in jobs.TERMINAL:
-                return  # the job already ended; a late failure report changes nothing
-            jobs.transition(job, JobState.FAILED, f"node {report.node_id} (cluster {stage.cluster} stage "
-                                                  f"{stage.stage}) failed: {report.reason}", self.clock())
+            if job.state not in jobs.ACTIVE:
+                return  # the job already ended or is being re-planned; a late report changes nothing
+            reason = f"node {report.node_id} (cluster {stage.cluster} stage {stage.stage}) failed: {report.reason}"
+            if report.recoverable:
+                self._recover(session, job, reason)
+            else:
+                jobs.transition(job, JobState.FAILED, reason, self.clock())
 
     def _job(self, session: Session, job_id: str) -> JobRow:
         job = session.get(JobRow, job_id)
@@ -304,50 +332,55 @@ class Coordinator:
             self._plans[job.id] = Plan.model_validate(job.plan)
         return self._plans[job.id]
 
-    # --- weights and the trained model ---------------------------------------------------------------
+    # --- weights, checkpoints and the trained model ----------------------------------------------------
 
     def job_dir(self, job_id: str) -> Path:
         return self.settings.data_dir / "jobs" / job_id
 
-    def weights_upload_limit(self, job_id: str, authorization: str | None, cluster: int, stage: int) -> int:
+    def upload_limit(self, job_id: str, authorization: str | None, cluster: int, stage: int, *,
+                     checkpoint: bool = False) -> int:
         """Checks an upload may start (before its body is read); returns its size limit in bytes."""
         with self.store.session() as session:
             job, row = self._job_member(session, job_id, authorization)
-            self._check_upload_target(job, row, cluster, stage)
+            self._check_upload_target(job, row, cluster, stage, checkpoint=checkpoint)
             expected = sum(size for _, size in self._stage_shapes(job, row).values())
-        return min(self.settings.max_upload_bytes, expected + HEADER_ALLOWANCE)
+        copies = 1 + OPTIMIZER_STATE_FACTOR if checkpoint else 1
+        return min(self.settings.max_upload_bytes, copies * expected + HEADER_ALLOWANCE)
 
-    def _check_upload_target(self, job: JobRow, row: StageRow, cluster: int, stage: int) -> None:
+    def _check_upload_target(self, job: JobRow, row: StageRow, cluster: int, stage: int, *,
+                             checkpoint: bool = False, generation: int | None = None) -> None:
         if (row.cluster, row.stage) != (cluster, stage):
             raise Forbidden(f"node {row.node_id} holds cluster {row.cluster} stage {row.stage}, "
                             f"not cluster {cluster} stage {stage}")
-        if job.state not in jobs.ACTIVE | {JobState.COMPLETED.value}:
-            raise Conflict(f"job {job.id} is {job.state}; weights are not accepted")
+        if generation is not None and generation != job.generation:
+            raise Conflict(f"job {job.id} was re-planned (generation {job.generation}); state of generation "
+                           f"{generation} is no longer taken")
+        accepted = jobs.ACTIVE | ({JobState.RECOVERING.value} if checkpoint else {JobState.COMPLETED.value})
+        if job.state not in accepted:
+            raise Conflict(f"job {job.id} is {job.state}; {'state' if checkpoint else 'weights'} not accepted")
 
-    def _stage_shapes(self, job: JobRow, row: StageRow) -> dict[str, tuple[tuple[int, ...], int]]:
+    def _stage_shapes(self, job: JobRow, row: StageRow) -> artifacts.Shapes:
         start, end = self._plan(job).clusters[row.cluster].stages[row.stage].blocks
         model = job.spec["model"]
         shapes = _state_shapes(model["name"], json.dumps(model["config"], sort_keys=True))
-        return {key: value for key, value in shapes.items() if start <= int(key.split(".", 1)[0]) < end}
+        return {key: value for key, value in shapes.items() if start <= artifacts.block_of(key) < end}
 
     def accept_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int, upload: Path) -> None:
         """Validate an uploaded stage state dict (safetensors, no pickle), keep it, and finish the job
         once every stage of cluster 0 is in."""
-        try:
-            tensors = load_file(upload)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise InvalidRequest(f"not a valid safetensors file: {e}") from e
+        tensors = artifacts.load_upload(upload)
         with self._lock, self.store.session() as session:
             job, row = self._job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage)
-            _check_tensors(tensors, self._stage_shapes(job, row))
-            target = self.job_dir(job.id) / "weights" / f"c{cluster}-s{stage}.safetensors"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(upload, target)
+            artifacts.check_stage_tensors(tensors, self._stage_shapes(job, row), optimizer_state=False)
+            folder = self.job_dir(job.id) / "weights"
+            artifacts.commit(upload, folder / f"c{cluster}-s{stage}.safetensors")
             row.weights_uploaded, row.updated_at = True, self.clock()
             cluster0 = [s for s in stages_of(session, job.id) if s.cluster == 0]
             if job.state != JobState.COMPLETED.value and all(s.weights_uploaded for s in cluster0):
-                self._merge_model(job, len(cluster0))
+                artifacts.merge([folder / f"c0-s{s}.safetensors" for s in range(len(cluster0))],
+                                self.job_dir(job.id) / "model.safetensors",
+                                {"job_id": job.id, "model": json.dumps(job.spec["model"])})
                 job.final_metrics = dict(cluster0[-1].metrics)
                 if job.state == JobState.PLACING.value:  # every node is done, so every node was told
                     jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self._plan(job).reason}",
@@ -355,13 +388,67 @@ class Coordinator:
                 jobs.transition(job, JobState.COMPLETED, "every stage of cluster 0 uploaded its weights",
                                 self.clock())
 
-    def _merge_model(self, job: JobRow, num_stages: int) -> None:
-        merged: dict[str, torch.Tensor] = {}
-        for stage in range(num_stages):
-            merged.update(load_file(self.job_dir(job.id) / "weights" / f"c0-s{stage}.safetensors"))
-        partial = self.job_dir(job.id) / "model.safetensors.partial"
-        save_file(merged, partial, metadata={"job_id": job.id, "model": json.dumps(job.spec["model"])})
-        os.replace(partial, self.job_dir(job.id) / "model.safetensors")
+    def accept_checkpoint(self, job_id: str, authorization: str | None, cluster: int, stage: int, generation: int,
+                          step: int, kind: str, upload: Path) -> None:
+        """Keep a stage's state (parameters, optimizer state) at `step`: a periodic checkpoint, or the
+        snapshot a stage hands in when its job is re-planned. A complete set of periodic checkpoints at
+        one step gets a manifest, and older periodic ones are deleted."""
+        tensors = artifacts.load_upload(upload)
+        with self._lock, self.store.session() as session:
+            job, row = self._job_member(session, job_id, authorization)
+            self._check_upload_target(job, row, cluster, stage, checkpoint=True, generation=generation)
+            artifacts.check_stage_tensors(tensors, self._stage_shapes(job, row), optimizer_state=True)
+            start, end = self._plan(job).clusters[cluster].stages[stage].blocks
+            name = f"checkpoints/g{generation}-c{cluster}-s{stage}-{kind}-{step}.safetensors"
+            artifacts.commit(upload, self.job_dir(job.id) / name)
+            session.merge(CheckpointRow(job_id=job.id, file=name, kind=kind, generation=generation,
+                                        block_start=start, block_end=end, step=step, created_at=self.clock()))
+            session.flush()
+            if kind == PERIODIC:
+                self._collect_checkpoint(session, job, generation, step)
+
+    def _collect_checkpoint(self, session: Session, job: JobRow, generation: int, step: int) -> None:
+        """Once the periodic checkpoints at (generation, step) cover every block, write the manifest
+        (atomically: a reader sees the previous one or this one) and drop older periodic files."""
+        rows = list(session.scalars(select(CheckpointRow).where(
+            CheckpointRow.job_id == job.id, CheckpointRow.kind == PERIODIC,
+            CheckpointRow.generation == generation, CheckpointRow.step == step).order_by(CheckpointRow.block_start)))
+        num_blocks = len(_costs(JobSpec.model_validate(job.spec)))
+        covered = 0
+        for row in rows:
+            if row.block_start == covered:
+                covered = row.block_end
+        if covered != num_blocks:
+            return
+        artifacts.write_json(self.job_dir(job.id) / "checkpoints" / "manifest.json", {
+            "job_id": job.id, "generation": generation, "step": step, "model": job.spec["model"],
+            "files": [{"file": row.file, "blocks": [row.block_start, row.block_end]} for row in rows]})
+        keep = {row.file for row in rows}
+        for old in session.scalars(select(CheckpointRow).where(
+                CheckpointRow.job_id == job.id, CheckpointRow.kind == PERIODIC,
+                (CheckpointRow.generation < generation)
+                | ((CheckpointRow.generation == generation) & (CheckpointRow.step < step)))):
+            if old.file not in keep:
+                (self.job_dir(job.id) / old.file).unlink(missing_ok=True)
+                session.delete(old)
+
+    def _manifest(self, job_id: str) -> dict:
+        try:
+            return json.loads((self.job_dir(job_id) / "checkpoints" / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def stage_state(self, job_id: str, authorization: str | None, cluster: int, stage: int, target: Path) -> None:
+        """Write the state a re-planned stage continues from (its blocks, from the resume sources)."""
+        with self.store.session() as session:
+            job, row = self._job_member(session, job_id, authorization)
+            if (row.cluster, row.stage) != (cluster, stage):
+                raise Forbidden(f"node {row.node_id} holds cluster {row.cluster} stage {row.stage}")
+            if not job.resume:
+                raise NotFound(f"job {job_id} starts from fresh weights; there is no state to fetch")
+            blocks = self._plan(job).clusters[cluster].stages[stage].blocks
+            sources = job.resume["sources"]
+        artifacts.assemble(self.job_dir(job_id), sources, blocks, target)
 
     def model_file(self, job_id: str) -> Path:
         with self.store.session() as session:
@@ -369,6 +456,59 @@ class Coordinator:
             if job.state != JobState.COMPLETED.value:
                 raise Conflict(f"job {job_id} is {job.state}; the model is available once it is completed")
         return self.job_dir(job_id) / "model.safetensors"
+
+    # --- recovery ------------------------------------------------------------------------------------
+
+    def _recover(self, session: Session, job: JobRow, reason: str) -> None:
+        """A stage of `job` is lost: its nodes are told to stop and hand in their state; once they did
+        (or left), `_replan_recovered` plans the job again from the freshest state of every block."""
+        spec = JobSpec.model_validate(job.spec)
+        if len(job.faults or []) >= spec.placement.max_recoveries:
+            jobs.transition(job, JobState.FAILED, f"{reason}; no recovery left (placement.max_recoveries = "
+                                                  f"{spec.placement.max_recoveries})", self.clock())
+            return
+        reached = max((row.step for row in stages_of(session, job.id)), default=0)
+        job.faults = [*(job.faults or []), {"at": self.clock(), "reason": reason, "generation": job.generation,
+                                            "reached_step": reached}]
+        jobs.transition(job, JobState.RECOVERING, f"{reason}; its nodes hand in their state, then it is "
+                                                  f"planned again", self.clock())
+
+    def _replan_recovered(self, session: Session) -> None:
+        """Recovering jobs whose nodes all stopped (or went away, or overran the wait) go back to
+        pending, one generation later, with where every block's state comes from."""
+        now = self.clock()
+        for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RECOVERING.value)):
+            members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id, NodeRow.state != GONE)))
+            if members and now - job.updated_at < self.settings.recovery_wait_s:
+                continue
+            for node in members:  # overran the wait: whatever it still runs is ignored from now on
+                node.job_id, node.state = None, IDLE
+            resume = self._resume_point(session, job)
+            fault = dict(job.faults[-1])
+            if resume is None:
+                resume_note = "no stored state covers every block: starting over from fresh weights"
+            else:
+                fault.update(resume_step=resume["step"],
+                             steps_redone=max(0, fault["reached_step"] - resume["step"]),
+                             sources=[f"blocks {s['blocks'][0]}-{s['blocks'][1] - 1}: {s['file']} (step {s['step']})"
+                                      for s in resume["sources"]])
+                resume_note = f"continuing from step {resume['step']}"
+            job.faults = [*job.faults[:-1], fault]
+            self._start_generation(session, job, resume)
+            jobs.transition(job, JobState.PENDING, f"re-planning after: {fault['reason']}; {resume_note}", now)
+
+    def _resume_point(self, session: Session, job: JobRow) -> dict | None:
+        stored = [StoredState(row.file, row.generation, (row.block_start, row.block_end), row.step)
+                  for row in session.scalars(select(CheckpointRow).where(CheckpointRow.job_id == job.id))]
+        return resume_point(stored, len(_costs(JobSpec.model_validate(job.spec))))
+
+    def _start_generation(self, session: Session, job: JobRow, resume: dict | None) -> None:
+        """Forget the last placement; the next one is a new generation with a new gRPC credential, so
+        nothing a stage of the previous one still sends is accepted."""
+        session.execute(delete(StageRow).where(StageRow.job_id == job.id))
+        self._plans.pop(job.id, None)
+        job.plan, job.resume, job.job_token = None, resume, new_token()
+        job.generation += 1
 
     # --- liveness and placement ----------------------------------------------------------------------
 
@@ -383,6 +523,8 @@ class Coordinator:
                                                                       NodeRow.last_seen < cutoff)):
                         self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped "
                                                        f"sending heartbeats (last seen {now - node.last_seen:.0f} s ago)")
+            with self.store.session() as session:
+                self._replan_recovered(session)
             self.place_pending()
 
     def place_pending(self) -> None:
@@ -398,17 +540,27 @@ class Coordinator:
                 NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s).order_by(NodeRow.joined_at)))
             for job in pending:
                 spec = JobSpec.model_validate(job.spec)
-                if len(idle) < spec.placement.min_nodes:
-                    reason = f"waiting for {spec.placement.min_nodes} idle nodes ({len(idle)} available)"
+                waited = now - job.history[-1]["at"]
+                if spec.placement.timeout_s is not None and waited > spec.placement.timeout_s:
+                    jobs.transition(job, JobState.FAILED, f"not placed within placement.timeout_s = "
+                                                          f"{spec.placement.timeout_s:g} s: {job.reason}", now)
+                    continue
+                # a job already under way continues on whatever nodes there are; a new one waits for min_nodes
+                needed = 1 if job.generation else spec.placement.min_nodes
+                if len(idle) < needed:
+                    reason = f"waiting for {needed} idle nodes ({len(idle)} available)"
                     if job.reason != reason:
                         job.reason = reason
                     continue
-                jobs.transition(job, JobState.PLACING, f"placing on {len(idle)} idle nodes", now)
                 try:
                     plan = self._plan_on(session, spec, idle)
                 except PlanningError as e:
-                    jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
+                    if job.generation:  # more nodes may come back; placement.timeout_s bounds the wait
+                        job.reason = f"waiting for nodes that can hold the model: {e}"
+                    else:
+                        jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
                     continue
+                jobs.transition(job, JobState.PLACING, f"placing on {len(idle)} idle nodes", now)
                 used = self._reserve(session, job, plan, idle)
                 idle = [node for node in idle if node.id not in used]
 
@@ -431,7 +583,8 @@ class Coordinator:
         for cluster in plan.clusters:
             for stage in cluster.stages:
                 session.add(StageRow(job_id=job.id, cluster=cluster.cluster, stage=stage.stage, node_id=stage.node_id,
-                                     delivered=False, step=0, metrics={}, weights_uploaded=False, updated_at=0.0))
+                                     delivered=False, step=(job.resume or {}).get("step", 0), metrics={},
+                                     weights_uploaded=False, updated_at=0.0))
                 node = by_id[stage.node_id]
                 node.state, node.job_id = BUSY, job.id
                 used.add(node.id)
@@ -459,14 +612,3 @@ def _undelivered(session: Session, job_id: str) -> int:
 def _summary(job: JobRow) -> JobSummary:
     return JobSummary(id=job.id, name=job.name, state=job.state, reason=job.reason, model=job.spec["model"]["name"],
                       created_at=job.created_at, updated_at=job.updated_at)
-
-
-def _check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[tuple[int, ...], int]]) -> None:
-    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or extra:
-        raise InvalidRequest(f"weights must hold exactly this stage's blocks; missing {missing[:5]}, "
-                             f"unexpected {extra[:5]}")
-    wrong = [key for key, tensor in tensors.items() if tuple(tensor.shape) != expected[key][0]]
-    if wrong:
-        raise InvalidRequest(f"wrong shapes for {wrong[:5]}, e.g. {wrong[0]}: {tuple(tensors[wrong[0]].shape)} "
-                             f"instead of {expected[wrong[0]][0]}")

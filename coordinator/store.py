@@ -46,6 +46,11 @@ class JobRow(Base):
     job_token: Mapped[str] = mapped_column(String(64))  # handed to the job's nodes for their gRPC calls
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     final_metrics: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
+    generation: Mapped[int] = mapped_column(Integer, default=0)  # re-plans so far (after a loss, or a resume)
+    # where the next generation's stages get their state: {"step", "sources": [{"file", "blocks", "step"}]}
+    resume: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # one record per recovery: {"at", "reason", "generation", "step", "lost_steps", "resumed_at", "recovery_s"}
+    faults: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
 
 
 class StageRow(Base):
@@ -60,6 +65,20 @@ class StageRow(Base):
     metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     weights_uploaded: Mapped[bool] = mapped_column(Boolean, default=False)
     updated_at: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class CheckpointRow(Base):
+    """A stage's state (parameters, optimizer state) at one step, kept in the job's directory: periodic
+    checkpoints of cluster 0, and snapshots every stage hands in when its job is re-planned."""
+    __tablename__ = "checkpoints"
+    job_id: Mapped[str] = mapped_column(ID, ForeignKey("jobs.id"), primary_key=True)
+    file: Mapped[str] = mapped_column(String(256), primary_key=True)  # relative to the job's directory
+    kind: Mapped[str] = mapped_column(String(16))  # periodic | snapshot
+    generation: Mapped[int] = mapped_column(Integer)
+    block_start: Mapped[int] = mapped_column(Integer)
+    block_end: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer, index=True)
+    created_at: Mapped[float] = mapped_column(Float)
 
 
 class LinkRow(Base):

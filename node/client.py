@@ -62,17 +62,36 @@ class CoordinatorClient:
     def report_metrics(self, job_id: str, report: MetricsReport) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/metrics", token=self._node_token, json=report.model_dump())
 
-    def report_failure(self, job_id: str, reason: str) -> None:
-        report = FailureReport(node_id=self.node_id, reason=reason[:2000])
+    def report_failure(self, job_id: str, reason: str, recoverable: bool) -> None:
+        report = FailureReport(node_id=self.node_id, reason=reason[:2000], recoverable=recoverable)
         self._call("POST", f"/v1/jobs/{job_id}/fail", token=self._node_token, json=report.model_dump())
 
     def upload_weights(self, job_id: str, cluster: int, stage: int, safetensors_file: Path) -> None:
-        """Streams the file: a stage's weights are never held in memory a second time."""
+        self._upload(f"/v1/jobs/{job_id}/weights", safetensors_file, {"cluster": cluster, "stage": stage})
+
+    def upload_checkpoint(self, job_id: str, cluster: int, stage: int, generation: int, step: int, kind: str,
+                          safetensors_file: Path) -> None:
+        self._upload(f"/v1/jobs/{job_id}/checkpoint", safetensors_file,
+                     {"cluster": cluster, "stage": stage, "generation": generation, "step": step, "kind": kind})
+
+    def _upload(self, path: str, safetensors_file: Path, params: dict) -> None:
+        """Streams the file: a stage's state is never held in memory a second time."""
         with safetensors_file.open("rb") as body:
-            self._call("PUT", f"/v1/jobs/{job_id}/weights", token=self._node_token,
-                       params={"cluster": cluster, "stage": stage}, content=body,
+            self._call("PUT", path, token=self._node_token, params=params, content=body,
                        headers={"Content-Type": "application/octet-stream",
                                 "Content-Length": str(safetensors_file.stat().st_size)})
+
+    def download_state(self, job_id: str, cluster: int, stage: int, target: Path) -> None:
+        """The state a re-planned stage continues from, streamed to `target`."""
+        params = {"cluster": cluster, "stage": stage}
+        headers = {"Authorization": f"Bearer {self._node_token}"}
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/state", params=params, headers=headers) as response:
+            if response.is_error:
+                response.read()
+                raise CoordinatorError(f"GET state of job {job_id}: {response.status_code} {response.text}")
+            with target.open("wb") as out:
+                for chunk in response.iter_bytes(1 << 20):
+                    out.write(chunk)
 
     def leave(self) -> None:
         if self.node_id:

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import queue
+import shutil
 import tempfile
 import threading
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import httpx
 import torch
@@ -20,38 +23,58 @@ from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
 from ravnest.wire import PeerServer, Router
 
+T = TypeVar("T")
 
-class MetricsReporter:
-    """Sends metrics from a thread of its own so the training worker never waits on HTTP.
-    If the coordinator is slow, older reports are dropped in favour of newer ones."""
 
-    def __init__(self, client: CoordinatorClient, job_id: str):
-        self._client, self._job_id = client, job_id
-        self._queue: queue.Queue = queue.Queue(maxsize=64)
-        self._thread = threading.Thread(target=self._send_all, name="metrics-reporter", daemon=True)
+class BackgroundSender:
+    """Sends items (metrics, checkpoints) from a thread of its own so the training worker never waits
+    on HTTP. If the coordinator is slow, the oldest waiting items are dropped (`discard` is called on
+    them) in favour of newer ones: the next report carries newer figures anyway."""
+
+    def __init__(self, send: Callable[[T], None], *, capacity: int, name: str,
+                 discard: Callable[[T], None] = lambda item: None):
+        self._send, self._discard = send, discard
+        self._queue: queue.Queue = queue.Queue(maxsize=capacity)
+        self._thread = threading.Thread(target=self._send_all, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, report: MetricsReport) -> None:
+    def put(self, item: T) -> None:
         while True:
             try:
-                self._queue.put_nowait(report)
+                self._queue.put_nowait(item)
                 return
             except queue.Full:
                 try:
-                    self._queue.get_nowait()
+                    self._discard(self._queue.get_nowait())
                 except queue.Empty:
                     pass
 
     def _send_all(self) -> None:
-        while (report := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
             try:
-                self._client.report_metrics(self._job_id, report)
-            except (httpx.HTTPError, CoordinatorError):
-                pass  # metrics are best effort; the next report carries newer figures
+                self._send(item)
+            except (httpx.HTTPError, CoordinatorError, OSError):
+                pass  # best effort
+            finally:
+                self._discard(item)
 
     def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued, then stop (within `timeout`)."""
         self._queue.put(None)
         self._thread.join(timeout)
+
+
+@dataclass
+class _Job:
+    """The job this node works on, and why it was told to stop, if it was."""
+    assignment: StageAssignment
+    thread: threading.Thread
+    stop: threading.Event = field(default_factory=threading.Event)
+    stopped_for: str = ""  # "" | "cancel" | "recover"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.assignment.job_id, self.assignment.generation
 
 
 class NodeDaemon:
@@ -71,8 +94,8 @@ class NodeDaemon:
         self._prober: LinkProber | None = None
         self._note = ""  # the coordinator's last word on why this node is idle
         self.address = f"{advertise or host}:{self.server.port}"
-        self._job: tuple[str, threading.Thread, threading.Event] | None = None
-        self._finished: set[str] = set()
+        self._job: _Job | None = None
+        self._finished: set[tuple[str, int]] = set()  # (job id, generation): a re-planned job comes back
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
@@ -99,8 +122,8 @@ class NodeDaemon:
             self.server.stop()
 
     def _running_job_id(self) -> str | None:
-        if self._job and self._job[1].is_alive():
-            return self._job[0]
+        if self._job and self._job.thread.is_alive():
+            return self._job.assignment.job_id
         return None
 
     def _heartbeat(self) -> None:
@@ -115,65 +138,104 @@ class NodeDaemon:
         if reply.note and reply.note != self._note:
             self.progress.log(f"coordinator: {reply.note}")
         self._note = reply.note
-        if reply.cancel_job and self._job and reply.cancel_job == self._job[0]:
-            self.progress.log(f"job {reply.cancel_job} was cancelled; stopping")
-            self._job[2].set()
+        job = self._job if self._running_job_id() else None
+        for told, why, words in ((reply.cancel_job, "cancel", "was cancelled"),
+                                 (reply.recover_job, "recover", "is being re-planned; handing in this stage's state")):
+            if job and told == job.assignment.job_id and not job.stop.is_set():
+                self.progress.log(f"job {told} {words}; stopping")
+                job.stopped_for = why
+                job.stop.set()
         assignment = reply.assignment
-        if assignment and assignment.job_id not in self._finished and self._running_job_id() is None:
-            stop = threading.Event()
-            thread = threading.Thread(target=self._run_job, args=(assignment, stop), name="job", daemon=True)
-            self._job = (assignment.job_id, thread, stop)
+        if assignment and (assignment.job_id, assignment.generation) not in self._finished and job is None:
+            thread = threading.Thread(target=lambda: self._run_job(self._job), name="job", daemon=True)
+            self._job = _Job(assignment, thread)
             thread.start()
 
-    def _run_job(self, a: StageAssignment, stop: threading.Event) -> None:
+    def _run_job(self, job: _Job) -> None:
+        a = job.assignment
         prefix = f"job {a.job_id[:8]} cluster {a.cluster} stage {a.stage + 1}/{a.num_stages}"
         predicted = f", predicted memory {a.predicted_memory_bytes / 2**20:.0f} MiB" if a.predicted_memory_bytes else ""
-        self.progress.log(f"{prefix}: blocks {a.blocks[0]}..{a.blocks[1] - 1}{predicted}")
-        reporter = MetricsReporter(self.client, a.job_id)
+        resumed = f", continuing from step {a.resume_step}" if a.resume_step else ""
+        self.progress.log(f"{prefix}: blocks {a.blocks[0]}..{a.blocks[1] - 1}{predicted}{resumed}")
         self._job_tokens.add(a.token)
+        scratch = Path(tempfile.mkdtemp(prefix="ravnest-job-"))  # checkpoints on their way out; removed at the end
+        reporter = BackgroundSender(lambda report: self.client.report_metrics(a.job_id, report), capacity=64,
+                                    name="metrics-reporter")
+        uploader = BackgroundSender(
+            lambda item: self.client.upload_checkpoint(a.job_id, a.cluster, a.stage, a.generation, item[0],
+                                                       "periodic", item[1]),
+            capacity=1, name="checkpoint-uploader", discard=lambda item: item[1].unlink(missing_ok=True))
 
         def on_metrics(metrics: dict[str, float]) -> None:
             reporter.put(MetricsReport(node_id=self.client.node_id, cluster=a.cluster, stage=a.stage,
                                        step=int(metrics.get("step", 0)), metrics=metrics))
             self.progress.update(prefix, metrics)
 
+        def on_checkpoint(step: int) -> None:  # on the worker thread, between two steps
+            path = scratch / f"step-{step}.safetensors"
+            runner.save_state(path)
+            uploader.put((step, path))
+
         runner = None
         try:
-            runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics)
+            state = None
+            if a.resume_step:
+                state = scratch / "resume.safetensors"
+                self.client.download_state(a.job_id, a.cluster, a.stage, state)
+            runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics,
+                                 initial_state=state, on_checkpoint=on_checkpoint)
+            if state is not None:
+                state.unlink()
             # The averager works on the runner's live tensors, so it is attached once they exist.
             runner.averager = make_averager(a, self.router, runner.live_tensors(), device=self.device,
                                             optimizer_state=runner.optimizer_tensors)
-            final = runner.run(stop)
+            final = runner.run(job.stop)
             self.progress.update(prefix, final, final=True)
             if "memory_peak_bytes" in final:
                 peak = final["memory_peak_bytes"] / 2**20
                 self.progress.log(f"{prefix}: peak memory {peak:.0f} MiB above idle{predicted}")
             reporter.close()  # final metrics reach the coordinator before the weights do
-            with tempfile.TemporaryDirectory(prefix="ravnest-weights-") as folder:
-                weights = Path(folder) / "stage.safetensors"
-                runner.save_weights(weights)
-                self.client.upload_weights(a.job_id, a.cluster, a.stage, weights)
+            weights = scratch / "stage.safetensors"
+            runner.save_weights(weights)
+            self.client.upload_weights(a.job_id, a.cluster, a.stage, weights)
             self.progress.log(f"{prefix}: done, weights uploaded")
-        except Exception as e:  # report any failure to the coordinator, which fails the job with the reason
+        except Exception as e:  # report any failure to the coordinator, which re-plans or fails the job
             reporter.close()
             reason = f"node {self.client.node_id} ({prefix}): {type(e).__name__}: {e}"
-            self.progress.log(reason + "\n" + traceback.format_exc())
-            if not stop.is_set():
-                try:
-                    self.client.report_failure(a.job_id, reason)
+            if not job.stopped_for:
+                self.progress.log(reason + "\n" + traceback.format_exc())
+            if runner is not None and job.stopped_for != "cancel":
+                self._hand_in_state(runner, a, scratch / "snapshot.safetensors", prefix)
+            if not job.stopped_for:
+                try:  # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
+                    self.client.report_failure(a.job_id, reason, recoverable=runner is not None)
                 except (httpx.HTTPError, CoordinatorError):
                     pass
         finally:
+            uploader.close()
             if runner is not None and runner.averager is not None:
                 runner.averager.close()  # leave the job's rings: the next job joins its own
-            self._finished.add(a.job_id)
+            self._finished.add(job.key)
             self._job_tokens.discard(a.token)
             self.router.clear()
             runner = None
+            shutil.rmtree(scratch, ignore_errors=True)
             release_free_memory()  # an idle volunteer gets its memory back
 
+    def _hand_in_state(self, runner: StageRunner, a: StageAssignment, path: Path, prefix: str) -> None:
+        """The job is re-planned: upload this stage's state so its blocks continue from here."""
+        if runner.optimizer.steps <= a.resume_step:
+            return  # nothing newer than what the coordinator already holds
+        try:
+            step = runner.save_state(path)
+            self.client.upload_checkpoint(a.job_id, a.cluster, a.stage, a.generation, step, "snapshot", path)
+            self.progress.log(f"{prefix}: handed in its state at step {step}")
+        except (httpx.HTTPError, CoordinatorError, OSError) as e:
+            self.progress.log(f"{prefix}: could not hand in its state: {e}")
+
     def _stop_job(self, timeout: float) -> None:
-        if self._job and self._job[1].is_alive():
-            self._job[2].set()
-            self._job[1].join(timeout)
+        if self._job and self._job.thread.is_alive():
+            self._job.stopped_for = self._job.stopped_for or "leave"  # hands in its state, then leaves
+            self._job.stop.set()
+            self._job.thread.join(timeout)
 

@@ -60,8 +60,17 @@ class AveragingSettings(_Strict):
 class Placement(_Strict):
     clusters: int | Literal["auto"] = "auto"
     min_nodes: PositiveInt = Field(1, description="wait in 'pending' until at least this many idle nodes joined")
+    timeout_s: float | None = Field(None, gt=0, description="fail a job still pending after this many seconds "
+                                                            "(default: wait as long as it takes)")
+    max_recoveries: int = Field(3, ge=0, description="re-plans after a lost node or a failed stage before the "
+                                                     "job fails")
     max_nodes: PositiveInt | None = Field(None, description="use at most this many nodes (default: all idle ones)")
     stages_per_cluster: int | None = Field(None, ge=1, description="default: every node in the cluster")
+
+
+class CheckpointSettings(_Strict):
+    every: int = Field(100, ge=0, description="optimizer steps between checkpoints of cluster 0's stages "
+                                              "(parameters, optimizer state, step); 0 = none")
 
 
 class JobSpec(_Strict):
@@ -71,6 +80,7 @@ class JobSpec(_Strict):
     training: TrainingSettings = Field(default_factory=TrainingSettings)
     averaging: AveragingSettings = Field(default_factory=AveragingSettings)
     placement: Placement = Field(default_factory=Placement)
+    checkpoints: CheckpointSettings = Field(default_factory=CheckpointSettings)
 
 
 class StagePeer(_Strict):
@@ -91,6 +101,9 @@ class Ring(_Strict):
 class StageAssignment(_Strict):
     """Everything a node needs to run its stage of one job."""
     job_id: str
+    generation: int = Field(0, description="how many times the job was re-planned (after a loss, or a resume)")
+    resume_step: int = Field(0, description="the step training continues from; > 0: fetch this stage's state "
+                                            "(parameters, optimizer state) from the coordinator first")
     token: str = Field(description="job-scoped credential for gRPC between this job's nodes")
     cluster: int
     num_clusters: int
@@ -109,6 +122,7 @@ class StageAssignment(_Strict):
     prev: StagePeer | None = None
     next: StagePeer | None = None
     rings: list[Ring] = Field(default_factory=list, description="rings this node is a member of")
+    checkpoint_every: int = Field(0, description="steps between checkpoints this stage uploads; 0 = none")
 
 
 # --- node <-> coordinator REST bodies -------------------------------------------------------------
@@ -164,6 +178,8 @@ class HeartbeatRequest(_Strict):
 class HeartbeatResponse(_Strict):
     assignment: StageAssignment | None = None
     cancel_job: str | None = Field(None, description="stop working on this job")
+    recover_job: str | None = Field(None, description="stop this job's current run and hand in the stage's "
+                                                      "state: the job is being re-planned")
     probe: list[PeerProbe] = Field(default_factory=list, description="measure the link to these peers and "
                                                                      "report it with a later heartbeat")
     note: str = Field("", description="why this idle node got no stage when a job was last placed")
@@ -180,3 +196,5 @@ class MetricsReport(_Strict):
 class FailureReport(_Strict):
     node_id: str
     reason: str = Field(max_length=2000)
+    recoverable: bool = Field(False, description="the stage failed while training (e.g. it lost a peer), so "
+                                                 "a re-plan may fix it; False: it could not start at all")

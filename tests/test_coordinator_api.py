@@ -94,7 +94,8 @@ def placed_job(client: TestClient, nodes: int = 4, **placement) -> tuple[str, li
 
 def test_join_heartbeat_list_leave(client: TestClient) -> None:
     node_id, auth = join(client, "alpha")
-    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None, "probe": [], "note": ""}
+    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None, "recover_job": None, "probe": [],
+                                         "note": ""}
     nodes = client.get("/v1/nodes").json()
     assert [(n["id"], n["name"], n["state"]) for n in nodes] == [(node_id, "alpha", "idle")]
     assert nodes[0]["profile"]["flops"] == 1e10
@@ -334,7 +335,7 @@ def test_failure_report_fails_the_job_and_cancels_the_others(client: TestClient)
     assert {n["id"]: n["state"] for n in client.get("/v1/nodes").json()}[node_id] == "idle"
 
 
-def test_lost_heartbeats_fail_the_running_job(client: TestClient, clock: FakeClock) -> None:
+def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestClient, clock: FakeClock) -> None:
     job_id, members = placed_job(client)
     for node_id, auth in members:
         beat(client, node_id, auth, job_id=None)
@@ -344,10 +345,22 @@ def test_lost_heartbeats_fail_the_running_job(client: TestClient, clock: FakeClo
     clock.now += 2 * INTERVAL  # members[0] last seen 4 intervals ago, the others 2
     client.app.state.service.tick()
     job = client.get(f"/v1/jobs/{job_id}").json()
-    assert job["state"] == "failed" and members[0][0] in job["reason"] and "heartbeats" in job["reason"]
+    assert job["state"] == "recovering" and members[0][0] in job["reason"] and "heartbeats" in job["reason"]
     states = {n["id"]: n["state"] for n in client.get("/v1/nodes").json()}
     assert states[members[0][0]] == "gone" and states[members[1][0]] == "busy"
-    assert beat(client, *members[1], job_id=job_id)["cancel_job"] == job_id
+    # the survivors are told to stop and hand in their state; once they stopped, they are released
+    for node_id, auth in members[1:]:
+        assert beat(client, node_id, auth, job_id=job_id)["recover_job"] == job_id
+        assert beat(client, node_id, auth)["recover_job"] == job_id
+    client.app.state.service.tick()
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    # nobody handed in state and there was no checkpoint: it starts over, planned on the 3 survivors
+    assert job["generation"] == 1 and "fresh weights" in job["history"][-2]["reason"], job["history"]
+    assert job["state"] == "placing" and len(job["recoveries"]) == 1
+    placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+    assert placed == {node_id for node_id, _ in members[1:]}
+    assignment = beat(client, *members[1])["assignment"]
+    assert assignment["generation"] == 1 and assignment["resume_step"] == 0
 
 
 def test_placement_failure_gives_a_reason(client: TestClient) -> None:

@@ -152,6 +152,12 @@ class Averager:
                 for key, value in segment.layout.views(average).items():
                     tensors[key].copy_(value)
 
+    def abort(self) -> None:
+        """From any thread: leave every ring, so a round running or awaited fails at once (the job is
+        stopping); `close` still follows."""
+        for segment in self._segments:
+            segment.member.close()
+
     def close(self) -> None:
         """Leave every ring; a round still running is abandoned (its thread ends at once)."""
         for segment in self._segments:

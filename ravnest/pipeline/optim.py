@@ -46,9 +46,21 @@ class StageOptimizer:
         self.optimizer = build_optimizer(self.params, training.optimizer) if self.params else None
         self.schedule = None if self.optimizer is None else torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, training))
-        self.accumulation = training.accumulation
+        self.accumulation, self.training = training.accumulation, training
         self.steps = 0          # optimizer updates done = the weight version
         self._pending = 0       # micro-batches accumulated since the last update
+
+    def resume(self, step: int, state: dict[torch.nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Continue after `step` updates with `state` as the optimizer's per-parameter state (e.g.
+        Adam's moments and step); the schedule picks up where it was."""
+        self.steps = step
+        if self.optimizer is None:
+            return
+        for param, values in state.items():
+            self.optimizer.state[param] = dict(values)
+        self.schedule.last_epoch = step
+        for group, base_lr in zip(self.optimizer.param_groups, self.schedule.base_lrs):
+            group["lr"] = base_lr * lr_factor(step, self.training)
 
     def micro_batch_done(self) -> bool:
         """Count one micro-batch's gradient; step when enough accumulated. True if it stepped."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ravnest.data import load_dataset
 from ravnest.models import build_model
@@ -49,7 +49,9 @@ class StageRunner:
                  device: str | torch.device = "cpu",
                  on_metrics: Callable[[dict[str, float]], None] = lambda m: None,
                  averager: Averager | None = None,
-                 peer_timeout: float = 300.0):
+                 peer_timeout: float = 300.0,
+                 initial_state: str | Path | None = None,
+                 on_checkpoint: Callable[[int], None] = lambda step: None):
         a, training = assignment, assignment.training
         if not 0 <= a.stage < a.num_stages:
             raise ValueError(f"stage {a.stage} is outside 0..{a.num_stages - 1}")
@@ -78,14 +80,21 @@ class StageRunner:
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
                                     device=self.device, snapshots=self.window > 1)
         self.optimizer = StageOptimizer(self.module.parameters(), training)
-        self.total_micro_batches = training.steps * training.accumulation
+        if a.resume_step:
+            if initial_state is None:
+                raise ValueError(f"stage {a.stage} resumes at step {a.resume_step} but was given no state")
+            if not 0 < a.resume_step < training.steps:
+                raise ValueError(f"resume step {a.resume_step} is outside 1..{training.steps - 1}")
+            self._load_state(initial_state, a.resume_step)
+        self.on_checkpoint = on_checkpoint  # called on the worker thread every `checkpoint_every` steps
+        self.total_micro_batches = (training.steps - a.resume_step) * training.accumulation
         self.trace = PipelineTrace()
         self.clock = StageClock(training.batch_size * training.accumulation)
         self.final_metrics: dict[str, float] = {}
         if self.is_first:  # clusters train on disjoint shards, each in its own order
             self._dataset = load_dataset(a.dataset)
             self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = self._dataset.shard(
-                a.cluster, a.num_clusters).batches(training.batch_size, seed=training.seed + a.cluster)
+                a.cluster, a.num_clusters).batches(training.batch_size, seed=data_seed(training.seed, a))
 
         self.inbox = Inbox(forward_capacity=self.window + RECEIVE_SLACK)  # bounds what the planner counts
         self._streams: dict[str, OutboundStream] = {}
@@ -141,8 +150,11 @@ class StageRunner:
         return self.final_metrics
 
     def stop(self, reason: str = "stopped") -> None:
-        """Make `run` raise PipelineError(reason) promptly, from any thread."""
+        """Make `run` raise PipelineError(reason) promptly, from any thread (also out of a ring round)."""
         self.inbox.fail(reason)
+        abort = getattr(self.averager, "abort", None)
+        if abort is not None:
+            abort()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers on the CPU, keyed "{global block index}.<name>"."""
@@ -153,6 +165,39 @@ class StageRunner:
         written in place, without a second copy of the stage in memory."""
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.module.state_dict().items()}
         save_file(state, str(path))
+
+    def save_state(self, path: str | Path) -> int:
+        """Parameters, buffers and optimizer state (keys "{parameter key}:{state name}") as safetensors,
+        to continue from later; returns the step it holds. Call between steps (the worker thread)."""
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.module.state_dict().items()}
+        for key, values in self._optimizer_state().items():
+            state.update((f"{key}:{name}", value.detach().to("cpu").contiguous()) for name, value in values.items())
+        step = self.optimizer.steps
+        save_file(state, str(path), metadata={"step": str(step)})
+        return step
+
+    def _optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        optimizer = self.optimizer.optimizer
+        if optimizer is None:
+            return {}
+        return {key: {name: value for name, value in optimizer.state.get(param, {}).items() if torch.is_tensor(value)}
+                for key, param in self.module.named_parameters() if param in optimizer.state}
+
+    def _load_state(self, path: str | Path, step: int) -> None:
+        """The inverse of `save_state`: this stage's blocks exactly, their optimizer state if any."""
+        state = load_file(str(path), device=str(self.device))
+        model = {k: v for k, v in state.items() if ":" not in k}
+        self.module.load_state_dict(model, strict=True)  # names any missing or unexpected key
+        params = dict(self.module.named_parameters())
+        by_param: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            if ":" in key:
+                name, entry = key.split(":", 1)
+                if name not in params:
+                    raise ValueError(f"optimizer state for {name}, which is not a parameter of this stage")
+                # Adam and friends keep `step` on the CPU unless capturable
+                by_param.setdefault(params[name], {})[entry] = value.cpu() if value.dim() == 0 else value
+        self.optimizer.resume(step, by_param)
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
         """The live parameters and floating buffers (same keys); writing them changes the model."""
@@ -274,6 +319,9 @@ class StageRunner:
         step = self.optimizer.steps
         if self.averager is not None:
             self.averager.after_step(step)
+        every = self.assignment.checkpoint_every
+        if every and step % every == 0 and step < self.training.steps:
+            self.on_checkpoint(step)
         if step % METRICS_EVERY == 0 or step == self.training.steps:
             self.on_metrics(self._metrics())
         if step == self.training.steps:
@@ -374,3 +422,9 @@ class StageRunner:
             if stop.wait(timeout=1.0):
                 self.stop("the run was stopped")
                 return
+
+
+def data_seed(seed: int, a: StageAssignment) -> int:
+    """Each cluster draws its own order; a run continued at step s draws a fresh one (the same for the
+    same seed, cluster and step), not the order the first run began with."""
+    return seed + a.cluster + 1_000_003 * a.resume_step

@@ -29,14 +29,22 @@ from ravnest.wire.messages import (DEFAULT_CHUNK_BYTES, Message, MessageAssemble
 
 log = logging.getLogger(__name__)
 
+KEEPALIVE_MS = 20_000
 # gRPC's own frame limit sits above our chunk size so oversize chunks reach our validator.
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 20_000),
+    # Liveness: a peer that stops answering pings is dropped within keepalive time + timeout (30 s),
+    # also between calls; streams to it fail then, without waiting for a message's deadline.
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# The server side must agree, or it answers an idle client's pings with GOAWAY "too_many_pings"
+# (its default minimum is 5 minutes between pings without data).
+SERVER_KEEPALIVE_OPTIONS = [("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+                            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2)]
 AUTH_HEADER = "authorization"
 SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 STREAM_METHOD = f"/{SERVICE}/Stream"
@@ -81,7 +89,8 @@ def _server_options(limits: WireLimits) -> list[tuple[str, int]]:
     # Frames larger than this are refused by gRPC itself (RESOURCE_EXHAUSTED) before protobuf parses
     # them; below it, chunks up to twice our limit still reach the validator, which names the tensor.
     receive = max(2 * limits.max_chunk_bytes, MAX_PING_REPLY_BYTES) + (1 << 20)
-    return [(k, receive if k == "grpc.max_receive_message_length" else v) for k, v in GRPC_OPTIONS]
+    return [(k, receive if k == "grpc.max_receive_message_length" else v)
+            for k, v in GRPC_OPTIONS] + SERVER_KEEPALIVE_OPTIONS
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):
