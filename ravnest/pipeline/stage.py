@@ -360,7 +360,8 @@ class StageRunner:
         in_flight = self._admitted - self._completed if self.is_first else self.compute.in_flight
         averaging = getattr(self.averager, "metrics", None)  # test stand-ins may not report any
         peak = self.memory.peak_bytes()
-        return {**self.clock.snapshot(), "stage": float(self.assignment.stage), "in_flight": float(in_flight),
+        return {**self.clock.snapshot(), "step": float(self.optimizer.steps),  # counted from 0, resumed or not
+                "stage": float(self.assignment.stage), "in_flight": float(in_flight),
                 "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
                 **(averaging() if averaging is not None else {})}
 

@@ -116,7 +116,7 @@ class _TokenInterceptor(grpc.ServerInterceptor):
             return []
         return [source] if isinstance(source, str) else list(source())
 
-    def _accepts(self, offered: str, method: str) -> bool:
+    def accepts(self, offered: str, method: str) -> bool:
         accepted = self._tokens(self._token)
         if method == PING_METHOD:
             accepted += self._tokens(self._ping_token)
@@ -126,7 +126,7 @@ class _TokenInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         metadata = dict(handler_call_details.invocation_metadata or ())
         offered = metadata.get(AUTH_HEADER, "")
-        if isinstance(offered, str) and self._accepts(offered, handler_call_details.method):
+        if isinstance(offered, str) and self.accepts(offered, handler_call_details.method):
             return continuation(handler_call_details)
         if handler_call_details.method == STREAM_METHOD:
             return self._deny_stream
@@ -140,9 +140,10 @@ def _truncate(text: str) -> str:
 class _PeerService:
     """The Peer service, with Stream reading raw frame bytes (see the module docstring)."""
 
-    def __init__(self, handler: Handler, limits: WireLimits):
+    def __init__(self, handler: Handler, limits: WireLimits, accepts: Callable[[str], bool] | None = None):
         self._handler = handler
         self._limits = limits
+        self._accepts = accepts  # is a stream's credential still accepted? (a job's token ends with the job)
         self._zero_copy = getattr(handler, "zero_copy", None)  # e.g. Router.zero_copy
 
     def handlers(self) -> grpc.GenericRpcHandler:
@@ -157,8 +158,13 @@ class _PeerService:
     def stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> peer_pb2.StreamSummary:
         count = nbytes = 0
         peer = context.peer()
+        offered = dict(context.invocation_metadata() or ()).get(AUTH_HEADER, "")
         try:
             for msg in MessageAssembler(self._limits, self._zero_copy).messages(request_iterator):
+                if self._accepts is not None and not self._accepts(offered):
+                    # a stream outlives nothing: what an ended job's peer still sends never reaches the next job
+                    raise WireError("this stream's credential is no longer accepted (its job has ended)",
+                                    grpc.StatusCode.UNAUTHENTICATED)
                 self._deliver(msg, peer)
                 count += 1
                 nbytes += sum(t.numel() * t.element_size() for t in msg.tensors.values())
@@ -207,11 +213,12 @@ class PeerServer:
                  ping_token: TokenSource | None = None, tls: tuple[bytes, bytes] | None = None,
                  max_streams: int = 32):
         keep_freed_buffers()
-        interceptors = [_TokenInterceptor(token, ping_token)] if token else []
+        interceptor = _TokenInterceptor(token, ping_token) if token else None
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams),
-                                   options=_server_options(limits), interceptors=interceptors,
+                                   options=_server_options(limits), interceptors=[interceptor] if interceptor else [],
                                    maximum_concurrent_rpcs=max_streams)
-        self._server.add_generic_rpc_handlers((_PeerService(handler, limits).handlers(),))
+        accepts = (lambda offered: interceptor.accepts(offered, STREAM_METHOD)) if interceptor else None
+        self._server.add_generic_rpc_handlers((_PeerService(handler, limits, accepts).handlers(),))
         bind = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         if tls:
             creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (private key, certificate chain)
@@ -469,7 +476,8 @@ class Router:
 
     Peers of one job start at slightly different moments, so a message may arrive before the part
     that handles it exists: it waits up to `wait_for_route` seconds for the route to be registered,
-    and only then is it a protocol error for the sender.
+    and only then is it a protocol error for the sender. A message waiting when the routes are
+    cleared (its job ended) is refused, never handed to the next job's routes.
     """
 
     def __init__(self, wait_for_route: float = 0.0):
@@ -477,6 +485,7 @@ class Router:
         self._routes: dict[str, Handler] = {}
         self._zero_copy: set[str] = set()
         self._changed = threading.Condition()
+        self._cleared = 0  # how many times the routes were cleared
 
     def route(self, kind: str, handler: Handler, *, zero_copy: bool = False) -> None:
         """Send messages of `kind` to `handler`. With `zero_copy`, a tensor that arrived in one chunk
@@ -499,10 +508,17 @@ class Router:
         with self._changed:
             self._routes.clear()
             self._zero_copy.clear()
+            self._cleared += 1
+            self._changed.notify_all()
 
     def __call__(self, msg: Message, peer: str) -> None:
         with self._changed:
-            self._changed.wait_for(lambda: msg.kind in self._routes, timeout=self.wait_for_route)
+            cleared = self._cleared
+            self._changed.wait_for(lambda: msg.kind in self._routes or self._cleared != cleared,
+                                   timeout=self.wait_for_route)
+            if self._cleared != cleared:
+                raise WireError(f"message kind {msg.kind!r} arrived for a job that has ended on this node",
+                                grpc.StatusCode.UNAVAILABLE)
             handler = self._routes.get(msg.kind)
         if handler is None:
             raise WireError(f"no handler for message kind {msg.kind!r} on this node",
