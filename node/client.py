@@ -6,13 +6,34 @@ import time
 from pathlib import Path
 
 import httpx
+import tenacity
 
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           MetricsReport)
 
 
+RETRY_FOR_S = 300.0
+
+
 class CoordinatorError(RuntimeError):
-    """The coordinator refused a request; carries its reason."""
+    """The coordinator refused a request; carries its reason and HTTP status."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+def _worth_retrying(error: BaseException) -> bool:
+    """The coordinator is away (restarting, network) or failing: try again. A refusal (4xx) is final."""
+    return isinstance(error, httpx.TransportError) or (isinstance(error, CoordinatorError) and error.status >= 500)
+
+
+def must_arrive(call):
+    """Retry a call whose result the job depends on (weights, state, failure reports) with exponential
+    backoff for up to RETRY_FOR_S seconds: a coordinator restart mid-job loses nothing."""
+    return tenacity.retry(retry=tenacity.retry_if_exception(_worth_retrying), reraise=True,
+                          wait=tenacity.wait_exponential(multiplier=0.2, max=10),
+                          stop=tenacity.stop_after_delay(RETRY_FOR_S))(call)
 
 
 class CoordinatorClient:
@@ -31,7 +52,7 @@ class CoordinatorClient:
                 reason = response.json().get("detail", response.text)
             except ValueError:
                 reason = response.text
-            raise CoordinatorError(f"{method} {path}: {response.status_code} {reason}")
+            raise CoordinatorError(f"{method} {path}: {response.status_code} {reason}", response.status_code)
         return response
 
     def wait_until_reachable(self, timeout: float, stop: threading.Event) -> None:
@@ -62,13 +83,18 @@ class CoordinatorClient:
     def report_metrics(self, job_id: str, report: MetricsReport) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/metrics", token=self._node_token, json=report.model_dump())
 
+    report_final_metrics = must_arrive(report_metrics)  # the job's result: retried, never dropped
+
+    @must_arrive
     def report_failure(self, job_id: str, reason: str, recoverable: bool) -> None:
         report = FailureReport(node_id=self.node_id, reason=reason[:2000], recoverable=recoverable)
         self._call("POST", f"/v1/jobs/{job_id}/fail", token=self._node_token, json=report.model_dump())
 
+    @must_arrive
     def upload_weights(self, job_id: str, cluster: int, stage: int, safetensors_file: Path) -> None:
         self._upload(f"/v1/jobs/{job_id}/weights", safetensors_file, {"cluster": cluster, "stage": stage})
 
+    @must_arrive
     def upload_checkpoint(self, job_id: str, cluster: int, stage: int, generation: int, step: int, kind: str,
                           safetensors_file: Path) -> None:
         self._upload(f"/v1/jobs/{job_id}/checkpoint", safetensors_file,
@@ -81,6 +107,7 @@ class CoordinatorClient:
                        headers={"Content-Type": "application/octet-stream",
                                 "Content-Length": str(safetensors_file.stat().st_size)})
 
+    @must_arrive
     def download_state(self, job_id: str, cluster: int, stage: int, target: Path) -> None:
         """The state a re-planned stage continues from, streamed to `target`."""
         params = {"cluster": cluster, "stage": stage}
@@ -88,7 +115,8 @@ class CoordinatorClient:
         with self.http.stream("GET", f"/v1/jobs/{job_id}/state", params=params, headers=headers) as response:
             if response.is_error:
                 response.read()
-                raise CoordinatorError(f"GET state of job {job_id}: {response.status_code} {response.text}")
+                raise CoordinatorError(f"GET state of job {job_id}: {response.status_code} {response.text}",
+                                       response.status_code)
             with target.open("wb") as out:
                 for chunk in response.iter_bytes(1 << 20):
                     out.write(chunk)

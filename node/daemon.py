@@ -194,7 +194,11 @@ class NodeDaemon:
             if "memory_peak_bytes" in final:
                 peak = final["memory_peak_bytes"] / 2**20
                 self.progress.log(f"{prefix}: peak memory {peak:.0f} MiB above idle{predicted}")
-            reporter.close()  # final metrics reach the coordinator before the weights do
+            reporter.close()
+            # the final metrics reach the coordinator before the weights do (the job's result is taken then)
+            self.client.report_final_metrics(a.job_id, MetricsReport(
+                node_id=self.client.node_id, cluster=a.cluster, stage=a.stage, step=int(final.get("step", 0)),
+                metrics=final))
             weights = scratch / "stage.safetensors"
             runner.save_weights(weights)
             self.client.upload_weights(a.job_id, a.cluster, a.stage, weights)

@@ -43,14 +43,33 @@ class LocalCluster:
         return proc
 
     def start(self, timeout: float = 60.0) -> None:
-        port = self.url.rsplit(":", 1)[1]
-        self._spawn(["coordinator.cli", "--host", "127.0.0.1", "--port", port,
-                     "--data-dir", str(self.data_dir)], "coordinator.log")
-        self.wait_for(lambda: self._healthy(), timeout, "coordinator to answer /healthz")
+        self._start_coordinator(timeout)
         for i in range(self.nodes):
             self._spawn(["node.cli", "join", "--coordinator", self.url, "--name", f"node-{i}",
                          "--threads", str(self.threads_per_node), *self.node_args], f"node-{i}.log")
         self.wait_for(lambda: len(self.alive_nodes()) >= self.nodes, timeout, f"{self.nodes} nodes to join")
+
+    def _start_coordinator(self, timeout: float, log_name: str = "coordinator.log") -> None:
+        port = self.url.rsplit(":", 1)[1]
+        proc = self._spawn(["coordinator.cli", "--host", "127.0.0.1", "--port", port,
+                            "--data-dir", str(self.data_dir)], log_name)
+        self.procs.remove(proc)
+        self.procs.insert(0, proc)  # procs[0] is the coordinator, procs[1 + i] node i
+        self.wait_for(lambda: self._healthy(), timeout, "coordinator to answer /healthz")
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL: the process gets no chance to say goodbye (a volunteer's machine vanishing)."""
+        proc.kill()
+        proc.wait()
+
+    def node_process(self, node_id: str) -> subprocess.Popen:
+        name = {n["id"]: n["name"] for n in self.http.get("/v1/nodes").json()}[node_id]
+        return self.procs[1 + int(name.rsplit("-", 1)[1])]
+
+    def restart_coordinator(self, timeout: float = 60.0) -> None:
+        """Kill the coordinator with SIGKILL and start a new one on the same port and database."""
+        self.kill(self.procs.pop(0))
+        self._start_coordinator(timeout, "coordinator-restarted.log")
 
     def _healthy(self) -> bool:
         try:
@@ -65,7 +84,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for proc in self.procs:
-                if proc.poll() is not None and not ignore_exits:
+                if proc.poll() not in (None, -signal.SIGKILL) and not ignore_exits:  # killed on purpose
                     raise RuntimeError(f"a process exited early (code {proc.returncode}) while waiting for {what}; "
                                        f"see {self.data_dir / 'logs'}")
             result = condition()

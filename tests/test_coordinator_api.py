@@ -444,3 +444,28 @@ def test_a_model_that_cannot_fit_the_joined_nodes_fails_with_the_figures(client:
 def test_placement_max_nodes_must_not_be_below_min_nodes(client: TestClient) -> None:
     response = client.post("/v1/jobs", json=digits_job(min_nodes=4, max_nodes=2))
     assert response.status_code == 422 and "max_nodes" in response.text
+
+
+def test_a_pending_job_fails_once_its_placement_timeout_passes(client: TestClient, clock: FakeClock) -> None:
+    join(client, "lonely")
+    job_id = client.post("/v1/jobs", json=digits_job(timeout_s=30)).json()["id"]
+    client.app.state.service.tick()
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "pending"
+    clock.now += 31
+    client.app.state.service.tick()
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "failed" and "placement.timeout_s = 30" in job["reason"] and "waiting for 4" in job["reason"]
+
+
+def test_recoveries_are_bounded_and_a_stage_that_cannot_start_fails_the_job(client: TestClient) -> None:
+    job_id, members = placed_job(client, max_recoveries=0)
+    for node_id, auth in members:
+        beat(client, node_id, auth)
+    r = client.post(f"/v1/jobs/{job_id}/fail", headers=members[0][1],
+                    json={"node_id": members[0][0], "reason": "lost its next stage", "recoverable": True})
+    assert r.status_code == 204
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "failed" and "max_recoveries = 0" in job["reason"]
+    r = client.post(f"/v1/jobs/{job_id}/resume")
+    assert r.status_code == 409 and "no checkpoint" in r.json()["detail"]
+    assert client.post("/v1/jobs/nope/resume").status_code == 404

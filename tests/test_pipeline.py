@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from ravnest.models import build_model
@@ -288,3 +289,30 @@ def test_a_neighbour_refusing_the_stream_fails_the_stage_promptly() -> None:
     finally:
         own.stop(0)
         stranger.stop(0)
+
+
+def test_a_stage_continues_from_its_saved_state_exactly(tmp_path) -> None:
+    """save_state at a checkpoint, then a runner resumed from it: same weights, same optimizer state
+    (Adam's moments and step), same point in the LR schedule, and steps counted on to the end."""
+    job = make_job(steps=20, lr_schedule="cosine", optimizer={"name": "Adam", "kwargs": {"lr": 1e-2}})
+    first = make_assignments(job, [(0, 4)], ["127.0.0.1:9"], "t")[0].model_copy(update={"checkpoint_every": 10})
+    saved = tmp_path / "step-10.safetensors"
+    runner = StageRunner(first, Router(), on_checkpoint=lambda step: runner.save_state(saved))
+    runner.run()
+    assert saved.exists() and runner.optimizer.steps == 20
+
+    resumed = first.model_copy(update={"resume_step": 10, "checkpoint_every": 0})
+    again = StageRunner(resumed, Router(), initial_state=saved)
+    state = load_file(saved)
+    assert all(torch.equal(again.module.state_dict()[k], state[k]) for k in again.module.state_dict())
+    moments = again.optimizer_tensors()
+    assert moments and all(torch.equal(value, state[key]) for key, value in moments.items())
+    assert again.optimizer.lr == pytest.approx(1e-2 * lr_factor(10, job.training))
+    reported = []
+    again.on_metrics = reported.append
+    again.run()
+    assert again.optimizer.steps == 20 and reported[-1]["step"] == 20
+    assert not all(torch.equal(v, state[k]) for k, v in again.module.state_dict().items())  # it trained on
+
+    with pytest.raises(ValueError, match="no state"):
+        StageRunner(resumed, Router())

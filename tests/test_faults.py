@@ -1,0 +1,135 @@
+"""Faults with real processes on loopback: a node killed mid-job, the coordinator killed and restarted,
+a cancelled job resumed from its checkpoint, and nodes serving job after job without leaking."""
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+CNN_JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json"
+
+
+def cnn_job(steps: int = 600, checkpoint_every: int = 50, **placement) -> dict:
+    spec = json.loads(CNN_JOB.read_text())
+    spec["training"].update(steps=steps, eval_every=0)
+    spec["placement"].update(placement)
+    spec["checkpoints"] = {"every": checkpoint_every}
+    return spec
+
+
+def wait_progress(cluster: LocalCluster, job_id: str, fraction: float, timeout: float = 300) -> dict:
+    def far_enough():
+        job = cluster.job(job_id)
+        assert job["state"] not in ("failed", "cancelled", "completed"), job["reason"]
+        return job if job["state"] == "running" and job["progress"]["fraction"] >= fraction else None
+    return cluster.wait_for(far_enough, timeout, f"job {job_id} to reach {fraction:.0%}", ignore_exits=True)
+
+
+def all_idle(cluster: LocalCluster, count: int):
+    return lambda: sum(n["state"] == "idle" for n in cluster.alive_nodes()) == count
+
+
+def test_a_killed_node_is_replaced_by_a_spare_and_the_job_completes(tmp_path):
+    """2 clusters x 2 stages + 1 spare: kill -9 a working node at ~30%; the survivors hand in their
+    state, the job is planned again with the spare and completes as well as without the fault."""
+    with LocalCluster(tmp_path, nodes=5) as cluster:
+        job_id = cluster.submit(cnn_job(max_nodes=4))
+        job = wait_progress(cluster, job_id, 0.3)
+        victim = job["plan"]["clusters"][1]["stages"][0]["node_id"]  # a pipeline neighbour and a ring member
+        cluster.kill(cluster.node_process(victim))
+        job = cluster.wait_job(job_id, timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        [recovery] = job["recoveries"]
+        print(f"kill at step {recovery['reached_step']}: training again after {recovery['recovery_s']:.1f} s from "
+              f"step {recovery['resume_step']} ({recovery['steps_redone']} steps redone); "
+              f"test accuracy {job['metrics']['test_accuracy']:.4f}; state from {recovery['sources']}")
+        assert recovery["recovery_s"] < 30
+        assert job["generation"] == 1 and recovery["resume_step"] > 0
+        placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+        assert victim not in placed and len(placed) == 4  # the spare took its place
+        assert job["metrics"]["test_accuracy"] >= 0.95
+
+
+def test_the_coordinator_restarts_mid_job_and_loses_nothing(tmp_path):
+    """kill -9 the coordinator at ~40% and start it again on the same database: nodes keep training
+    peer to peer meanwhile, their reports and uploads retry, and the job completes."""
+    with LocalCluster(tmp_path, nodes=4) as cluster:
+        job_id = cluster.submit(cnn_job(steps=900, max_nodes=4))
+        wait_progress(cluster, job_id, 0.4)
+        before = cluster.job(job_id)
+        nodes_before = {n["id"] for n in cluster.http.get("/v1/nodes").json()}
+        cluster.restart_coordinator()
+        after = cluster.job(job_id)
+        assert after["history"][:len(before["history"])] == before["history"]
+        assert after["checkpoint_step"] >= before["checkpoint_step"] > 0
+        assert {n["id"] for n in cluster.http.get("/v1/nodes").json()} == nodes_before
+        job = cluster.wait_job(job_id, timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        assert job["generation"] == 0 and not job["recoveries"]  # nobody was lost
+        assert job["metrics"]["test_accuracy"] >= 0.95
+
+
+def test_a_cancelled_job_resumes_from_its_last_checkpoint(tmp_path):
+    with LocalCluster(tmp_path, nodes=2) as cluster:
+        job_id = cluster.submit(cnn_job(steps=800, checkpoint_every=100, clusters=1, min_nodes=2))
+        cluster.wait_for(lambda: (cluster.job(job_id)["checkpoint_step"] or 0) >= 200, 300, "a checkpoint at 200")
+        assert cluster.http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        cluster.wait_for(all_idle(cluster, 2), 60, "both nodes to be idle")
+        checkpoint = cluster.job(job_id)["checkpoint_step"]
+        resumed = cluster.http.post(f"/v1/jobs/{job_id}/resume").json()
+        assert resumed["generation"] == 1
+        assert any(h["reason"].startswith(f"resumed from step {checkpoint};") for h in resumed["history"])
+        job = cluster.wait_job(job_id, timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        stage_steps = [s["step"] for s in job["metrics"]["stages"]]
+        assert stage_steps == [800, 800]  # counted on from the checkpoint, not from 0
+        assert job["metrics"]["test_accuracy"] >= 0.95
+        assert cluster.http.post(f"/v1/jobs/{job_id}/resume").status_code == 409  # completed: nothing to resume
+
+
+def _threads_and_fds(pid: int) -> tuple[int, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+    return threads, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_nodes_serve_three_jobs_back_to_back_and_release_everything(tmp_path):
+    """One node, then a 4-stage pipeline cancelled midway, then 2 clusters with rings, on the same four
+    node processes: after each, every node is idle with no more threads and open files than before.
+
+    "Before" is after a first job of the last shape: gRPC's server pool keeps the worker threads it
+    once needed (one per concurrent stream) and each node keeps one channel per peer, so the idle
+    level is set once a node has served every kind of stream; it must not grow job after job."""
+    shapes = [dict(clusters=1, stages_per_cluster=1, min_nodes=1, max_nodes=1),
+              dict(clusters=1, stages_per_cluster=4, min_nodes=4),
+              dict(clusters=2, stages_per_cluster=2, min_nodes=4)]
+    with LocalCluster(tmp_path, nodes=4) as cluster:
+        nodes = cluster.procs[1:]
+
+        def run(shape: dict, cancel: bool = False) -> None:
+            job_id = cluster.submit(cnn_job(steps=300, **shape))
+            if cancel:
+                wait_progress(cluster, job_id, 0.3)
+                cluster.http.post(f"/v1/jobs/{job_id}/cancel")
+            job = cluster.wait_job(job_id, timeout=600)
+            assert job["state"] == ("cancelled" if cancel else "completed"), job["reason"]
+            cluster.wait_for(all_idle(cluster, 4), 60, "every node to be idle again")
+
+        run(shapes[2])
+        baseline = [_threads_and_fds(p.pid) for p in nodes]
+        print(f"idle after a first job: threads/fds per node {baseline}")
+        for index, shape in enumerate(shapes):
+            run(shape, cancel=index == 1)
+
+            def released():  # a job's threads and streams end a moment after its node reports idle
+                counts = [_threads_and_fds(p.pid) for p in nodes]
+                return counts if all(t <= t0 and f <= f0 for (t, f), (t0, f0) in zip(counts, baseline)) else None
+            try:
+                cluster.wait_for(released, 30, "thread and file counts to return to their idle level")
+            finally:
+                print(f"after job {index + 1} ({shape}): threads/fds per node "
+                      f"{[_threads_and_fds(p.pid) for p in nodes]}")
