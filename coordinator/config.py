@@ -15,6 +15,8 @@ class Settings:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals
     recovery_wait_s: float = 120.0  # a recovering job waits this long at most for its nodes' state
+    grow_after_s: float = 10.0  # a job runs this long on its nodes before new ones may join it
+    grow_gain: float = 0.2  # ... and only if the planner predicts this much more throughput with them
     max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload
     pipeline_cap: int = 16  # most stages in one pipeline; bigger groups become several replicas
     probe_peers: int = 2  # links an idle node is asked to measure per heartbeat (0: never ask)

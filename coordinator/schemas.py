@@ -118,6 +118,7 @@ class JobSummary(BaseModel):
 
 class Recovery(BaseModel):
     """One re-plan of a job: what was lost, where it continued from, how long training stood still."""
+    kind: str = Field("lost", description="lost (a node or a stage), grow (new nodes help), resume (by request)")
     at: float = Field(description="when the loss was noticed")
     reason: str
     generation: int = Field(description="the generation (run) that was lost")

@@ -5,6 +5,7 @@ store); each operation is one SQL transaction, so a refused request writes nothi
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import threading
@@ -33,6 +34,7 @@ IDLE, BUSY, GONE = "idle", "busy", "gone"
 HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header on top of the tensors' bytes
 OPTIMIZER_STATE_FACTOR = 3  # a checkpoint holds parameters plus at most this many copies (Adam: 2)
 PERIODIC, SNAPSHOT = "periodic", "snapshot"
+LOST, GROW, RESUME = "lost", "grow", "resume"  # why a job was re-planned
 MAX_LINKS_PER_NODE = 16  # a node stops being asked for probes once it measured this many links
 
 
@@ -64,6 +66,7 @@ class Coordinator:
         self.probe_token = _probe_token(settings.data_dir)
         self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
         self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
+        self._grow_considered: dict[str, tuple[int, frozenset[str]]] = {}  # job -> (generation, idle nodes) planned with
 
     # --- nodes ---------------------------------------------------------------------------------------
 
@@ -276,8 +279,8 @@ class Coordinator:
                 if resume is None:
                     raise Conflict(f"job {job_id} has no checkpoint covering every block to resume from; "
                                    f"submit it again (checkpoints.every sets how often they are written)")
+                self._open_recovery(session, job, RESUME, f"resumed by request after it {job.state}")
                 self._start_generation(session, job, resume)
-                job.faults = []  # a resumed job gets its full budget of recoveries again
                 jobs.transition(job, JobState.PENDING, f"resumed from step {resume['step']}; waiting for nodes",
                                 self.clock())
             self.place_pending()
@@ -459,19 +462,24 @@ class Coordinator:
 
     # --- recovery ------------------------------------------------------------------------------------
 
-    def _recover(self, session: Session, job: JobRow, reason: str) -> None:
-        """A stage of `job` is lost: its nodes are told to stop and hand in their state; once they did
-        (or left), `_replan_recovered` plans the job again from the freshest state of every block."""
+    def _recover(self, session: Session, job: JobRow, reason: str, kind: str = LOST) -> None:
+        """Re-plan `job`: its nodes are told to stop and hand in their state; once they did (or left),
+        `_replan_recovered` plans it again from the freshest state of every block. Losses since the
+        last resume are bounded by placement.max_recoveries; growing onto new nodes is not a loss."""
         spec = JobSpec.model_validate(job.spec)
-        if len(job.faults or []) >= spec.placement.max_recoveries:
+        since_resume = list(itertools.takewhile(lambda r: r.get("kind") != RESUME, reversed(job.faults or [])))
+        if kind == LOST and sum(r.get("kind", LOST) == LOST for r in since_resume) >= spec.placement.max_recoveries:
             jobs.transition(job, JobState.FAILED, f"{reason}; no recovery left (placement.max_recoveries = "
                                                   f"{spec.placement.max_recoveries})", self.clock())
             return
-        reached = max((row.step for row in stages_of(session, job.id)), default=0)
-        job.faults = [*(job.faults or []), {"at": self.clock(), "reason": reason, "generation": job.generation,
-                                            "reached_step": reached}]
+        self._open_recovery(session, job, kind, reason)
         jobs.transition(job, JobState.RECOVERING, f"{reason}; its nodes hand in their state, then it is "
                                                   f"planned again", self.clock())
+
+    def _open_recovery(self, session: Session, job: JobRow, kind: str, reason: str) -> None:
+        reached = max((row.step for row in stages_of(session, job.id)), default=0)
+        job.faults = [*(job.faults or []), {"kind": kind, "at": self.clock(), "reason": reason,
+                                            "generation": job.generation, "reached_step": reached}]
 
     def _replan_recovered(self, session: Session) -> None:
         """Recovering jobs whose nodes all stopped (or went away, or overran the wait) go back to
@@ -484,18 +492,11 @@ class Coordinator:
             for node in members:  # overran the wait: whatever it still runs is ignored from now on
                 node.job_id, node.state = None, IDLE
             resume = self._resume_point(session, job)
-            fault = dict(job.faults[-1])
-            if resume is None:
-                resume_note = "no stored state covers every block: starting over from fresh weights"
-            else:
-                fault.update(resume_step=resume["step"],
-                             steps_redone=max(0, fault["reached_step"] - resume["step"]),
-                             sources=[f"blocks {s['blocks'][0]}-{s['blocks'][1] - 1}: {s['file']} (step {s['step']})"
-                                      for s in resume["sources"]])
-                resume_note = f"continuing from step {resume['step']}"
-            job.faults = [*job.faults[:-1], fault]
             self._start_generation(session, job, resume)
-            jobs.transition(job, JobState.PENDING, f"re-planning after: {fault['reason']}; {resume_note}", now)
+            resume_note = ("no stored state covers every block: starting over from fresh weights" if resume is None
+                           else f"continuing from step {job.resume['step']}")
+            jobs.transition(job, JobState.PENDING, f"re-planning after: {job.faults[-1]['reason']}; {resume_note}",
+                            now)
 
     def _resume_point(self, session: Session, job: JobRow) -> dict | None:
         stored = [StoredState(row.file, row.generation, (row.block_start, row.block_end), row.step)
@@ -504,7 +505,14 @@ class Coordinator:
 
     def _start_generation(self, session: Session, job: JobRow, resume: dict | None) -> None:
         """Forget the last placement; the next one is a new generation with a new gRPC credential, so
-        nothing a stage of the previous one still sends is accepted."""
+        nothing a stage of the previous one still sends is accepted. Records where it continues from."""
+        if resume is not None:
+            steps = JobSpec.model_validate(job.spec).training.steps
+            resume = {**resume, "step": min(resume["step"], steps - 1)}  # the last step is trained again
+            fault = job.faults[-1]
+            job.faults = [*job.faults[:-1], {
+                **fault, "resume_step": resume["step"], "steps_redone": max(0, fault["reached_step"] - resume["step"]),
+                "sources": [f"{_blocks(s['blocks'])}: {s['file']} (step {s['step']})" for s in resume["sources"]]}]
         session.execute(delete(StageRow).where(StageRow.job_id == job.id))
         self._plans.pop(job.id, None)
         job.plan, job.resume, job.job_token = None, resume, new_token()
@@ -528,16 +536,17 @@ class Coordinator:
             self.place_pending()
 
     def place_pending(self) -> None:
-        """Place waiting jobs, oldest first, on idle live nodes; a job that cannot be placed fails."""
+        """Place waiting jobs, oldest first, on idle live nodes (a new job that cannot be placed fails);
+        nodes still idle then may make a running job re-plan onto them."""
         now = self.clock()
         with self._lock, self.store.session() as session:
             pending = list(session.scalars(select(JobRow).where(JobRow.state == JobState.PENDING.value)
                                            .order_by(JobRow.created_at)))
-            if not pending:
-                return
             idle = list(session.scalars(select(NodeRow).where(
                 NodeRow.state == IDLE, NodeRow.token_hash.is_not(None),
                 NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s).order_by(NodeRow.joined_at)))
+            if not idle and not pending:
+                return
             for job in pending:
                 spec = JobSpec.model_validate(job.spec)
                 waited = now - job.history[-1]["at"]
@@ -563,6 +572,34 @@ class Coordinator:
                 jobs.transition(job, JobState.PLACING, f"placing on {len(idle)} idle nodes", now)
                 used = self._reserve(session, job, plan, idle)
                 idle = [node for node in idle if node.id not in used]
+            if idle:
+                self._grow_running(session, idle)
+
+    def _grow_running(self, session: Session, idle: list[NodeRow]) -> None:
+        """Nodes that joined mid-job: the oldest running job whose planner predicts at least `grow_gain`
+        more throughput with them (after running `grow_after_s`, with a quarter of its steps left) is
+        re-planned onto its nodes plus these, continuing from the state its stages hand in."""
+        now = self.clock()
+        for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value)
+                                   .order_by(JobRow.created_at)):
+            if now - job.updated_at < self.settings.grow_after_s or jobs.progress(
+                    job, stages_of(session, job.id)).fraction > 0.75:
+                continue
+            offered = (job.generation, frozenset(node.id for node in idle))
+            if self._grow_considered.get(job.id) == offered:
+                continue  # planned with these very nodes already (each tick would plan again)
+            self._grow_considered[job.id] = offered
+            spec, current = JobSpec.model_validate(job.spec), self._plan(job)
+            members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id)))
+            try:
+                plan = self._plan_on(session, spec, members + idle)
+            except PlanningError:
+                continue
+            if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * current.predicted_samples_per_s:
+                self._recover(session, job, f"{len(idle)} idle node(s) can speed it up: predicted "
+                                            f"{current.predicted_samples_per_s:,.0f} -> "
+                                            f"{plan.predicted_samples_per_s:,.0f} samples/s", kind=GROW)
+                return  # the idle nodes wait for its re-plan
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = _costs(spec)
@@ -612,3 +649,7 @@ def _undelivered(session: Session, job_id: str) -> int:
 def _summary(job: JobRow) -> JobSummary:
     return JobSummary(id=job.id, name=job.name, state=job.state, reason=job.reason, model=job.spec["model"]["name"],
                       created_at=job.created_at, updated_at=job.updated_at)
+
+
+def _blocks(blocks: list[int]) -> str:
+    return f"block {blocks[0]}" if blocks[1] - blocks[0] == 1 else f"blocks {blocks[0]}-{blocks[1] - 1}"

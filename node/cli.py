@@ -13,11 +13,20 @@ from node.client import CoordinatorClient, CoordinatorError
 from node.daemon import NodeDaemon
 from node.profiler import parse_size, pick_device
 from node.progress import Progress
+from ravnest.wire import faults
+from ravnest.wire.faults import LinkFaults
 
 
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _faults(text: str) -> LinkFaults:
+    try:
+        return LinkFaults.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -37,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="most memory this node offers for training, e.g. 6GiB (default: 80%% of what is "
                            "free now); no stage that needs more is assigned here")
     join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    join.add_argument("--inject-fault", type=_faults, default=None, metavar="SPEC",
+                      help="for fault tests: 'delay=SECONDS,sever_after=N,to=HOST:PORT' slows this node's "
+                           "outbound messages and cuts one stream off (see ravnest/wire/faults.py)")
     join.add_argument("--wait", type=float, default=60.0,
                       help="seconds to keep trying while the coordinator is not reachable yet")
     return parser
@@ -47,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = Progress()
+    if args.inject_fault:
+        faults.inject(args.inject_fault)
+        progress.log(f"injecting faults into this node's outbound streams: {args.inject_fault}")
     stop = threading.Event()
     # Ctrl-C and SIGTERM end the node gracefully: stop the stage, tell the coordinator, exit.
     for sig in (signal.SIGINT, signal.SIGTERM):

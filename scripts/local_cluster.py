@@ -44,10 +44,24 @@ class LocalCluster:
 
     def start(self, timeout: float = 60.0) -> None:
         self._start_coordinator(timeout)
-        for i in range(self.nodes):
-            self._spawn(["node.cli", "join", "--coordinator", self.url, "--name", f"node-{i}",
-                         "--threads", str(self.threads_per_node), *self.node_args], f"node-{i}.log")
+        for _ in range(self.nodes):
+            self._spawn_node()
         self.wait_for(lambda: len(self.alive_nodes()) >= self.nodes, timeout, f"{self.nodes} nodes to join")
+
+    def _spawn_node(self, extra_args: list[str] = ()) -> subprocess.Popen:
+        i = len(self.procs) - 1  # node i is procs[1 + i]
+        return self._spawn(["node.cli", "join", "--coordinator", self.url, "--name", f"node-{i}",
+                            "--threads", str(self.threads_per_node), *self.node_args, *extra_args], f"node-{i}.log")
+
+    def add_nodes(self, count: int, extra_args: list[str] = (), timeout: float = 60.0) -> set[str]:
+        """Start `count` more nodes at once (e.g. mid-job), wait until they joined; returns their ids."""
+        names = set()
+        for _ in range(count):
+            names.add(f"node-{len(self.procs) - 1}")
+            self._spawn_node(extra_args)
+        ids = lambda: {n["id"] for n in self.alive_nodes() if n["name"] in names}  # noqa: E731
+        self.wait_for(lambda: len(ids()) == count, timeout, f"{', '.join(sorted(names))} to join")
+        return ids()
 
     def _start_coordinator(self, timeout: float, log_name: str = "coordinator.log") -> None:
         port = self.url.rsplit(":", 1)[1]

@@ -133,3 +133,41 @@ def test_nodes_serve_three_jobs_back_to_back_and_release_everything(tmp_path):
             finally:
                 print(f"after job {index + 1} ({shape}): threads/fds per node "
                       f"{[_threads_and_fds(p.pid) for p in nodes]}")
+
+
+def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
+    """A job running as one 2-stage pipeline; two nodes join: the planner predicts twice the
+    throughput with a second replica, so the job is re-planned onto all four and continues from the
+    state its stages hand in."""
+    with LocalCluster(tmp_path, nodes=2) as cluster:
+        job_id = cluster.submit(cnn_job(steps=3000, clusters="auto", min_nodes=2))
+        wait_progress(cluster, job_id, 0.01)
+        assert len(cluster.job(job_id)["plan"]["clusters"]) == 1
+        newcomers = cluster.add_nodes(2)
+        joined = time.monotonic()
+
+        def working():
+            job = cluster.job(job_id)
+            placed = {s["node_id"] for c in (job["plan"] or {"clusters": []})["clusters"] for s in c["stages"]}
+            return job if newcomers <= placed and job["state"] == "running" and job["recoveries"] and \
+                job["recoveries"][-1].get("recovery_s") is not None else None
+        job = cluster.wait_for(working, 120, "the newcomers to be training", ignore_exits=True)
+        print(f"newcomers training {time.monotonic() - joined:.1f} s after joining: {job['recoveries'][-1]}")
+        assert time.monotonic() - joined < 30 and job["recoveries"][-1]["kind"] == "grow"
+        assert len(job["plan"]["clusters"]) == 2 and job["recoveries"][-1]["resume_step"] > 0
+        job = cluster.wait_job(job_id, timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        assert job["metrics"]["test_accuracy"] >= 0.95
+
+
+def test_training_converges_with_a_slow_link_that_breaks_once(tmp_path):
+    """One node's outbound link adds 2 ms to every message and cuts a stream off once: the job
+    recovers from the cut (re-planned on the same four nodes) and still learns as well."""
+    with LocalCluster(tmp_path, nodes=3) as cluster:
+        cluster.add_nodes(1, ["--inject-fault", "delay=0.002,sever_after=300"])
+        job = cluster.wait_job(cluster.submit(cnn_job(steps=600, min_nodes=4)), timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        [recovery] = job["recoveries"]
+        assert "severed by fault injection" in recovery["reason"] and recovery["recovery_s"] < 30
+        print(f"recovered in {recovery['recovery_s']:.1f} s; test accuracy {job['metrics']['test_accuracy']:.4f}")
+        assert job["metrics"]["test_accuracy"] >= 0.95

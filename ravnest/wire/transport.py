@@ -23,6 +23,7 @@ from typing import Callable, Collection, Iterator, Union
 import grpc
 
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
+from ravnest.wire import faults
 from ravnest.wire.codec import WireError, WireLimits
 from ravnest.wire.messages import (DEFAULT_CHUNK_BYTES, Message, MessageAssembler, chunked_frames,
                                    prepare_message)
@@ -376,6 +377,10 @@ class OutboundStream:
         if self._closed:
             self._raise_if_failed()  # the peer's reason, when it has one, says more than "closed"
             raise PeerError(f"peer {self.address}: stream already closed")
+        injected = faults.active()
+        if injected is not None and injected.before_send(self.address):
+            self.cancel()
+            raise PeerError(f"peer {self.address}: stream severed by fault injection")
         parts = prepare_message(msg, self.codec if codec is None else codec)
         frames = chunked_frames(parts, self.chunk_bytes)
         if copy:
