@@ -1,12 +1,9 @@
 """Checkpoints against a real coordinator process: a complete set gets a manifest, an upload cut off
 mid-body (its node killed while writing) leaves the previous checkpoint as it was, and a resumed
 job's stages fetch exactly the state that checkpoint holds. The test plays the two nodes over REST."""
-import json
 import socket
 from urllib.parse import urlparse
 
-import httpx
-import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors

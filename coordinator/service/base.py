@@ -1,0 +1,108 @@
+"""What every part of the coordinator's service shares: settings, the store, the lock, the clock,
+and looking up jobs, plans and the node behind a token. One lock serialises every change (one
+coordinator process per store); each operation is one SQL transaction, so a refused request writes
+nothing. State that must survive a restart lives in the store; what is kept here is a cache.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ravnest.models import build_model, profile_blocks, state_shapes
+from ravnest.models.profile import BlockCost
+from ravnest.spec import JobSpec
+
+from ..config import Settings
+from ..errors import Forbidden, NotFound, Unauthorized
+from ..schemas import Plan
+from ..security import bearer_token, hash_token, new_token
+from ..store import JobRow, NodeRow, StageRow, Store, stage_of_node
+
+IDLE, BUSY, GONE = "idle", "busy", "gone"
+HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header on top of the tensors' bytes
+OPTIMIZER_STATE_FACTOR = 3  # a checkpoint holds parameters plus at most this many copies (Adam: 2)
+PERIODIC = "periodic"  # the other kind of stored state is "snapshot", handed in at a re-plan
+LOST, GROW, RESUME = "lost", "grow", "resume"  # why a job was re-planned
+MAX_LINKS_PER_NODE = 16  # a node stops being asked for probes once it measured this many links
+
+
+@functools.lru_cache(maxsize=32)
+def _block_costs(name: str, config_json: str, batch_size: int) -> tuple[BlockCost, ...]:
+    """Profiled on the meta device: no weights are allocated, whatever the model's size."""
+    return tuple(profile_blocks(build_model(name, json.loads(config_json)), batch_size))
+
+
+def costs_of(spec: JobSpec) -> list[BlockCost]:
+    return list(_block_costs(spec.model.name, json.dumps(spec.model.config, sort_keys=True), spec.training.batch_size))
+
+
+@functools.lru_cache(maxsize=32)
+def state_shapes_of(name: str, config_json: str) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Every key of the full model's state dict -> (shape, bytes), from the meta device."""
+    return state_shapes(build_model(name, json.loads(config_json)))
+
+
+class ServiceBase:
+    """State shared by the concerns the Coordinator is made of (see __init__.py); they call each other's
+    entry points (e.g. membership calls placement's `place_pending`, recovery's `_recover`)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(settings.database_url)
+        self.clock = settings.clock
+        self.started_at = self.clock()
+        self._lock = threading.RLock()
+        self._plans: dict[str, Plan] = {}
+        self.probe_token = _probe_token(settings.data_dir)
+        self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
+        self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
+        self._grow_considered: dict[str, tuple[int, frozenset[str]]] = {}  # job -> (generation, idle nodes) planned with
+
+    def _job(self, session: Session, job_id: str) -> JobRow:
+        job = session.get(JobRow, job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id}")
+        return job
+
+    def _job_member(self, session: Session, job_id: str, authorization: str | None,
+                    claimed_node_id: str | None = None) -> tuple[JobRow, StageRow]:
+        node = self._node_by_token(session, authorization)
+        job = self._job(session, job_id)
+        if claimed_node_id is not None and claimed_node_id != node.id:
+            raise Forbidden(f"the token belongs to node {node.id}, not {claimed_node_id}")
+        stage = stage_of_node(session, job.id, node.id)
+        if stage is None:
+            raise Forbidden(f"node {node.id} is not part of job {job_id}")
+        return job, stage
+
+    def _plan(self, job: JobRow) -> Plan:
+        if job.id not in self._plans:  # parsed once per process; the store keeps it across restarts
+            self._plans[job.id] = Plan.model_validate(job.plan)
+        return self._plans[job.id]
+
+    def _node_by_token(self, session: Session, authorization: str | None) -> NodeRow:
+        token_hash = hash_token(bearer_token(authorization))
+        node = session.scalars(select(NodeRow).where(NodeRow.token_hash == token_hash)).first()
+        if node is None:
+            raise Unauthorized("unknown node token")
+        return node
+
+
+def _probe_token(data_dir: Path) -> str:
+    """The token peers' Ping probes carry, kept in the data directory so it outlives a restart."""
+    path = data_dir / "probe_token"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(new_token())
+    return path.read_text().strip()
+
+
+def undelivered(session: Session, job_id: str) -> int:
+    return session.scalar(select(func.count()).select_from(StageRow).where(
+        StageRow.job_id == job_id, StageRow.delivered.is_(False))) or 0

@@ -1,0 +1,109 @@
+"""Jobs as users and nodes see them: submit, view, cancel, resume; metrics and failure reports."""
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from ravnest.spec import FailureReport, JobSpec, MetricsReport
+
+from .. import jobs
+from ..errors import Conflict, Forbidden
+from ..jobs import JobState
+from ..schemas import JobCreated, JobSummary, JobView, Recovery
+from ..security import new_id, new_token
+from ..store import JobRow, stages_of
+from .base import RESUME, ServiceBase, costs_of
+
+
+class JobLifecycle(ServiceBase):
+    def submit(self, spec: JobSpec) -> JobCreated:
+        jobs.validate_spec(spec)
+        costs_of(spec)  # profile now, outside the lock, so placing later never stalls heartbeats
+        now = self.clock()
+        with self._lock:
+            with self.store.session() as session:
+                job = JobRow(id=new_id(), name=spec.name, spec=spec.model_dump(mode="json"),
+                             state=JobState.PENDING.value, reason="waiting for nodes", created_at=now,
+                             updated_at=now, history=[{"state": "pending", "at": now, "reason": "submitted"}],
+                             job_token=new_token(), plan=None, final_metrics=None)
+                session.add(job)
+            self.place_pending()
+            with self.store.session() as session:
+                job = session.get(JobRow, job.id)
+                return JobCreated(id=job.id, state=job.state, reason=job.reason)
+
+    def list_jobs(self) -> list[JobSummary]:
+        with self.store.session() as session:
+            return [_summary(job) for job in session.scalars(select(JobRow).order_by(JobRow.created_at))]
+
+    def get_job(self, job_id: str) -> JobView:
+        with self.store.session() as session:
+            job = self._job(session, job_id)
+            stages = stages_of(session, job.id)
+            return JobView(**_summary(job).model_dump(), spec=JobSpec.model_validate(job.spec),
+                           history=job.history, generation=job.generation,
+                           recoveries=[Recovery.model_validate(fault) for fault in job.faults or []],
+                           checkpoint_step=self._manifest(job.id).get("step"),
+                           progress=jobs.progress(job, stages),
+                           metrics=jobs.metrics(stages, self._plan(job) if job.plan else None),
+                           final_metrics=job.final_metrics, plan=self._plan(job) if job.plan else None,
+                           model_url=f"/v1/jobs/{job.id}/model" if job.state == JobState.COMPLETED.value else None)
+
+    def cancel(self, job_id: str) -> JobView:
+        with self._lock, self.store.session() as session:
+            job = self._job(session, job_id)
+            if job.state in jobs.TERMINAL:
+                raise Conflict(f"job {job_id} is already {job.state}")
+            # its nodes hear `cancel_job` on their next heartbeat, then go idle
+            jobs.transition(job, JobState.CANCELLED, "cancelled by request", self.clock())
+        return self.get_job(job_id)
+
+    def resume(self, job_id: str) -> JobView:
+        """Continue a failed or cancelled job from the freshest state its stages left (its last
+        checkpoint, or snapshots handed in since), on whatever nodes are there now."""
+        with self._lock:
+            with self.store.session() as session:
+                job = self._job(session, job_id)
+                if job.state not in jobs.STOPPED:
+                    raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be resumed")
+                resume = self._resume_point(session, job)
+                if resume is None:
+                    raise Conflict(f"job {job_id} has no checkpoint covering every block to resume from; "
+                                   f"submit it again (checkpoints.every sets how often they are written)")
+                self._open_recovery(session, job, RESUME, f"resumed by request after it {job.state}")
+                self._start_generation(session, job, resume)
+                jobs.transition(job, JobState.PENDING, f"resumed from step {resume['step']}; waiting for nodes",
+                                self.clock())
+            self.place_pending()
+        return self.get_job(job_id)
+
+    def report_metrics(self, job_id: str, authorization: str | None, report: MetricsReport) -> None:
+        jobs.check_finite(report.metrics)
+        with self._lock, self.store.session() as session:
+            job, stage = self._job_member(session, job_id, authorization, report.node_id)
+            if (report.cluster, report.stage) != (stage.cluster, stage.stage):
+                raise Forbidden(f"node {report.node_id} holds cluster {stage.cluster} stage {stage.stage}, "
+                                f"not cluster {report.cluster} stage {report.stage}")
+            if job.state in jobs.STOPPED | {JobState.RECOVERING.value}:
+                raise Conflict(f"job {job_id} is {job.state}")
+            if job.faults and "recovery_s" not in job.faults[-1] and report.step > (job.resume or {}).get("step", 0):
+                fault = job.faults[-1]  # the first step after a re-plan: training again
+                job.faults = [*job.faults[:-1], {**fault, "recovery_s": self.clock() - fault["at"]}]
+            stage.step = max(stage.step, report.step)
+            stage.metrics = {**stage.metrics, **report.metrics}  # keeps e.g. test_accuracy between evaluations
+            stage.updated_at = self.clock()
+
+    def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:
+        with self._lock, self.store.session() as session:
+            job, stage = self._job_member(session, job_id, authorization, report.node_id)
+            if job.state not in jobs.ACTIVE:
+                return  # the job already ended or is being re-planned; a late report changes nothing
+            reason = f"node {report.node_id} (cluster {stage.cluster} stage {stage.stage}) failed: {report.reason}"
+            if report.recoverable:
+                self._recover(session, job, reason)
+            else:
+                jobs.transition(job, JobState.FAILED, reason, self.clock())
+
+
+def _summary(job: JobRow) -> JobSummary:
+    return JobSummary(id=job.id, name=job.name, state=job.state, reason=job.reason, model=job.spec["model"]["name"],
+                      created_at=job.created_at, updated_at=job.updated_at)

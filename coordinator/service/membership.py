@@ -1,0 +1,165 @@
+"""Membership: nodes join, beat, measure links on request, and leave or are lost."""
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
+                          NodeProfile, PeerProbe)
+
+from .. import jobs
+from ..errors import NotFound, Unauthorized
+from ..jobs import JobState
+from ..schemas import Health, NodeView
+from ..security import bearer_token, check_join_token, hash_token, new_id, new_token, token_matches
+from ..store import JobRow, LinkRow, NodeRow, StageRow, stage_of_node
+from .base import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, ServiceBase, undelivered
+
+
+class Membership(ServiceBase):
+    def join(self, authorization: str | None, request: JoinRequest) -> JoinResponse:
+        check_join_token(authorization, self.settings.join_token)
+        token, now = new_token(), self.clock()
+        with self._lock:
+            with self.store.session() as session:
+                node = NodeRow(id=new_id(), name=request.name, address=request.address,
+                               profile=request.profile.model_dump(mode="json"), token_hash=hash_token(token),
+                               state=IDLE, joined_at=now, last_seen=now, job_id=None)
+                session.add(node)
+            self.place_pending()
+        return JoinResponse(node_id=node.id, node_token=token, heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                            probe_token=self.probe_token)
+
+    def heartbeat(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse:
+        with self._lock:
+            with self.store.session() as session:
+                node = self._node(session, node_id, authorization)
+                node.last_seen = self.clock()
+                self._record_links(session, node, request.links)
+                freed = node.state == GONE
+                if freed:  # missed heartbeats, but it is back
+                    node.state = BUSY if node.job_id else IDLE
+                response = HeartbeatResponse()
+                if node.job_id:
+                    response, released = self._job_heartbeat(session, node, request)
+                    freed = freed or released
+                if request.job_id and request.job_id != node.job_id and response.cancel_job is None:
+                    response.cancel_job = request.job_id  # it runs something it no longer holds
+                if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
+                    response.probe = self._probes_for(session, node)
+                    response.note = self._left_out.get(node.id, "")
+            if freed:
+                self.place_pending()
+        return response
+
+    def _job_heartbeat(self, session: Session, node: NodeRow,
+                       request: HeartbeatRequest) -> tuple[HeartbeatResponse, bool]:
+        """Assignment or cancellation for the node's job; the node is released once it is done
+        with the job (finished or stopped) and no longer reports running it."""
+        job = session.get(JobRow, node.job_id)
+        stage = stage_of_node(session, job.id, node.id) if job else None
+        response = HeartbeatResponse()
+        if job is None or stage is None:
+            done = True
+        elif job.state in jobs.ACTIVE and not stage.weights_uploaded:
+            stage.delivered = True
+            response.assignment = jobs.assignment(job, self._plan(job), stage.cluster, stage.stage)
+            if job.state == JobState.PLACING.value and not undelivered(session, job.id):
+                jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self._plan(job).reason}",
+                                self.clock())
+            done = False
+        else:
+            if job.state in jobs.STOPPED:
+                response.cancel_job = job.id
+            elif job.state == JobState.RECOVERING.value:
+                response.recover_job = job.id  # stop, hand in the stage's state, then be placed anew
+            done = True
+        if done and request.job_id != node.job_id:
+            node.job_id, node.state = None, IDLE
+            return response, True
+        return response, False
+
+    def _record_links(self, session: Session, node: NodeRow, reports: list[LinkReport]) -> None:
+        """Keep the latest measurement per peer; reports on unknown peers or itself are dropped
+        (a peer may have left and been forgotten meanwhile)."""
+        now = self.clock()
+        for report in reports:
+            self._probes_asked.pop((node.id, report.peer_id), None)
+            if report.peer_id == node.id or session.get(NodeRow, report.peer_id) is None:
+                continue
+            session.merge(LinkRow(node_id=node.id, peer_id=report.peer_id, bandwidth=report.bandwidth_bytes_per_s,
+                                  latency=report.latency_s, measured_at=now))
+
+    def _probes_for(self, session: Session, node: NodeRow) -> list[PeerProbe]:
+        """Up to `probe_peers` live peers whose link this node has not measured nor been asked for
+        lately, oldest members first; none once it measured MAX_LINKS_PER_NODE links."""
+        want, now = self.settings.probe_peers, self.clock()
+        if len(self._probes_asked) > 10_000:  # forget requests that were never answered
+            self._probes_asked = {k: at for k, at in self._probes_asked.items() if now - at < self.settings.probe_retry_s}
+        measured = select(LinkRow.peer_id).where(LinkRow.node_id == node.id)
+        if want <= 0 or (session.scalar(select(func.count()).select_from(measured.subquery())) or 0) >= MAX_LINKS_PER_NODE:
+            return []
+        asked = {peer for (asker, peer), at in self._probes_asked.items()
+                 if asker == node.id and now - at < self.settings.probe_retry_s}
+        candidates = session.scalars(select(NodeRow).where(
+            NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.token_hash.is_not(None),
+            NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s, NodeRow.id.not_in(measured))
+            .order_by(NodeRow.joined_at, NodeRow.id).limit(want + len(asked)))
+        chosen = [peer for peer in candidates if peer.id not in asked][:want]
+        for peer in chosen:
+            self._probes_asked[(node.id, peer.id)] = now
+        return [PeerProbe(node_id=peer.id, address=peer.address) for peer in chosen]
+
+    def leave(self, node_id: str, authorization: str | None) -> None:
+        with self._lock, self.store.session() as session:
+            node = self._node(session, node_id, authorization)
+            self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) left")
+            node.token_hash = None
+
+    def health(self) -> Health:
+        cutoff = self.clock() - self.settings.heartbeat_timeout_s
+        with self.store.session() as session:
+            alive = session.scalar(select(func.count()).select_from(NodeRow).where(
+                NodeRow.state != GONE, NodeRow.last_seen >= cutoff)) or 0
+            active = session.scalar(select(func.count()).select_from(JobRow).where(
+                JobRow.state.not_in(jobs.TERMINAL))) or 0
+        return Health(nodes_alive=alive, jobs_active=active)
+
+    def list_nodes(self) -> list[NodeView]:
+        cutoff = self.clock() - self.settings.heartbeat_timeout_s
+        with self.store.session() as session:
+            rows = session.execute(select(NodeRow, StageRow).outerjoin(
+                StageRow, (StageRow.job_id == NodeRow.job_id) & (StageRow.node_id == NodeRow.id))
+                .order_by(NodeRow.joined_at, NodeRow.id)).all()
+            links: dict[str, list[LinkReport]] = {}
+            for row in session.scalars(select(LinkRow).order_by(LinkRow.peer_id)):
+                links.setdefault(row.node_id, []).append(LinkReport(
+                    peer_id=row.peer_id, bandwidth_bytes_per_s=row.bandwidth, latency_s=row.latency))
+            return [NodeView(id=node.id, name=node.name, address=node.address,
+                             profile=NodeProfile.model_validate(node.profile),
+                             state=GONE if node.last_seen < cutoff else node.state,
+                             joined_at=node.joined_at, last_seen=node.last_seen, job_id=node.job_id,
+                             cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
+                             links=links.get(node.id, []),
+                             note=self._left_out.get(node.id, "") if node.state == IDLE else "")
+                    for node, stage in rows]
+
+    def _node(self, session: Session, node_id: str, authorization: str | None) -> NodeRow:
+        token = bearer_token(authorization)
+        node = session.get(NodeRow, node_id)
+        if node is None:
+            raise NotFound(f"no node {node_id}")
+        if node.token_hash is None:
+            raise Unauthorized(f"node {node_id} has left; join again")
+        if not token_matches(token, node.token_hash):
+            raise Unauthorized(f"wrong token for node {node_id}")
+        return node
+
+
+    def _node_lost(self, session: Session, node: NodeRow, reason: str) -> None:
+        """The node is gone: a job that still needed it is re-planned without it."""
+        job = session.get(JobRow, node.job_id) if node.job_id else None
+        stage = stage_of_node(session, job.id, node.id) if job is not None else None
+        if job is not None and job.state in jobs.ACTIVE and stage is not None and not stage.weights_uploaded:
+            self._recover(session, job, f"{reason} while holding cluster {stage.cluster} stage {stage.stage}")
+        node.state, node.job_id = GONE, None

@@ -1,0 +1,129 @@
+"""Liveness and placement: the periodic tick marks silent nodes lost, re-plans recovered jobs and
+places pending ones; idle nodes may grow a running job."""
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ravnest.spec import JobSpec
+
+from .. import jobs
+from ..clustering import NodeInfo
+from ..jobs import JobState
+from ..planning import PlanningError, plan_job
+from ..schemas import Plan
+from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
+from .base import BUSY, GONE, GROW, IDLE, ServiceBase, costs_of
+
+
+class Placing(ServiceBase):
+    def tick(self) -> None:
+        """Mark nodes without recent heartbeats gone (failing their jobs), then place pending jobs."""
+        now = self.clock()
+        with self._lock:
+            if now >= self.started_at + self.settings.heartbeat_timeout_s:  # after a restart, give nodes time
+                with self.store.session() as session:
+                    cutoff = now - self.settings.heartbeat_timeout_s
+                    for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE,
+                                                                      NodeRow.last_seen < cutoff)):
+                        self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped "
+                                                       f"sending heartbeats (last seen {now - node.last_seen:.0f} s ago)")
+            with self.store.session() as session:
+                self._replan_recovered(session)
+            self.place_pending()
+
+    def place_pending(self) -> None:
+        """Place waiting jobs, oldest first, on idle live nodes (a new job that cannot be placed fails);
+        nodes still idle then may make a running job re-plan onto them."""
+        now = self.clock()
+        with self._lock, self.store.session() as session:
+            pending = list(session.scalars(select(JobRow).where(JobRow.state == JobState.PENDING.value)
+                                           .order_by(JobRow.created_at)))
+            idle = list(session.scalars(select(NodeRow).where(
+                NodeRow.state == IDLE, NodeRow.token_hash.is_not(None),
+                NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s).order_by(NodeRow.joined_at)))
+            if not idle and not pending:
+                return
+            for job in pending:
+                spec = JobSpec.model_validate(job.spec)
+                waited = now - job.history[-1]["at"]
+                if spec.placement.timeout_s is not None and waited > spec.placement.timeout_s:
+                    jobs.transition(job, JobState.FAILED, f"not placed within placement.timeout_s = "
+                                                          f"{spec.placement.timeout_s:g} s: {job.reason}", now)
+                    continue
+                # a job already under way continues on whatever nodes there are; a new one waits for min_nodes
+                needed = 1 if job.generation else spec.placement.min_nodes
+                if len(idle) < needed:
+                    reason = f"waiting for {needed} idle nodes ({len(idle)} available)"
+                    if job.reason != reason:
+                        job.reason = reason
+                    continue
+                try:
+                    plan = self._plan_on(session, spec, idle)
+                except PlanningError as e:
+                    if job.generation:  # more nodes may come back; placement.timeout_s bounds the wait
+                        job.reason = f"waiting for nodes that can hold the model: {e}"
+                    else:
+                        jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
+                    continue
+                jobs.transition(job, JobState.PLACING, f"placing on {len(idle)} idle nodes", now)
+                used = self._reserve(session, job, plan, idle)
+                idle = [node for node in idle if node.id not in used]
+            if idle:
+                self._grow_running(session, idle)
+
+    def _grow_running(self, session: Session, idle: list[NodeRow]) -> None:
+        """Nodes that joined mid-job: the oldest running job whose planner predicts at least `grow_gain`
+        more throughput with them (after running `grow_after_s`, with a quarter of its steps left) is
+        re-planned onto its nodes plus these, continuing from the state its stages hand in."""
+        now = self.clock()
+        for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value)
+                                   .order_by(JobRow.created_at)):
+            if now - job.updated_at < self.settings.grow_after_s or jobs.progress(
+                    job, stages_of(session, job.id)).fraction > 0.75:
+                continue
+            offered = (job.generation, frozenset(node.id for node in idle))
+            if self._grow_considered.get(job.id) == offered:
+                continue  # planned with these very nodes already (each tick would plan again)
+            self._grow_considered[job.id] = offered
+            spec, current = JobSpec.model_validate(job.spec), self._plan(job)
+            members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id)))
+            try:
+                plan = self._plan_on(session, spec, members + idle)
+            except PlanningError:
+                continue
+            if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * current.predicted_samples_per_s:
+                self._recover(session, job, f"{len(idle)} idle node(s) can speed it up: predicted "
+                                            f"{current.predicted_samples_per_s:,.0f} -> "
+                                            f"{plan.predicted_samples_per_s:,.0f} samples/s", kind=GROW)
+                return  # the idle nodes wait for its re-plan
+
+    def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
+        costs = costs_of(spec)
+        infos = [NodeInfo(node.id, node.profile["flops"], node.profile["memory_bytes"],
+                          node.profile["bandwidth_bytes_per_s"], node.profile["latency_s"], node.address)
+                 for node in nodes]
+        ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
+        links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))
+                 if row.node_id in ids and row.peer_id in ids}
+        return plan_job(costs, infos, spec.placement, training=spec.training, averaging=spec.averaging,
+                        pipeline_cap=self.settings.pipeline_cap, links=links)
+
+    def _reserve(self, session: Session, job: JobRow, plan: Plan, idle: list[NodeRow]) -> set[str]:
+        job.plan = plan.model_dump(mode="json")
+        self._plans[job.id] = plan
+        by_id = {node.id: node for node in idle}
+        used = set()
+        for cluster in plan.clusters:
+            for stage in cluster.stages:
+                session.add(StageRow(job_id=job.id, cluster=cluster.cluster, stage=stage.stage, node_id=stage.node_id,
+                                     delivered=False, step=(job.resume or {}).get("step", 0), metrics={},
+                                     weights_uploaded=False, updated_at=0.0))
+                node = by_id[stage.node_id]
+                node.state, node.job_id = BUSY, job.id
+                used.add(node.id)
+                self._left_out.pop(node.id, None)
+        for node_id, why in plan.unused.items():
+            self._left_out[node_id] = f"no stage in job {job.id}: {why}"
+        job.reason = f"planned {plan.reason}; waiting for every node to fetch its stage"
+        return used
