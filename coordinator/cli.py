@@ -20,14 +20,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    "(default: sqlite file in --data-dir)")
     parser.add_argument("--token", default=None, help="join token; nodes must send 'Authorization: Bearer <token>'")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between node heartbeats")
+    parser.add_argument("--heartbeat-timeout", type=float, default=None,
+                        help="seconds without a heartbeat before a node is declared lost and its job re-planned "
+                             "(default: 3 intervals)")
+    parser.add_argument("--recovery-wait", type=float, default=120.0,
+                        help="most seconds a re-planned job waits for its live nodes to hand in their state")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    timeout = args.heartbeat_timeout or 3 * args.heartbeat_interval
+    if args.heartbeat_interval <= 0 or timeout <= args.heartbeat_interval:
+        raise SystemExit("ravnest-coordinator: --heartbeat-timeout must exceed --heartbeat-interval (> 0)")
     settings = Settings(data_dir=args.data_dir, db_url=args.db, join_token=args.token,
-                        heartbeat_interval_s=args.heartbeat_interval)
+                        heartbeat_interval_s=args.heartbeat_interval,
+                        heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
 
 

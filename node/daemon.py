@@ -70,7 +70,14 @@ class _Job:
     assignment: StageAssignment
     thread: threading.Thread
     stop: threading.Event = field(default_factory=threading.Event)
-    stopped_for: str = ""  # "" | "cancel" | "recover"
+    stopped_for: str = ""  # "" | "cancel" | "recover" | "leave"
+    runner: StageRunner | None = None  # once built
+
+    def stop_for(self, why: str) -> None:
+        self.stopped_for = self.stopped_for or why
+        self.stop.set()
+        if self.runner is not None:
+            self.runner.stop(f"the node was told to stop ({self.stopped_for})")  # at once, not at the next poll
 
     @property
     def key(self) -> tuple[str, int]:
@@ -143,8 +150,7 @@ class NodeDaemon:
                                  (reply.recover_job, "recover", "is being re-planned; handing in this stage's state")):
             if job and told == job.assignment.job_id and not job.stop.is_set():
                 self.progress.log(f"job {told} {words}; stopping")
-                job.stopped_for = why
-                job.stop.set()
+                job.stop_for(why)
         assignment = reply.assignment
         if assignment and (assignment.job_id, assignment.generation) not in self._finished and job is None:
             thread = threading.Thread(target=lambda: self._run_job(self._job), name="job", daemon=True)
@@ -182,8 +188,8 @@ class NodeDaemon:
             if a.resume_step:
                 state = scratch / "resume.safetensors"
                 self.client.download_state(a.job_id, a.cluster, a.stage, state)
-            runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics,
-                                 initial_state=state, on_checkpoint=on_checkpoint)
+            runner = job.runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics,
+                                              initial_state=state, on_checkpoint=on_checkpoint)
             if state is not None:
                 state.unlink()
             # The averager works on the runner's live tensors, so it is attached once they exist.
@@ -222,7 +228,7 @@ class NodeDaemon:
             self._finished.add(job.key)
             self._job_tokens.discard(a.token)
             self.router.clear()
-            runner = None
+            runner = job.runner = None
             shutil.rmtree(scratch, ignore_errors=True)
             release_free_memory()  # an idle volunteer gets its memory back
 
@@ -239,7 +245,6 @@ class NodeDaemon:
 
     def _stop_job(self, timeout: float) -> None:
         if self._job and self._job.thread.is_alive():
-            self._job.stopped_for = self._job.stopped_for or "leave"  # hands in its state, then leaves
-            self._job.stop.set()
+            self._job.stop_for("leave")  # hands in its state, then leaves
             self._job.thread.join(timeout)
 

@@ -48,8 +48,14 @@ class Membership(ServiceBase):
                 if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
                     response.probe = self._probes_for(session, node)
                     response.note = self._left_out.get(node.id, "")
-            if freed:
+            if freed:  # a re-plan may have waited for this node; placing may give it work at once
+                with self.store.session() as session:
+                    self._replan_recovered(session)
                 self.place_pending()
+                with self.store.session() as session:
+                    node = session.get(NodeRow, node_id)
+                    if node.job_id and response.assignment is None and not request.job_id:
+                        response.assignment = self._job_heartbeat(session, node, request)[0].assignment
         return response
 
     def _job_heartbeat(self, session: Session, node: NodeRow,

@@ -39,15 +39,19 @@ class Recoveries(ServiceBase):
                                             "generation": job.generation, "reached_step": reached}]
 
     def _replan_recovered(self, session: Session) -> None:
-        """Recovering jobs whose nodes all stopped (or went away, or overran the wait) go back to
-        pending, one generation later, with where every block's state comes from."""
+        """Recovering jobs whose nodes all stopped (or went silent, or overran the wait) go back to
+        pending, one generation later, with where every block's state comes from. A node silent for two
+        heartbeat intervals is not waited for: it is most likely the one that died, and a dead node
+        hands in nothing (if it is only late, the new credential ends what it still runs)."""
         now = self.clock()
+        silent_since = now - 2 * self.settings.heartbeat_interval_s
         for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RECOVERING.value)):
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id, NodeRow.state != GONE)))
-            if members and now - job.updated_at < self.settings.recovery_wait_s:
+            waited_out = now - job.updated_at >= self.settings.recovery_wait_s
+            if any(node.last_seen >= silent_since for node in members) and not waited_out:
                 continue
-            for node in members:  # overran the wait: whatever it still runs is ignored from now on
-                node.job_id, node.state = None, IDLE
+            for node in members:  # whatever it still runs is ignored from now on; a silent one is not placed
+                node.job_id, node.state = None, IDLE if node.last_seen >= silent_since else GONE
             resume = self._resume_point(session, job)
             self._start_generation(session, job, resume)
             resume_note = ("no stored state covers every block: starting over from fresh weights" if resume is None
@@ -67,8 +71,12 @@ class Recoveries(ServiceBase):
             steps = JobSpec.model_validate(job.spec).training.steps
             resume = {**resume, "step": min(resume["step"], steps - 1)}  # the last step is trained again
             fault = job.faults[-1]
+            # the stages' snapshots may be further than their last metrics report said
+            reached = max([fault["reached_step"], *(row.step for row in session.scalars(select(CheckpointRow).where(
+                CheckpointRow.job_id == job.id, CheckpointRow.generation == fault["generation"])))])
             job.faults = [*job.faults[:-1], {
-                **fault, "resume_step": resume["step"], "steps_redone": max(0, fault["reached_step"] - resume["step"]),
+                **fault, "reached_step": reached, "resume_step": resume["step"],
+                "steps_redone": max(0, reached - resume["step"]),
                 "sources": [f"{_blocks(s['blocks'])}: {s['file']} (step {s['step']})" for s in resume["sources"]]}]
         session.execute(delete(StageRow).where(StageRow.job_id == job.id))
         self._plans.pop(job.id, None)
