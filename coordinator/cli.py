@@ -8,6 +8,7 @@ import uvicorn
 
 from .app import create_app
 from .config import Settings
+from .store import SchemaError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(data_dir=args.data_dir, db_url=args.db, join_token=args.token,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        app = create_app(settings)
+    except SchemaError as e:
+        raise SystemExit(f"ravnest-coordinator: {e}") from None
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, Text, create_engine, func, select
+from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, create_engine, func, inspect,
+                        select)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 ID = String(32)
@@ -96,6 +97,7 @@ class Store:
         connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
         self.engine = create_engine(url, connect_args=connect_args)
         Base.metadata.create_all(self.engine)
+        _check_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager
@@ -110,6 +112,23 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+class SchemaError(RuntimeError):
+    """The database was created by an older Ravnest and lacks columns this one needs."""
+
+
+def _check_columns(engine) -> None:
+    """create_all adds missing tables but never columns: say so plainly instead of failing on the
+    first query that needs one."""
+    inspector = inspect(engine)
+    missing = [f"{table.name}.{column.name}" for table in Base.metadata.sorted_tables
+               for column in table.columns
+               if column.name not in {c["name"] for c in inspector.get_columns(table.name)}]
+    if missing:
+        raise SchemaError(f"the database at {engine.url!r} was created by an older Ravnest and lacks "
+                          f"{', '.join(missing)}; this version cannot upgrade it in place yet: keep it aside "
+                          f"and start with a new --data-dir (or --db)")
 
 
 def stages_of(session: Session, job_id: str) -> list[StageRow]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -64,8 +65,7 @@ def main() -> int:
     spec_json = json.loads(Path(args.job).read_text())
     spec = JobSpec.model_validate(spec_json)
     data_dir = Path(args.data_dir).resolve()
-    if (data_dir / "ravnest.db").exists():
-        (data_dir / "ravnest.db").unlink()  # a fresh demo every time
+    shutil.rmtree(data_dir, ignore_errors=True)  # a fresh demo every time: database, jobs, logs
 
     print(f"starting a coordinator and {args.nodes} nodes (logs in {data_dir / 'logs'})", flush=True)
     start = time.monotonic()

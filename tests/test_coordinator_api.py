@@ -469,3 +469,16 @@ def test_recoveries_are_bounded_and_a_stage_that_cannot_start_fails_the_job(clie
     r = client.post(f"/v1/jobs/{job_id}/resume")
     assert r.status_code == 409 and "no checkpoint" in r.json()["detail"]
     assert client.post("/v1/jobs/nope/resume").status_code == 404
+
+
+def test_a_database_from_an_older_version_is_refused_with_a_reason(tmp_path: Path) -> None:
+    import sqlite3
+    old = tmp_path / "coordinator.db"
+    with sqlite3.connect(old) as db:  # the jobs table as it was before recovery existed
+        db.execute("CREATE TABLE jobs (id VARCHAR(32) PRIMARY KEY, name VARCHAR(256), spec JSON, state VARCHAR(16), "
+                   "reason TEXT, created_at FLOAT, updated_at FLOAT, history JSON, job_token VARCHAR(64), plan JSON, "
+                   "final_metrics JSON)")
+    result = subprocess.run([sys.executable, "-m", "coordinator.cli", "--data-dir", str(tmp_path), "--port", "9"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 1 and "older Ravnest" in result.stderr and "jobs.generation" in result.stderr
+    assert "Traceback" not in result.stderr
