@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
-from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, PeerServer, Router, WireLimits,
-                          measure_link, ping)
+from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, PeerServer, Router, WireError,
+                          WireLimits, measure_link, ping)
 from ravnest.wire.messages import message_frames
-from ravnest.wire.transport import GRPC_OPTIONS, STREAM_METHOD
+from ravnest.wire.transport import GRPC_OPTIONS, STREAM_METHOD, _server_options
 
 CHUNK = 64 << 10
 LIMITS = WireLimits(max_tensor_bytes=1 << 20, max_message_bytes=2 << 20, max_chunk_bytes=CHUNK)
@@ -331,3 +331,51 @@ def test_a_slow_handler_makes_send_block_instead_of_buffering_without_bound() ->
     assert not thread.is_alive() and len(sent) == total
     assert stream.close().messages == total and received == list(range(total))
     server.stop(0)
+
+
+# --- a job's credential and routes end with the job ------------------------------------------------
+
+def test_a_stream_is_refused_once_its_credential_is_no_longer_accepted() -> None:
+    tokens = {"job-1"}
+    node = Node(token=lambda: tokens)
+    try:
+        stream = OutboundStream(node.server.address, token="job-1", chunk_bytes=CHUNK)
+        stream.send(Message("ok", 1, {"x": torch.zeros(2)}))
+        assert node.received.get(timeout=DEADLINE_S).id == 1
+        stream.flush(timeout=DEADLINE_S)
+        tokens.clear()
+        tokens.add("job-2")  # the job ended on this node; the next one has its own credential
+        with pytest.raises(PeerError, match="UNAUTHENTICATED: this stream's credential is no longer accepted"):
+            stream.send(Message("ok", 2, {"x": torch.zeros(2)}))
+            stream.close(timeout=DEADLINE_S)
+        assert node.received.empty()
+        node.assert_serves_a_good_stream(token="job-2")
+    finally:
+        node.server.stop(0)
+
+
+def test_a_message_waiting_for_its_route_is_refused_when_the_routes_are_cleared() -> None:
+    router = Router(wait_for_route=DEADLINE_S)
+    outcome: queue.Queue = queue.Queue()
+
+    def deliver() -> None:
+        try:
+            router(Message("forward", 0), "peer")
+            outcome.put("delivered")
+        except WireError as e:
+            outcome.put(str(e))
+    waiting = threading.Thread(target=deliver)
+    waiting.start()
+    assert router.wait_until_waiting(1, DEADLINE_S)
+    router.clear()  # the job ended before its stage registered "forward"
+    router.route("forward", lambda msg, peer: outcome.put("handed to the next job"))
+    waiting.join(DEADLINE_S)
+    assert "arrived for a job that has ended" in outcome.get(timeout=DEADLINE_S)
+    assert outcome.empty()
+
+
+def test_idle_clients_keepalive_pings_are_within_what_servers_accept() -> None:
+    """Servers answer pings more frequent than their minimum with GOAWAY "too_many_pings"."""
+    client, server = dict(GRPC_OPTIONS), dict(_server_options(LIMITS))
+    assert client["grpc.keepalive_permit_without_calls"] == server["grpc.keepalive_permit_without_calls"] == 1
+    assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]

@@ -491,6 +491,7 @@ class Router:
         self._zero_copy: set[str] = set()
         self._changed = threading.Condition()
         self._cleared = 0  # how many times the routes were cleared
+        self.waiting = 0  # messages waiting for their route right now
 
     def route(self, kind: str, handler: Handler, *, zero_copy: bool = False) -> None:
         """Send messages of `kind` to `handler`. With `zero_copy`, a tensor that arrived in one chunk
@@ -508,6 +509,11 @@ class Router:
         """Whether the route of `kind` accepts read-only tensors viewing the received frames."""
         return kind in self._zero_copy
 
+    def wait_until_waiting(self, count: int, timeout: float) -> bool:
+        """Until `count` messages wait for their route (tests, diagnostics); False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.waiting >= count, timeout=timeout)
+
     def clear(self) -> None:
         """Forget every route, e.g. when the job they belonged to is over."""
         with self._changed:
@@ -519,8 +525,13 @@ class Router:
     def __call__(self, msg: Message, peer: str) -> None:
         with self._changed:
             cleared = self._cleared
-            self._changed.wait_for(lambda: msg.kind in self._routes or self._cleared != cleared,
-                                   timeout=self.wait_for_route)
+            self.waiting += 1
+            self._changed.notify_all()
+            try:
+                self._changed.wait_for(lambda: msg.kind in self._routes or self._cleared != cleared,
+                                       timeout=self.wait_for_route)
+            finally:
+                self.waiting -= 1
             if self._cleared != cleared:
                 raise WireError(f"message kind {msg.kind!r} arrived for a job that has ended on this node",
                                 grpc.StatusCode.UNAVAILABLE)
