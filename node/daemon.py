@@ -1,6 +1,7 @@
 """The node daemon: join the coordinator, heartbeat, run the stages it is assigned, report back."""
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import tempfile
@@ -24,6 +25,15 @@ from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
 from ravnest.wire import PeerServer, Router
 
 T = TypeVar("T")
+SCRATCH_PREFIX = "ravnest-job-"  # + pid: a job's scratch folder in the temporary directory
+
+
+def remove_orphaned_scratch() -> None:
+    """Scratch folders of node processes that were killed (they could not clean up) go at start-up."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = folder.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class BackgroundSender:
@@ -106,6 +116,7 @@ class NodeDaemon:
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
+        remove_orphaned_scratch()
         profile = profile_node(self.client.http, self.device, self.max_memory)
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile))
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
@@ -164,7 +175,7 @@ class NodeDaemon:
         resumed = f", continuing from step {a.resume_step}" if a.resume_step else ""
         self.progress.log(f"{prefix}: blocks {a.blocks[0]}..{a.blocks[1] - 1}{predicted}{resumed}")
         self._job_tokens.add(a.token)
-        scratch = Path(tempfile.mkdtemp(prefix="ravnest-job-"))  # checkpoints on their way out; removed at the end
+        scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))  # checkpoints on their way out
         reporter = BackgroundSender(lambda report: self.client.report_metrics(a.job_id, report), capacity=64,
                                     name="metrics-reporter")
         uploader = BackgroundSender(
