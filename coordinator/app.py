@@ -11,19 +11,22 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.background import BackgroundTask
 
 from ravnest.spec import FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse, MetricsReport
 
+from .auth import COOKIE, Authentication
 from .config import Settings
-from .dashboard import render_dashboard
+from .dashboard import render_dashboard, render_login
 from .errors import CoordinatorError, TooLarge
 from .schemas import Health, JobCreated, JobSummary, JobView, NodeView
+from .security import matches
 from .service import Coordinator
 
 MAX_PROBE_BYTES = 64 << 20
@@ -62,8 +65,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             service.store.close()
 
     app = FastAPI(title="Ravnest coordinator", version="1", lifespan=lifespan,
-                  description="Takes volunteer nodes in, clusters them, plans jobs over them and tracks them.")
+                  description="Takes volunteer nodes in, clusters them, plans jobs over them and tracks them. "
+                              "Every call but /healthz needs a bearer token: the operator's, the join token, or "
+                              "a node's own (see coordinator/auth.py).")
     app.state.service = service
+    app.add_middleware(Authentication, operator_token=service.operator_token, join_token=service.join_token,
+                       node_refusal=service.node_refusal)
 
     @app.exception_handler(CoordinatorError)
     async def coordinator_error(_: Request, error: CoordinatorError) -> JSONResponse:
@@ -82,6 +89,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def probe(size: int = Query(1 << 20, alias="bytes", ge=1, le=MAX_PROBE_BYTES)) -> Response:
         """Bytes for a node to time: how it measures its bandwidth to the coordinator when joining."""
         return Response(bytes(size), media_type="application/octet-stream")
+
+    @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
+    def login_form() -> str:
+        return render_login()
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        """The operator token from the form becomes an HttpOnly cookie for the dashboard."""
+        token = parse_qs((await request.body())[:4096].decode(errors="replace")).get("token", [""])[0].strip()
+        if not matches(token, service.operator_token):
+            return HTMLResponse(render_login("wrong token"), status_code=401)
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        return response
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def dashboard() -> str:

@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> None:
         app = create_app(settings)
     except SchemaError as e:
         raise SystemExit(f"ravnest-coordinator: {e}") from None
+    data = settings.data_dir.resolve()
+    print(f"ravnest-coordinator: data in {data}; operator token in {data / 'operator_token'} (jobs, nodes, "
+          f"dashboard); join token " + ("given with --token" if args.token else f"in {data / 'join_token'}")
+          + " (ravnest-node join --token ...)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -11,7 +11,10 @@ from typing import Callable
 class Settings:
     data_dir: Path = Path("ravnest-data")
     db_url: str | None = None  # SQLAlchemy URL; default: SQLite file in data_dir
-    join_token: str | None = None  # when set, POST /v1/nodes needs "Authorization: Bearer <join_token>"
+    # Volunteers join with the join token; the operator's token opens every job and node endpoint (and
+    # may join too). Unset: made once and kept in data_dir/join_token and data_dir/operator_token.
+    join_token: str | None = None
+    operator_token: str | None = None
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals
     recovery_wait_s: float = 120.0  # a recovering job waits this long at most for its nodes' state

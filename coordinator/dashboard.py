@@ -25,3 +25,13 @@ def render_dashboard(nodes: list[NodeView], jobs: list[JobSummary]) -> str:
             + f"<h2>Nodes ({len(nodes)})</h2>"
             + _table(["id", "name", "address", "state", "GFLOP/s", "GiB", "MB/s", "job", "cluster/stage"], node_rows)
             + "<p>API: <a href='/docs'>/docs</a></p></body></html>")
+
+
+def render_login(error: str = "") -> str:
+    message = f"<p style='color:#b00'>{escape(error)}</p>" if error else ""
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>Ravnest coordinator: log in</title></head>"
+            "<body style='font-family:sans-serif'><h1>Ravnest coordinator</h1>" + message +
+            "<form method='post' action='/login'><label>Operator token "
+            "<input type='password' name='token' autocomplete='current-password' autofocus></label> "
+            "<button>Log in</button></form><p>The token is in the coordinator's data directory "
+            "(<code>operator_token</code>); the coordinator's log says where.</p></body></html>")

@@ -1,9 +1,12 @@
-"""Credentials: random tokens handed out once, stored only as hashes, compared in constant time."""
+"""Credentials: random tokens handed out once, stored only as hashes, compared in constant time;
+the coordinator's own tokens kept in files only their owner can read."""
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
+from pathlib import Path
 
 from .errors import Unauthorized
 
@@ -35,8 +38,23 @@ def bearer_token(authorization: str | None) -> str:
     return token.strip()
 
 
-def check_join_token(authorization: str | None, expected: str | None) -> None:
-    if expected is None:
-        return
-    if not hmac.compare_digest(bearer_token(authorization).encode(), expected.encode()):
+def check_join_token(authorization: str | None, *accepted: str | None) -> None:
+    offered = bearer_token(authorization)
+    if not any(matches(offered, token) for token in accepted):
         raise Unauthorized("wrong join token")
+
+
+def matches(offered: str | None, expected: str | None) -> bool:
+    """Constant-time comparison of an offered token with an expected one (None never matches)."""
+    return bool(offered and expected) and hmac.compare_digest(offered.encode(), expected.encode())
+
+
+def token_file(path: Path) -> str:
+    """The token kept in `path`, created (random, readable by the owner only) on first use, so it
+    outlives a restart."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(handle, "w") as out:
+            out.write(new_token() + "\n")
+    return path.read_text().strip()

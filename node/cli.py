@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -36,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     join = commands.add_parser("join", help="join a coordinator and train what it assigns")
     join.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://127.0.0.1:8470")
-    join.add_argument("--token", default=None, help="join token, if the coordinator requires one")
+    join.add_argument("--token", default=os.environ.get("RAVNEST_JOIN_TOKEN"),
+                      help="the coordinator's join token (default: $RAVNEST_JOIN_TOKEN); its operator finds it "
+                           "in the coordinator's data directory, file join_token")
     join.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     join.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds to")
     join.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")

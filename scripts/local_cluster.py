@@ -50,8 +50,9 @@ class LocalCluster:
 
     def _spawn_node(self, extra_args: list[str] = ()) -> subprocess.Popen:
         i = len(self.procs) - 1  # node i is procs[1 + i]
-        return self._spawn(["node.cli", "join", "--coordinator", self.url, "--name", f"node-{i}",
-                            "--threads", str(self.threads_per_node), *self.node_args, *extra_args], f"node-{i}.log")
+        return self._spawn(["node.cli", "join", "--coordinator", self.url, "--token", self.join_token,
+                            "--name", f"node-{i}", "--threads", str(self.threads_per_node), *self.node_args,
+                            *extra_args], f"node-{i}.log")
 
     def add_nodes(self, count: int, extra_args: list[str] = (), timeout: float = 60.0) -> set[str]:
         """Start `count` more nodes at once (e.g. mid-job), wait until they joined; returns their ids."""
@@ -70,6 +71,10 @@ class LocalCluster:
         self.procs.remove(proc)
         self.procs.insert(0, proc)  # procs[0] is the coordinator, procs[1 + i] node i
         self.wait_for(lambda: self._healthy(), timeout, "coordinator to answer /healthz")
+        # secure by default: the coordinator made its tokens; this client acts as the operator
+        self.operator_token = (self.data_dir / "operator_token").read_text().strip()
+        self.join_token = (self.data_dir / "join_token").read_text().strip()
+        self.http.headers["Authorization"] = f"Bearer {self.operator_token}"
 
     def kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL: the process gets no chance to say goodbye (a volunteer's machine vanishing)."""

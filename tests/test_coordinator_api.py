@@ -25,6 +25,7 @@ from ravnest.models import build_model
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples" / "jobs").glob("*.json"))
 INTERVAL = 1.0
+OPERATOR_TOKEN = "operator-s3cret"
 
 
 class FakeClock:
@@ -57,18 +58,20 @@ def db_url(request) -> str | None:
 
 @pytest.fixture
 def settings(tmp_path: Path, clock: FakeClock, db_url: str | None) -> Settings:
-    return Settings(data_dir=tmp_path, db_url=db_url, heartbeat_interval_s=INTERVAL, background=False, clock=clock)
+    return Settings(data_dir=tmp_path, db_url=db_url, heartbeat_interval_s=INTERVAL, background=False, clock=clock,
+                    operator_token=OPERATOR_TOKEN)
 
 
 @pytest.fixture
 def client(settings: Settings):
-    with TestClient(create_app(settings)) as c:
+    """Acts as the operator unless a call sends its own Authorization header."""
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}) as c:
         yield c
 
 
-def join(client: TestClient, name: str = "n", **kw) -> tuple[str, dict]:
+def join(client: TestClient, name: str = "n", headers: dict | None = None, **kw) -> tuple[str, dict]:
     r = client.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{5000 + len(name)}",
-                                       "profile": profile(**kw)})
+                                       "profile": profile(**kw)}, headers=headers)
     assert r.status_code == 201, r.text
     body = r.json()
     return body["node_id"], {"Authorization": f"Bearer {body['node_token']}"}
@@ -215,10 +218,11 @@ def test_bad_requests_are_refused_and_write_nothing(client: TestClient) -> None:
 
 
 def test_state_survives_a_restart(settings: Settings) -> None:
-    with TestClient(create_app(settings)) as client:
+    operator = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+    with TestClient(create_app(settings), headers=operator) as client:
         job_id = client.post("/v1/jobs", json=digits_job()).json()["id"]
         node_id, auth = join(client)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), headers=operator) as client:
         assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "pending"
         assert beat(client, node_id, auth)["assignment"] is None  # its token still works
         assert [n["id"] for n in client.get("/v1/nodes").json()] == [node_id]
@@ -482,3 +486,51 @@ def test_a_database_from_an_older_version_is_refused_with_a_reason(tmp_path: Pat
                             capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 1 and "older Ravnest" in result.stderr and "jobs.generation" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_secure_by_default_every_job_and_node_endpoint_needs_a_credential(tmp_path: Path) -> None:
+    """No tokens configured: the coordinator makes its own (owner-only files); only /healthz and the
+    docs are open, and a refusal comes before the body is even parsed."""
+    with TestClient(create_app(Settings(data_dir=tmp_path, background=False))) as client:
+        operator = (tmp_path / "operator_token").read_text().strip()
+        join_token = (tmp_path / "join_token").read_text().strip()
+        assert {oct(p.stat().st_mode & 0o777) for p in tmp_path.glob("*_token")} == {"0o600"}
+        assert client.get("/healthz").status_code == 200 and client.get("/openapi.json").status_code == 200
+        node_id, node_auth = join(client, headers={"Authorization": f"Bearer {join_token}"})
+        job = digits_job()
+        calls = [("POST", "/v1/jobs", job), ("GET", "/v1/jobs", None), ("GET", "/v1/jobs/x", None),
+                 ("POST", "/v1/jobs/x/cancel", None), ("POST", "/v1/jobs/x/resume", None),
+                 ("GET", "/v1/jobs/x/model", None), ("GET", "/v1/nodes", None), ("GET", "/v1/probe", None),
+                 ("POST", "/v1/nodes", {"address": "127.0.0.1:1", "profile": profile()}),
+                 ("POST", f"/v1/nodes/{node_id}/heartbeat", {}), ("DELETE", f"/v1/nodes/{node_id}", None),
+                 ("POST", "/v1/jobs/x/metrics", {}), ("POST", "/v1/jobs/x/fail", {}),
+                 ("PUT", "/v1/jobs/x/weights?cluster=0&stage=0", None), ("GET", "/v1/jobs/x/state", None)]
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
+            for method, path, body in calls:
+                r = client.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401 and r.json()["detail"], (method, path, headers, r.text)
+        assert counts(client) == (1, 0, 0)
+        # authentication before parsing: a wrong token with a broken body is a 401, not a 422
+        for method, path in (("POST", "/v1/nodes"), ("POST", "/v1/jobs"), ("POST", f"/v1/nodes/{node_id}/heartbeat")):
+            r = client.request(method, path, content=b"{not json", headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401, (path, r.text)
+        # each credential opens only its own doors
+        as_node = client.post("/v1/jobs", json=job, headers=node_auth)
+        assert as_node.status_code == 401 and "operator" in as_node.json()["detail"]
+        as_joiner = client.get("/v1/jobs", headers={"Authorization": f"Bearer {join_token}"})
+        assert as_joiner.status_code == 401 and counts(client) == (1, 0, 0)
+        r = client.post("/v1/jobs", json=job, headers={"Authorization": f"Bearer {operator}"})
+        assert r.status_code == 201 and counts(client)[1] == 1
+
+
+def test_the_dashboard_asks_for_the_operator_token_once(client: TestClient) -> None:
+    anonymous = {"Authorization": ""}
+    r = client.get("/", headers=anonymous, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/login"
+    assert "Operator token" in client.get("/login", headers=anonymous).text
+    r = client.post("/login", data={"token": "guess"}, headers=anonymous, follow_redirects=False)
+    assert r.status_code == 401 and "wrong token" in r.text
+    r = client.post("/login", data={"token": OPERATOR_TOKEN}, headers=anonymous, follow_redirects=False)
+    assert r.status_code == 303 and "httponly" in r.headers["set-cookie"].lower()
+    assert client.get("/", headers=anonymous).status_code == 200  # the cookie is kept by the client
+    assert client.get("/v1/jobs", headers=anonymous).status_code == 200

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -20,7 +19,7 @@ from ravnest.spec import JobSpec
 from ..config import Settings
 from ..errors import Forbidden, NotFound, Unauthorized
 from ..schemas import Plan
-from ..security import bearer_token, hash_token, new_token
+from ..security import bearer_token, hash_token, token_file
 from ..store import JobRow, NodeRow, StageRow, Store, stage_of_node
 
 IDLE, BUSY, GONE = "idle", "busy", "gone"
@@ -59,7 +58,11 @@ class ServiceBase:
         self.started_at = self.clock()
         self._lock = threading.RLock()
         self._plans: dict[str, Plan] = {}
-        self.probe_token = _probe_token(settings.data_dir)
+        # secure by default: without configured tokens, the coordinator makes its own and keeps them in
+        # owner-only files (the log says where); nothing but /healthz is open without one
+        self.probe_token = token_file(settings.data_dir / "probe_token")
+        self.operator_token = settings.operator_token or token_file(settings.data_dir / "operator_token")
+        self.join_token = settings.join_token or token_file(settings.data_dir / "join_token")
         self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
         self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
         self._grow_considered: dict[str, tuple[int, frozenset[str]]] = {}  # job -> (generation, idle nodes) planned with
@@ -92,15 +95,6 @@ class ServiceBase:
         if node is None:
             raise Unauthorized("unknown node token")
         return node
-
-
-def _probe_token(data_dir: Path) -> str:
-    """The token peers' Ping probes carry, kept in the data directory so it outlives a restart."""
-    path = data_dir / "probe_token"
-    if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(new_token())
-    return path.read_text().strip()
 
 
 def undelivered(session: Session, job_id: str) -> int:

@@ -18,7 +18,7 @@ from .base import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, ServiceBase, undelivered
 
 class Membership(ServiceBase):
     def join(self, authorization: str | None, request: JoinRequest) -> JoinResponse:
-        check_join_token(authorization, self.settings.join_token)
+        check_join_token(authorization, self.join_token, self.operator_token)
         token, now = new_token(), self.clock()
         with self._lock:
             with self.store.session() as session:
@@ -115,6 +115,17 @@ class Membership(ServiceBase):
         for peer in chosen:
             self._probes_asked[(node.id, peer.id)] = now
         return [PeerProbe(node_id=peer.id, address=peer.address) for peer in chosen]
+
+    def node_refusal(self, token: str, node_id: str | None) -> str | None:
+        """Why `token` may not make a node's call (on `node_id`'s behalf, when the path names one);
+        None if it is a current node token. Which node and stage exactly is checked by each call."""
+        with self.store.session() as session:
+            if node_id is not None:
+                node = session.get(NodeRow, node_id)
+                if node is not None and node.token_hash is None:
+                    return f"node {node_id} has left; join again"
+            holder = session.scalars(select(NodeRow.id).where(NodeRow.token_hash == hash_token(token))).first()
+            return None if holder is not None else "unknown node token"
 
     def leave(self, node_id: str, authorization: str | None) -> None:
         with self._lock, self.store.session() as session:
