@@ -38,7 +38,9 @@ def must_arrive(call):
 
 class CoordinatorClient:
     def __init__(self, url: str, *, join_token: str | None = None, timeout: float = 30.0):
-        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout)
+        # the join token also opens /v1/probe (bandwidth, measured before joining); node calls send their own
+        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout,
+                                 headers={"Authorization": f"Bearer {join_token}"} if join_token else None)
         self._join_token = join_token
         self.node_id: str | None = None
         self._node_token: str | None = None
