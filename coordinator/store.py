@@ -6,6 +6,7 @@ are always replaced, never mutated in place, so SQLAlchemy notices the change.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -98,6 +99,8 @@ class Store:
         self.engine = create_engine(url, connect_args=connect_args)
         Base.metadata.create_all(self.engine)
         _check_columns(self.engine)
+        if self.engine.url.get_backend_name() == "sqlite" and self.engine.url.database not in (None, "", ":memory:"):
+            os.chmod(self.engine.url.database, 0o600)  # node records and job specs: the owner's only
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager

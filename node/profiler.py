@@ -8,6 +8,7 @@ import time
 import httpx
 import torch
 
+from node.client import CoordinatorError
 from ravnest.spec import NodeProfile
 
 
@@ -76,8 +77,16 @@ def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20) -> tuple[
     """(round-trip seconds, bytes/s) to the coordinator, from /healthz pings and one probe download."""
     client.get("/healthz")  # opens the connection
     latency = min(_timed(lambda: client.get("/healthz")) for _ in range(3))
-    elapsed = _timed(lambda: client.get("/v1/probe", params={"bytes": probe_bytes}).raise_for_status())
+    elapsed = _timed(lambda: _probe(client, probe_bytes))
     return latency, probe_bytes / max(elapsed - latency, 1e-6)
+
+
+def _probe(client: httpx.Client, size: int) -> None:
+    response = client.get("/v1/probe", params={"bytes": size})
+    if response.status_code == 401:
+        raise CoordinatorError("the coordinator refused this node: it needs its join token (--token or "
+                               "$RAVNEST_JOIN_TOKEN; the operator finds it in the coordinator's data directory)", 401)
+    response.raise_for_status()
 
 
 def warm_up(device: torch.device) -> None:

@@ -494,7 +494,8 @@ def test_secure_by_default_every_job_and_node_endpoint_needs_a_credential(tmp_pa
     with TestClient(create_app(Settings(data_dir=tmp_path, background=False))) as client:
         operator = (tmp_path / "operator_token").read_text().strip()
         join_token = (tmp_path / "join_token").read_text().strip()
-        assert {oct(p.stat().st_mode & 0o777) for p in tmp_path.glob("*_token")} == {"0o600"}
+        owner_only = [*tmp_path.glob("*_token"), tmp_path / "coordinator.db"]
+        assert {oct(p.stat().st_mode & 0o777) for p in owner_only} == {"0o600"}
         assert client.get("/healthz").status_code == 200 and client.get("/openapi.json").status_code == 200
         node_id, node_auth = join(client, headers={"Authorization": f"Bearer {join_token}"})
         job = digits_job()
