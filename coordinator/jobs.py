@@ -119,7 +119,7 @@ def _check_optimizer(spec: JobSpec) -> None:
         raise InvalidRequest(f"optimizer {optimizer.name}: {e}") from e
 
 
-def assignment(job: JobRow, plan: Plan, cluster: int, stage: int) -> StageAssignment:
+def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str) -> StageAssignment:
     """What the node running `stage` of `cluster` needs to know, rings included."""
     spec = JobSpec.model_validate(job.spec)
     stages = plan.clusters[cluster].stages
@@ -132,10 +132,10 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int) -> StageAssign
     planned = stages[stage]
     return StageAssignment(
         job_id=job.id, generation=job.generation, resume_step=(job.resume or {}).get("step", 0),
-        checkpoint_every=spec.checkpoints.every if cluster == 0 else 0, token=job.job_token, cluster=cluster, num_clusters=len(plan.clusters), stage=stage,
-        num_stages=len(stages), blocks=planned.blocks, input_shape=planned.input_shape,
-        input_dtype=planned.input_dtype, predicted_memory_bytes=planned.predicted_memory_bytes,
-        model=spec.model, dataset=spec.dataset,
+        checkpoint_every=spec.checkpoints.every if cluster == 0 else 0, token=token, cluster=cluster,
+        num_clusters=len(plan.clusters), stage=stage, num_stages=len(stages), blocks=planned.blocks,
+        input_shape=planned.input_shape, input_dtype=planned.input_dtype,
+        predicted_memory_bytes=planned.predicted_memory_bytes, model=spec.model, dataset=spec.dataset,
         training=spec.training, averaging=spec.averaging,
         prev=peer(stage - 1) if stage > 0 else None, next=peer(stage + 1) if stage + 1 < len(stages) else None,
         rings=rings)

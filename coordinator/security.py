@@ -2,6 +2,7 @@
 the coordinator's own tokens kept in files only their owner can read."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -42,6 +43,13 @@ def check_join_token(authorization: str | None, *accepted: str | None) -> None:
     offered = bearer_token(authorization)
     if not any(matches(offered, token) for token in accepted):
         raise Unauthorized("wrong join token")
+
+
+def derive_token(secret: str, *parts: str) -> str:
+    """A credential computed from the coordinator's secret and what it is for (e.g. a job and its
+    generation): the same after a restart, never stored, different for every job and generation."""
+    digest = hmac.new(secret.encode(), ":".join(parts).encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 def matches(offered: str | None, expected: str | None) -> bool:

@@ -45,7 +45,6 @@ class JobRow(Base):
     created_at: Mapped[float] = mapped_column(Float, index=True)
     updated_at: Mapped[float] = mapped_column(Float)
     history: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)  # [{state, at, reason}]
-    job_token: Mapped[str] = mapped_column(String(64))  # handed to the job's nodes for their gRPC calls
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     final_metrics: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
     generation: Mapped[int] = mapped_column(Integer, default=0)  # re-plans so far (after a loss, or a resume)

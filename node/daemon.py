@@ -238,7 +238,8 @@ class NodeDaemon:
             if runner is not None and job.stopped_for != "cancel":
                 self._hand_in_state(runner, a, scratch / "snapshot.safetensors", prefix)
             if not job.stopped_for:
-                try:  # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
+                # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
+                try:
                     self.client.report_failure(a.job_id, reason, recoverable=runner is not None)
                 except (httpx.HTTPError, CoordinatorError):
                     pass

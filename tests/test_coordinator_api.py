@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -341,6 +342,7 @@ def test_failure_report_fails_the_job_and_cancels_the_others(client: TestClient)
 
 def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestClient, clock: FakeClock) -> None:
     job_id, members = placed_job(client)
+    first_token = beat(client, *members[1], job_id=None)["assignment"]["token"]
     for node_id, auth in members:
         beat(client, node_id, auth, job_id=None)
     clock.now += 2 * INTERVAL
@@ -365,6 +367,11 @@ def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestCli
     assert placed == {node_id for node_id, _ in members[1:]}
     assignment = beat(client, *members[1])["assignment"]
     assert assignment["generation"] == 1 and assignment["resume_step"] == 0
+    assert assignment["token"] != first_token  # the lost generation's streams are refused from now on
+    with client.app.state.service.store.session() as session:  # job credentials are derived, never stored
+        rows = [str(tuple(row)) for table in ("jobs", "stages", "nodes")
+                for row in session.execute(text(f"SELECT * FROM {table}"))]
+    assert not any(token in row for row in rows for token in (first_token, assignment["token"]))
 
 
 def test_placement_failure_gives_a_reason(client: TestClient) -> None:

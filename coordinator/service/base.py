@@ -19,7 +19,7 @@ from ravnest.spec import JobSpec
 from ..config import Settings
 from ..errors import Forbidden, NotFound, Unauthorized
 from ..schemas import Plan
-from ..security import bearer_token, hash_token, token_file
+from ..security import bearer_token, derive_token, hash_token, token_file
 from ..store import JobRow, NodeRow, StageRow, Store, stage_of_node
 
 IDLE, BUSY, GONE = "idle", "busy", "gone"
@@ -63,9 +63,11 @@ class ServiceBase:
         self.probe_token = token_file(settings.data_dir / "probe_token")
         self.operator_token = settings.operator_token or token_file(settings.data_dir / "operator_token")
         self.join_token = settings.join_token or token_file(settings.data_dir / "join_token")
+        self._secret = token_file(settings.data_dir / "secret")  # job credentials derive from it
         self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
         self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
-        self._grow_considered: dict[str, tuple[int, frozenset[str]]] = {}  # job -> (generation, idle nodes) planned with
+        # job -> (generation, idle node ids) it was last planned with, to grow it onto them
+        self._grow_considered: dict[str, tuple[int, frozenset[str]]] = {}
 
     def _job(self, session: Session, job_id: str) -> JobRow:
         job = session.get(JobRow, job_id)
@@ -83,6 +85,10 @@ class ServiceBase:
         if stage is None:
             raise Forbidden(f"node {node.id} is not part of job {job_id}")
         return job, stage
+
+    def job_token(self, job: JobRow) -> str:
+        """The gRPC credential of the job's current generation (derived, so the database holds none)."""
+        return derive_token(self._secret, "job", job.id, str(job.generation))
 
     def _plan(self, job: JobRow) -> Plan:
         if job.id not in self._plans:  # parsed once per process; the store keeps it across restarts

@@ -9,7 +9,7 @@ from .. import jobs
 from ..errors import Conflict, Forbidden
 from ..jobs import JobState
 from ..schemas import JobCreated, JobSummary, JobView, Recovery
-from ..security import new_id, new_token
+from ..security import new_id
 from ..store import JobRow, stages_of
 from .base import RESUME, ServiceBase, costs_of
 
@@ -24,7 +24,7 @@ class JobLifecycle(ServiceBase):
                 job = JobRow(id=new_id(), name=spec.name, spec=spec.model_dump(mode="json"),
                              state=JobState.PENDING.value, reason="waiting for nodes", created_at=now,
                              updated_at=now, history=[{"state": "pending", "at": now, "reason": "submitted"}],
-                             job_token=new_token(), plan=None, final_metrics=None)
+                             plan=None, final_metrics=None)
                 session.add(job)
             self.place_pending()
             with self.store.session() as session:

@@ -69,7 +69,7 @@ class Membership(ServiceBase):
             done = True
         elif job.state in jobs.ACTIVE and not stage.weights_uploaded:
             stage.delivered = True
-            response.assignment = jobs.assignment(job, self._plan(job), stage.cluster, stage.stage)
+            response.assignment = jobs.assignment(job, self._plan(job), stage.cluster, stage.stage, self.job_token(job))
             if job.state == JobState.PLACING.value and not undelivered(session, job.id):
                 jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self._plan(job).reason}",
                                 self.clock())

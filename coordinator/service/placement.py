@@ -26,8 +26,8 @@ class Placing(ServiceBase):
                     cutoff = now - self.settings.heartbeat_timeout_s
                     for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE,
                                                                       NodeRow.last_seen < cutoff)):
-                        self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped "
-                                                       f"sending heartbeats (last seen {now - node.last_seen:.0f} s ago)")
+                        self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped sending "
+                                                       f"heartbeats (last seen {now - node.last_seen:.0f} s ago)")
             with self.store.session() as session:
                 self._replan_recovered(session)
             self.place_pending()

@@ -13,7 +13,6 @@ from ravnest.spec import JobSpec
 from .. import jobs
 from ..jobs import JobState
 from ..recovery import StoredState, resume_point
-from ..security import new_token
 from ..store import CheckpointRow, JobRow, NodeRow, StageRow, stages_of
 from .base import GONE, IDLE, LOST, RESUME, ServiceBase, costs_of
 
@@ -80,8 +79,8 @@ class Recoveries(ServiceBase):
                 "sources": [f"{_blocks(s['blocks'])}: {s['file']} (step {s['step']})" for s in resume["sources"]]}]
         session.execute(delete(StageRow).where(StageRow.job_id == job.id))
         self._plans.pop(job.id, None)
-        job.plan, job.resume, job.job_token = None, resume, new_token()
-        job.generation += 1
+        job.plan, job.resume = None, resume
+        job.generation += 1  # which also changes the job's credential (Coordinator.job_token)
 
 
 def _blocks(blocks: list[int]) -> str:
