@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qs
 
+import swagger_ui_bundle
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.background import BackgroundTask
+from starlette.staticfiles import StaticFiles
 
 from ravnest.spec import FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse, MetricsReport
 
@@ -30,6 +33,7 @@ from .security import matches
 from .service import Coordinator
 
 MAX_PROBE_BYTES = 64 << 20
+SWAGGER_ASSETS = "/static/swagger-ui"
 AUTH = Header(None, description="Bearer <token>: the join token for POST /v1/nodes, else the node token")
 OCTET_STREAM_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {
     "schema": {"type": "string", "format": "binary"}}}}}
@@ -64,7 +68,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     await task
             service.store.close()
 
-    app = FastAPI(title="Ravnest coordinator", version="1", lifespan=lifespan,
+    app = FastAPI(title="Ravnest coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Takes volunteer nodes in, clusters them, plans jobs over them and tracks them. "
                               "Every call but /healthz needs a bearer token: the operator's, the join token, or "
                               "a node's own (see coordinator/auth.py).")
@@ -89,6 +93,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def probe(size: int = Query(1 << 20, alias="bytes", ge=1, le=MAX_PROBE_BYTES)) -> Response:
         """Bytes for a node to time: how it measures its bandwidth to the coordinator when joining."""
         return Response(bytes(size), media_type="application/octet-stream")
+
+    # the API docs work on an offline cluster: Swagger UI's assets come from an installed package
+    app.mount(SWAGGER_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Ravnest coordinator API",
+                                   swagger_js_url=f"{SWAGGER_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{SWAGGER_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{SWAGGER_ASSETS}/favicon-32x32.png")
 
     @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
     def login_form() -> str:

@@ -1,6 +1,6 @@
 """Who may call what, decided from the request line and headers alone, before any body is read.
 
-    open       /healthz, the API docs, /login
+    open       /healthz, the API docs and their assets, /login
     join       POST /v1/nodes (joining), GET /v1/probe (bandwidth, before joining): the join token
     node       a node's own calls: heartbeat and leave (/v1/nodes/{id}/...), its job reports and
                uploads (/v1/jobs/{id}/metrics|fail|weights|checkpoint|state): that node's token
@@ -21,14 +21,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .security import matches
 
-OPEN_PATHS = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/login"}
+OPEN_PATHS = {"/healthz", "/docs", "/openapi.json", "/login"}
+OPEN_PREFIXES = ("/static/",)  # the docs' assets
 NODE_REPORTS = {"metrics", "fail", "weights", "checkpoint", "state"}
 COOKIE = "ravnest_operator"
 
 
 def required(method: str, path: str) -> tuple[str, str | None]:
     """("open" | "join" | "node" | "operator", the node id the path names, if any)."""
-    if path in OPEN_PATHS:
+    if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
         return "open", None
     parts = path.strip("/").split("/")
     if parts[:2] == ["v1", "nodes"]:
