@@ -27,6 +27,7 @@ from scripts.local_cluster import LocalCluster
 
 SEQ_LEN, BATCH, STEPS, HEADS = 32, 4, 3, 4
 TEXT = Path(__file__).resolve().parent.parent / "ravnest" / "pipeline" / "stage.py"  # any text file
+OFFER_TEXT = ["--dataset", f"source-code={TEXT}"]  # what every node offers the jobs here
 # 194 MiB of fp32 weights; (optimizer, K, each node's --max-memory) for the predicted-vs-measured table
 BIG_GPT = {"vocab_size": 128, "seq_len": SEQ_LEN, "d_model": 512, "n_layers": 16, "n_heads": 8}
 BIG_RUNS = [("SGD", 1, "144MiB"), ("Adam", 4, "700MiB")]
@@ -35,7 +36,7 @@ BIG_RUNS = [("SGD", 1, "144MiB"), ("Adam", 4, "700MiB")]
 def big_job(optimizer: str, in_flight: int, steps: int = 12) -> dict:
     """BIG_GPT on one cluster of 4 nodes, a few steps."""
     return {"name": "big", "model": {"name": "gpt", "config": BIG_GPT},
-            "dataset": {"name": "text", "path": str(TEXT), "seq_len": SEQ_LEN},
+            "dataset": {"name": "text", "source": "source-code", "seq_len": SEQ_LEN},
             "training": {"steps": steps, "batch_size": BATCH, "microbatches_in_flight": in_flight,
                          "optimizer": {"name": optimizer, "kwargs": {"lr": 0.05 if optimizer == "SGD" else 1e-3}}},
             "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": 4}}
@@ -43,7 +44,7 @@ def big_job(optimizer: str, in_flight: int, steps: int = 12) -> dict:
 
 def job(d_model: int, layers: int, nodes: int) -> dict:
     return {"name": f"memory-{layers}", "model": {"name": "gpt", "config": config(d_model, layers)},
-            "dataset": {"name": "text", "path": str(TEXT), "seq_len": SEQ_LEN},
+            "dataset": {"name": "text", "source": "source-code", "seq_len": SEQ_LEN},
             "training": {"steps": STEPS, "batch_size": BATCH, "microbatches_in_flight": 1,
                          "optimizer": {"name": "SGD", "kwargs": {"lr": 0.01}}},
             "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": nodes}}
@@ -85,7 +86,7 @@ def prediction_table() -> str:
     rows = []
     for optimizer, in_flight, cap in BIG_RUNS:
         with tempfile.TemporaryDirectory(prefix="ravnest-bench-memory-") as folder, \
-                LocalCluster(Path(folder), nodes=4, node_args=["--max-memory", cap]) as cluster:
+                LocalCluster(Path(folder), nodes=4, node_args=["--max-memory", cap, *OFFER_TEXT]) as cluster:
             result = cluster.wait_job(cluster.submit(big_job(optimizer, in_flight)), timeout=900)
         if result["state"] != "completed":
             raise SystemExit(f"{optimizer} K={in_flight}: {result['state']}: {result['reason']}")
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     layers = {}
     for nodes in (4, 1):
         with tempfile.TemporaryDirectory(prefix="ravnest-bench-memory-") as folder, \
-                LocalCluster(Path(folder), nodes=nodes, node_args=["--max-memory", args.cap]) as cluster:
+                LocalCluster(Path(folder), nodes=nodes, node_args=["--max-memory", args.cap, *OFFER_TEXT]) as cluster:
             layers[nodes] = largest(cluster, args.d_model, nodes, cap)
     many, one = (params(args.d_model, layers[n]) if layers[n] else 0 for n in (4, 1))
     ratio = many / one if one else float("inf")

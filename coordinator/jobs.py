@@ -73,8 +73,9 @@ def validate_spec(spec: JobSpec) -> ModelSpec:
     if TASK_OF_DATASET[dataset.name] != model.task:
         raise InvalidRequest(f"dataset {dataset.name!r} needs a {TASK_OF_DATASET[dataset.name]!r} model; "
                              f"{spec.model.name!r} is a {model.task!r} model")
-    if dataset.name in ("text", "npz") and not dataset.path:
-        raise InvalidRequest(f"dataset {dataset.name!r} needs a path (a file present on every node)")
+    if dataset.name in ("text", "npz") and not dataset.source:
+        raise InvalidRequest(f"dataset {dataset.name!r} needs a source: the name volunteers offer its file under "
+                             f"(`ravnest-node join --dataset NAME=PATH`)")
     # the text file lives on the nodes, so its vocabulary (128 or 256 bytes) is checked there
     if dataset.name == "text" and dataset.seq_len > model.config.get("seq_len", dataset.seq_len):
         raise InvalidRequest(f"dataset seq_len {dataset.seq_len} exceeds the model's seq_len {model.config['seq_len']}")

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import torch
@@ -14,6 +16,7 @@ from node.client import CoordinatorClient, CoordinatorError
 from node.daemon import NodeDaemon
 from node.profiler import parse_size, pick_device
 from node.progress import Progress
+from ravnest.spec import DATASET_NAME
 from ravnest.wire import faults
 from ravnest.wire.faults import LinkFaults
 
@@ -23,6 +26,16 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _offered(text: str) -> tuple[str, Path]:
+    name, _, path = text.partition("=")
+    if not re.match(DATASET_NAME, name) or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH with NAME like 'gpl3' (letters, digits, _ . -), got {text!r}")
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise argparse.ArgumentTypeError(f"{path}: no such file")
+    return name, file
 
 
 def _faults(text: str) -> LinkFaults:
@@ -49,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="most memory this node offers for training, e.g. 6GiB (default: 80%% of what is "
                            "free now); no stage that needs more is assigned here")
     join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    join.add_argument("--dataset", action="append", type=_offered, default=[], metavar="NAME=PATH",
+                      help="offer a file to jobs under NAME (repeatable): jobs name datasets, never paths, so "
+                           "nothing else on this machine can be read")
     join.add_argument("--inject-fault", type=_faults, default=None, metavar="SPEC",
                       help="for fault tests: 'delay=SECONDS,sever_after=N,to=HOST:PORT' slows this node's "
                            "outbound messages and cuts one stream off (see ravnest/wire/faults.py)")
@@ -74,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         client.wait_until_reachable(args.wait, stop)
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
                             advertise=args.advertise, name=args.name, progress=progress,
-                            max_memory=args.max_memory)
+                            max_memory=args.max_memory, datasets=dict(args.dataset))
         daemon.serve(stop)
     except (CoordinatorError, httpx.HTTPError) as e:
         progress.log(f"error: cannot work with the coordinator at {args.coordinator}: {e}")

@@ -107,8 +107,10 @@ class _Job:
 class NodeDaemon:
     def __init__(self, client: CoordinatorClient, *, device: torch.device, host: str = "127.0.0.1",
                  port: int = 0, advertise: str | None = None, name: str = "",
-                 progress: Progress | None = None, max_memory: int | None = None):
+                 progress: Progress | None = None, max_memory: int | None = None,
+                 datasets: dict[str, Path] | None = None):
         self.client = client
+        self.datasets = dict(datasets or {})  # name -> file this volunteer offers to jobs
         self.max_memory = max_memory
         self.device = device
         self.name = name
@@ -127,7 +129,7 @@ class NodeDaemon:
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
         remove_orphaned_scratch()
-        profile = profile_node(self.client.http, self.device, self.max_memory)
+        profile = profile_node(self.client.http, self.device, self.max_memory, sorted(self.datasets))
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile))
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
@@ -210,7 +212,8 @@ class NodeDaemon:
                 state = scratch / "resume.safetensors"
                 self.client.download_state(a.job_id, a.cluster, a.stage, state)
             runner = job.runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics,
-                                              initial_state=state, on_checkpoint=on_checkpoint)
+                                              initial_state=state, on_checkpoint=on_checkpoint,
+                                              datasets=self.datasets)
             if state is not None:
                 state.unlink()
             # The averager works on the runner's live tensors, so it is attached once they exist.

@@ -106,13 +106,14 @@ def warm_up(device: torch.device) -> None:
     optimizer.step()
 
 
-def profile_node(client: httpx.Client, device: torch.device, max_memory: int | None = None) -> NodeProfile:
+def profile_node(client: httpx.Client, device: torch.device, max_memory: int | None = None,
+                 datasets: list[str] = ()) -> NodeProfile:
     warm_up(device)
     latency, bandwidth = coordinator_link(client)
     return NodeProfile(
         flops=matmul_flops(device), memory_bytes=offered_memory(device, max_memory), device=str(device),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
-        cores=torch.get_num_threads(), bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+        cores=torch.get_num_threads(), bandwidth_bytes_per_s=bandwidth, latency_s=latency, datasets=list(datasets))
 
 
 def _timed(fn) -> float:

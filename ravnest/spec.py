@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 
 class _Strict(BaseModel):
@@ -19,11 +19,24 @@ class ModelRef(_Strict):
     config: dict[str, Any] = Field(default_factory=dict, description="JSON config for the builder")
 
 
+DATASET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
 class DatasetRef(_Strict):
     name: Literal["digits", "text", "npz"]
-    path: str | None = Field(None, description="file on every node, for 'text' and 'npz'")
+    source: str | None = Field(None, pattern=DATASET_NAME, description=(
+        "for 'text' and 'npz': the name a volunteer offers a file under (`ravnest-node join --dataset "
+        "NAME=PATH`); the job runs only on nodes offering it. Never a path: a volunteer's files are theirs"))
     seq_len: PositiveInt = Field(64, description="'text': characters per training sequence")
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_paths(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "path" in data:
+            raise ValueError("a job never names a file on a volunteer's machine: name a dataset the nodes offer "
+                             "(dataset.source; volunteers offer files with `ravnest-node join --dataset NAME=PATH`)")
+        return data
 
 
 class OptimizerRef(_Strict):
@@ -141,6 +154,8 @@ class NodeProfile(_Measured):
     cores: int = Field(1, ge=1)
     bandwidth_bytes_per_s: float = Field(gt=0, description="measured to the coordinator")
     latency_s: float = Field(ge=0, description="round trip to the coordinator")
+    datasets: list[str] = Field(default_factory=list, max_length=64,
+                                description="names of the files this volunteer offers to jobs (`--dataset NAME=PATH`)")
 
 
 class JoinRequest(_Strict):

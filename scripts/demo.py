@@ -21,12 +21,12 @@ from ravnest.models import build_model  # noqa: E402
 from ravnest.spec import JobSpec  # noqa: E402
 
 
-def evaluate_model_file(path: Path, spec: JobSpec) -> float:
+def evaluate_model_file(path: Path, spec: JobSpec, offered: dict[str, str]) -> float:
     """Load the downloaded model into the single-process architecture and measure test accuracy."""
     model = build_model(spec.model.name, spec.model.config).full_model()
     model.load_state_dict(load_file(path))
     model.eval()
-    data = load_dataset(spec.dataset)
+    data = load_dataset(spec.dataset, offered)
     with torch.no_grad():
         predictions = model(data.test_x).argmax(dim=-1)
     return (predictions == data.test_y).float().mean().item()
@@ -61,6 +61,9 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--data-dir", default="ravnest-data/demo")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH",
+                        help="a file every node offers to the job (e.g. gpl3=/usr/share/common-licenses/GPL-3 "
+                             "for examples/jobs/text-gpt.json)")
     args = parser.parse_args()
     spec_json = json.loads(Path(args.job).read_text())
     spec = JobSpec.model_validate(spec_json)
@@ -69,7 +72,9 @@ def main() -> int:
 
     print(f"starting a coordinator and {args.nodes} nodes (logs in {data_dir / 'logs'})", flush=True)
     start = time.monotonic()
-    with LocalCluster(data_dir, nodes=args.nodes) as cluster:
+    offered = dict(item.split("=", 1) for item in args.dataset)
+    node_args = [arg for item in args.dataset for arg in ("--dataset", item)]
+    with LocalCluster(data_dir, nodes=args.nodes, node_args=node_args) as cluster:
         job_id = cluster.submit(spec_json)
         print(f"submitted {args.job} as job {job_id}", flush=True)
         shown = {"plan": False}
@@ -99,7 +104,7 @@ def main() -> int:
         model_path.write_bytes(response.content)
 
     accuracy = (job.get("metrics") or {}).get("test_accuracy")
-    reloaded = evaluate_model_file(model_path, spec)
+    reloaded = evaluate_model_file(model_path, spec, offered)
     print(f"\nfinished in {time.monotonic() - start:.0f}s")
     print(describe_memory(job))
     print(f"final test accuracy (reported by the pipeline): {accuracy:.4f}" if accuracy is not None else

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.memory import BIG_GPT, BIG_RUNS, TEXT, big_job
+from bench.memory import BIG_GPT, BIG_RUNS, OFFER_TEXT, big_job
 from ravnest.models import build_model, profile_blocks
 from scripts.local_cluster import LocalCluster
 
@@ -31,10 +31,11 @@ def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp
         for i in range(8):  # volunteers that joined over REST and offer 64 GiB each
             response = cluster.http.post("/v1/nodes", json={
                 "name": f"big{i}", "address": f"127.0.0.{i + 1}:7000",
-                "profile": {"flops": 1e13, "memory_bytes": 64 * GIB, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.01}})
+                "profile": {"flops": 1e13, "memory_bytes": 64 * GIB, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.01,
+                            "datasets": ["books"]}})
             assert response.status_code == 201, response.text
         start = time.monotonic()
-        job = {"model": {"name": "gpt", "config": config}, "dataset": {"name": "text", "path": str(TEXT)},
+        job = {"model": {"name": "gpt", "config": config}, "dataset": {"name": "text", "source": "books"},
                "training": {"batch_size": 4, "microbatches_in_flight": 1, "optimizer": {"name": "SGD"}},
                "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": 4}}
         response = cluster.http.post("/v1/jobs", json=job)
@@ -57,7 +58,7 @@ def test_a_model_larger_than_a_node_trains_within_its_predicted_memory(tmp_path:
                                                                        in_flight: int, cap: str) -> None:
     weights = sum(c.param_bytes for c in profile_blocks(build_model("gpt", BIG_GPT), 4))
     job = big_job(optimizer, in_flight)
-    with LocalCluster(tmp_path, nodes=4, node_args=["--max-memory", cap]) as cluster:
+    with LocalCluster(tmp_path, nodes=4, node_args=["--max-memory", cap, *OFFER_TEXT]) as cluster:
         offered = [n["profile"]["memory_bytes"] for n in cluster.alive_nodes()]
         if optimizer == "SGD":
             assert all(weights > offer for offer in offered), "the whole model must not fit any one node"

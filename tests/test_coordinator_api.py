@@ -37,8 +37,9 @@ class FakeClock:
         return self.now
 
 
-def profile(flops: float = 1e10, memory: int = 2**30, bandwidth: float = 1e8) -> dict:
-    return {"flops": flops, "memory_bytes": memory, "bandwidth_bytes_per_s": bandwidth, "latency_s": 0.001}
+def profile(flops: float = 1e10, memory: int = 2**30, bandwidth: float = 1e8, datasets: list[str] = ()) -> dict:
+    return {"flops": flops, "memory_bytes": memory, "bandwidth_bytes_per_s": bandwidth, "latency_s": 0.001,
+            "datasets": list(datasets)}
 
 
 def digits_job(**placement) -> dict:
@@ -174,7 +175,9 @@ BAD_JOBS = {
     "negative channels": ({**digits_job(), "model": {"name": "cnn", "config": {"channels": [-3]}}}, "channels"),
     "bad config key": ({**digits_job(), "model": {"name": "mlp", "config": {"widht": 3}}}, "widht"),
     "model/dataset mismatch": ({**digits_job(), "model": {"name": "gpt"}}, "classify"),
-    "text without path": ({**digits_job(), "model": {"name": "gpt"}, "dataset": {"name": "text"}}, "path"),
+    "text without source": ({**digits_job(), "model": {"name": "gpt"}, "dataset": {"name": "text"}}, "source"),
+    "a path on the nodes": ({**digits_job(), "model": {"name": "gpt"}, "dataset": {"name": "text", "path": "/etc/passwd"}},
+                            "never names a file on a volunteer's machine"),
     "unknown optimizer": ({**digits_job(), "training": {"optimizer": {"name": "Nope"}}}, "Nope"),
     "bad optimizer kwargs": ({**digits_job(), "training": {"optimizer": {"name": "SGD", "kwargs": {"lr": -1}}}}, "learning rate"),
     "zero clusters": (digits_job(clusters=0), "clusters"),
@@ -442,9 +445,9 @@ def test_oversized_weights_upload_is_refused(client: TestClient, settings: Setti
 
 def test_a_model_that_cannot_fit_the_joined_nodes_fails_with_the_figures(client: TestClient) -> None:
     for i in range(2):
-        join(client, f"small{i}", memory=64 << 20)
+        join(client, f"small{i}", memory=64 << 20, datasets=["books"])
     big = {"name": "big", "model": {"name": "gpt", "config": {"d_model": 1024, "n_layers": 8}},
-           "dataset": {"name": "text", "path": "/nonexistent-on-the-coordinator.txt"},
+           "dataset": {"name": "text", "source": "books"},
            "placement": {"min_nodes": 2}}
     response = client.post("/v1/jobs", json=big)
     assert response.status_code == 201, response.text
@@ -545,3 +548,15 @@ def test_the_dashboard_asks_for_the_operator_token_once(client: TestClient) -> N
     assert r.status_code == 303 and "httponly" in r.headers["set-cookie"].lower()
     assert client.get("/", headers=anonymous).status_code == 200  # the cookie is kept by the client
     assert client.get("/v1/jobs", headers=anonymous).status_code == 200
+
+
+def test_a_job_runs_only_on_nodes_that_offer_its_dataset(client: TestClient) -> None:
+    join(client, "plain")
+    job = {"model": {"name": "gpt", "config": {"n_layers": 1}}, "dataset": {"name": "text", "source": "books"}}
+    job_id = client.post("/v1/jobs", json=job).json()["id"]
+    view = client.get(f"/v1/jobs/{job_id}").json()
+    assert view["state"] == "pending" and "offering dataset 'books' (0 available)" in view["reason"]
+    offering_id, _ = join(client, "library", datasets=["books"])
+    view = client.get(f"/v1/jobs/{job_id}").json()
+    assert view["state"] == "placing"
+    assert {s["node_id"] for c in view["plan"]["clusters"] for s in c["stages"]} == {offering_id}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,7 @@ def test_test_batches_are_one_ordered_pass() -> None:
 def test_text_from_a_file_on_this_machine() -> None:
     path = os.__file__  # the standard library's os.py is always there and plain ASCII
     raw = Path(path).read_bytes()
-    data = load_dataset({"name": "text", "path": path, "seq_len": 32, "test_fraction": 0.1})
+    data = load_dataset({"name": "text", "source": "f", "seq_len": 32, "test_fraction": 0.1}, {"f": path})
     assert data.vocab_size == 128 and data.num_classes is None  # ASCII
     assert data.train_x.dtype == torch.int64 and data.train_x.shape[1] == 32
     assert torch.equal(data.train_x[:, 1:], data.train_y[:, :-1])  # targets are inputs shifted by one
@@ -92,7 +93,7 @@ def test_text_from_a_file_on_this_machine() -> None:
 def test_text_keeps_bytes_of_non_ascii(tmp_path: Path) -> None:
     path = tmp_path / "tiny.txt"
     path.write_text("héllo wörld " * 4, encoding="utf-8")
-    data = load_dataset({"name": "text", "path": str(path), "seq_len": 8, "test_fraction": 0.25})
+    data = load_dataset({"name": "text", "source": "f", "seq_len": 8, "test_fraction": 0.25}, {"f": str(path)})
     assert data.vocab_size == 256 and 127 < int(data.train_x.max()) < 256
 
 
@@ -100,15 +101,15 @@ def test_text_too_short(tmp_path: Path) -> None:
     path = tmp_path / "short.txt"
     path.write_text("abc")
     with pytest.raises(DatasetError, match="too short"):
-        load_dataset({"name": "text", "path": str(path), "seq_len": 8})
+        load_dataset({"name": "text", "source": "f", "seq_len": 8}, {"f": str(path)})
     path.write_text("")
     with pytest.raises(DatasetError, match="too short"):
-        load_dataset({"name": "text", "path": str(path), "seq_len": 8})
+        load_dataset({"name": "text", "source": "f", "seq_len": 8}, {"f": str(path)})
 
 
 @pytest.mark.parametrize("ref, message", [
-    ({"name": "text"}, "needs a 'path'"),
-    ({"name": "npz", "path": "/nonexistent/data.npz"}, "no such file"),
+    ({"name": "text", "source": "books"}, "does not offer dataset 'books'"),
+    ({"name": "npz", "path": "/etc/hostname"}, "never names a file on a volunteer's machine"),
     ({"name": "imagenet"}, "invalid dataset reference"),
     ({"name": "digits", "test_fraction": 1.5}, "invalid dataset reference"),
 ])
@@ -121,11 +122,11 @@ def test_bad_references(ref: dict, message: str) -> None:
 def test_npz_with_x_and_y_is_split(tmp_path: Path) -> None:
     path = tmp_path / "data.npz"
     np.savez(path, x=np.arange(100, dtype=np.float64).reshape(50, 2), y=np.arange(50) % 3)
-    data = load_dataset({"name": "npz", "path": str(path), "test_fraction": 0.2})
+    data = load_dataset({"name": "npz", "source": "f", "test_fraction": 0.2}, {"f": str(path)})
     assert data.train_x.dtype == torch.float32 and data.train_y.dtype == torch.int64
     assert len(data.train_x) == 40 and len(data.test_x) == 10 and data.num_classes == 3
     assert torch.equal(data.train_x[:, 0] / 2 % 3, data.train_y.float())  # rows kept with their labels
-    again = load_dataset({"name": "npz", "path": str(path), "test_fraction": 0.2})
+    again = load_dataset({"name": "npz", "source": "f", "test_fraction": 0.2}, {"f": str(path)})
     assert torch.equal(data.test_x, again.test_x)
 
 
@@ -133,7 +134,7 @@ def test_npz_with_explicit_split(tmp_path: Path) -> None:
     path = tmp_path / "split.npz"
     np.savez(path, x_train=np.zeros((6, 3), np.float32), y_train=np.array([0, 1, 2, 3, 4, 5]),
              x_test=np.ones((2, 3), np.float32), y_test=np.array([1, 7]))
-    data = load_dataset({"name": "npz", "path": str(path)})
+    data = load_dataset({"name": "npz", "source": "f"}, {"f": str(path)})
     assert len(data.train_x) == 6 and torch.equal(data.test_x, torch.ones(2, 3)) and data.num_classes == 8
 
 
@@ -147,21 +148,21 @@ def test_npz_errors(tmp_path: Path, arrays: dict, message: str) -> None:
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
     with pytest.raises(DatasetError, match=message):
-        load_dataset({"name": "npz", "path": str(path)})
+        load_dataset({"name": "npz", "source": "f"}, {"f": str(path)})
 
 
 def test_npz_never_unpickles(tmp_path: Path) -> None:
     path = tmp_path / "pickled.npz"
     np.savez(path, x=np.array([{"a": 1}, None], dtype=object), y=np.zeros(2, np.int64))
-    with pytest.raises(DatasetError, match="cannot read"):
-        load_dataset({"name": "npz", "path": str(path)})
+    with pytest.raises(DatasetError, match="not a readable npz file"):
+        load_dataset({"name": "npz", "source": "f"}, {"f": str(path)})
 
 
 def test_not_an_npz_file(tmp_path: Path) -> None:
     path = tmp_path / "garbage.npz"
     path.write_bytes(b"not a zip file")
-    with pytest.raises(DatasetError, match="cannot read"):
-        load_dataset({"name": "npz", "path": str(path)})
+    with pytest.raises(DatasetError, match="not a readable npz file"):
+        load_dataset({"name": "npz", "source": "f"}, {"f": str(path)})
 
 
 def test_digits_are_scikit_learns_digits_read_without_importing_it() -> None:
@@ -175,3 +176,16 @@ def test_digits_are_scikit_learns_digits_read_without_importing_it() -> None:
     theirs = torch.cat([torch.tensor(reference.data, dtype=torch.float32),
                         torch.tensor(reference.target, dtype=torch.float32)[:, None]], dim=1)
     assert torch.equal(torch.unique(ours, dim=0), torch.unique(theirs, dim=0))
+
+
+def test_reasons_say_nothing_about_the_nodes_files(tmp_path: Path) -> None:
+    """Only offered files are read, and a failure names the dataset, never a path or a size."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("xy")
+    for ref, offered in (({"name": "text", "source": "s", "seq_len": 8}, {"s": secret}),
+                         ({"name": "npz", "source": "s"}, {"s": secret}),
+                         ({"name": "text", "source": "s"}, {"s": tmp_path / "gone.txt"}),
+                         ({"name": "text", "source": "other"}, {"s": secret})):
+        with pytest.raises(DatasetError) as refused:
+            load_dataset(ref, offered)
+        assert str(tmp_path) not in str(refused.value) and not re.search(r"\d+ bytes", str(refused.value))

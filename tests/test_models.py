@@ -305,7 +305,7 @@ def test_cnn_learns_digits_single_process(one_thread: None) -> None:
 
 
 def test_gpt_learns_text(one_thread: None) -> None:
-    data = load_dataset({"name": "text", "path": textwrap.__file__, "seq_len": 32})
+    data = load_dataset({"name": "text", "source": "textwrap", "seq_len": 32}, {"textwrap": textwrap.__file__})
     spec = build_model("gpt", {"vocab_size": data.vocab_size, "seq_len": 32, "d_model": 64, "n_layers": 2})
     model = spec.full_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)

@@ -64,10 +64,11 @@ def test_gpt_on_text_learns_context_across_three_stages() -> None:
     job = JobSpec.model_validate({
         "model": {"name": "gpt", "config": {"vocab_size": 256, "seq_len": 64, "d_model": 64, "n_layers": 2,
                                             "n_heads": 4}},
-        "dataset": {"name": "text", "path": torch_module_source.__file__, "seq_len": 64},
+        "dataset": {"name": "text", "source": "torch-module", "seq_len": 64},
         "training": {"steps": 300, "batch_size": 16, "optimizer": {"name": "Adam", "kwargs": {"lr": 3e-3}}}})
-    entropy = unigram_entropy(load_dataset(job.dataset).train_x)
-    result = run_local_pipeline(job, [(0, 1), (1, 3), (3, 4)], timeout=300)
+    offered = {"torch-module": torch_module_source.__file__}
+    entropy = unigram_entropy(load_dataset(job.dataset, offered).train_x)
+    result = run_local_pipeline(job, [(0, 1), (1, 3), (3, 4)], timeout=300, datasets=offered)
     metrics = result["metrics"]
     print(f"\ngpt, 3 stages, 300 steps: train loss {metrics['loss']:.3f}, test loss {metrics['test_loss']:.3f}, "
           f"unigram entropy {entropy:.3f} nats")

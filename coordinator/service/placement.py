@@ -53,21 +53,23 @@ class Placing(ServiceBase):
                     continue
                 # a job already under way continues on whatever nodes there are; a new one waits for min_nodes
                 needed = 1 if job.generation else spec.placement.min_nodes
-                if len(idle) < needed:
-                    reason = f"waiting for {needed} idle nodes ({len(idle)} available)"
+                candidates = offering(idle, spec)  # a job reads only files volunteers offer
+                if len(candidates) < needed:
+                    source = f" offering dataset {spec.dataset.source!r}" if spec.dataset.source else ""
+                    reason = f"waiting for {needed} idle nodes{source} ({len(candidates)} available)"
                     if job.reason != reason:
                         job.reason = reason
                     continue
                 try:
-                    plan = self._plan_on(session, spec, idle)
+                    plan = self._plan_on(session, spec, candidates)
                 except PlanningError as e:
                     if job.generation:  # more nodes may come back; placement.timeout_s bounds the wait
                         job.reason = f"waiting for nodes that can hold the model: {e}"
                     else:
                         jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
                     continue
-                jobs.transition(job, JobState.PLACING, f"placing on {len(idle)} idle nodes", now)
-                used = self._reserve(session, job, plan, idle)
+                jobs.transition(job, JobState.PLACING, f"placing on {len(candidates)} idle nodes", now)
+                used = self._reserve(session, job, plan, candidates)
                 idle = [node for node in idle if node.id not in used]
             if idle:
                 self._grow_running(session, idle)
@@ -82,18 +84,19 @@ class Placing(ServiceBase):
             if now - job.updated_at < self.settings.grow_after_s or jobs.progress(
                     job, stages_of(session, job.id)).fraction > 0.75:
                 continue
-            offered = (job.generation, frozenset(node.id for node in idle))
-            if self._grow_considered.get(job.id) == offered:
-                continue  # planned with these very nodes already (each tick would plan again)
-            self._grow_considered[job.id] = offered
             spec, current = JobSpec.model_validate(job.spec), self._plan(job)
+            newcomers = offering(idle, spec)
+            considered = (job.generation, frozenset(node.id for node in newcomers))
+            if not newcomers or self._grow_considered.get(job.id) == considered:
+                continue  # planned with these very nodes already (each tick would plan again)
+            self._grow_considered[job.id] = considered
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id)))
             try:
-                plan = self._plan_on(session, spec, members + idle)
+                plan = self._plan_on(session, spec, members + newcomers)
             except PlanningError:
                 continue
             if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * current.predicted_samples_per_s:
-                self._recover(session, job, f"{len(idle)} idle node(s) can speed it up: predicted "
+                self._recover(session, job, f"{len(newcomers)} idle node(s) can speed it up: predicted "
                                             f"{current.predicted_samples_per_s:,.0f} -> "
                                             f"{plan.predicted_samples_per_s:,.0f} samples/s", kind=GROW)
                 return  # the idle nodes wait for its re-plan
@@ -127,3 +130,9 @@ class Placing(ServiceBase):
             self._left_out[node_id] = f"no stage in job {job.id}: {why}"
         job.reason = f"planned {plan.reason}; waiting for every node to fetch its stage"
         return used
+
+
+def offering(nodes: list[NodeRow], spec: JobSpec) -> list[NodeRow]:
+    """The nodes that offer the job's dataset file (all of them for built-in datasets such as digits)."""
+    source = spec.dataset.source
+    return nodes if source is None else [n for n in nodes if source in n.profile.get("datasets", [])]

@@ -9,6 +9,7 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,12 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(state >> np.uint64(1))
 
 
-def load_dataset(ref: DatasetRef | dict[str, Any]) -> Dataset:
-    """Load the dataset a job names; every failure is a DatasetError with the reason."""
+def load_dataset(ref: DatasetRef | dict[str, Any], offered: Mapping[str, str | os.PathLike] | None = None) -> Dataset:
+    """Load the dataset a job names; every failure is a DatasetError with the reason.
+
+    `text` and `npz` read a file the volunteer offers under the name `ref.source` (`offered` maps those
+    names to paths: `ravnest-node join --dataset NAME=PATH`). A job never names a path, and no reason
+    given here says anything about the node's files beyond what was offered."""
     if isinstance(ref, dict):
         try:
             ref = DatasetRef.model_validate(ref)
@@ -82,13 +87,16 @@ def load_dataset(ref: DatasetRef | dict[str, Any]) -> Dataset:
             raise DatasetError(f"invalid dataset reference: {exc}") from exc
     if ref.name == "digits":
         return _load_digits(ref.test_fraction)
-    if ref.path is None:
-        raise DatasetError(f"dataset {ref.name!r} needs a 'path' to a local file")
-    if not os.path.isfile(ref.path):
-        raise DatasetError(f"dataset {ref.name!r}: no such file {ref.path!r}")
+    label = f"dataset {ref.source!r}"
+    path = (offered or {}).get(ref.source or "")
+    if path is None:
+        raise DatasetError(f"this node does not offer {label} (volunteers offer files with "
+                           f"`ravnest-node join --dataset NAME=PATH`)")
+    if not os.path.isfile(path):
+        raise DatasetError(f"{label} is offered, but its file is gone from this node")
     if ref.name == "text":
-        return _load_text(ref.path, ref.seq_len, ref.test_fraction)
-    return _load_npz(ref.path, ref.test_fraction)
+        return _load_text(path, ref.seq_len, ref.test_fraction, label)
+    return _load_npz(path, ref.test_fraction, label)
 
 
 def _split(count: int, test_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +128,7 @@ def _windows(tokens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Te
     return x, y
 
 
-def _load_text(path: str, seq_len: int, test_fraction: float) -> Dataset:
+def _load_text(path: str | os.PathLike, seq_len: int, test_fraction: float, label: str) -> Dataset:
     """Byte-level language modelling: token id = byte value; the file's tail is the test set.
 
     vocab_size is 128 for pure ASCII files (the gpt default) and 256 otherwise.
@@ -131,50 +139,49 @@ def _load_text(path: str, seq_len: int, test_fraction: float) -> Dataset:
     train_x, train_y = _windows(tokens[:test_start], seq_len)
     test_x, test_y = _windows(tokens[test_start:], seq_len)
     if len(train_x) == 0 or (test_fraction > 0 and len(test_x) == 0):
-        raise DatasetError(f"text file {path!r} ({len(tokens)} bytes) is too short for seq_len={seq_len} "
-                           f"with test_fraction={test_fraction}: need at least one window of seq_len+1 bytes "
-                           "in both the training and the test part")
+        raise DatasetError(f"{label} is too short for seq_len={seq_len} with test_fraction={test_fraction}: "
+                           "it needs room for one sequence of seq_len + 1 tokens in both the training and the test part")
     vocab_size = 128 if int(tokens.max()) < 128 else 256
     return Dataset("text", train_x, train_y, test_x, test_y, vocab_size=vocab_size)
 
 
-def _load_npz(path: str, test_fraction: float) -> Dataset:
+def _load_npz(path: str | os.PathLike, test_fraction: float, label: str) -> Dataset:
     """Arrays "x_train", "y_train", "x_test", "y_test", or "x", "y" split with `test_fraction`."""
     try:
         with np.load(path, allow_pickle=False) as arrays:
             data = {key: arrays[key] for key in arrays.files}
     except (OSError, ValueError) as exc:
-        raise DatasetError(f"cannot read npz file {path!r}: {exc}") from exc
+        raise DatasetError(f"{label} is not a readable npz file: {type(exc).__name__}") from exc
     split_keys = {"x_train", "y_train", "x_test", "y_test"}
     if split_keys <= data.keys():
-        parts = [_as_tensor(data[key], key, path) for key in ("x_train", "y_train", "x_test", "y_test")]
+        parts = [_as_tensor(data[key], key, label) for key in ("x_train", "y_train", "x_test", "y_test")]
     elif {"x", "y"} <= data.keys():
-        x, y = _as_tensor(data["x"], "x", path), _as_tensor(data["y"], "y", path)
+        x, y = _as_tensor(data["x"], "x", label), _as_tensor(data["y"], "y", label)
         if len(x) != len(y):
-            raise DatasetError(f"{path!r}: 'x' has {len(x)} rows but 'y' has {len(y)}")
+            raise DatasetError(f"{label}: 'x' has {len(x)} rows but 'y' has {len(y)}")
         train, test = _split(len(x), test_fraction)
         parts = [x[train], y[train], x[test], y[test]]
     else:
-        raise DatasetError(f"{path!r} must hold arrays 'x' and 'y', or 'x_train', 'y_train', 'x_test', "
+        raise DatasetError(f"{label} must hold arrays 'x' and 'y', or 'x_train', 'y_train', 'x_test', "
                            f"'y_test'; found {sorted(data)}")
     train_x, train_y, test_x, test_y = parts
     if len(train_x) != len(train_y) or len(test_x) != len(test_y):
-        raise DatasetError(f"{path!r}: inputs and labels differ in length")
+        raise DatasetError(f"{label}: inputs and labels differ in length")
     if len(train_x) == 0:
-        raise DatasetError(f"{path!r}: no training examples")
+        raise DatasetError(f"{label}: no training examples")
     num_classes = None
     if not train_y.is_floating_point():  # integer labels: classification over 0..max label
         labels = torch.cat([train_y, test_y])
         if labels.min() < 0:
-            raise DatasetError(f"{path!r}: class labels must be >= 0")
+            raise DatasetError(f"{label}: class labels must be >= 0")
         num_classes = int(labels.max()) + 1
     return Dataset("npz", train_x, train_y, test_x, test_y, num_classes=num_classes)
 
 
-def _as_tensor(array: np.ndarray, key: str, path: str) -> torch.Tensor:
+def _as_tensor(array: np.ndarray, key: str, label: str) -> torch.Tensor:
     """Floats become float32 and integers int64 (what models and cross-entropy expect)."""
     if np.issubdtype(array.dtype, np.floating):
         return torch.from_numpy(array.astype(np.float32))
     if np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
         return torch.from_numpy(array.astype(np.int64))
-    raise DatasetError(f"{path!r}: array {key!r} has unsupported dtype {array.dtype}")
+    raise DatasetError(f"{label}: array {key!r} has unsupported dtype {array.dtype}")

@@ -91,7 +91,7 @@ def _result(stage_results: list[dict[str, Any]], states: list[dict[str, torch.Te
 
 # --- one process per stage ---------------------------------------------------------------------------
 
-def _stage_process(conn: Connection, token: str, threads: int, device: str) -> None:
+def _stage_process(conn: Connection, token: str, threads: int, device: str, datasets: dict[str, str]) -> None:
     """Child: serve gRPC, tell the parent the address, run the assigned stage, send back the results."""
     torch.set_num_threads(threads)
     router = Router(wait_for_route=ROUTE_WAIT_S)
@@ -100,7 +100,7 @@ def _stage_process(conn: Connection, token: str, threads: int, device: str) -> N
         conn.send(server.address)
         assignment = StageAssignment.model_validate_json(conn.recv())
         history: list[dict[str, float]] = []
-        runner = StageRunner(assignment, router, device=device, on_metrics=history.append)
+        runner = StageRunner(assignment, router, device=device, on_metrics=history.append, datasets=datasets)
         averager = attach_averager(runner, router, device)
         try:
             metrics = runner.run()
@@ -144,19 +144,21 @@ def _gather(pipes: list[Connection], processes: list[mp.Process], deadline: floa
     return [replies[s] for s in range(len(pipes))]
 
 
-def run_local_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 600,
-                       threads_per_stage: int = 1, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Train `job` as one cluster with one process per stage on 127.0.0.1.
+def run_local_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 600, threads_per_stage: int = 1,
+                       device: str | torch.device = "cpu", datasets: dict[str, str] | None = None) -> dict[str, Any]:
+    """Train `job` as one cluster with one process per stage on 127.0.0.1; `datasets` are the files the
+    stages offer (name -> path, as `ravnest-node join --dataset`).
 
     Returns {"metrics": last stage's final metrics, "stages": every stage's, "history": on_metrics
     reports per stage, "traces": per-stage version records, "state_dict": the merged full model}.
     """
     return run_local_clusters(job, [ranges], timeout=timeout, threads_per_stage=threads_per_stage,
-                              device=device)[0]
+                              device=device, datasets=datasets)[0]
 
 
 def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeout: float = 600,
-                       threads_per_stage: int = 1, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
+                       threads_per_stage: int = 1, device: str | torch.device = "cpu",
+                       datasets: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Train `job` as several clusters (cluster c cut as cluster_ranges[c]) averaging over rings,
     one process per stage on 127.0.0.1; one run_local_pipeline-like result per cluster."""
     flat = [(c, s) for c, ranges in enumerate(cluster_ranges) for s in range(len(ranges))]
@@ -169,7 +171,7 @@ def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeou
         for _ in flat:
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_stage_process, daemon=True,
-                                      args=(child_end, token, threads_per_stage, str(device)))
+                                      args=(child_end, token, threads_per_stage, str(device), dict(datasets or {})))
             process.start()
             child_end.close()
             pipes.append(parent_end)
@@ -284,13 +286,14 @@ def _run_threads(job: JobSpec, cluster_ranges: Sequence[Ranges], timeout: float,
 
 # --- the single-process reference ----------------------------------------------------------------------
 
-def run_single_process(job: JobSpec, *, device: str | torch.device = "cpu") -> dict[str, Any]:
+def run_single_process(job: JobSpec, *, device: str | torch.device = "cpu",
+                       datasets: dict[str, str] | None = None) -> dict[str, Any]:
     """Train the same model (same seed, data stream, optimizer, schedule, steps) in one process with
     plain synchronous SGD; returns {"metrics": ..., "state_dict": ...} like the pipeline runners."""
     training, device = job.training, torch.device(device)
     spec = build_model(job.model.name, job.model.config)
     model = spec.full_model(seed=training.seed, device=device)
-    dataset = load_dataset(job.dataset)
+    dataset = load_dataset(job.dataset, datasets)
     batches = dataset.shard(0, 1).batches(training.batch_size, seed=training.seed)
     optimizer = StageOptimizer(model.parameters(), training)
     clock = StageClock(training.batch_size * training.accumulation)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -51,7 +51,8 @@ class StageRunner:
                  averager: Averager | None = None,
                  peer_timeout: float = 300.0,
                  initial_state: str | Path | None = None,
-                 on_checkpoint: Callable[[int], None] = lambda step: None):
+                 on_checkpoint: Callable[[int], None] = lambda step: None,
+                 datasets: Mapping[str, str | Path] | None = None):
         a, training = assignment, assignment.training
         if not 0 <= a.stage < a.num_stages:
             raise ValueError(f"stage {a.stage} is outside 0..{a.num_stages - 1}")
@@ -92,7 +93,7 @@ class StageRunner:
         self.clock = StageClock(training.batch_size * training.accumulation)
         self.final_metrics: dict[str, float] = {}
         if self.is_first:  # clusters train on disjoint shards, each in its own order
-            self._dataset = load_dataset(a.dataset)
+            self._dataset = load_dataset(a.dataset, datasets)  # only files the volunteer offers
             self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = self._dataset.shard(
                 a.cluster, a.num_clusters).batches(training.batch_size, seed=data_seed(training.seed, a))
 
