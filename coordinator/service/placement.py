@@ -81,14 +81,15 @@ class Placing(ServiceBase):
         now = self.clock()
         for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value)
                                    .order_by(JobRow.created_at)):
-            if now - job.updated_at < self.settings.grow_after_s or jobs.progress(
-                    job, stages_of(session, job.id)).fraction > 0.75:
+            if now - job.updated_at < self.settings.grow_after_s:
                 continue
             spec, current = JobSpec.model_validate(job.spec), self._plan(job)
             newcomers = offering(idle, spec)
             considered = (job.generation, frozenset(node.id for node in newcomers))
             if not newcomers or self._grow_considered.get(job.id) == considered:
                 continue  # planned with these very nodes already (each tick would plan again)
+            if jobs.progress(job, stages_of(session, job.id)).fraction > 0.75:
+                continue  # too little left to be worth a re-plan
             self._grow_considered[job.id] = considered
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id)))
             try:

@@ -171,18 +171,18 @@ class StageRunner:
         """Parameters, buffers and optimizer state (keys "{parameter key}:{state name}") as safetensors,
         to continue from later; returns the step it holds. Call between steps (the worker thread)."""
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.module.state_dict().items()}
-        for key, values in self._optimizer_state().items():
-            state.update((f"{key}:{name}", value.detach().to("cpu").contiguous()) for name, value in values.items())
+        state.update((key, value.detach().to("cpu").contiguous()) for key, value in self._optimizer_state().items())
         step = self.optimizer.steps
         save_file(state, str(path), metadata={"step": str(step)})
         return step
 
-    def _optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+    def _optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the optimizer's per-parameter state, keyed "{parameter key}:{state name}"."""
         optimizer = self.optimizer.optimizer
         if optimizer is None:
             return {}
-        return {key: {name: value for name, value in optimizer.state.get(param, {}).items() if torch.is_tensor(value)}
-                for key, param in self.module.named_parameters() if param in optimizer.state}
+        return {f"{key}:{name}": value for key, param in self.module.named_parameters()
+                for name, value in sorted(optimizer.state.get(param, {}).items()) if torch.is_tensor(value)}
 
     def _load_state(self, path: str | Path, step: int) -> None:
         """The inverse of `save_state`: this stage's blocks exactly, their optimizer state if any."""
@@ -210,15 +210,9 @@ class StageRunner:
         """The optimizer's live per-parameter floating state (e.g. Adam's exp_avg, exp_avg_sq), keyed
         "{parameter key}:{state name}" so every cluster names it alike; empty before the first step.
         Only tensors shaped like their parameter: scalars such as Adam's `step` stay local."""
-        optimizer = self.optimizer.optimizer
-        if optimizer is None:
-            return {}
-        tensors = {}
-        for key, param in self.module.named_parameters():
-            for name, value in sorted(optimizer.state.get(param, {}).items()):
-                if torch.is_tensor(value) and value.is_floating_point() and value.shape == param.shape:
-                    tensors[f"{key}:{name}"] = value
-        return tensors
+        params = dict(self.module.named_parameters())
+        return {key: value for key, value in self._optimizer_state().items()
+                if value.is_floating_point() and value.shape == params[key.split(":", 1)[0]].shape}
 
     # --- gRPC handler threads: validate, then queue ------------------------------------------------
 
