@@ -50,7 +50,7 @@ class LocalCluster:
 
     def _spawn_node(self, extra_args: list[str] = ()) -> subprocess.Popen:
         i = len(self.procs) - 1  # node i is procs[1 + i]
-        return self._spawn(["node.cli", "join", "--coordinator", self.url, "--token", self.join_token,
+        return self._spawn(["node.cli", "join", "--coordinator", self.url, f"--token={self.join_token}",
                             "--name", f"node-{i}", "--threads", str(self.threads_per_node), *self.node_args,
                             *extra_args], f"node-{i}.log")
 
