@@ -28,9 +28,9 @@ from .auth import COOKIE, Authentication
 from .config import Settings
 from .dashboard import render_dashboard, render_login
 from .errors import CoordinatorError, TooLarge
-from .schemas import Health, JobCreated, JobSummary, JobView, NodeView
-from .security import matches
-from .service import Coordinator
+from .schemas import (CredentialCreated, CredentialView, Health, JobCreated, JobSummary, JobView, JoinTokenRequest,
+                      KeyRequest, NodeView)
+from .service import Coordinator, Principal
 
 MAX_PROBE_BYTES = 64 << 20
 SWAGGER_ASSETS = "/static/swagger-ui"
@@ -70,11 +70,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Ravnest coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Takes volunteer nodes in, clusters them, plans jobs over them and tracks them. "
-                              "Every call but /healthz needs a bearer token: the operator's, the join token, or "
-                              "a node's own (see coordinator/auth.py).")
+                              "Every call but /healthz needs a bearer token: an API key (operator, submitter or "
+                              "reader), a join token, or a node's own credential (see coordinator/auth.py and "
+                              "docs/security.md).")
     app.state.service = service
-    app.add_middleware(Authentication, operator_token=service.operator_token, join_token=service.join_token,
-                       node_refusal=service.node_refusal)
+    app.add_middleware(Authentication, identify=service.identify)
+
+    def principal(request: Request) -> Principal:
+        return request.state.principal  # set by the Authentication gate
+
+    def own_jobs(request: Request) -> str | None:
+        """The key whose jobs alone this caller may see and act on; None: every job."""
+        who = principal(request)
+        return None if who.reads_every_job else who.id
+
+    def acting_on(request: Request) -> str | None:
+        """Cancelling, resuming, downloading: an operator acts on any job, a submitter on its own."""
+        who = principal(request)
+        return None if who.is_operator else who.id
 
     @app.exception_handler(CoordinatorError)
     async def coordinator_error(_: Request, error: CoordinatorError) -> JSONResponse:
@@ -112,15 +125,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def login(request: Request) -> Response:
         """The operator token from the form becomes an HttpOnly cookie for the dashboard."""
         token = parse_qs((await request.body())[:4096].decode(errors="replace")).get("token", [""])[0].strip()
-        if not matches(token, service.operator_token):
-            return HTMLResponse(render_login("wrong token"), status_code=401)
+        who = await run_in_threadpool(service.identify, token) if token else "no key given"
+        if isinstance(who, str) or who.kind != "key":
+            return HTMLResponse(render_login(who if isinstance(who, str) else "that is not an API key"),
+                                status_code=401)
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
         return response
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def dashboard() -> str:
-        return render_dashboard(service.list_nodes(), service.list_jobs())
+    def dashboard(request: Request) -> str:
+        return render_dashboard(service.list_nodes(), service.list_jobs(own_jobs(request)))
 
     # --- nodes ---------------------------------------------------------------------------------------
 
@@ -141,33 +156,72 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         service.leave(node_id, authorization)
         return Response(status_code=204)
 
+    @app.post("/v1/nodes/{node_id}/revoke", status_code=204, tags=["nodes"])
+    def revoke_node(node_id: str) -> Response:
+        """The node's credential stops working at once (its next call is refused); a job it held is
+        re-planned without it."""
+        service.revoke_node(node_id)
+        return Response(status_code=204)
+
+    # --- credentials (operator) ----------------------------------------------------------------------
+
+    @app.post("/v1/join-tokens", response_model=CredentialCreated, status_code=201, tags=["credentials"])
+    def create_join_token(body: JoinTokenRequest) -> CredentialCreated:
+        """A token volunteers join with, maybe expiring and for a number of joins; shown only now."""
+        return service.create_credential(body)
+
+    @app.get("/v1/join-tokens", response_model=list[CredentialView], tags=["credentials"])
+    def list_join_tokens() -> list[CredentialView]:
+        return service.list_credentials("join")
+
+    @app.delete("/v1/join-tokens/{token_id}", status_code=204, tags=["credentials"])
+    def revoke_join_token(token_id: str, request: Request) -> Response:
+        """Nobody joins with it any more; nodes that joined with it stay (revoke them one by one)."""
+        service.revoke_credential("join", token_id, principal(request))
+        return Response(status_code=204)
+
+    @app.post("/v1/keys", response_model=CredentialCreated, status_code=201, tags=["credentials"])
+    def create_key(body: KeyRequest) -> CredentialCreated:
+        """An API key with a role (operator, submitter, reader); shown only now."""
+        return service.create_credential(body)
+
+    @app.get("/v1/keys", response_model=list[CredentialView], tags=["credentials"])
+    def list_keys() -> list[CredentialView]:
+        return service.list_credentials("key")
+
+    @app.delete("/v1/keys/{key_id}", status_code=204, tags=["credentials"])
+    def revoke_key(key_id: str, request: Request) -> Response:
+        service.revoke_credential("key", key_id, principal(request))
+        return Response(status_code=204)
+
     # --- jobs ----------------------------------------------------------------------------------------
 
     @app.post("/v1/jobs", response_model=JobCreated, status_code=201, tags=["jobs"])
-    def submit(spec: JobSpec) -> JobCreated:
-        return service.submit(spec)
+    def submit(spec: JobSpec, request: Request) -> JobCreated:
+        return service.submit(spec, owner=principal(request).id)
 
     @app.get("/v1/jobs", response_model=list[JobSummary], tags=["jobs"])
-    def list_jobs() -> list[JobSummary]:
-        return service.list_jobs()
+    def list_jobs(request: Request) -> list[JobSummary]:
+        """Every job for operator and reader keys; a submitter's own jobs for a submitter key."""
+        return service.list_jobs(own_jobs(request))
 
     @app.get("/v1/jobs/{job_id}", response_model=JobView, tags=["jobs"])
-    def get_job(job_id: str) -> JobView:
-        return service.get_job(job_id)
+    def get_job(job_id: str, request: Request) -> JobView:
+        return service.get_job(job_id, own_jobs(request))
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, tags=["jobs"])
-    def cancel(job_id: str) -> JobView:
-        return service.cancel(job_id)
+    def cancel(job_id: str, request: Request) -> JobView:
+        return service.cancel(job_id, acting_on(request))
 
     @app.post("/v1/jobs/{job_id}/resume", response_model=JobView, tags=["jobs"])
-    def resume(job_id: str) -> JobView:
+    def resume(job_id: str, request: Request) -> JobView:
         """Continue a failed or cancelled job from its last checkpoint, on the nodes there are now."""
-        return service.resume(job_id)
+        return service.resume(job_id, acting_on(request))
 
     @app.get("/v1/jobs/{job_id}/model", tags=["jobs"], response_class=FileResponse,
              responses={200: {"content": {"application/octet-stream": {}}, "description": "safetensors"}})
-    def download_model(job_id: str) -> FileResponse:
-        return FileResponse(service.model_file(job_id), media_type="application/octet-stream",
+    def download_model(job_id: str, request: Request) -> FileResponse:
+        return FileResponse(service.model_file(job_id, acting_on(request)), media_type="application/octet-stream",
                             filename=f"{job_id}.safetensors")
 
     # --- node-facing job endpoints -------------------------------------------------------------------

@@ -1,14 +1,19 @@
 """Who may call what, decided from the request line and headers alone, before any body is read.
 
     open       /healthz, the API docs and their assets, /login
-    join       POST /v1/nodes (joining), GET /v1/probe (bandwidth, before joining): the join token
+    join       POST /v1/nodes (joining), GET /v1/probe (bandwidth, before joining): a join token
     node       a node's own calls: heartbeat and leave (/v1/nodes/{id}/...), its job reports and
-               uploads (/v1/jobs/{id}/metrics|fail|weights|checkpoint|state): that node's token
-    operator   everything else (jobs, the node list, the dashboard): the operator token, as a
-               bearer header or the cookie /login sets
+               uploads (/v1/jobs/{id}/metrics|fail|weights|checkpoint|state): that node's credential
+    reader     seeing jobs and nodes (GET /v1/jobs[/{id}], GET /v1/nodes, the dashboard): any API key;
+               a submitter's key sees its own jobs only
+    submitter  submitting, and cancelling, resuming and downloading a job: a submitter key (its own
+               jobs, checked by the service) or an operator key
+    operator   everything else (join tokens, keys, revoking nodes): an operator key
 
-The operator token is also accepted for joining. The service checks finer rules on top (a node may
-only report on its own stage); this gate makes sure a stranger never gets as far as a parsed body.
+A key is sent as a bearer header, or as the cookie /login sets for the dashboard. An operator key
+may also join. The principal the token belongs to is handed on in `scope["state"]["principal"]`;
+the service checks finer rules on top (a node reports only on its own stage, a submitter acts on
+its own jobs). A stranger never gets as far as a parsed body.
 """
 from __future__ import annotations
 
@@ -19,71 +24,89 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .security import matches
-
 OPEN_PATHS = {"/healthz", "/docs", "/openapi.json", "/login"}
 OPEN_PREFIXES = ("/static/",)  # the docs' assets
 NODE_REPORTS = {"metrics", "fail", "weights", "checkpoint", "state"}
-COOKIE = "ravnest_operator"
+SUBMITTER_ACTIONS = {"cancel", "resume", "model"}
+COOKIE = "ravnest_key"
 
 
-def required(method: str, path: str) -> tuple[str, str | None]:
-    """("open" | "join" | "node" | "operator", the node id the path names, if any)."""
+def required(method: str, path: str) -> str:
+    """"open" | "join" | "node" | "reader" | "submitter" | "operator": what a call needs."""
     if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
-        return "open", None
+        return "open"
     parts = path.strip("/").split("/")
-    if parts[:2] == ["v1", "nodes"]:
-        if len(parts) == 2 and method == "POST":
-            return "join", None
-        if (len(parts) == 3 and method == "DELETE") or (len(parts) == 4 and parts[3] == "heartbeat"):
-            return "node", parts[2]
+    if path == "/" and method == "GET":
+        return "reader"
     if parts == ["v1", "probe"]:
-        return "join", None
-    if parts[:2] == ["v1", "jobs"] and len(parts) == 4 and parts[3] in NODE_REPORTS:
-        return "node", None
-    return "operator", None
+        return "join"
+    if parts[:2] == ["v1", "nodes"]:
+        if len(parts) == 2:
+            return "join" if method == "POST" else "reader"
+        if (len(parts) == 3 and method == "DELETE") or (len(parts) == 4 and parts[3] == "heartbeat"):
+            return "node"
+    if parts[:2] == ["v1", "jobs"]:
+        if len(parts) == 4 and parts[3] in NODE_REPORTS:
+            return "node"
+        if len(parts) == 2:
+            return "submitter" if method == "POST" else "reader"
+        if len(parts) == 3 and method == "GET":
+            return "reader"
+        if len(parts) == 4 and parts[3] in SUBMITTER_ACTIONS:
+            return "submitter"
+    return "operator"
+
+
+def refusal(needed: str, who) -> str | None:
+    """Why `who` (a Principal) may not make a call that needs `needed`; None if it may."""
+    allowed = {"join": who.kind == "join" or who.is_operator,
+               "node": who.kind == "node",
+               "reader": who.kind == "key",
+               "submitter": who.kind == "key" and who.role in ("submitter", "operator"),
+               "operator": who.is_operator}[needed]
+    if allowed:
+        return None
+    needs = {"join": "a join token", "node": "the node's own credential", "reader": "an API key",
+             "submitter": "a submitter or operator key", "operator": "an operator key"}[needed]
+    return f"this needs {needs}, not the {who.describe()}"
 
 
 class Authentication:
-    """ASGI middleware: refuses with 401 and the reason what `required` says needs a credential the
-    request does not carry. `node_refusal(token, node_id)` looks a node's token up in the store and
-    says why it is refused, or None."""
+    """ASGI middleware: 401 with the reason for a missing, unknown, expired or revoked token, 403 for
+    a known one that may not make this call. `identify(token)` returns the Principal or a refusal."""
 
-    def __init__(self, app: ASGIApp, *, operator_token: str, join_token: str,
-                 node_refusal: Callable[[str, str | None], str | None]):
+    def __init__(self, app: ASGIApp, *, identify: Callable[[str], object]):
         self.app = app
-        self.operator_token, self.join_token = operator_token, join_token
-        self.node_refusal = node_refusal
+        self.identify = identify
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        kind, node_id = required(scope["method"], scope["path"])
-        refusal = None if kind == "open" else await self._refusal(kind, node_id, Headers(scope=scope))
-        if refusal is None:
+        needed = required(scope["method"], scope["path"])
+        if needed == "open":
             await self.app(scope, receive, send)
             return
-        if scope["path"] == "/" and scope["method"] == "GET":  # a person at the dashboard: log in first
-            response = RedirectResponse("/login", status_code=303)
-        else:
-            response = JSONResponse({"detail": refusal}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-    async def _refusal(self, kind: str, node_id: str | None, headers: Headers) -> str | None:
+        headers = Headers(scope=scope)
         scheme, _, token = headers.get("authorization", "").partition(" ")
         token = token.strip() if scheme.lower() == "bearer" else ""
-        if kind == "operator" and not token:
+        if not token and needed in ("reader", "submitter", "operator"):
             token = _cookie(headers.get("cookie", ""), COOKIE)
-        if not token:
-            return "missing 'Authorization: Bearer <token>' header"
-        if matches(token, self.operator_token):
-            return None if kind in ("operator", "join") else "the operator's token is not a node's"
-        if kind == "join":
-            return None if matches(token, self.join_token) else "wrong join token"
-        if kind == "node":
-            return await run_in_threadpool(self.node_refusal, token, node_id)
-        return "this needs the operator's token"
+        who = (await run_in_threadpool(self.identify, token) if token
+               else "missing 'Authorization: Bearer <token>' header")
+        if isinstance(who, str):
+            status, reason = 401, who
+        else:
+            status, reason = 403, refusal(needed, who)
+        if reason is None:
+            scope.setdefault("state", {})["principal"] = who
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] == "/" and scope["method"] == "GET" and status == 401:  # a person: log in first
+            response = RedirectResponse("/login", status_code=303)
+        else:
+            response = JSONResponse({"detail": reason}, status_code=status, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 def _cookie(header: str, name: str) -> str:

@@ -26,12 +26,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default: 3 intervals)")
     parser.add_argument("--recovery-wait", type=float, default=120.0,
                         help="most seconds a re-planned job waits for its live nodes to hand in their state")
+    parser.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                        help="serve HTTPS with this certificate (with --tls-key; see docs/security.md)")
+    parser.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the certificate's private key")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("ravnest-coordinator: --tls-cert and --tls-key go together")
     timeout = args.heartbeat_timeout or 3 * args.heartbeat_interval
     if args.heartbeat_interval <= 0 or timeout <= args.heartbeat_interval:
         raise SystemExit("ravnest-coordinator: --heartbeat-timeout must exceed --heartbeat-interval (> 0)")
@@ -46,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ravnest-coordinator: data in {data}; operator token in {data / 'operator_token'} (jobs, nodes, "
           f"dashboard); join token " + ("given with --token" if args.token else f"in {data / 'join_token'}")
           + " (ravnest-node join --token ...)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
+                ssl_keyfile=str(args.tls_key) if args.tls_key else None)
 
 
 if __name__ == "__main__":

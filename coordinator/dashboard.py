@@ -31,7 +31,8 @@ def render_login(error: str = "") -> str:
     message = f"<p style='color:#b00'>{escape(error)}</p>" if error else ""
     return ("<!doctype html><html><head><meta charset='utf-8'><title>Ravnest coordinator: log in</title></head>"
             "<body style='font-family:sans-serif'><h1>Ravnest coordinator</h1>" + message +
-            "<form method='post' action='/login'><label>Operator token "
+            "<form method='post' action='/login'><label>API key "
             "<input type='password' name='token' autocomplete='current-password' autofocus></label> "
-            "<button>Log in</button></form><p>The token is in the coordinator's data directory "
-            "(<code>operator_token</code>); the coordinator's log says where.</p></body></html>")
+            "<button>Log in</button></form><p>Any API key works (an operator's, a submitter's, a reader's). The "
+            "operator's is in the coordinator's data directory (<code>operator_token</code>); the coordinator's "
+            "log says where.</p></body></html>")

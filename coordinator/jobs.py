@@ -120,8 +120,9 @@ def _check_optimizer(spec: JobSpec) -> None:
         raise InvalidRequest(f"optimizer {optimizer.name}: {e}") from e
 
 
-def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str) -> StageAssignment:
-    """What the node running `stage` of `cluster` needs to know, rings included."""
+def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
+               peer_credentials: dict[str, str]) -> StageAssignment:
+    """What the node running `stage` of `cluster` needs to know, rings and credentials included."""
     spec = JobSpec.model_validate(job.spec)
     stages = plan.clusters[cluster].stages
     peer = lambda s: StagePeer(node_id=stages[s].node_id, address=stages[s].address)  # noqa: E731
@@ -133,7 +134,8 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str) ->
     planned = stages[stage]
     return StageAssignment(
         job_id=job.id, generation=job.generation, resume_step=(job.resume or {}).get("step", 0),
-        checkpoint_every=spec.checkpoints.every if cluster == 0 else 0, token=token, cluster=cluster,
+        checkpoint_every=spec.checkpoints.every if cluster == 0 else 0, token=token,
+        peer_credentials=peer_credentials, cluster=cluster,
         num_clusters=len(plan.clusters), stage=stage, num_stages=len(stages), blocks=planned.blocks,
         input_shape=planned.input_shape, input_dtype=planned.input_dtype,
         predicted_memory_bytes=planned.predicted_memory_bytes, model=spec.model, dataset=spec.dataset,

@@ -146,3 +146,40 @@ class JobCreated(BaseModel):
     id: str
     state: str
     reason: str = ""
+
+
+ROLES = ("operator", "submitter", "reader")
+MAX_LIFETIME_S = 366 * 86400.0
+
+
+class JoinTokenRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+    name: str = Field("", max_length=128, description="what it is for, e.g. 'lab machines, November'")
+    expires_in_s: float | None = Field(None, gt=0, le=MAX_LIFETIME_S, description="seconds it stays valid; "
+                                                                                   "None: until revoked")
+    uses: int | None = Field(None, ge=1, le=1_000_000, description="joins it admits; None: unlimited")
+
+
+class KeyRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+    name: str = Field("", max_length=128, description="whose key, e.g. 'alice'")
+    role: str = Field(pattern="^(operator|submitter|reader)$",
+                      description="operator: everything; submitter: submits jobs and sees, cancels, resumes and "
+                                  "downloads its own; reader: sees every job and node, changes nothing")
+    expires_in_s: float | None = Field(None, gt=0, le=MAX_LIFETIME_S)
+
+
+class CredentialView(BaseModel):
+    id: str
+    kind: str = Field(description="join | key")
+    role: str | None = None
+    name: str
+    created_at: float
+    expires_at: float | None = None
+    uses_left: int | None = Field(None, description="join tokens: joins left; None: unlimited")
+    used: int = 0
+    revoked_at: float | None = None
+
+
+class CredentialCreated(CredentialView):
+    token: str = Field(description="shown once: only its hash is kept")

@@ -41,12 +41,6 @@ def bearer_token(authorization: str | None) -> str:
     return token.strip()
 
 
-def check_join_token(authorization: str | None, *accepted: str | None) -> None:
-    offered = bearer_token(authorization)
-    if not any(matches(offered, token) for token in accepted):
-        raise Unauthorized("wrong join token")
-
-
 def derive_token(secret: str, *parts: str) -> str:
     """A credential computed from the coordinator's secret and what it is for (e.g. a job and its
     generation): the same after a restart, never stored, different for every job and generation."""

@@ -28,7 +28,9 @@ class NodeRow(Base):
     name: Mapped[str] = mapped_column(String(128), default="")
     address: Mapped[str] = mapped_column(String(256))
     profile: Mapped[dict[str, Any]] = mapped_column(JSON)
-    token_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)  # None once it left
+    token_hash: Mapped[str] = mapped_column(String(64), index=True)
+    token_expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # pushed on by every heartbeat
+    credential_ended: Mapped[str | None] = mapped_column(String(16), nullable=True)  # None | "left" | "revoked"
     state: Mapped[str] = mapped_column(String(16), index=True)  # idle | busy | gone
     joined_at: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float, index=True)
@@ -39,6 +41,7 @@ class JobRow(Base):
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(ID, primary_key=True)
     name: Mapped[str] = mapped_column(String(256), default="")
+    owner: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)  # the submitting key's id
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(String(16), index=True)
     reason: Mapped[str] = mapped_column(Text, default="")
@@ -80,6 +83,22 @@ class CheckpointRow(Base):
     block_end: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer, index=True)
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class CredentialRow(Base):
+    """A credential the operator handed out, stored as its hash: a join token (volunteers join with
+    it, maybe a limited number of times) or an API key with a role (operator, submitter, reader)."""
+    __tablename__ = "credentials"
+    id: Mapped[str] = mapped_column(ID, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), index=True)  # join | key
+    role: Mapped[str | None] = mapped_column(String(16), nullable=True)  # keys only
+    name: Mapped[str] = mapped_column(String(128), default="")
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    uses_left: Mapped[int | None] = mapped_column(Integer, nullable=True)  # join tokens; None: unlimited
+    used: Mapped[int] = mapped_column(Integer, default=0)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class LinkRow(Base):

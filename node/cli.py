@@ -17,6 +17,7 @@ from node.daemon import NodeDaemon
 from node.profiler import parse_size, pick_device
 from node.progress import Progress
 from ravnest.spec import DATASET_NAME
+from ravnest import wire
 from ravnest.wire import faults
 from ravnest.wire.faults import LinkFaults
 
@@ -68,13 +69,28 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--inject-fault", type=_faults, default=None, metavar="SPEC",
                       help="for fault tests: 'delay=SECONDS,sever_after=N,to=HOST:PORT' slows this node's "
                            "outbound messages and cuts one stream off (see ravnest/wire/faults.py)")
+    join.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                      help="serve gRPC over TLS with this certificate (with --tls-key; make them with "
+                           "scripts/make_certs.py, see docs/security.md)")
+    join.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the certificate's private key")
+    join.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                      help="verify peers' gRPC servers and an https:// coordinator against this CA certificate; "
+                           "peers are then dialled over TLS only")
     join.add_argument("--wait", type=float, default=60.0,
                       help="seconds to keep trying while the coordinator is not reachable yet")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    for path in (args.tls_cert, args.tls_key, args.tls_ca):
+        if path is not None and not path.is_file():
+            parser.error(f"{path}: no such file")
+    if args.tls_ca:
+        wire.use_tls(args.tls_ca.read_bytes())
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = Progress()
@@ -85,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C and SIGTERM end the node gracefully: stop the stage, tell the coordinator, exit.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    client = CoordinatorClient(args.coordinator, join_token=args.token)
+    client = CoordinatorClient(args.coordinator, join_token=args.token,
+                               verify=str(args.tls_ca) if args.tls_ca else True)
     try:
         client.wait_until_reachable(args.wait, stop)
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
                             advertise=args.advertise, name=args.name, progress=progress,
-                            max_memory=args.max_memory, datasets=dict(args.dataset))
+                            max_memory=args.max_memory, datasets=dict(args.dataset),
+                            tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         daemon.serve(stop)
     except (CoordinatorError, httpx.HTTPError) as e:
         progress.log(f"error: cannot work with the coordinator at {args.coordinator}: {e}")

@@ -37,9 +37,11 @@ def must_arrive(call):
 
 
 class CoordinatorClient:
-    def __init__(self, url: str, *, join_token: str | None = None, timeout: float = 30.0):
-        # the join token also opens /v1/probe (bandwidth, measured before joining); node calls send their own
-        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout,
+    def __init__(self, url: str, *, join_token: str | None = None, timeout: float = 30.0,
+                 verify: str | bool = True):
+        # the join token also opens /v1/probe (bandwidth, measured before joining); node calls send their own.
+        # `verify`: a CA file for an https:// coordinator whose certificate a private CA signed
+        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, verify=verify,
                                  headers={"Authorization": f"Bearer {join_token}"} if join_token else None)
         self._join_token = join_token
         self.node_id: str | None = None

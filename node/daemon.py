@@ -22,7 +22,7 @@ from ravnest.averaging import make_averager
 from ravnest.pipeline.memory import release_free_memory
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
-from ravnest.wire import PeerServer, Router
+from ravnest.wire import PeerGate, PeerServer, Router
 
 T = TypeVar("T")
 SCRATCH_PREFIX = "ravnest-job-"  # + pid: a job's scratch folder in the temporary directory
@@ -108,7 +108,7 @@ class NodeDaemon:
     def __init__(self, client: CoordinatorClient, *, device: torch.device, host: str = "127.0.0.1",
                  port: int = 0, advertise: str | None = None, name: str = "",
                  progress: Progress | None = None, max_memory: int | None = None,
-                 datasets: dict[str, Path] | None = None):
+                 datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None):
         self.client = client
         self.datasets = dict(datasets or {})  # name -> file this volunteer offers to jobs
         self.max_memory = max_memory
@@ -116,10 +116,8 @@ class NodeDaemon:
         self.name = name
         self.progress = progress or Progress()
         self.router = Router(wait_for_route=60.0)  # peers of a job get their assignments at different heartbeats
-        self._job_tokens: set[str] = set()
-        self._probe_tokens: set[str] = set()  # the coordinator's, once joined: peers may Ping us
-        self.server = PeerServer(self.router, host, port, token=lambda: self._job_tokens,
-                                 ping_token=lambda: self._probe_tokens)
+        self.gate = PeerGate()  # the job's planned peers may call; the coordinator's probe token may Ping
+        self.server = PeerServer(self.router, host, port, gate=self.gate, tls=tls)  # tls: (certificate, key) PEM
         self._prober: LinkProber | None = None
         self._note = ""  # the coordinator's last word on why this node is idle
         self.address = f"{advertise or host}:{self.server.port}"
@@ -134,7 +132,7 @@ class NodeDaemon:
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
         if joined.probe_token:
-            self._probe_tokens = {joined.probe_token}
+            self.gate.set_probe_tokens([joined.probe_token])
             self._prober = LinkProber(joined.probe_token)
         try:
             while not stop.is_set():
@@ -160,7 +158,12 @@ class NodeDaemon:
         links = self._prober.take() if self._prober else []
         try:
             reply = self.client.heartbeat(self._running_job_id(), links)
-        except (httpx.HTTPError, CoordinatorError) as e:
+        except CoordinatorError as e:
+            if e.status == 401:  # revoked, expired or forgotten: retrying cannot help; stop and say why
+                raise
+            self.progress.log(f"heartbeat failed, will retry: {e}")
+            return
+        except httpx.HTTPError as e:
             self.progress.log(f"heartbeat failed, will retry: {e}")
             return
         if reply.probe and self._prober:
@@ -186,7 +189,7 @@ class NodeDaemon:
         predicted = f", predicted memory {a.predicted_memory_bytes / 2**20:.0f} MiB" if a.predicted_memory_bytes else ""
         resumed = f", continuing from step {a.resume_step}" if a.resume_step else ""
         self.progress.log(f"{prefix}: blocks {a.blocks[0]}..{a.blocks[1] - 1}{predicted}{resumed}")
-        self._job_tokens.add(a.token)
+        self.gate.admit(f"{a.job_id}/{a.generation}", a.peer_credentials, a.planned_peers())
         scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))  # checkpoints on their way out
         reporter = BackgroundSender(lambda report: self.client.report_metrics(a.job_id, report), capacity=64,
                                     name="metrics-reporter")
@@ -251,7 +254,7 @@ class NodeDaemon:
             if runner is not None and runner.averager is not None:
                 runner.averager.close()  # leave the job's rings: the next job joins its own
             self._finished.add(job.key)
-            self._job_tokens.discard(a.token)
+            self.gate.dismiss(f"{a.job_id}/{a.generation}")
             self.router.clear()
             runner = job.runner = None
             shutil.rmtree(scratch, ignore_errors=True)

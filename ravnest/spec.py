@@ -117,7 +117,11 @@ class StageAssignment(_Strict):
     generation: int = Field(0, description="how many times the job was re-planned (after a loss, or a resume)")
     resume_step: int = Field(0, description="the step training continues from; > 0: fetch this stage's state "
                                             "(parameters, optimizer state) from the coordinator first")
-    token: str = Field(description="job-scoped credential for gRPC between this job's nodes")
+    token: str = Field(description="this node's own gRPC credential for this job generation")
+    peer_credentials: dict[str, str] = Field(
+        default_factory=dict, max_length=100_000,
+        description="node id -> SHA-256 (hex) of its credential, for every node of this job generation: calls "
+                    "are accepted from the neighbours and ring peers named here, and no stage can pose as another")
     cluster: int
     num_clusters: int
     stage: int
@@ -136,6 +140,12 @@ class StageAssignment(_Strict):
     next: StagePeer | None = None
     rings: list[Ring] = Field(default_factory=list, description="rings this node is a member of")
     checkpoint_every: int = Field(0, description="steps between checkpoints this stage uploads; 0 = none")
+
+    def planned_peers(self) -> set[str]:
+        """The nodes that may call this stage: its pipeline neighbours and the other members of its rings."""
+        peers = {p.node_id for p in (self.prev, self.next) if p is not None}
+        peers.update(member.node_id for ring in self.rings for member in ring.members)
+        return peers
 
 
 # --- node <-> coordinator REST bodies -------------------------------------------------------------

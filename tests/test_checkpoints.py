@@ -97,4 +97,4 @@ def test_a_torn_checkpoint_upload_changes_nothing_and_resume_uses_the_last_compl
             assert state.keys() == expected.keys() and all(torch.equal(state[k], v) for k, v in expected.items())
         # someone else's state is not handed out
         r = http.get(f"/v1/jobs/{job_id}/state", params={"cluster": 0, "stage": 0})
-        assert r.status_code == 401
+        assert r.status_code == 403 and "node's own credential" in r.json()["detail"]

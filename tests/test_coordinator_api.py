@@ -214,7 +214,8 @@ def test_bad_requests_are_refused_and_write_nothing(client: TestClient) -> None:
     assert client.post("/v1/jobs/nope/cancel").status_code == 404
     r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={}, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["detail"]
-    assert client.post(f"/v1/nodes/{node_id}/heartbeat", json={}).status_code == 401
+    r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={})  # with the operator's key: not a node's call
+    assert r.status_code == 403 and "node's own credential" in r.json()["detail"]
     assert client.post("/v1/nodes/nope/heartbeat", json={}, headers=auth).status_code == 404
     assert client.delete(f"/v1/nodes/{node_id}", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert counts(client) == before
@@ -530,20 +531,20 @@ def test_secure_by_default_every_job_and_node_endpoint_needs_a_credential(tmp_pa
             assert r.status_code == 401, (path, r.text)
         # each credential opens only its own doors
         as_node = client.post("/v1/jobs", json=job, headers=node_auth)
-        assert as_node.status_code == 401 and "operator" in as_node.json()["detail"]
+        assert as_node.status_code == 403 and "submitter or operator key" in as_node.json()["detail"]
         as_joiner = client.get("/v1/jobs", headers={"Authorization": f"Bearer {join_token}"})
-        assert as_joiner.status_code == 401 and counts(client) == (1, 0, 0)
+        assert as_joiner.status_code == 403 and counts(client) == (1, 0, 0)
         r = client.post("/v1/jobs", json=job, headers={"Authorization": f"Bearer {operator}"})
         assert r.status_code == 201 and counts(client)[1] == 1
 
 
-def test_the_dashboard_asks_for_the_operator_token_once(client: TestClient) -> None:
+def test_the_dashboard_asks_for_a_key_once(client: TestClient) -> None:
     anonymous = {"Authorization": ""}
     r = client.get("/", headers=anonymous, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/login"
-    assert "Operator token" in client.get("/login", headers=anonymous).text
+    assert "API key" in client.get("/login", headers=anonymous).text
     r = client.post("/login", data={"token": "guess"}, headers=anonymous, follow_redirects=False)
-    assert r.status_code == 401 and "wrong token" in r.text
+    assert r.status_code == 401 and "unknown token" in r.text
     r = client.post("/login", data={"token": OPERATOR_TOKEN}, headers=anonymous, follow_redirects=False)
     assert r.status_code == 303 and "httponly" in r.headers["set-cookie"].lower()
     assert client.get("/", headers=anonymous).status_code == 200  # the cookie is kept by the client

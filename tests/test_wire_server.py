@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
-from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, PeerServer, Router, WireError,
-                          WireLimits, measure_link, ping)
+from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, PeerGate, PeerServer, Router, WireError,
+                          WireLimits, credential_hash, measure_link, ping)
 from ravnest.wire.messages import message_frames
 from ravnest.wire.transport import GRPC_OPTIONS, STREAM_METHOD, _server_options
 
@@ -258,6 +258,37 @@ def test_ping_token_opens_ping_only() -> None:
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert node.received.empty()
         node.assert_serves_a_good_stream(token="job-secret")
+    finally:
+        node.server.stop(0)
+
+
+def test_a_node_accepts_only_its_planned_peers_and_no_forged_or_ended_credential() -> None:
+    """Per-node credentials: the node knows only their hashes, so a member of the job cannot pose as
+    another; a member its plan does not name is PERMISSION_DENIED; an unknown credential (a forgery,
+    another job's, an ended job's) is UNAUTHENTICATED."""
+    gate = PeerGate()
+    gate.set_probe_tokens(["probe"])
+    tokens = {"prev": "rvn_prev-secret", "next": "rvn_next-secret", "far": "rvn_far-secret"}
+    gate.admit("job/0", {node: credential_hash(t) for node, t in tokens.items()}, allowed={"prev", "next"})
+    gate.admit("other/0", {"x": credential_hash("rvn_other-job")}, allowed=set())
+    node = Node(gate=gate)
+    try:
+        node.assert_serves_a_good_stream(token=tokens["prev"])
+        assert ping(node.server.address, token="probe") > 0 and ping(node.server.address, token=tokens["next"]) > 0
+        for token, code, reason in (
+                (tokens["far"], grpc.StatusCode.PERMISSION_DENIED, "node far is not a pipeline neighbour"),
+                ("rvn_other-job", grpc.StatusCode.PERMISSION_DENIED, "node x is not"),
+                (credential_hash(tokens["prev"]), grpc.StatusCode.UNAUTHENTICATED, "wrong peer token"),  # its hash
+                ("rvn_forged", grpc.StatusCode.UNAUTHENTICATED, "wrong peer token"),
+                ("probe", grpc.StatusCode.UNAUTHENTICATED, "wrong peer token")):  # Ping only
+            with pytest.raises(grpc.RpcError) as info:
+                raw_stream(node.server.address, list(message_frames(Message("abort"))), token=token)
+            assert info.value.code() == code and reason in info.value.details(), token
+        gate.dismiss("job/0")  # the job ended here: its credentials end with it
+        with pytest.raises(grpc.RpcError) as info:
+            ping(node.server.address, token=tokens["prev"])
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert node.received.qsize() == 0
     finally:
         node.server.stop(0)
 

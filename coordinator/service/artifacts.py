@@ -134,9 +134,9 @@ class Artifacts(ServiceBase):
             sources = job.resume["sources"]
         files.assemble(self.job_dir(job_id), sources, blocks, target)
 
-    def model_file(self, job_id: str) -> Path:
+    def model_file(self, job_id: str, owner: str | None = None) -> Path:
         with self.store.session() as session:
-            job = self._job(session, job_id)
+            job = self._job(session, job_id, owner)
             if job.state != JobState.COMPLETED.value:
                 raise Conflict(f"job {job_id} is {job.state}; the model is available once it is completed")
         return self.job_dir(job_id) / "model.safetensors"

@@ -20,7 +20,7 @@ from ..config import Settings
 from ..errors import Forbidden, NotFound, Unauthorized
 from ..schemas import Plan
 from ..security import bearer_token, derive_token, hash_token, token_file
-from ..store import JobRow, NodeRow, StageRow, Store, stage_of_node
+from ..store import CredentialRow, JobRow, NodeRow, StageRow, Store, stage_of_node
 
 IDLE, BUSY, GONE = "idle", "busy", "gone"
 HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header on top of the tensors' bytes
@@ -28,6 +28,7 @@ OPTIMIZER_STATE_FACTOR = 3  # a checkpoint holds parameters plus at most this ma
 PERIODIC = "periodic"  # the other kind of stored state is "snapshot", handed in at a re-plan
 LOST, GROW, RESUME = "lost", "grow", "resume"  # why a job was re-planned
 MAX_LINKS_PER_NODE = 16  # a node stops being asked for probes once it measured this many links
+ROOT_OPERATOR, ROOT_JOIN = "operator", "join"  # ids of the credentials kept in files (or given with --token)
 
 
 @functools.lru_cache(maxsize=32)
@@ -64,15 +65,33 @@ class ServiceBase:
         self.operator_token = settings.operator_token or token_file(settings.data_dir / "operator_token")
         self.join_token = settings.join_token or token_file(settings.data_dir / "join_token")
         self._secret = token_file(settings.data_dir / "secret")  # job credentials derive from it
+        self._install_root_credentials()
         self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
         self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
         # job -> (generation, idle node ids) it was last planned with, to grow it onto them
         self._grow_considered: dict[str, tuple[int, frozenset[str]]] = {}
 
-    def _job(self, session: Session, job_id: str) -> JobRow:
+    def _install_root_credentials(self) -> None:
+        """The operator token and the default join token are credentials like any other (listed,
+        revocable). A revoked one stays revoked across restarts; a new file or --token replaces it."""
+        with self.store.session() as session:
+            roots = ((ROOT_OPERATOR, "key", "operator", "operator token (data directory)", self.operator_token),
+                     (ROOT_JOIN, "join", None, "default join token", self.join_token))
+            for row_id, kind, role, name, token in roots:
+                row = session.get(CredentialRow, row_id)
+                if row is None:
+                    session.add(CredentialRow(id=row_id, kind=kind, role=role, name=name, token_hash=hash_token(token),
+                                              created_at=self.clock(), used=0))
+                elif row.token_hash != hash_token(token):
+                    row.token_hash, row.revoked_at, row.created_at = hash_token(token), None, self.clock()
+
+    def _job(self, session: Session, job_id: str, owner: str | None = None) -> JobRow:
+        """The job; with `owner`, only if that key submitted it."""
         job = session.get(JobRow, job_id)
         if job is None:
             raise NotFound(f"no job {job_id}")
+        if owner is not None and job.owner != owner:
+            raise Forbidden(f"job {job_id} was submitted with another key; a submitter acts on its own jobs only")
         return job
 
     def _job_member(self, session: Session, job_id: str, authorization: str | None,
@@ -86,9 +105,10 @@ class ServiceBase:
             raise Forbidden(f"node {node.id} is not part of job {job_id}")
         return job, stage
 
-    def job_token(self, job: JobRow) -> str:
-        """The gRPC credential of the job's current generation (derived, so the database holds none)."""
-        return derive_token(self._secret, "job", job.id, str(job.generation))
+    def peer_token(self, job: JobRow, node_id: str) -> str:
+        """`node_id`'s gRPC credential in the job's current generation: derived, so the database holds
+        none; the other nodes of the job get only its hash."""
+        return derive_token(self._secret, "peer", job.id, str(job.generation), node_id)
 
     def _plan(self, job: JobRow) -> Plan:
         if job.id not in self._plans:  # parsed once per process; the store keeps it across restarts
@@ -100,7 +120,20 @@ class ServiceBase:
         node = session.scalars(select(NodeRow).where(NodeRow.token_hash == token_hash)).first()
         if node is None:
             raise Unauthorized("unknown node token")
+        refusal = node_refusal(node, self.clock())
+        if refusal:
+            raise Unauthorized(refusal)
         return node
+
+
+def node_refusal(node: NodeRow, now: float) -> str | None:
+    if node.credential_ended == "revoked":
+        return f"node {node.id}'s credential was revoked by the operator"
+    if node.credential_ended == "left":
+        return f"node {node.id} has left; join again"
+    if node.token_expires_at is not None and now >= node.token_expires_at:
+        return f"node {node.id}'s credential expired (no heartbeat for too long); join again"
+    return None
 
 
 def undelivered(session: Session, job_id: str) -> int:

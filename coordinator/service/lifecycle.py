@@ -15,13 +15,14 @@ from .base import RESUME, ServiceBase, costs_of
 
 
 class JobLifecycle(ServiceBase):
-    def submit(self, spec: JobSpec) -> JobCreated:
+    def submit(self, spec: JobSpec, owner: str | None = None) -> JobCreated:
+        """`owner`: the id of the submitting key (a submitter sees and acts on its own jobs only)."""
         jobs.validate_spec(spec)
         costs_of(spec)  # profile now, outside the lock, so placing later never stalls heartbeats
         now = self.clock()
         with self._lock:
             with self.store.session() as session:
-                job = JobRow(id=new_id(), name=spec.name, spec=spec.model_dump(mode="json"),
+                job = JobRow(id=new_id(), name=spec.name, owner=owner, spec=spec.model_dump(mode="json"),
                              state=JobState.PENDING.value, reason="waiting for nodes", created_at=now,
                              updated_at=now, history=[{"state": "pending", "at": now, "reason": "submitted"}],
                              plan=None, final_metrics=None)
@@ -31,13 +32,16 @@ class JobLifecycle(ServiceBase):
                 job = session.get(JobRow, job.id)
                 return JobCreated(id=job.id, state=job.state, reason=job.reason)
 
-    def list_jobs(self) -> list[JobSummary]:
+    def list_jobs(self, owner: str | None = None) -> list[JobSummary]:
+        """Every job, or `owner`'s only."""
+        query = select(JobRow).order_by(JobRow.created_at)
         with self.store.session() as session:
-            return [_summary(job) for job in session.scalars(select(JobRow).order_by(JobRow.created_at))]
+            rows = session.scalars(query if owner is None else query.where(JobRow.owner == owner))
+            return [_summary(job) for job in rows]
 
-    def get_job(self, job_id: str) -> JobView:
+    def get_job(self, job_id: str, owner: str | None = None) -> JobView:
         with self.store.session() as session:
-            job = self._job(session, job_id)
+            job = self._job(session, job_id, owner)
             stages = stages_of(session, job.id)
             return JobView(**_summary(job).model_dump(), spec=JobSpec.model_validate(job.spec),
                            history=job.history, generation=job.generation,
@@ -48,21 +52,21 @@ class JobLifecycle(ServiceBase):
                            final_metrics=job.final_metrics, plan=self._plan(job) if job.plan else None,
                            model_url=f"/v1/jobs/{job.id}/model" if job.state == JobState.COMPLETED.value else None)
 
-    def cancel(self, job_id: str) -> JobView:
+    def cancel(self, job_id: str, owner: str | None = None) -> JobView:
         with self._lock, self.store.session() as session:
-            job = self._job(session, job_id)
+            job = self._job(session, job_id, owner)
             if job.state in jobs.TERMINAL:
                 raise Conflict(f"job {job_id} is already {job.state}")
             # its nodes hear `cancel_job` on their next heartbeat, then go idle
             jobs.transition(job, JobState.CANCELLED, "cancelled by request", self.clock())
         return self.get_job(job_id)
 
-    def resume(self, job_id: str) -> JobView:
+    def resume(self, job_id: str, owner: str | None = None) -> JobView:
         """Continue a failed or cancelled job from the freshest state its stages left (its last
         checkpoint, or snapshots handed in since), on whatever nodes are there now."""
         with self._lock:
             with self.store.session() as session:
-                job = self._job(session, job_id)
+                job = self._job(session, job_id, owner)
                 if job.state not in jobs.STOPPED:
                     raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be resumed")
                 resume = self._resume_point(session, job)

@@ -6,24 +6,29 @@ from sqlalchemy.orm import Session
 
 from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           NodeProfile, PeerProbe)
+from ravnest.wire.gate import credential_hash
 
 from .. import jobs
 from ..errors import NotFound, Unauthorized
 from ..jobs import JobState
 from ..schemas import Health, NodeView
-from ..security import bearer_token, check_join_token, hash_token, new_id, new_token, token_matches
+from ..security import bearer_token, hash_token, new_id, new_token, token_matches
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stage_of_node
-from .base import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, ServiceBase, undelivered
+from .base import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, ServiceBase, node_refusal, undelivered
 
 
 class Membership(ServiceBase):
     def join(self, authorization: str | None, request: JoinRequest) -> JoinResponse:
-        check_join_token(authorization, self.join_token, self.operator_token)
+        offered = bearer_token(authorization)
         token, now = new_token(), self.clock()
         with self._lock:
             with self.store.session() as session:
+                admitted = self._consume_join(session, offered)
+                if isinstance(admitted, str):
+                    raise Unauthorized(admitted)
                 node = NodeRow(id=new_id(), name=request.name, address=request.address,
                                profile=request.profile.model_dump(mode="json"), token_hash=hash_token(token),
+                               token_expires_at=now + self.settings.node_credential_ttl_s,
                                state=IDLE, joined_at=now, last_seen=now, job_id=None)
                 session.add(node)
             self.place_pending()
@@ -35,6 +40,7 @@ class Membership(ServiceBase):
             with self.store.session() as session:
                 node = self._node(session, node_id, authorization)
                 node.last_seen = self.clock()
+                node.token_expires_at = node.last_seen + self.settings.node_credential_ttl_s
                 self._record_links(session, node, request.links)
                 freed = node.state == GONE
                 if freed:  # missed heartbeats, but it is back
@@ -69,7 +75,10 @@ class Membership(ServiceBase):
             done = True
         elif job.state in jobs.ACTIVE and not stage.weights_uploaded:
             stage.delivered = True
-            response.assignment = jobs.assignment(job, self._plan(job), stage.cluster, stage.stage, self.job_token(job))
+            plan = self._plan(job)
+            members = {s.node_id for c in plan.clusters for s in c.stages}
+            response.assignment = jobs.assignment(job, plan, stage.cluster, stage.stage, self.peer_token(job, node.id),
+                                                  {m: credential_hash(self.peer_token(job, m)) for m in members})
             if job.state == JobState.PLACING.value and not undelivered(session, job.id):
                 jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self._plan(job).reason}",
                                 self.clock())
@@ -108,7 +117,7 @@ class Membership(ServiceBase):
         asked = {peer for (asker, peer), at in self._probes_asked.items()
                  if asker == node.id and now - at < self.settings.probe_retry_s}
         candidates = session.scalars(select(NodeRow).where(
-            NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.token_hash.is_not(None),
+            NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
             NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s, NodeRow.id.not_in(measured))
             .order_by(NodeRow.joined_at, NodeRow.id).limit(want + len(asked)))
         chosen = [peer for peer in candidates if peer.id not in asked][:want]
@@ -116,22 +125,11 @@ class Membership(ServiceBase):
             self._probes_asked[(node.id, peer.id)] = now
         return [PeerProbe(node_id=peer.id, address=peer.address) for peer in chosen]
 
-    def node_refusal(self, token: str, node_id: str | None) -> str | None:
-        """Why `token` may not make a node's call (on `node_id`'s behalf, when the path names one);
-        None if it is a current node token. Which node and stage exactly is checked by each call."""
-        with self.store.session() as session:
-            if node_id is not None:
-                node = session.get(NodeRow, node_id)
-                if node is not None and node.token_hash is None:
-                    return f"node {node_id} has left; join again"
-            holder = session.scalars(select(NodeRow.id).where(NodeRow.token_hash == hash_token(token))).first()
-            return None if holder is not None else "unknown node token"
-
     def leave(self, node_id: str, authorization: str | None) -> None:
         with self._lock, self.store.session() as session:
             node = self._node(session, node_id, authorization)
             self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) left")
-            node.token_hash = None
+            node.credential_ended = "left"
 
     def health(self) -> Health:
         cutoff = self.clock() - self.settings.heartbeat_timeout_s
@@ -166,12 +164,12 @@ class Membership(ServiceBase):
         node = session.get(NodeRow, node_id)
         if node is None:
             raise NotFound(f"no node {node_id}")
-        if node.token_hash is None:
-            raise Unauthorized(f"node {node_id} has left; join again")
+        refusal = node_refusal(node, self.clock())
+        if refusal:
+            raise Unauthorized(refusal)
         if not token_matches(token, node.token_hash):
             raise Unauthorized(f"wrong token for node {node_id}")
         return node
-
 
     def _node_lost(self, session: Session, node: NodeRow, reason: str) -> None:
         """The node is gone: a job that still needed it is re-planned without it."""

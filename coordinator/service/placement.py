@@ -40,7 +40,7 @@ class Placing(ServiceBase):
             pending = list(session.scalars(select(JobRow).where(JobRow.state == JobState.PENDING.value)
                                            .order_by(JobRow.created_at)))
             idle = list(session.scalars(select(NodeRow).where(
-                NodeRow.state == IDLE, NodeRow.token_hash.is_not(None),
+                NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
                 NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s).order_by(NodeRow.joined_at)))
             if not idle and not pending:
                 return

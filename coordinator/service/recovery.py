@@ -80,7 +80,7 @@ class Recoveries(ServiceBase):
         session.execute(delete(StageRow).where(StageRow.job_id == job.id))
         self._plans.pop(job.id, None)
         job.plan, job.resume = None, resume
-        job.generation += 1  # which also changes the job's credential (Coordinator.job_token)
+        job.generation += 1  # which also changes the job's credential (Coordinator.peer_token)
 
 
 def _blocks(blocks: list[int]) -> str:

@@ -25,6 +25,7 @@ import grpc
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
 from ravnest.wire import faults
 from ravnest.wire.codec import WireError, WireLimits
+from ravnest.wire.gate import PeerGate, Refusal
 from ravnest.wire.messages import (DEFAULT_CHUNK_BYTES, Message, MessageAssembler, chunked_frames,
                                    prepare_message)
 
@@ -94,22 +95,14 @@ def _server_options(limits: WireLimits) -> list[tuple[str, int]]:
             for k, v in GRPC_OPTIONS] + SERVER_KEEPALIVE_OPTIONS
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects every call whose `authorization: Bearer <token>` is not an accepted token.
-
-    `token` is one token, or a callable returning the tokens accepted right now (e.g. one per job).
-    `ping_token`, in the same forms, is accepted on Ping alone: peers probing the link, no data.
-    """
+class _SharedTokens:
+    """The simple rule (in-process pipelines, tests, benchmarks): every call carries one of the
+    accepted tokens. `token` is one token, or a callable returning the tokens accepted right now;
+    `ping_token`, in the same forms, is accepted on Ping alone: peers probing the link, no data."""
 
     def __init__(self, token: TokenSource | None, ping_token: TokenSource | None = None):
         self._token = token
         self._ping_token = ping_token
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong peer token")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
 
     @staticmethod
     def _tokens(source: TokenSource | None) -> list[str]:
@@ -117,21 +110,35 @@ class _TokenInterceptor(grpc.ServerInterceptor):
             return []
         return [source] if isinstance(source, str) else list(source())
 
-    def accepts(self, offered: str, method: str) -> bool:
-        accepted = self._tokens(self._token)
-        if method == PING_METHOD:
-            accepted += self._tokens(self._ping_token)
+    def check(self, offered: str, ping: bool) -> Refusal | None:
+        accepted = self._tokens(self._token) + (self._tokens(self._ping_token) if ping else [])
         # Compare every token in constant time so timing reveals nothing about any of them.
-        return any([hmac.compare_digest(offered.encode(), f"Bearer {t}".encode()) for t in accepted if t])
+        if any([hmac.compare_digest(offered.encode(), f"Bearer {t}".encode()) for t in accepted if t]):
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong peer token"
+
+
+class _AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose `authorization` metadata `rule.check` refuses, with its code and reason."""
+
+    def __init__(self, rule: _SharedTokens | PeerGate):
+        self.rule = rule
+
+    def refusal(self, offered: str, method: str) -> Refusal | None:
+        return self.rule.check(offered, ping=method == PING_METHOD)
 
     def intercept_service(self, continuation, handler_call_details):
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        offered = metadata.get(AUTH_HEADER, "")
-        if isinstance(offered, str) and self.accepts(offered, handler_call_details.method):
+        offered = dict(handler_call_details.invocation_metadata or ()).get(AUTH_HEADER, "")
+        refused = self.refusal(offered if isinstance(offered, str) else "", handler_call_details.method)
+        if refused is None:
             return continuation(handler_call_details)
+
+        def deny(request, context):
+            context.abort(*refused)
+
         if handler_call_details.method == STREAM_METHOD:
-            return self._deny_stream
-        return self._deny_unary
+            return grpc.stream_unary_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 def _truncate(text: str) -> str:
@@ -141,10 +148,10 @@ def _truncate(text: str) -> str:
 class _PeerService:
     """The Peer service, with Stream reading raw frame bytes (see the module docstring)."""
 
-    def __init__(self, handler: Handler, limits: WireLimits, accepts: Callable[[str], bool] | None = None):
+    def __init__(self, handler: Handler, limits: WireLimits, refusal: Callable[[str], Refusal | None] | None = None):
         self._handler = handler
         self._limits = limits
-        self._accepts = accepts  # is a stream's credential still accepted? (a job's token ends with the job)
+        self._refusal = refusal  # is a stream's credential still accepted? (a job's token ends with the job)
         self._zero_copy = getattr(handler, "zero_copy", None)  # e.g. Router.zero_copy
 
     def handlers(self) -> grpc.GenericRpcHandler:
@@ -162,7 +169,7 @@ class _PeerService:
         offered = dict(context.invocation_metadata() or ()).get(AUTH_HEADER, "")
         try:
             for msg in MessageAssembler(self._limits, self._zero_copy).messages(request_iterator):
-                if self._accepts is not None and not self._accepts(offered):
+                if self._refusal is not None and self._refusal(offered) is not None:
                     # a stream outlives nothing: what an ended job's peer still sends never reaches the next job
                     raise WireError("this stream's credential is no longer accepted (its job has ended)",
                                     grpc.StatusCode.UNAUTHENTICATED)
@@ -203,23 +210,24 @@ class PeerServer:
     received frames' memory for the kinds it names.
 
     A handler exception fails only its own stream: ValueError → INVALID_ARGUMENT, WireError → its code,
-    anything else → INTERNAL, each with the reason. `token` is the bearer token every call must
-    carry, or a callable returning the tokens accepted at the moment of the call; `ping_token` (same
-    forms) is also accepted on Ping, so peers can probe the link without any job's credential. `tls` is
-    (certificate chain PEM, private key PEM).
+    anything else → INTERNAL, each with the reason. Who may call: a `gate` (PeerGate: per-node
+    credentials, planned peers only; what node daemons use), or `token`, the bearer token every call
+    must carry (or a callable returning the tokens accepted at the moment of the call), with
+    `ping_token` (same forms) also accepted on Ping. `tls` is (certificate chain PEM, private key PEM).
     """
 
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
                  limits: WireLimits = WireLimits(), token: TokenSource | None = None,
-                 ping_token: TokenSource | None = None, tls: tuple[bytes, bytes] | None = None,
-                 max_streams: int = 32):
+                 ping_token: TokenSource | None = None, gate: PeerGate | None = None,
+                 tls: tuple[bytes, bytes] | None = None, max_streams: int = 32):
         keep_freed_buffers()
-        interceptor = _TokenInterceptor(token, ping_token) if token else None
+        rule = gate or (_SharedTokens(token, ping_token) if token else None)
+        interceptor = _AuthInterceptor(rule) if rule else None
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams),
                                    options=_server_options(limits), interceptors=[interceptor] if interceptor else [],
                                    maximum_concurrent_rpcs=max_streams)
-        accepts = (lambda offered: interceptor.accepts(offered, STREAM_METHOD)) if interceptor else None
-        self._server.add_generic_rpc_handlers((_PeerService(handler, limits, accepts).handlers(),))
+        refusal = (lambda offered: interceptor.refusal(offered, STREAM_METHOD)) if interceptor else None
+        self._server.add_generic_rpc_handlers((_PeerService(handler, limits, refusal).handlers(),))
         bind = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         if tls:
             creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (private key, certificate chain)
@@ -273,6 +281,14 @@ class ChannelPool:
 
 
 _default_pool = ChannelPool()
+
+
+def use_tls(root_certificate: bytes) -> None:
+    """From now on, channels made without a pool of their own verify peers against
+    `root_certificate` (PEM) over TLS: how a node daemon with --tls-ca talks to its peers."""
+    global _default_pool
+    old, _default_pool = _default_pool, ChannelPool(root_certificate)
+    old.close()
 
 
 def _metadata(token: str | None):

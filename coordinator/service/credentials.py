@@ -1,0 +1,120 @@
+"""Credentials: who a bearer token belongs to, and the join tokens and API keys the operator hands
+out. Every token is kept only as its hash; every refusal says why (expired, revoked, used up).
+
+    operator token  (file in the data directory)  an API key with the operator role
+    join token      (file, or --token)            a join token without expiry or use limit
+    node credential (one per joined node)         pushed on by every heartbeat; revocable
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ..errors import Conflict, NotFound
+from ..schemas import CredentialCreated, CredentialView, JoinTokenRequest, KeyRequest
+from ..security import hash_token, new_id, new_token
+from ..store import CredentialRow, NodeRow
+from .base import ServiceBase, node_refusal
+
+JOIN, KEY, NODE = "join", "key", "node"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: an API key (with its role), a join token, or a joined node."""
+    kind: str
+    id: str
+    role: str | None = None
+    name: str = ""
+
+    @property
+    def is_operator(self) -> bool:
+        return self.kind == KEY and self.role == "operator"
+
+    @property
+    def reads_every_job(self) -> bool:
+        return self.kind == KEY and self.role in ("operator", "reader")
+
+    def describe(self) -> str:
+        what = f"{self.role} key" if self.kind == KEY else "join token" if self.kind == JOIN else "credential of node"
+        return f"{what} {self.name or self.id!r}" if self.kind != NODE else f"{what} {self.id}"
+
+
+def credential_refusal(row: CredentialRow, now: float) -> str | None:
+    what = f"{'join token' if row.kind == JOIN else 'key'} {row.name or row.id}"
+    if row.revoked_at is not None:
+        return f"{what} was revoked"
+    if row.expires_at is not None and now >= row.expires_at:
+        return f"{what} expired"
+    if row.uses_left is not None and row.uses_left <= 0:
+        return f"{what} has been used up ({row.used} joins)"
+    return None
+
+
+class Credentials(ServiceBase):
+    def identify(self, token: str) -> Principal | str:
+        """The principal `token` belongs to, or why it is refused."""
+        digest, now = hash_token(token), self.clock()
+        with self.store.session() as session:
+            row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == digest)).first()
+            if row is not None:
+                return credential_refusal(row, now) or Principal(row.kind, row.id, row.role, row.name)
+            node = session.scalars(select(NodeRow).where(NodeRow.token_hash == digest)).first()
+            if node is not None:
+                return node_refusal(node, now) or Principal(NODE, node.id, name=node.name)
+        return "unknown token"
+
+    def create_credential(self, request: JoinTokenRequest | KeyRequest) -> CredentialCreated:
+        kind = KEY if isinstance(request, KeyRequest) else JOIN
+        token, now = new_token(), self.clock()
+        row = CredentialRow(id=new_id(), kind=kind, role=getattr(request, "role", None), name=request.name,
+                            token_hash=hash_token(token), created_at=now, used=0,
+                            expires_at=now + request.expires_in_s if request.expires_in_s else None,
+                            uses_left=getattr(request, "uses", None))
+        with self._lock, self.store.session() as session:
+            session.add(row)
+        return CredentialCreated(**_view(row).model_dump(), token=token)
+
+    def list_credentials(self, kind: str) -> list[CredentialView]:
+        with self.store.session() as session:
+            return [_view(row) for row in session.scalars(
+                select(CredentialRow).where(CredentialRow.kind == kind).order_by(CredentialRow.created_at))]
+
+    def revoke_credential(self, kind: str, credential_id: str, by: Principal) -> None:
+        if credential_id == by.id:
+            raise Conflict("you cannot revoke the key you are using; revoke it with another operator key")
+        with self._lock, self.store.session() as session:
+            row = session.get(CredentialRow, credential_id)
+            if row is None or row.kind != kind:
+                raise NotFound(f"no {'join token' if kind == JOIN else 'key'} {credential_id}")
+            row.revoked_at = row.revoked_at or self.clock()
+
+    def revoke_node(self, node_id: str) -> None:
+        """The node's credential stops working at once; a job it held is re-planned without it."""
+        with self._lock, self.store.session() as session:
+            node = session.get(NodeRow, node_id)
+            if node is None:
+                raise NotFound(f"no node {node_id}")
+            if node.credential_ended != "revoked":
+                self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) was revoked")
+                node.credential_ended = "revoked"
+
+    def _consume_join(self, session: Session, token: str) -> Principal | str:
+        """At a join: the join token (or operator key) it was made with, one use fewer; or why not."""
+        row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == hash_token(token))).first()
+        if row is None or not (row.kind == JOIN or row.role == "operator"):
+            return "wrong join token"
+        refusal = credential_refusal(row, self.clock())
+        if refusal:
+            return refusal
+        row.used += 1
+        if row.uses_left is not None:
+            row.uses_left -= 1
+        return Principal(row.kind, row.id, row.role, row.name)
+
+
+def _view(row: CredentialRow) -> CredentialView:
+    return CredentialView(id=row.id, kind=row.kind, role=row.role, name=row.name, created_at=row.created_at,
+                          expires_at=row.expires_at, uses_left=row.uses_left, used=row.used, revoked_at=row.revoked_at)

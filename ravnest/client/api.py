@@ -1,0 +1,36 @@
+"""A thin client of the coordinator's REST API: every refusal becomes one ApiError with the
+coordinator's reason and status."""
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class ApiError(RuntimeError):
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status  # 0: the coordinator could not be reached
+
+
+class Api:
+    def __init__(self, url: str, key: str | None, timeout: float = 30.0):
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=timeout,
+                                 headers={"Authorization": f"Bearer {key}"} if key else None)
+
+    def call(self, method: str, path: str, **kwargs) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise ApiError(f"cannot reach the coordinator at {self.url}: {e}") from None
+        if response.is_error:
+            try:
+                reason = response.json().get("detail", response.text)
+            except ValueError:
+                reason = response.text
+            raise ApiError(f"{response.status_code}: {reason}", response.status_code)
+        return response.json() if response.content else None
+
+    def close(self) -> None:
+        self.http.close()

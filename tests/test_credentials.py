@@ -1,0 +1,211 @@
+"""Credentials over the real REST API (TestClient, SQLite): join tokens with expiry, use counts and
+revocation; node credentials that expire and can be revoked; API keys with roles, a submitter acting
+on its own jobs only."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.config import Settings
+from coordinator.security import new_token
+from scripts.local_cluster import ROOT, LocalCluster
+from tests.test_coordinator_api import INTERVAL, OPERATOR_TOKEN, FakeClock, beat, digits_job, join, profile
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def client(tmp_path: Path, clock: FakeClock):
+    settings = Settings(data_dir=tmp_path, heartbeat_interval_s=INTERVAL, background=False, clock=clock,
+                        operator_token=OPERATOR_TOKEN, node_credential_ttl_s=600)
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}) as c:
+        yield c
+
+
+def bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def try_join(client: TestClient, token: str):
+    return client.post("/v1/nodes", json={"name": "v", "address": "127.0.0.1:5001", "profile": profile()},
+                       headers=bearer(token))
+
+
+def key(client: TestClient, role: str, name: str) -> tuple[str, dict]:
+    r = client.post("/v1/keys", json={"name": name, "role": role})
+    assert r.status_code == 201, r.text
+    return r.json()["id"], bearer(r.json()["token"])
+
+
+def test_tokens_never_look_like_command_line_flags() -> None:
+    assert all(new_token().startswith("rvn_") for _ in range(200))
+
+
+def test_join_tokens_expire_run_out_and_can_be_revoked(client: TestClient, clock: FakeClock) -> None:
+    r = client.post("/v1/join-tokens", json={"name": "lab", "uses": 2, "expires_in_s": 3600})
+    assert r.status_code == 201 and r.json()["token"].startswith("rvn_")
+    limited = r.json()
+    assert [try_join(client, limited["token"]).status_code for _ in range(3)] == [201, 201, 401]
+    assert "used up (2 joins)" in try_join(client, limited["token"]).json()["detail"]
+
+    timed = client.post("/v1/join-tokens", json={"expires_in_s": 60}).json()
+    assert try_join(client, timed["token"]).status_code == 201
+    clock.now += 61
+    r = try_join(client, timed["token"])
+    assert r.status_code == 401 and "expired" in r.json()["detail"]
+
+    revocable = client.post("/v1/join-tokens", json={}).json()
+    assert client.delete(f"/v1/join-tokens/{revocable['id']}").status_code == 204
+    r = try_join(client, revocable["token"])
+    assert r.status_code == 401 and "revoked" in r.json()["detail"]
+    # the probe before joining is refused too, and nothing was written by any refusal
+    assert client.get("/v1/probe", headers=bearer(revocable["token"])).status_code == 401
+    assert len(client.get("/v1/nodes").json()) == 3
+
+    listed = {t["id"]: t for t in client.get("/v1/join-tokens").json()}
+    assert "token" not in listed[limited["id"]] and listed[limited["id"]]["uses_left"] == 0
+    assert listed[limited["id"]]["used"] == 2 and listed[revocable["id"]]["revoked_at"] is not None
+    assert "join" in listed  # the default join token is a credential like the others
+    r = client.post("/v1/join-tokens", json={"uses": 0})
+    assert r.status_code == 422 and "uses" in r.json()["detail"]
+    assert client.delete("/v1/join-tokens/nope").status_code == 404
+
+
+def test_a_node_credential_expires_without_heartbeats_and_can_be_revoked(client: TestClient,
+                                                                         clock: FakeClock) -> None:
+    quiet_id, quiet = join(client, "quiet")
+    busy_id, busy = join(client, "busy")
+    for _ in range(4):  # every heartbeat pushes the expiry on
+        clock.now += 300
+        beat(client, busy_id, busy)
+    r = client.post(f"/v1/nodes/{quiet_id}/heartbeat", json={}, headers=quiet)
+    assert r.status_code == 401 and "expired" in r.json()["detail"]
+
+    job_id = client.post("/v1/jobs", json=digits_job(clusters=1, min_nodes=1, stages_per_cluster=1)).json()["id"]
+    assert beat(client, busy_id, busy)["assignment"]["job_id"] == job_id
+    assert client.post(f"/v1/nodes/{busy_id}/revoke").status_code == 204
+    r = client.post(f"/v1/nodes/{busy_id}/heartbeat", json={"job_id": job_id}, headers=busy)
+    assert r.status_code == 401 and "revoked" in r.json()["detail"]
+    r = client.post(f"/v1/jobs/{job_id}/metrics", headers=busy,
+                    json={"node_id": busy_id, "cluster": 0, "stage": 0, "step": 1, "metrics": {}})
+    assert r.status_code == 401
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] in ("recovering", "pending") and "revoked" in job["reason"]
+    assert client.post("/v1/nodes/nope/revoke").status_code == 404
+
+
+def test_roles_submitters_own_their_jobs_readers_only_read(client: TestClient) -> None:
+    _, alice = key(client, "submitter", "alice")
+    _, bob = key(client, "submitter", "bob")
+    _, reader = key(client, "reader", "grafana")
+    node_id, node = join(client, "n")
+    job = digits_job()
+    alices = client.post("/v1/jobs", json=job, headers=alice).json()["id"]
+    bobs = client.post("/v1/jobs", json=job, headers=bob).json()["id"]
+
+    assert [j["id"] for j in client.get("/v1/jobs", headers=alice).json()] == [alices]
+    assert client.get(f"/v1/jobs/{alices}", headers=alice).status_code == 200
+    for method, path in (("GET", f"/v1/jobs/{bobs}"), ("POST", f"/v1/jobs/{bobs}/cancel"),
+                         ("POST", f"/v1/jobs/{bobs}/resume"), ("GET", f"/v1/jobs/{bobs}/model")):
+        r = client.request(method, path, headers=alice)
+        assert r.status_code == 403 and "own jobs" in r.json()["detail"], (method, path)
+    assert client.get(f"/v1/jobs/{bobs}").json()["state"] == "pending"  # nothing changed
+    assert client.post(f"/v1/jobs/{alices}/cancel", headers=alice).json()["state"] == "cancelled"
+
+    assert {j["id"] for j in client.get("/v1/jobs", headers=reader).json()} == {alices, bobs}
+    assert client.get("/v1/nodes", headers=reader).status_code == 200
+    for method, path, body in (("POST", "/v1/jobs", job), ("POST", f"/v1/jobs/{bobs}/cancel", None),
+                               ("GET", f"/v1/jobs/{bobs}/model", None), ("POST", "/v1/keys", {"role": "reader"}),
+                               ("POST", f"/v1/nodes/{node_id}/revoke", None)):
+        r = client.request(method, path, json=body, headers=reader)
+        assert r.status_code == 403 and "reader key 'grafana'" in r.json()["detail"], (method, path)
+    for who in (alice, node):  # only an operator hands out credentials; a node never submits
+        assert client.post("/v1/join-tokens", json={}, headers=who).status_code == 403
+        assert client.get("/v1/keys", headers=who).status_code == 403
+    assert client.post("/v1/jobs", json=job, headers=node).status_code == 403
+    assert client.get("/v1/jobs", headers=node).status_code == 403
+    assert client.post(f"/v1/jobs/{bobs}/cancel").json()["state"] == "cancelled"  # the operator may
+    assert len(client.get("/v1/jobs").json()) == 2
+    r = client.post("/v1/keys", json={"role": "admin"})
+    assert r.status_code == 422 and "role" in r.json()["detail"]
+
+
+def test_a_revoked_or_expired_key_is_refused_and_an_operator_cannot_lock_itself_out(client: TestClient,
+                                                                                   clock: FakeClock) -> None:
+    alice_id, alice = key(client, "submitter", "alice")
+    assert client.get("/v1/jobs", headers=alice).status_code == 200
+    assert client.delete(f"/v1/keys/{alice_id}").status_code == 204
+    r = client.get("/v1/jobs", headers=alice)
+    assert r.status_code == 401 and "revoked" in r.json()["detail"]
+
+    r = client.post("/v1/keys", json={"name": "temp", "role": "operator", "expires_in_s": 10})
+    temp_id, temp = r.json()["id"], bearer(r.json()["token"])
+    r = client.delete(f"/v1/keys/{temp_id}", headers=temp)
+    assert r.status_code == 409 and "you are using" in r.json()["detail"]
+    clock.now += 11
+    r = client.get("/v1/keys", headers=temp)
+    assert r.status_code == 401 and "expired" in r.json()["detail"]
+    listed = {k["id"]: k for k in client.get("/v1/keys").json()}
+    assert listed["operator"]["role"] == "operator" and listed[alice_id]["revoked_at"] is not None
+
+
+def test_the_default_join_token_stays_revoked_across_restarts_until_it_is_replaced(tmp_path: Path) -> None:
+    def coordinator(join_token: str | None = None) -> TestClient:
+        settings = Settings(data_dir=tmp_path, background=False, operator_token=OPERATOR_TOKEN, join_token=join_token)
+        return TestClient(create_app(settings), headers=bearer(OPERATOR_TOKEN))
+
+    with coordinator() as client:
+        default = (tmp_path / "join_token").read_text().strip()
+        assert try_join(client, default).status_code == 201
+        assert client.delete("/v1/join-tokens/join").status_code == 204
+    with coordinator() as client:
+        r = try_join(client, default)
+        assert r.status_code == 401 and "revoked" in r.json()["detail"]
+    with coordinator(join_token="rvn_a-new-one") as client:
+        assert try_join(client, "rvn_a-new-one").status_code == 201
+        assert try_join(client, default).status_code == 401
+
+
+@pytest.mark.slow
+def test_an_operator_hands_out_and_revokes_credentials_with_the_ravnest_command(tmp_path: Path) -> None:
+    """Real processes: a coordinator, `ravnest` and `ravnest-node`. A one-use join token admits one
+    node; a revoked node stops at its next heartbeat and says why."""
+    def ravnest(*args: str, key: str | None = None) -> subprocess.CompletedProcess:
+        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": key or cluster.operator_token,
+               "COLUMNS": "200"}  # rich fits tables to 80 columns when not on a terminal
+        return subprocess.run([sys.executable, "-m", "ravnest.client.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+
+    with LocalCluster(tmp_path, nodes=0) as cluster:
+        created = ravnest("token", "create", "--name", "one machine", "--uses", "1", "--expires", "1h")
+        assert created.returncode == 0, created.stderr
+        token = created.stdout.strip()
+        [node_id] = cluster.add_nodes(1, [f"--token={token}"])
+        second = subprocess.run([sys.executable, "-m", "node.cli", "join", "--coordinator", cluster.url,
+                                 f"--token={token}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert second.returncode == 1 and "used up" in second.stdout + second.stderr
+        listed = ravnest("token", "list")
+        assert listed.returncode == 0 and "one machine" in listed.stdout and token not in listed.stdout
+
+        reader = ravnest("key", "create", "--role", "reader", "--name", "watcher").stdout.strip()
+        refused = ravnest("token", "list", key=reader)
+        assert refused.returncode == 1 and "operator key" in refused.stderr
+        assert ravnest("node", "list", key=reader).returncode == 0
+
+        assert ravnest("node", "revoke", node_id).returncode == 0
+        node = cluster.node_process(node_id)
+        assert node.wait(timeout=30) == 1
+        log = (tmp_path / "logs" / "node-0.log").read_text()
+        assert "revoked by the operator" in log
+    unreachable = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--coordinator", "http://127.0.0.1:9",
+                                  "--key", "x", "key", "list"], capture_output=True, text=True, timeout=60)
+    assert unreachable.returncode == 3 and "cannot reach" in unreachable.stderr
