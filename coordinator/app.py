@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -13,11 +14,10 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qs
 
-import swagger_ui_bundle
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.background import BackgroundTask
 from starlette.staticfiles import StaticFiles
@@ -33,7 +33,7 @@ from .schemas import (CredentialCreated, CredentialView, Health, JobCreated, Job
 from .service import Coordinator, Principal
 
 MAX_PROBE_BYTES = 64 << 20
-SWAGGER_ASSETS = "/static/swagger-ui"
+DOCS_ASSETS = "/static/docs"
 AUTH = Header(None, description="Bearer <token>: the join token for POST /v1/nodes, else the node token")
 OCTET_STREAM_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {
     "schema": {"type": "string", "format": "binary"}}}}}
@@ -107,15 +107,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Bytes for a node to time: how it measures its bandwidth to the coordinator when joining."""
         return Response(bytes(size), media_type="application/octet-stream")
 
-    # the API docs work on an offline cluster: Swagger UI's assets come from an installed package
-    app.mount(SWAGGER_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
+    # the API docs work on an offline cluster: Swagger UI's and ReDoc's assets come from an installed package
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")),
+              name="docs-assets")
 
     @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
     def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="Ravnest coordinator API",
-                                   swagger_js_url=f"{SWAGGER_ASSETS}/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{SWAGGER_ASSETS}/swagger-ui.css",
-                                   swagger_favicon_url=f"{SWAGGER_ASSETS}/favicon-32x32.png")
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png")
+
+    @app.get("/redoc", response_class=HTMLResponse, include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="Ravnest coordinator API",
+                              redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+                              redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png", with_google_fonts=False)
 
     @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
     def login_form() -> str:

@@ -24,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-OPEN_PATHS = {"/healthz", "/docs", "/openapi.json", "/login"}
+OPEN_PATHS = {"/healthz", "/docs", "/redoc", "/openapi.json", "/login"}
 OPEN_PREFIXES = ("/static/",)  # the docs' assets
 NODE_REPORTS = {"metrics", "fail", "weights", "checkpoint", "state"}
 SUBMITTER_ACTIONS = {"cancel", "resume", "model"}

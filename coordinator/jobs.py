@@ -134,7 +134,8 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
     planned = stages[stage]
     return StageAssignment(
         job_id=job.id, generation=job.generation, resume_step=(job.resume or {}).get("step", 0),
-        checkpoint_every=spec.checkpoints.every if cluster == 0 else 0, token=token,
+        checkpoint_every=spec.checkpoints.every if cluster == 0 else 0,
+        checkpoint_every_s=spec.checkpoints.every_seconds if cluster == 0 else None, token=token,
         peer_credentials=peer_credentials, cluster=cluster,
         num_clusters=len(plan.clusters), stage=stage, num_stages=len(stages), blocks=planned.blocks,
         input_shape=planned.input_shape, input_dtype=planned.input_dtype,

@@ -5,6 +5,7 @@ import argparse
 import os
 import re
 import signal
+import ssl
 import sys
 import threading
 from pathlib import Path
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     client = CoordinatorClient(args.coordinator, join_token=args.token,
-                               verify=str(args.tls_ca) if args.tls_ca else True)
+                               verify=ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else True)
     try:
         client.wait_until_reachable(args.wait, stop)
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,

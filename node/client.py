@@ -1,6 +1,7 @@
 """The node's side of the coordinator's REST API (bodies are the pydantic models in ravnest.spec)."""
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -38,9 +39,9 @@ def must_arrive(call):
 
 class CoordinatorClient:
     def __init__(self, url: str, *, join_token: str | None = None, timeout: float = 30.0,
-                 verify: str | bool = True):
+                 verify: ssl.SSLContext | bool = True):
         # the join token also opens /v1/probe (bandwidth, measured before joining); node calls send their own.
-        # `verify`: a CA file for an https:// coordinator whose certificate a private CA signed
+        # `verify`: e.g. ssl.create_default_context(cafile=...) for a coordinator a private CA certified
         self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, verify=verify,
                                  headers={"Authorization": f"Bearer {join_token}"} if join_token else None)
         self._join_token = join_token

@@ -84,6 +84,9 @@ class Placement(_Strict):
 class CheckpointSettings(_Strict):
     every: int = Field(100, ge=0, description="optimizer steps between checkpoints of cluster 0's stages "
                                               "(parameters, optimizer state, step); 0 = none")
+    every_seconds: float | None = Field(None, ge=1, le=86400,
+                                        description="also checkpoint when this many seconds passed since the last "
+                                                    "one (whichever of the two comes first); None = by steps only")
 
 
 class JobSpec(_Strict):
@@ -140,6 +143,7 @@ class StageAssignment(_Strict):
     next: StagePeer | None = None
     rings: list[Ring] = Field(default_factory=list, description="rings this node is a member of")
     checkpoint_every: int = Field(0, description="steps between checkpoints this stage uploads; 0 = none")
+    checkpoint_every_s: float | None = Field(None, description="seconds between checkpoints (stage 0 picks the step)")
 
     def planned_peers(self) -> set[str]:
         """The nodes that may call this stage: its pipeline neighbours and the other members of its rings."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,14 +24,23 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = ()):
+    def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = (),
+                 tls: bool = False):
         self.data_dir = Path(data_dir)
         self.nodes = nodes
         self.node_args = list(node_args)  # extra `ravnest-node join` flags, e.g. ["--max-memory", "1GiB"]
         self.threads_per_node = threads_per_node
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.coordinator_args: list[str] = []
+        verify: ssl.SSLContext | bool = True
+        if tls:  # HTTPS to the coordinator, TLS between nodes, all checked against a CA made here
+            from scripts.make_certs import make_certificates
+            certs = make_certificates(self.data_dir / "certs", ["127.0.0.1", "localhost"])
+            self.coordinator_args = ["--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])]
+            self.node_args += [*self.coordinator_args, "--tls-ca", str(certs["ca"])]
+            verify = ssl.create_default_context(cafile=certs["ca"])
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen] = []
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.http = httpx.Client(base_url=self.url, timeout=30, verify=verify)
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         logs = self.data_dir / "logs"
@@ -67,7 +77,7 @@ class LocalCluster:
     def _start_coordinator(self, timeout: float, log_name: str = "coordinator.log") -> None:
         port = self.url.rsplit(":", 1)[1]
         proc = self._spawn(["coordinator.cli", "--host", "127.0.0.1", "--port", port,
-                            "--data-dir", str(self.data_dir)], log_name)
+                            "--data-dir", str(self.data_dir), *self.coordinator_args], log_name)
         self.procs.remove(proc)
         self.procs.insert(0, proc)  # procs[0] is the coordinator, procs[1 + i] node i
         self.wait_for(lambda: self._healthy(), timeout, "coordinator to answer /healthz")

@@ -421,11 +421,12 @@ def test_real_coordinator_process_serves_health_and_docs(tmp_path: Path) -> None
                 assert time.monotonic() < deadline, "coordinator did not answer within 60 s"
                 time.sleep(0.1)
         assert health.status_code == 200 and health.json()["status"] == "ok"
-        docs = httpx.get(f"http://127.0.0.1:{port}/docs", timeout=5)
-        assert docs.status_code == 200 and "swagger" in docs.text.lower()
-        assets = re.findall(r"""(?:src|href)=['"]([^'"]+)['"]""", docs.text)
-        assert assets and all(a.startswith("/static/") for a in assets), assets  # no CDN: works offline
-        assert all(httpx.get(f"http://127.0.0.1:{port}{a}", timeout=5).status_code == 200 for a in assets)
+        for page, word in (("/docs", "swagger"), ("/redoc", "redoc")):
+            docs = httpx.get(f"http://127.0.0.1:{port}{page}", timeout=5)
+            assert docs.status_code == 200 and word in docs.text.lower()
+            assets = re.findall(r"""(?:src|href)=['"]([^'"]+)['"]""", docs.text)
+            assert assets and all(a.startswith("/static/") for a in assets), assets  # no CDN: works offline
+            assert all(httpx.get(f"http://127.0.0.1:{port}{a}", timeout=5).status_code == 200 for a in assets)
         spec = httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=5).json()
         assert "/v1/jobs/{job_id}/weights" in spec["paths"]
         assert (tmp_path / "coordinator.db").exists()

@@ -144,6 +144,23 @@ class VersionRecorder:
         self.finished_after = max(self.history)
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_checkpoints_by_seconds_land_on_the_same_step_in_every_stage(accumulation: int) -> None:
+    """Stage 0 picks the step when the time has come and forwards carry it: every stage checkpoints at
+    exactly the same steps, although up to K micro-batches were already on their way untagged."""
+    checkpoints: list[list[int]] = [[] for _ in MLP_RANGES]
+
+    def setup(runners: list[StageRunner]) -> None:
+        for runner, steps in zip(runners, checkpoints):
+            runner.assignment = runner.assignment.model_copy(update={"checkpoint_every_s": 0.02})
+            runner.on_checkpoint = steps.append
+
+    job = make_job(steps=300, microbatches_in_flight=3, accumulation=accumulation)
+    run_threaded_pipeline(job, MLP_RANGES, setup=setup, timeout=120)
+    assert len(checkpoints[0]) >= 2 and all(steps == checkpoints[0] for steps in checkpoints), checkpoints
+    assert checkpoints[0] == sorted(set(checkpoints[0])) and checkpoints[0][-1] < 300
+
+
 @pytest.mark.parametrize("mode", ["stash", "recompute"])
 def test_backward_uses_the_weights_of_its_forward_despite_staleness(mode: str) -> None:
     window = 3

@@ -53,7 +53,7 @@ class ServiceBase:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # (when it makes it) the owner's only
         self.store = Store(settings.database_url)
         self.clock = settings.clock
         self.started_at = self.clock()

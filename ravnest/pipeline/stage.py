@@ -16,6 +16,7 @@ carries a failed neighbour's reason.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
@@ -87,7 +88,10 @@ class StageRunner:
             if not 0 < a.resume_step < training.steps:
                 raise ValueError(f"resume step {a.resume_step} is outside 1..{training.steps - 1}")
             self._load_state(initial_state, a.resume_step)
-        self.on_checkpoint = on_checkpoint  # called on the worker thread every `checkpoint_every` steps
+        self.on_checkpoint = on_checkpoint  # called on the worker thread at each checkpoint step
+        # by seconds: stage 0 picks the step and tags forwards with it (see `_plan_timed_checkpoint`)
+        self._checkpoint_at = 0
+        self._last_checkpoint = time.monotonic()
         self.total_micro_batches = (training.steps - a.resume_step) * training.accumulation
         self.trace = PipelineTrace()
         self.clock = StageClock(training.batch_size * training.accumulation)
@@ -266,6 +270,7 @@ class StageRunner:
         elif msg.kind == BACKWARD:
             self._backward(msg.id, msg.tensors["grad"].to(self.device))
         elif msg.kind == FORWARD:
+            self._checkpoint_at = max(self._checkpoint_at, msg.tags.get("checkpoint_at", 0))
             self._forward(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
         elif msg.kind == EVAL:
             self._eval_batch(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
@@ -292,7 +297,8 @@ class StageRunner:
         if not self.is_first:
             self.trace.in_flight(self.compute.in_flight)
         self.inbox.expect_gradient(micro_batch, output.shape)
-        self._send("next", Message(FORWARD, micro_batch, {"x": output, "y": y}))
+        tags = {"checkpoint_at": self._checkpoint_at} if self._checkpoint_at > self.optimizer.steps else {}
+        self._send("next", Message(FORWARD, micro_batch, {"x": output, "y": y}, tags=tags))
 
     def _backward(self, micro_batch: int, grad: torch.Tensor) -> None:
         with self.clock.busy():
@@ -315,8 +321,10 @@ class StageRunner:
         if self.averager is not None:
             self.averager.after_step(step)
         every = self.assignment.checkpoint_every
-        if every and step % every == 0 and step < self.training.steps:
+        if ((every and step % every == 0) or step == self._checkpoint_at) and step < self.training.steps:
             self.on_checkpoint(step)
+            self._last_checkpoint = time.monotonic()  # by steps or by seconds, whichever came first
+        self._plan_timed_checkpoint(step)
         if step % METRICS_EVERY == 0 or step == self.training.steps:
             self.on_metrics(self._metrics())
         if step == self.training.steps:
@@ -326,6 +334,19 @@ class StageRunner:
                 self._evaluate(final=True)
         elif self.is_first and self.training.eval_every and step % self.training.eval_every == 0:
             self._evaluate(final=False)
+
+    def _plan_timed_checkpoint(self, step: int) -> None:
+        """`checkpoint_every_s`: every stage of the pipeline must checkpoint at the same step, so stage 0
+        alone watches the clock and, when it is time, names a step; each forward from then on carries
+        it. The step is the first one that needs a micro-batch not admitted yet (up to K are already on
+        their way untagged): no stage can finish it before hearing which step it is. A named step is
+        never replaced before it is taken."""
+        every_s = self.assignment.checkpoint_every_s
+        pending = self._checkpoint_at > step
+        if self.is_first and every_s and not pending and time.monotonic() - self._last_checkpoint >= every_s:
+            untagged = self._admitted + 1  # micro-batches (since the resume) that carry no tag
+            first_tagged_step = self.assignment.resume_step + -(-untagged // self.training.accumulation)
+            self._checkpoint_at = max(step + 1, first_tagged_step)
 
     def _evaluate(self, final: bool) -> None:
         """Stage 0: stream the whole test set through the pipeline."""

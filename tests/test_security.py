@@ -1,6 +1,6 @@
-"""Credentials over the real REST API (TestClient, SQLite): join tokens with expiry, use counts and
+"""Trust nobody: credentials over the real REST API (join tokens with expiry, use counts and
 revocation; node credentials that expire and can be revoked; API keys with roles, a submitter acting
-on its own jobs only."""
+on its own jobs only), the `ravnest` command, and training with TLS everywhere (real processes)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -16,6 +17,7 @@ from coordinator.config import Settings
 from coordinator.security import new_token
 from scripts.local_cluster import ROOT, LocalCluster
 from tests.test_coordinator_api import INTERVAL, OPERATOR_TOKEN, FakeClock, beat, digits_job, join, profile
+from tests.test_faults import cnn_job
 
 
 @pytest.fixture
@@ -209,3 +211,18 @@ def test_an_operator_hands_out_and_revokes_credentials_with_the_ravnest_command(
     unreachable = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--coordinator", "http://127.0.0.1:9",
                                   "--key", "x", "key", "list"], capture_output=True, text=True, timeout=60)
     assert unreachable.returncode == 3 and "cannot reach" in unreachable.stderr
+
+
+@pytest.mark.slow
+def test_training_works_end_to_end_with_tls_everywhere(tmp_path: Path) -> None:
+    """HTTPS to the coordinator and TLS on every gRPC stream (pipeline and rings), with per-node
+    credentials: 2 clusters x 2 stages of the digits CNN train to a good accuracy."""
+    with LocalCluster(tmp_path, nodes=4, tls=True) as cluster:
+        assert cluster.url.startswith("https://")
+        job_id = cluster.submit(cnn_job(steps=300, clusters=2, stages_per_cluster=2, min_nodes=4))
+        job = cluster.wait_job(job_id, timeout=400)
+        assert job["state"] == "completed", job["reason"]
+        assert len(job["plan"]["clusters"]) == 2 and job["plan"]["rings"]
+        assert job["metrics"]["test_accuracy"] >= 0.9
+        with pytest.raises(httpx.HTTPError):  # nothing answers in plain text
+            httpx.get(cluster.url.replace("https://", "http://") + "/healthz", timeout=5)
