@@ -520,12 +520,16 @@ def test_secure_by_default_every_job_and_node_endpoint_needs_a_credential(tmp_pa
                  ("POST", "/v1/nodes", {"address": "127.0.0.1:1", "profile": profile()}),
                  ("POST", f"/v1/nodes/{node_id}/heartbeat", {}), ("DELETE", f"/v1/nodes/{node_id}", None),
                  ("POST", "/v1/jobs/x/metrics", {}), ("POST", "/v1/jobs/x/fail", {}),
-                 ("PUT", "/v1/jobs/x/weights?cluster=0&stage=0", None), ("GET", "/v1/jobs/x/state", None)]
+                 ("PUT", "/v1/jobs/x/weights?cluster=0&stage=0", None), ("GET", "/v1/jobs/x/state", None),
+                 ("POST", "/v1/join-tokens", {}), ("GET", "/v1/join-tokens", None),
+                 ("DELETE", "/v1/join-tokens/join", None), ("POST", "/v1/keys", {"role": "operator"}),
+                 ("GET", "/v1/keys", None), ("DELETE", "/v1/keys/operator", None),
+                 ("POST", f"/v1/nodes/{node_id}/revoke", None)]
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
             for method, path, body in calls:
                 r = client.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401 and r.json()["detail"], (method, path, headers, r.text)
-        assert counts(client) == (1, 0, 0)
+        assert counts(client) == (1, 0, 0) and len(client.get("/v1/keys", headers={"Authorization": f"Bearer {operator}"}).json()) == 1
         # authentication before parsing: a wrong token with a broken body is a 401, not a 422
         for method, path in (("POST", "/v1/nodes"), ("POST", "/v1/jobs"), ("POST", f"/v1/nodes/{node_id}/heartbeat")):
             r = client.request(method, path, content=b"{not json", headers={"Authorization": "Bearer wrong"})

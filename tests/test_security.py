@@ -182,8 +182,7 @@ def test_an_operator_hands_out_and_revokes_credentials_with_the_ravnest_command(
     """Real processes: a coordinator, `ravnest` and `ravnest-node`. A one-use join token admits one
     node; a revoked node stops at its next heartbeat and says why."""
     def ravnest(*args: str, key: str | None = None) -> subprocess.CompletedProcess:
-        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": key or cluster.operator_token,
-               "COLUMNS": "200"}  # rich fits tables to 80 columns when not on a terminal
+        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": key or cluster.operator_token}
         return subprocess.run([sys.executable, "-m", "ravnest.client.cli", *args], capture_output=True, text=True,
                               env=env, timeout=60)
 

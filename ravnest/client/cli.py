@@ -6,7 +6,9 @@ Exit codes: 0 done, 1 the coordinator refused (its reason is printed), 2 wrong u
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
 from datetime import datetime
 from typing import Optional
 
@@ -25,7 +27,9 @@ nodes = typer.Typer(help="Joined nodes.", no_args_is_help=True)
 app.add_typer(tokens, name="token")
 app.add_typer(keys, name="key")
 app.add_typer(nodes, name="node")
-out, err = Console(), Console(stderr=True)
+# piped into a file or another program: wide enough that no row is cut (a terminal's width otherwise)
+out = Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
+err = Console(stderr=True)
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -58,17 +62,25 @@ def call(ctx: typer.Context, method: str, path: str, **kwargs):
 
 
 def when(seconds: Optional[float]) -> str:
-    return "" if seconds is None else datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M")
+    return "" if seconds is None else datetime.fromtimestamp(seconds).strftime("%m-%d %H:%M")
+
+
+def table(*columns: str) -> Table:
+    """Ids and times are never wrapped or cut (people copy ids into the next command); names may wrap."""
+    grid = Table()
+    for column in columns:
+        grid.add_column(column, no_wrap=column != "name", min_width={"id": 16, "name": 10}.get(column))
+    return grid
 
 
 def show_credentials(rows: list[dict], with_role: bool) -> None:
-    table = Table("id", "name", *(["role"] if with_role else ["uses left", "used"]), "created", "expires", "revoked")
+    table_ = table("id", "name", *(["role"] if with_role else ["uses left", "used"]), "created", "expires", "revoked")
     for row in rows:
         usage = [row["role"] or ""] if with_role else [
             "unlimited" if row["uses_left"] is None else str(row["uses_left"]), str(row["used"])]
-        table.add_row(row["id"], row["name"], *usage, when(row["created_at"]), when(row["expires_at"]) or "never",
-                      when(row["revoked_at"]))
-    out.print(table)
+        table_.add_row(row["id"], row["name"], *usage, when(row["created_at"]), when(row["expires_at"]) or "never",
+                       when(row["revoked_at"]))
+    out.print(table_)
 
 
 def show_created(created: dict) -> None:
@@ -123,12 +135,12 @@ def key_revoke(ctx: typer.Context, key_id: str) -> None:
 @nodes.command("list")
 def node_list(ctx: typer.Context) -> None:
     """Nodes that joined, their state and what they offer."""
-    table = Table("id", "name", "address", "state", "GFLOP/s", "GiB", "job")
+    nodes_ = table("id", "name", "address", "state", "GFLOP/s", "GiB", "job")
     for node in call(ctx, "GET", "/v1/nodes"):
-        table.add_row(node["id"], node["name"], node["address"], node["state"],
-                      f"{node['profile']['flops'] / 1e9:.1f}", f"{node['profile']['memory_bytes'] / 2**30:.1f}",
-                      node["job_id"] or "")
-    out.print(table)
+        nodes_.add_row(node["id"], node["name"], node["address"], node["state"],
+                       f"{node['profile']['flops'] / 1e9:.1f}", f"{node['profile']['memory_bytes'] / 2**30:.1f}",
+                       node["job_id"] or "")
+    out.print(nodes_)
 
 
 @nodes.command("revoke")
