@@ -28,6 +28,7 @@ from .auth import COOKIE, Authentication
 from .config import Settings
 from .dashboard import render_dashboard, render_login
 from .errors import CoordinatorError, TooLarge
+from .limits import BodyLimit
 from .schemas import (CredentialCreated, CredentialView, Health, JobCreated, JobSummary, JobView, JoinTokenRequest,
                       KeyRequest, NodeView)
 from .service import Coordinator, Principal
@@ -74,7 +75,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "reader), a join token, or a node's own credential (see coordinator/auth.py and "
                               "docs/security.md).")
     app.state.service = service
-    app.add_middleware(Authentication, identify=service.identify)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(Authentication, identify=service.identify)  # added last: runs first
 
     def principal(request: Request) -> Principal:
         return request.state.principal  # set by the Authentication gate

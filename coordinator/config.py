@@ -22,6 +22,10 @@ class Settings:
     grow_after_s: float = 10.0  # a job runs this long on its nodes before new ones may join it
     grow_gain: float = 0.2  # ... and only if the planner predicts this much more throughput with them
     max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload
+    # limits checked before any work (coordinator/limits.py): what one request or job may ask for
+    max_request_bytes: int = 1 << 20  # a JSON body (a job spec is a few hundred bytes)
+    max_blocks: int = 4096  # blocks in a model
+    max_parameters: float = 20e9  # parameters in a model (from the meta-device profile)
     pipeline_cap: int = 16  # most stages in one pipeline; bigger groups become several replicas
     probe_peers: int = 2  # links an idle node is asked to measure per heartbeat (0: never ask)
     probe_retry_s: float = 30.0  # ask again for a link that was asked for but not reported by then

@@ -62,13 +62,17 @@ def transition(job: JobRow, state: JobState, reason: str, now: float) -> None:
     job.history = [*job.history, {"state": state.value, "at": now, "reason": reason}]
 
 
-def validate_spec(spec: JobSpec) -> ModelSpec:
+def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:
     """Everything about a job that can be checked before any node sees it; InvalidRequest if wrong.
-    Nothing here allocates weights: the model is only described (shapes come from the meta device)."""
+    Nothing here allocates weights: the model is only described (shapes come from the meta device),
+    and a model with more than `max_blocks` blocks is refused before a single one is built."""
     try:
         model = build_model(spec.model.name, spec.model.config)
     except ModelError as e:
         raise InvalidRequest(f"model: {e}") from e
+    if model.num_blocks > max_blocks:
+        raise InvalidRequest(f"model {spec.model.name!r} has {model.num_blocks:,} blocks; this coordinator plans "
+                             f"at most {max_blocks:,} (its max_blocks limit)")
     dataset = spec.dataset
     if TASK_OF_DATASET[dataset.name] != model.task:
         raise InvalidRequest(f"dataset {dataset.name!r} needs a {TASK_OF_DATASET[dataset.name]!r} model; "
@@ -87,8 +91,6 @@ def validate_spec(spec: JobSpec) -> ModelSpec:
         raise InvalidRequest(f"placement.max_nodes ({placement.max_nodes}) is below placement.min_nodes "
                              f"({placement.min_nodes})")
     if isinstance(placement.clusters, int):
-        if placement.clusters < 1:
-            raise InvalidRequest("placement.clusters must be >= 1 or \"auto\"")
         if placement.min_nodes < placement.clusters:
             raise InvalidRequest(f"placement.min_nodes ({placement.min_nodes}) must be at least "
                                  f"placement.clusters ({placement.clusters}): each cluster needs a node")

@@ -5,18 +5,43 @@ Everything here is plain data: architecture names and configs, never code.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_STEPS = 100_000_000  # hard bounds on what any spec may say; the coordinator's own limits are tighter
+MAX_CONFIG_BYTES = 16 << 10
+MAX_NESTING = 4
+
+
+def _plain_json(value: Any, where: str) -> Any:
+    """A small, shallow JSON value (configs and kwargs): no 300-level nesting, no megabytes of it."""
+    def depth(v: Any) -> int:
+        if isinstance(v, dict):
+            return 1 + max(map(depth, v.values()), default=0)
+        if isinstance(v, list):
+            return 1 + max(map(depth, v), default=0)
+        return 0
+    if depth(value) > MAX_NESTING:
+        raise ValueError(f"{where} nests deeper than {MAX_NESTING} levels")
+    if len(repr(value)) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{where} is longer than {MAX_CONFIG_BYTES} characters")
+    return value
+
+
 class ModelRef(_Strict):
-    name: str = Field(description="architecture in the registry, e.g. 'cnn', 'mlp', 'gpt'")
+    name: str = Field(max_length=64, description="architecture in the registry, e.g. 'cnn', 'mlp', 'gpt'")
     config: dict[str, Any] = Field(default_factory=dict, description="JSON config for the builder")
+
+    @field_validator("config")
+    @classmethod
+    def _small(cls, config: dict[str, Any]) -> dict[str, Any]:
+        return _plain_json(config, "model.config")
 
 
 DATASET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -27,7 +52,7 @@ class DatasetRef(_Strict):
     source: str | None = Field(None, pattern=DATASET_NAME, description=(
         "for 'text' and 'npz': the name a volunteer offers a file under (`ravnest-node join --dataset "
         "NAME=PATH`); the job runs only on nodes offering it. Never a path: a volunteer's files are theirs"))
-    seq_len: PositiveInt = Field(64, description="'text': characters per training sequence")
+    seq_len: PositiveInt = Field(64, le=1 << 16, description="'text': characters per training sequence")
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
 
     @model_validator(mode="before")
@@ -40,49 +65,56 @@ class DatasetRef(_Strict):
 
 
 class OptimizerRef(_Strict):
-    name: str = Field("Adam", description="any torch.optim class name")
+    name: str = Field("Adam", max_length=64, description="any torch.optim class name")
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-3})
+
+    @field_validator("kwargs")
+    @classmethod
+    def _small(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return _plain_json(kwargs, "optimizer.kwargs")
 
 
 class TrainingSettings(_Strict):
-    steps: PositiveInt = Field(300, description="optimizer steps per stage (per cluster)")
-    batch_size: PositiveInt = 32
+    steps: PositiveInt = Field(300, le=MAX_STEPS, description="optimizer steps per stage (per cluster)")
+    batch_size: PositiveInt = Field(32, le=1 << 16)
     microbatches_in_flight: int | None = Field(
-        None, ge=1, description="staleness bound K; default = number of stages")
-    accumulation: PositiveInt = Field(1, description="micro-batches per optimizer step")
+        None, ge=1, le=1024, description="staleness bound K; default = number of stages")
+    accumulation: PositiveInt = Field(1, le=4096, description="micro-batches per optimizer step")
     optimizer: OptimizerRef = Field(default_factory=OptimizerRef)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     weight_stash: Literal["stash", "recompute"] = Field(
         "stash", description="keep forward weights + activations, or weights + RNG and recompute")
     codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
-    eval_every: int = Field(0, ge=0, description="steps between evaluations; 0 = only at the end")
-    seed: int = 0
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between evaluations; 0 = only at the end")
+    seed: int = Field(0, ge=0, lt=1 << 63)
 
 
 class AveragingSettings(_Strict):
     strategy: Literal["ring", "none"] = "ring"
-    every: PositiveInt = Field(50, description="local optimizer steps between averaging rounds")
+    every: PositiveInt = Field(50, le=MAX_STEPS, description="local optimizer steps between averaging rounds")
     every_seconds: float | None = Field(
-        None, gt=0, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")
+        None, gt=0, le=86400, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")
     codec: Literal["", "fp16", "bf16", "int8"] = ""
     average_optimizer_state: bool = Field(
         False, description="also average the optimizer's per-parameter state (e.g. Adam's moments)")
 
 
 class Placement(_Strict):
-    clusters: int | Literal["auto"] = "auto"
-    min_nodes: PositiveInt = Field(1, description="wait in 'pending' until at least this many idle nodes joined")
-    timeout_s: float | None = Field(None, gt=0, description="fail a job still pending after this many seconds "
+    clusters: Annotated[int, Field(ge=1, le=10_000)] | Literal["auto"] = "auto"
+    min_nodes: PositiveInt = Field(1, le=100_000,
+                                   description="wait in 'pending' until at least this many idle nodes joined")
+    timeout_s: float | None = Field(None, gt=0, le=366 * 86400, description="fail a job still pending after this many seconds "
                                                             "(default: wait as long as it takes)")
-    max_recoveries: int = Field(3, ge=0, description="re-plans after a lost node or a failed stage before the "
+    max_recoveries: int = Field(3, ge=0, le=1000, description="re-plans after a lost node or a failed stage before the "
                                                      "job fails")
-    max_nodes: PositiveInt | None = Field(None, description="use at most this many nodes (default: all idle ones)")
-    stages_per_cluster: int | None = Field(None, ge=1, description="default: every node in the cluster")
+    max_nodes: PositiveInt | None = Field(None, le=100_000,
+                                          description="use at most this many nodes (default: all idle ones)")
+    stages_per_cluster: int | None = Field(None, ge=1, le=4096, description="default: every node in the cluster")
 
 
 class CheckpointSettings(_Strict):
-    every: int = Field(100, ge=0, description="optimizer steps between checkpoints of cluster 0's stages "
+    every: int = Field(100, ge=0, le=MAX_STEPS, description="optimizer steps between checkpoints of cluster 0's stages "
                                               "(parameters, optimizer state, step); 0 = none")
     every_seconds: float | None = Field(None, ge=1, le=86400,
                                         description="also checkpoint when this many seconds passed since the last "
@@ -90,7 +122,7 @@ class CheckpointSettings(_Strict):
 
 
 class JobSpec(_Strict):
-    name: str = ""
+    name: str = Field("", max_length=256)
     model: ModelRef
     dataset: DatasetRef
     training: TrainingSettings = Field(default_factory=TrainingSettings)

@@ -6,7 +6,7 @@ from sqlalchemy import select
 from ravnest.spec import FailureReport, JobSpec, MetricsReport
 
 from .. import jobs
-from ..errors import Conflict, Forbidden
+from ..errors import Conflict, Forbidden, InvalidRequest
 from ..jobs import JobState
 from ..schemas import JobCreated, JobSummary, JobView, Recovery
 from ..security import new_id
@@ -17,8 +17,12 @@ from .base import RESUME, ServiceBase, costs_of
 class JobLifecycle(ServiceBase):
     def submit(self, spec: JobSpec, owner: str | None = None) -> JobCreated:
         """`owner`: the id of the submitting key (a submitter sees and acts on its own jobs only)."""
-        jobs.validate_spec(spec)
-        costs_of(spec)  # profile now, outside the lock, so placing later never stalls heartbeats
+        jobs.validate_spec(spec, self.settings.max_blocks)
+        # profile now, outside the lock, so placing later never stalls heartbeats
+        parameters = sum(cost.params for cost in costs_of(spec))
+        if parameters > self.settings.max_parameters:
+            raise InvalidRequest(f"model {spec.model.name!r} has {parameters:,} parameters; this coordinator takes "
+                                 f"at most {self.settings.max_parameters:,.0f} (its max_parameters limit)")
         now = self.clock()
         with self._lock:
             with self.store.session() as session:

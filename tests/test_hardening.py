@@ -1,0 +1,71 @@
+"""Hardening: limits before work. Specs a careless or hostile submitter might send are refused
+with the limit named, before anything expensive runs, and leave the coordinator's memory flat."""
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.config import Settings
+from tests.test_coordinator_api import OPERATOR_TOKEN
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    settings = Settings(data_dir=tmp_path_factory.mktemp("coordinator"), background=False,
+                        operator_token=OPERATOR_TOKEN)
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}) as c:
+        yield c
+
+
+def spec(model: dict | None = None, **sections) -> dict:
+    text = model and model["name"] == "gpt"
+    return {"model": model or {"name": "mlp", "config": {}},
+            "dataset": {"name": "text", "source": "books"} if text else {"name": "digits"}, **sections}
+
+
+HOSTILE = {
+    "a million layers": (spec({"name": "gpt", "config": {"n_layers": 1_000_000}}), 422, "max_blocks"),
+    "a hundred trillion parameters": (spec({"name": "mlp", "config": {"hidden": 1_000_000, "depth": 100}}),
+                                      422, "max_parameters"),
+    "batch of ten million": (spec(training={"batch_size": 10**7}), 422, "training.batch_size"),
+    "seed 2**64": (spec(training={"seed": 2**64}), 422, "training.seed"),
+    "a trillion steps": (spec(training={"steps": 10**12}), 422, "training.steps"),
+    "300-level optimizer kwargs": (spec(training={"optimizer": {"name": "SGD", "kwargs": {
+        "lr": 0.1, "x": json.loads("[" * 300 + "]" * 300)}}}), 422, "nests deeper"),
+    "a 900 kB model config": (spec({"name": "mlp", "config": {"pad": "x" * 900_000}}), 422, "model.config"),
+    "a 50 MB name": (spec(name="x" * 50_000_000), 413, "exceeds"),
+    "a long name": (spec(name="x" * 1000), 422, "name"),
+    "20000 clusters": (spec(placement={"clusters": 20_000}), 422, "placement.clusters"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
+def test_hostile_specs_are_refused_before_any_work(client: TestClient, case: str) -> None:
+    body, status, reason = HOSTILE[case]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
+    r = client.post("/v1/jobs", json=body)
+    elapsed = time.monotonic() - started
+    assert r.status_code == status and reason in r.json()["detail"], r.text[:300]
+    assert elapsed < 5, f"refusing {case} took {elapsed:.1f} s"  # a bound, not a benchmark: work was skipped
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 200, f"peak memory grew {grown_mib:.0f} MiB while refusing {case}"
+    assert client.get("/v1/jobs").json() == []  # nothing stored
+
+
+def test_limits_are_the_coordinators_to_set(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, background=False, operator_token=OPERATOR_TOKEN, max_blocks=3,
+                        max_parameters=1000, max_request_bytes=300)
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}) as c:
+        r = c.post("/v1/jobs", json=spec({"name": "mlp", "config": {"depth": 4}}))
+        assert r.status_code == 422 and "at most 3 (its max_blocks limit)" in r.json()["detail"]
+        r = c.post("/v1/jobs", json=spec({"name": "mlp", "config": {"depth": 1}}))
+        assert r.status_code == 422 and "at most 1,000 (its max_parameters limit)" in r.json()["detail"]
+        r = c.post("/v1/jobs", json=spec(name="x" * 400))
+        assert r.status_code == 413 and "300 bytes" in r.json()["detail"]
