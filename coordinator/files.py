@@ -79,6 +79,14 @@ def check_stage_tensors(tensors: dict[str, torch.Tensor], expected: Shapes, *, o
     if wrong:
         raise InvalidRequest(f"wrong shapes for {wrong[:5]}, e.g. {wrong[0]}: {tuple(tensors[wrong[0]].shape)} "
                              f"instead of {expected[wrong[0]][0]}")
+    # a float64 upload for a float32 model would turn the merged model into float64
+    widths = [key for key, tensor in state.items() if tensor.numel() and tensor.numel() * tensor.element_size()
+              != expected[key][1]]
+    if widths:
+        key = widths[0]
+        dtype = str(tensors[key].dtype).removeprefix("torch.")
+        raise InvalidRequest(f"wrong dtype for {widths[:5]}, e.g. {key}: {dtype} ({tensors[key].element_size()} "
+                             f"bytes per element) where the model holds {expected[key][1] // tensors[key].numel()}")
     odd = [key for key, tensor in optimizer.items()
            if tensor.numel() > 1 and tuple(tensor.shape) != expected[key.split(OPTIMIZER_SEPARATOR, 1)[0]][0]]
     if odd:

@@ -74,7 +74,10 @@ class CoordinatorClient:
             stop.wait(delay)
             delay = min(delay * 2, 5.0)
 
+    @tenacity.retry(retry=tenacity.retry_if_exception(lambda e: isinstance(e, CoordinatorError) and e.status == 409),
+                    wait=tenacity.wait_fixed(2), stop=tenacity.stop_after_delay(60), reraise=True)
     def join(self, request: JoinRequest) -> JoinResponse:
+        """Retried while the coordinator still sees a previous run of this node (same address) alive."""
         body = self._call("POST", "/v1/nodes", token=self._join_token, json=request.model_dump())
         joined = JoinResponse.model_validate(body.json())
         self.node_id, self._node_token = joined.node_id, joined.node_token

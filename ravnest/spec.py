@@ -104,10 +104,11 @@ class Placement(_Strict):
     clusters: Annotated[int, Field(ge=1, le=10_000)] | Literal["auto"] = "auto"
     min_nodes: PositiveInt = Field(1, le=100_000,
                                    description="wait in 'pending' until at least this many idle nodes joined")
-    timeout_s: float | None = Field(None, gt=0, le=366 * 86400, description="fail a job still pending after this many seconds "
-                                                            "(default: wait as long as it takes)")
-    max_recoveries: int = Field(3, ge=0, le=1000, description="re-plans after a lost node or a failed stage before the "
-                                                     "job fails")
+    timeout_s: float | None = Field(None, gt=0, le=366 * 86400,
+                                    description="fail a job still pending after this many seconds "
+                                                "(default: wait as long as it takes)")
+    max_recoveries: int = Field(3, ge=0, le=1000,
+                                description="re-plans after a lost node or a failed stage before the job fails")
     max_nodes: PositiveInt | None = Field(None, le=100_000,
                                           description="use at most this many nodes (default: all idle ones)")
     stages_per_cluster: int | None = Field(None, ge=1, le=4096, description="default: every node in the cluster")
@@ -187,27 +188,44 @@ class StageAssignment(_Strict):
 # --- node <-> coordinator REST bodies -------------------------------------------------------------
 
 class _Measured(_Strict):
-    """Figures the planner computes with: "Infinity" or "NaN" would poison every plan."""
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """Figures the planner computes with, within physical ranges: "Infinity", "NaN", 5e-324 FLOP/s or
+    `false` seconds would poison every plan (strict: a boolean or a string is not a number)."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+# plausible ranges, from a phone to a datacentre node
+FLOPS = dict(ge=1e6, le=1e17)  # 1 MFLOP/s .. 100 PFLOP/s
+BANDWIDTH = dict(ge=1e3, le=1e12)  # 1 kB/s .. 8 Tbit/s
+LATENCY = dict(ge=0, le=60)  # seconds, round trip
+ADDRESS = r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}$"
 
 
 class NodeProfile(_Measured):
     """What a node measured about itself when it joined."""
-    flops: float = Field(gt=0, description="matmul FLOP/s on the chosen device")
-    memory_bytes: int = Field(gt=0, description="memory free for training on the chosen device")
-    device: str = Field("cpu", description="'cpu' or 'cuda[:i]'")
-    gpu_name: str = ""
-    cores: int = Field(1, ge=1)
-    bandwidth_bytes_per_s: float = Field(gt=0, description="measured to the coordinator")
-    latency_s: float = Field(ge=0, description="round trip to the coordinator")
-    datasets: list[str] = Field(default_factory=list, max_length=64,
-                                description="names of the files this volunteer offers to jobs (`--dataset NAME=PATH`)")
+    flops: float = Field(description="matmul FLOP/s on the chosen device", **FLOPS)
+    memory_bytes: int = Field(ge=1 << 20, le=1 << 46, description="memory free for training on the chosen device")
+    device: str = Field("cpu", pattern=r"^(cpu|mps|cuda(:[0-9]{1,3})?)$", description="'cpu' or 'cuda[:i]'")
+    gpu_name: str = Field("", max_length=128)
+    cores: int = Field(1, ge=1, le=4096)
+    bandwidth_bytes_per_s: float = Field(description="measured to the coordinator", **BANDWIDTH)
+    latency_s: float = Field(description="round trip to the coordinator", **LATENCY)
+    datasets: list[Annotated[str, Field(pattern=DATASET_NAME)]] = Field(
+        default_factory=list, max_length=64,
+        description="names of the files this volunteer offers to jobs (`--dataset NAME=PATH`)")
 
 
 class JoinRequest(_Strict):
     name: str = Field("", max_length=128)
-    address: str = Field(description="host:port where this node's gRPC server listens")
+    address: str = Field(pattern=ADDRESS, description="host:port (or [v6]:port) where this node's gRPC server "
+                                                      "listens; no other live node may hold it")
     profile: NodeProfile
+
+    @field_validator("address")
+    @classmethod
+    def _port(cls, address: str) -> str:
+        if not 1 <= int(address.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError(f"port of {address!r} is outside 1..65535")
+        return address
 
 
 class JoinResponse(_Strict):
@@ -220,8 +238,8 @@ class JoinResponse(_Strict):
 class LinkReport(_Measured):
     """What a node measured of its link to a peer (a gRPC Ping probe)."""
     peer_id: str = Field(max_length=64)
-    bandwidth_bytes_per_s: float = Field(gt=0)
-    latency_s: float = Field(ge=0, description="round trip")
+    bandwidth_bytes_per_s: float = Field(**BANDWIDTH)
+    latency_s: float = Field(description="round trip", **LATENCY)
 
 
 class PeerProbe(_Strict):

@@ -2,6 +2,7 @@
 that takes the `settings` fixture runs twice, on SQLite and on a real PostgreSQL server."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -71,8 +72,11 @@ def client(settings: Settings):
         yield c
 
 
+_ports = itertools.count(5000)
+
+
 def join(client: TestClient, name: str = "n", headers: dict | None = None, **kw) -> tuple[str, dict]:
-    r = client.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{5000 + len(name)}",
+    r = client.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{next(_ports)}",
                                        "profile": profile(**kw)}, headers=headers)
     assert r.status_code == 201, r.text
     body = r.json()
@@ -116,7 +120,8 @@ def test_join_heartbeat_list_leave(client: TestClient) -> None:
 def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: TestClient) -> None:
     a, b, c = (join(client, name) for name in ("alpha", "beta", "gamma"))
     asked = beat(client, *a)["probe"]
-    assert {(p["node_id"], p["address"]) for p in asked} == {(b[0], "127.0.0.1:5004"), (c[0], "127.0.0.1:5005")}
+    addresses = {n["id"]: n["address"] for n in client.get("/v1/nodes").json()}
+    assert {(p["node_id"], p["address"]) for p in asked} == {(b[0], addresses[b[0]]), (c[0], addresses[c[0]])}
     assert beat(client, *a)["probe"] == []  # asked already: not again before probe_retry_s
     links = [{"peer_id": b[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02},
              {"peer_id": "no-such-node", "bandwidth_bytes_per_s": 1e9, "latency_s": 0.0},
@@ -283,6 +288,10 @@ def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
     r = client.put(url, content=wrong_blocks, headers=auth)
     assert r.status_code == 422 and "99.weight" in r.json()["detail"]
     assert client.put(url, content=b"garbage, not safetensors", headers=auth).status_code == 422
+    wide = {k: v.double() if v.is_floating_point() else v
+            for k, v in load_safetensors(stage_weights(a, trained)).items()}
+    r = client.put(url, content=save_safetensors(wide), headers=auth)
+    assert r.status_code == 422 and "wrong dtype" in r.json()["detail"] and "float64" in r.json()["detail"]
     other_auth = assignments[1][1]
     assert client.put(url, content=stage_weights(a, trained), headers=other_auth).status_code == 403
     stranger_id, stranger_auth = join(client, "stranger")
@@ -380,7 +389,7 @@ def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestCli
 
 def test_placement_failure_gives_a_reason(client: TestClient) -> None:
     for i in range(4):
-        join(client, f"tiny{i}", memory=1000)
+        join(client, f"tiny{i}", memory=1 << 20)
     r = client.post("/v1/jobs", json=digits_job())
     assert r.status_code == 201
     job = client.get(f"/v1/jobs/{r.json()['id']}").json()
@@ -388,7 +397,7 @@ def test_placement_failure_gives_a_reason(client: TestClient) -> None:
 
 
 def test_a_node_that_fits_nowhere_is_told_why(client: TestClient) -> None:
-    tiny_id, tiny_auth = join(client, "tiny", memory=1000)
+    tiny_id, tiny_auth = join(client, "tiny", memory=1 << 20)
     job_id, members = placed_job(client)
     plan = client.get(f"/v1/jobs/{job_id}").json()["plan"]
     assert tiny_id in plan["unused"] and tiny_id not in {s["node_id"] for c in plan["clusters"] for s in c["stages"]}
@@ -529,7 +538,8 @@ def test_secure_by_default_every_job_and_node_endpoint_needs_a_credential(tmp_pa
             for method, path, body in calls:
                 r = client.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401 and r.json()["detail"], (method, path, headers, r.text)
-        assert counts(client) == (1, 0, 0) and len(client.get("/v1/keys", headers={"Authorization": f"Bearer {operator}"}).json()) == 1
+        as_operator = {"Authorization": f"Bearer {operator}"}
+        assert counts(client) == (1, 0, 0) and len(client.get("/v1/keys", headers=as_operator).json()) == 1
         # authentication before parsing: a wrong token with a broken body is a 401, not a 422
         for method, path in (("POST", "/v1/nodes"), ("POST", "/v1/jobs"), ("POST", f"/v1/nodes/{node_id}/heartbeat")):
             r = client.request(method, path, content=b"{not json", headers={"Authorization": "Bearer wrong"})

@@ -1,5 +1,6 @@
-"""Hardening: limits before work. Specs a careless or hostile submitter might send are refused
-with the limit named, before anything expensive runs, and leave the coordinator's memory flat."""
+"""Hardening: limits before work and plausible inputs only. Specs a careless or hostile submitter
+might send are refused with the limit named, before anything expensive runs, leaving the
+coordinator's memory flat; node profiles, addresses and link reports must be physically plausible."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
 from coordinator.config import Settings
-from tests.test_coordinator_api import OPERATOR_TOKEN
+from tests.test_coordinator_api import OPERATOR_TOKEN, profile
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +70,33 @@ def test_limits_are_the_coordinators_to_set(tmp_path: Path) -> None:
         assert r.status_code == 422 and "at most 1,000 (its max_parameters limit)" in r.json()["detail"]
         r = c.post("/v1/jobs", json=spec(name="x" * 400))
         assert r.status_code == 413 and "300 bytes" in r.json()["detail"]
+
+
+IMPLAUSIBLE = {
+    "5e-324 FLOP/s": ({"flops": 5e-324}, "profile.flops"),
+    "latency false": ({"latency_s": False}, "profile.latency_s"),
+    "bandwidth as text": ({"bandwidth_bytes_per_s": "1e9"}, "profile.bandwidth_bytes_per_s"),
+    "an exabyte of memory": ({"memory_bytes": 1 << 60}, "profile.memory_bytes"),
+    "a device that is not one": ({"device": "gpu0; rm -rf"}, "profile.device"),
+    "a dataset name with a path": ({"datasets": ["../etc/passwd"]}, "profile.datasets"),
+}
+
+
+@pytest.mark.parametrize("case", IMPLAUSIBLE, ids=list(IMPLAUSIBLE))
+def test_implausible_node_profiles_are_refused(client: TestClient, case: str) -> None:
+    change, reason = IMPLAUSIBLE[case]
+    r = client.post("/v1/nodes", json={"address": "127.0.0.1:6001", "profile": {**profile(), **change}})
+    assert r.status_code == 422 and reason in r.json()["detail"], r.text
+
+
+def test_addresses_are_host_port_and_not_another_live_nodes(client: TestClient) -> None:
+    for address in ("q", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", "a b:1", "http://x:1"):
+        r = client.post("/v1/nodes", json={"address": address, "profile": profile()})
+        assert r.status_code == 422 and "address" in r.json()["detail"], address
+    holder = client.post("/v1/nodes", json={"address": "[::1]:6002", "profile": profile()}).json()
+    r = client.post("/v1/nodes", json={"address": "[::1]:6002", "profile": profile()})
+    assert r.status_code == 409 and holder["node_id"] in r.json()["detail"]
+    link = {"peer_id": holder["node_id"], "bandwidth_bytes_per_s": 1e15, "latency_s": 0.001}
+    r = client.post(f"/v1/nodes/{holder['node_id']}/heartbeat", json={"links": [link]},
+                    headers={"Authorization": f"Bearer {holder['node_token']}"})
+    assert r.status_code == 422 and "bandwidth_bytes_per_s" in r.json()["detail"]

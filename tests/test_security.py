@@ -16,7 +16,7 @@ from coordinator.app import create_app
 from coordinator.config import Settings
 from coordinator.security import new_token
 from scripts.local_cluster import ROOT, LocalCluster
-from tests.test_coordinator_api import INTERVAL, OPERATOR_TOKEN, FakeClock, beat, digits_job, join, profile
+from tests.test_coordinator_api import INTERVAL, OPERATOR_TOKEN, FakeClock, _ports, beat, digits_job, join, profile
 from tests.test_faults import cnn_job
 
 
@@ -38,7 +38,7 @@ def bearer(token: str) -> dict:
 
 
 def try_join(client: TestClient, token: str):
-    return client.post("/v1/nodes", json={"name": "v", "address": "127.0.0.1:5001", "profile": profile()},
+    return client.post("/v1/nodes", json={"name": "v", "address": f"127.0.0.1:{next(_ports)}", "profile": profile()},
                        headers=bearer(token))
 
 

@@ -9,7 +9,7 @@ from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, Join
 from ravnest.wire.gate import credential_hash
 
 from .. import jobs
-from ..errors import NotFound, Unauthorized
+from ..errors import Conflict, NotFound, Unauthorized
 from ..jobs import JobState
 from ..schemas import Health, NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
@@ -26,6 +26,13 @@ class Membership(ServiceBase):
                 admitted = self._consume_join(session, offered)
                 if isinstance(admitted, str):
                     raise Unauthorized(admitted)
+                holder = session.scalars(select(NodeRow).where(
+                    NodeRow.address == request.address, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
+                    NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s)).first()
+                if holder is not None:  # else peers would dial the wrong node (or a node would probe itself)
+                    raise Conflict(f"address {request.address} is held by node {holder.id}, which is alive; "
+                                   f"advertise this node's own address (a restarted node may retry once the "
+                                   f"old one times out)")
                 node = NodeRow(id=new_id(), name=request.name, address=request.address,
                                profile=request.profile.model_dump(mode="json"), token_hash=hash_token(token),
                                token_expires_at=now + self.settings.node_credential_ttl_s,
