@@ -18,7 +18,8 @@ from node.client import CoordinatorClient, CoordinatorError
 from node.links import LinkProber
 from node.profiler import profile_node
 from node.progress import Progress
-from ravnest.averaging import make_averager
+from ravnest.averaging import make_averager, ring
+from ravnest.pipeline import stage
 from ravnest.pipeline.memory import release_free_memory
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
@@ -115,7 +116,8 @@ class NodeDaemon:
         self.device = device
         self.name = name
         self.progress = progress or Progress()
-        self.router = Router(wait_for_route=60.0)  # peers of a job get their assignments at different heartbeats
+        # peers of a job get their assignments at different heartbeats: their first messages may wait
+        self.router = Router(wait_for_route=60.0, expected_kinds=(*stage.MESSAGE_KINDS, ring.KIND))
         self.gate = PeerGate()  # the job's planned peers may call; the coordinator's probe token may Ping
         self.server = PeerServer(self.router, host, port, gate=self.gate, tls=tls)  # tls: (certificate, key) PEM
         self._prober: LinkProber | None = None

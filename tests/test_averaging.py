@@ -446,3 +446,14 @@ def test_rounds_every_few_seconds_agree_across_clusters_of_unequal_speed():
         assert all(stage.averager.metrics()["avg_rounds"] >= 2 for stage in all_stages(clusters))
     finally:
         close_job(clusters)
+
+
+def test_a_ring_chunk_holding_nan_is_refused_and_never_averaged_in(nodes) -> None:
+    """Member 1's vector holds a NaN: member 0 refuses the chunk that carries it, so the NaN never
+    reaches member 0's average; its round fails instead (member 1's NaN is its own)."""
+    members = nodes(2).ring(step_timeout=3.0)
+    poisoned = torch.ones(1000)
+    poisoned[17] = float("nan")
+    results = run_all([lambda: members[0].allreduce(torch.ones(1000), 0),
+                       lambda: members[1].allreduce(poisoned, 0)])
+    assert isinstance(results[0], RingError), results[0]

@@ -275,6 +275,39 @@ def test_a_failing_stage_stops_every_stage_with_its_reason() -> None:
     assert time.monotonic() - start < 30  # neighbours were told, nobody waited for a timeout
 
 
+def test_a_nan_gradient_from_a_neighbour_is_refused_and_never_applied() -> None:
+    """The last stage sends a NaN input gradient once: stage 1 refuses it (the pipeline fails with that
+    reason), and no weight anywhere ever holds a NaN."""
+    calls = itertools.count()
+
+    def setup(runners: list[StageRunner]) -> None:
+        original = runners[2].compute.forward_backward
+
+        def poisoned(x, loss_fn):
+            loss, input_grad = original(x, loss_fn)
+            return loss, input_grad.fill_(float("nan")) if next(calls) == 5 else input_grad
+
+        runners[2].compute.forward_backward = poisoned
+        captured.extend(runners)
+
+    captured: list[StageRunner] = []
+    with pytest.raises(RuntimeError, match="NaN or infinite values; refused"):
+        run_threaded_pipeline(make_job(), MLP_RANGES, setup=setup, timeout=60)
+    assert all(bool(torch.isfinite(p).all()) for runner in captured[:2] for p in runner.module.parameters())
+
+
+def test_an_abort_is_passed_on_as_one_short_printable_line() -> None:
+    """What a neighbour says when it aborts is its own account: logged in full, passed on shortened."""
+    assignment = make_assignments(make_job(), [(0, 2), (2, 4)], ["127.0.0.1:9", "127.0.0.1:9"], "x")[1]
+    runner = StageRunner(assignment, Router())
+    runner._on_abort(Message("abort", note="first line \x1b[31m" + "x" * 5000 + "\nsecond line"), "10.0.0.1:5")
+    with pytest.raises(PipelineError) as failure:
+        runner.inbox.get(admit=False, timeout=1)
+    reason = str(failure.value)
+    assert "neighbour at 10.0.0.1:5 reported a failure ('first line" in reason
+    assert "\x1b" not in reason and "second line" not in reason and len(reason) < 700
+
+
 def test_stop_event_ends_a_waiting_stage() -> None:
     router = Router()
     server = PeerServer(router, "127.0.0.1", 0)

@@ -215,6 +215,26 @@ def test_a_cancelled_sender_leaves_the_server_serving(node: Node) -> None:
     node.assert_serves_a_good_stream()
 
 
+def test_unknown_kinds_are_refused_at_once_while_expected_ones_wait_for_their_route() -> None:
+    """A made-up kind cannot hold a call slot for the route wait (60 s on a node); a kind the node
+    expects waits for its part to be set up."""
+    router = Router(wait_for_route=60.0, expected_kinds=("forward",))
+    server = PeerServer(router)
+    try:
+        with pytest.raises(grpc.RpcError) as info:  # within raw_stream's 20 s deadline: not waited for
+            raw_stream(server.address, list(message_frames(Message("bogus"))))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "unknown message kind" in info.value.details()
+        got: queue.Queue = queue.Queue()
+        sender = threading.Thread(target=raw_stream, args=(server.address, list(message_frames(Message("forward")))))
+        sender.start()
+        assert router.wait_until_waiting(1, timeout=DEADLINE_S)
+        router.route("forward", lambda msg, peer: got.put(msg.kind))
+        assert got.get(timeout=DEADLINE_S) == "forward"
+        sender.join(DEADLINE_S)
+    finally:
+        server.stop(0)
+
+
 # --- tokens and TLS ------------------------------------------------------------------------------
 
 def test_wrong_or_missing_token_is_unauthenticated() -> None:

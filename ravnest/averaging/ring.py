@@ -26,7 +26,8 @@ import torch
 
 from ravnest.averaging.mailbox import Mailbox
 from ravnest.averaging.shares import share_bounds
-from ravnest.wire import CODECS, ChannelPool, Message, OutboundStream, PeerError, Router, WireError, wait_authorized
+from ravnest.wire import (CODECS, ChannelPool, Message, OutboundStream, PeerError, Router, WireError, require_finite,
+                          wait_authorized)
 from ravnest.wire.transport import AUTH_GRACE_S
 
 KIND = "ring"
@@ -115,6 +116,8 @@ class RingHub:
                             grpc.StatusCode.FAILED_PRECONDITION)
         if tags["round"] < floor:
             return  # a straggler of a round this node already finished or gave up
+        require_finite(msg.tensors[TENSOR], f"ring chunk from {peer} (segment {tags['segment']}, "
+                                            f"round {tags['round']})")
         key = (tags["segment"], tags["round"], tags["step"], tags["chunk"])
         try:
             self.mailbox.put(key, (tags["numel"], tags["sender"], msg.tensors[TENSOR]))

@@ -14,7 +14,7 @@ from collections import deque
 import grpc
 import torch
 
-from ravnest.wire import Message, WireError
+from ravnest.wire import Message, WireError, require_finite
 
 
 class PipelineError(RuntimeError):
@@ -48,6 +48,7 @@ class Inbox:
                 got = "no 'grad' tensor" if grad is None else f"{grad.dtype}{list(grad.shape)}"
                 raise WireError(f"backward for micro-batch {msg.id}: expected a float 'grad' of shape "
                                 f"{list(shape)}, got {got}")
+            require_finite(grad, f"gradient for micro-batch {msg.id}")
             del self._owed[msg.id]
             self._backward.append(msg)
             self._ready.notify()

@@ -15,6 +15,7 @@ carries a failed neighbour's reason.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -32,12 +33,14 @@ from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTr
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment, StagePeer
-from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, wait_authorized
+from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
 
 if TYPE_CHECKING:
     from ravnest.averaging import Averager
 
 FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
+MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
+log = logging.getLogger(__name__)
 METRICS_EVERY = 10  # optimizer steps between on_metrics reports
 
 
@@ -234,7 +237,12 @@ class StageRunner:
         self.inbox.put_forward(msg)
 
     def _on_abort(self, msg: Message, peer: str) -> None:
-        self.inbox.fail(f"stage {self.assignment.stage}: a neighbouring stage failed: {msg.note}")
+        """Only planned neighbours reach here (the node's gate); what one says is its own account, so it
+        is logged in full and passed on shortened to one printable line."""
+        log.warning("stage %d: neighbour %s reports a failure: %r", self.assignment.stage, peer, msg.note)
+        first_line = msg.note.strip().splitlines()[0] if msg.note.strip() else "no reason given"
+        said = "".join(ch if ch.isprintable() else " " for ch in first_line)[:500]
+        self.inbox.fail(f"stage {self.assignment.stage}: its neighbour at {peer} reported a failure ({said!r})")
 
     def _check_activation(self, msg: Message) -> None:
         """Reject activations this stage's first block cannot take, before they reach the worker."""
@@ -253,6 +261,7 @@ class StageRunner:
         if y.dtype != torch.int64 or y.shape != x.shape[:free]:
             raise WireError(f"{where}: targets must be int64 of shape {list(x.shape[:free])}, "
                             f"got {y.dtype}{list(y.shape)}")
+        require_finite(x, f"{where}: activations of {msg.kind} message {msg.id}")
 
     # --- the worker thread -------------------------------------------------------------------------
 

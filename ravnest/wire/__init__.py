@@ -1,9 +1,9 @@
 """Tensors and messages on the wire, and the gRPC transport that carries them."""
-from ravnest.wire.codec import CODECS, WireError, WireLimits
+from ravnest.wire.codec import CODECS, WireError, WireLimits, require_finite
 from ravnest.wire.gate import PeerGate, credential_hash
 from ravnest.wire.messages import Message
 from ravnest.wire.transport import (ChannelPool, OutboundStream, PeerError, PeerServer, Router,
                                     measure_link, ping, use_tls, wait_authorized)
 
 __all__ = ["CODECS", "ChannelPool", "Message", "OutboundStream", "PeerError", "PeerGate", "PeerServer", "Router",
-           "WireError", "WireLimits", "credential_hash", "measure_link", "ping", "use_tls", "wait_authorized"]
+           "WireError", "WireLimits", "credential_hash", "require_finite", "measure_link", "ping", "use_tls", "wait_authorized"]

@@ -45,6 +45,12 @@ class WireError(Exception):
         self.code = code
 
 
+def require_finite(tensor: torch.Tensor, what: str) -> None:
+    """Refuse NaN or infinite values from a peer: one would spread into every weight it reaches."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise WireError(f"{what} holds NaN or infinite values; refused")
+
+
 @dataclass(frozen=True)
 class WireLimits:
     """What a receiver accepts from one peer. Checked before any allocation."""

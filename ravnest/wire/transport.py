@@ -497,12 +497,15 @@ class Router:
 
     Peers of one job start at slightly different moments, so a message may arrive before the part
     that handles it exists: it waits up to `wait_for_route` seconds for the route to be registered,
-    and only then is it a protocol error for the sender. A message waiting when the routes are
-    cleared (its job ended) is refused, never handed to the next job's routes.
+    and only then is it a protocol error for the sender. Only the kinds in `expected_kinds` (when
+    given) may wait: any other is refused at once, so a peer cannot hold the server's call slots with
+    made-up kinds. A message waiting when the routes are cleared (its job ended) is refused, never
+    handed to the next job's routes.
     """
 
-    def __init__(self, wait_for_route: float = 0.0):
+    def __init__(self, wait_for_route: float = 0.0, expected_kinds: Collection[str] | None = None):
         self.wait_for_route = wait_for_route
+        self.expected_kinds = None if expected_kinds is None else frozenset(expected_kinds)
         self._routes: dict[str, Handler] = {}
         self._zero_copy: set[str] = set()
         self._changed = threading.Condition()
@@ -539,6 +542,8 @@ class Router:
             self._changed.notify_all()
 
     def __call__(self, msg: Message, peer: str) -> None:
+        if self.expected_kinds is not None and msg.kind not in self.expected_kinds:
+            raise WireError(f"unknown message kind {msg.kind!r}", grpc.StatusCode.UNIMPLEMENTED)
         with self._changed:
             cleared = self._cleared
             self.waiting += 1
