@@ -40,6 +40,16 @@ OCTET_STREAM_BODY = {"requestBody": {"required": True, "content": {"application/
     "schema": {"type": "string", "format": "binary"}}}}}
 
 
+LIMIT = Query(100, ge=1, le=1000, description="most items in this page")
+OFFSET = Query(0, ge=0, description="items to skip (the page starts after them)")
+DASHBOARD_ROWS = 200
+
+
+def paged(response: Response, items: list, total: int) -> list:
+    response.headers["X-Total-Count"] = str(total)
+    return items
+
+
 def _validation_reason(error: RequestValidationError) -> str:
     parts = []
     for item in error.errors():
@@ -144,7 +154,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def dashboard(request: Request) -> str:
-        return render_dashboard(service.list_nodes(), service.list_jobs(own_jobs(request)))
+        return render_dashboard(service.list_nodes(DASHBOARD_ROWS)[0],
+                                service.list_jobs(own_jobs(request), DASHBOARD_ROWS)[0])
 
     # --- nodes ---------------------------------------------------------------------------------------
 
@@ -157,8 +168,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return service.heartbeat(node_id, authorization, request)
 
     @app.get("/v1/nodes", response_model=list[NodeView], tags=["nodes"])
-    def list_nodes() -> list[NodeView]:
-        return service.list_nodes()
+    def list_nodes(response: Response, limit: int = LIMIT, offset: int = OFFSET) -> list[NodeView]:
+        """A page of nodes in the order they joined; the header X-Total-Count says how many there are."""
+        return paged(response, *service.list_nodes(limit, offset))
 
     @app.delete("/v1/nodes/{node_id}", status_code=204, tags=["nodes"])
     def leave(node_id: str, authorization: str | None = AUTH) -> Response:
@@ -180,8 +192,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return service.create_credential(body)
 
     @app.get("/v1/join-tokens", response_model=list[CredentialView], tags=["credentials"])
-    def list_join_tokens() -> list[CredentialView]:
-        return service.list_credentials("join")
+    def list_join_tokens(response: Response, limit: int = LIMIT, offset: int = OFFSET) -> list[CredentialView]:
+        return paged(response, *service.list_credentials("join", limit, offset))
 
     @app.delete("/v1/join-tokens/{token_id}", status_code=204, tags=["credentials"])
     def revoke_join_token(token_id: str, request: Request) -> Response:
@@ -195,8 +207,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return service.create_credential(body)
 
     @app.get("/v1/keys", response_model=list[CredentialView], tags=["credentials"])
-    def list_keys() -> list[CredentialView]:
-        return service.list_credentials("key")
+    def list_keys(response: Response, limit: int = LIMIT, offset: int = OFFSET) -> list[CredentialView]:
+        return paged(response, *service.list_credentials("key", limit, offset))
 
     @app.delete("/v1/keys/{key_id}", status_code=204, tags=["credentials"])
     def revoke_key(key_id: str, request: Request) -> Response:
@@ -210,9 +222,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return service.submit(spec, owner=principal(request).id)
 
     @app.get("/v1/jobs", response_model=list[JobSummary], tags=["jobs"])
-    def list_jobs(request: Request) -> list[JobSummary]:
-        """Every job for operator and reader keys; a submitter's own jobs for a submitter key."""
-        return service.list_jobs(own_jobs(request))
+    def list_jobs(request: Request, response: Response, limit: int = LIMIT, offset: int = OFFSET) -> list[JobSummary]:
+        """A page of jobs, oldest first: every job for operator and reader keys, a submitter's own for a
+        submitter key. The header X-Total-Count says how many there are."""
+        return paged(response, *service.list_jobs(own_jobs(request), limit, offset))
 
     @app.get("/v1/jobs/{job_id}", response_model=JobView, tags=["jobs"])
     def get_job(job_id: str, request: Request) -> JobView:

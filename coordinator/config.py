@@ -17,6 +17,7 @@ class Settings:
     operator_token: str | None = None
     heartbeat_interval_s: float = 2.0
     node_credential_ttl_s: float = 86400.0  # a node silent this long must join again
+    node_retention_s: float = 7 * 86400.0  # a node gone this long is forgotten (pruned from the store)
     heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals
     recovery_wait_s: float = 120.0  # a recovering job waits this long at most for its nodes' state
     grow_after_s: float = 10.0  # a job runs this long on its nodes before new ones may join it

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
 from coordinator.config import Settings
-from tests.test_coordinator_api import OPERATOR_TOKEN, profile
+from tests.test_coordinator_api import OPERATOR_TOKEN, FakeClock, beat, join, profile
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,35 @@ def test_addresses_are_host_port_and_not_another_live_nodes(client: TestClient) 
     r = client.post(f"/v1/nodes/{holder['node_id']}/heartbeat", json={"links": [link]},
                     headers={"Authorization": f"Bearer {holder['node_token']}"})
     assert r.status_code == 422 and "bandwidth_bytes_per_s" in r.json()["detail"]
+
+
+def test_nodes_gone_past_retention_are_pruned_and_lists_come_in_pages(tmp_path: Path) -> None:
+    clock = FakeClock()
+    settings = Settings(data_dir=tmp_path, background=False, operator_token=OPERATOR_TOKEN, clock=clock,
+                        heartbeat_interval_s=1.0, node_retention_s=3600)
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}) as c:
+        joined = []
+        for i in range(5):
+            clock.now += 1
+            joined.append(join(c, f"n{i}"))
+        for node_id, auth in joined[:3]:
+            assert c.delete(f"/v1/nodes/{node_id}", headers=auth).status_code == 204
+        for _ in range(3):
+            c.post("/v1/jobs", json=spec())
+        page = c.get("/v1/nodes", params={"limit": 2, "offset": 1})
+        assert page.headers["x-total-count"] == "5" and [n["name"] for n in page.json()] == ["n1", "n2"]
+        jobs = c.get("/v1/jobs", params={"limit": 2})
+        assert jobs.headers["x-total-count"] == "3" and len(jobs.json()) == 2
+        assert c.get("/v1/nodes", params={"limit": 5000}).status_code == 422
+        clock.now += 1800
+        for node_id, auth in joined[3:]:  # alive: they keep beating
+            beat(c, node_id, auth)
+        c.app.state.service.tick()
+        assert c.get("/v1/nodes").headers["x-total-count"] == "5"  # gone, but not for long enough
+        clock.now += 1801
+        for node_id, auth in joined[3:]:
+            beat(c, node_id, auth)
+        c.app.state.service.tick()
+        assert [n["name"] for n in c.get("/v1/nodes").json()] == ["n3", "n4"]
+        r = c.post(f"/v1/nodes/{joined[0][0]}/heartbeat", json={}, headers=joined[0][1])
+        assert r.status_code == 401  # a forgotten node's credential is gone with it

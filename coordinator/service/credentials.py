@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..errors import Conflict, NotFound
@@ -77,10 +77,14 @@ class Credentials(ServiceBase):
             session.add(row)
         return CredentialCreated(**_view(row).model_dump(), token=token)
 
-    def list_credentials(self, kind: str) -> list[CredentialView]:
+    def list_credentials(self, kind: str, limit: int | None = None,
+                         offset: int = 0) -> tuple[list[CredentialView], int]:
+        """A page of the join tokens or keys, oldest first, and how many there are."""
         with self.store.session() as session:
-            return [_view(row) for row in session.scalars(
-                select(CredentialRow).where(CredentialRow.kind == kind).order_by(CredentialRow.created_at))]
+            total = session.scalar(select(func.count()).select_from(CredentialRow).where(CredentialRow.kind == kind))
+            rows = session.scalars(select(CredentialRow).where(CredentialRow.kind == kind)
+                                   .order_by(CredentialRow.created_at, CredentialRow.id).limit(limit).offset(offset))
+            return [_view(row) for row in rows], total or 0
 
     def revoke_credential(self, kind: str, credential_id: str, by: Principal) -> None:
         if credential_id == by.id:

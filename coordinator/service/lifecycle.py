@@ -1,7 +1,7 @@
 """Jobs as users and nodes see them: submit, view, cancel, resume; metrics and failure reports."""
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from ravnest.spec import FailureReport, JobSpec, MetricsReport
 
@@ -36,12 +36,15 @@ class JobLifecycle(ServiceBase):
                 job = session.get(JobRow, job.id)
                 return JobCreated(id=job.id, state=job.state, reason=job.reason)
 
-    def list_jobs(self, owner: str | None = None) -> list[JobSummary]:
-        """Every job, or `owner`'s only."""
-        query = select(JobRow).order_by(JobRow.created_at)
+    def list_jobs(self, owner: str | None = None, limit: int | None = None,
+                  offset: int = 0) -> tuple[list[JobSummary], int]:
+        """A page of every job (or `owner`'s only), oldest first, and how many there are."""
+        mine = (lambda query: query) if owner is None else (lambda query: query.where(JobRow.owner == owner))
         with self.store.session() as session:
-            rows = session.scalars(query if owner is None else query.where(JobRow.owner == owner))
-            return [_summary(job) for job in rows]
+            total = session.scalar(mine(select(func.count()).select_from(JobRow))) or 0
+            rows = session.scalars(mine(select(JobRow)).order_by(JobRow.created_at, JobRow.id)
+                                   .limit(limit).offset(offset))
+            return [_summary(job) for job in rows], total
 
     def get_job(self, job_id: str, owner: str | None = None) -> JobView:
         with self.store.session() as session:

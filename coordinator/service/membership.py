@@ -1,7 +1,7 @@
 """Membership: nodes join, beat, measure links on request, and leave or are lost."""
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
@@ -147,14 +147,17 @@ class Membership(ServiceBase):
                 JobRow.state.not_in(jobs.TERMINAL))) or 0
         return Health(nodes_alive=alive, jobs_active=active)
 
-    def list_nodes(self) -> list[NodeView]:
+    def list_nodes(self, limit: int | None = None, offset: int = 0) -> tuple[list[NodeView], int]:
+        """A page of nodes in the order they joined, and how many there are."""
         cutoff = self.clock() - self.settings.heartbeat_timeout_s
         with self.store.session() as session:
+            total = session.scalar(select(func.count()).select_from(NodeRow)) or 0
             rows = session.execute(select(NodeRow, StageRow).outerjoin(
                 StageRow, (StageRow.job_id == NodeRow.job_id) & (StageRow.node_id == NodeRow.id))
-                .order_by(NodeRow.joined_at, NodeRow.id)).all()
+                .order_by(NodeRow.joined_at, NodeRow.id).limit(limit).offset(offset)).all()
             links: dict[str, list[LinkReport]] = {}
-            for row in session.scalars(select(LinkRow).order_by(LinkRow.peer_id)):
+            page = [node.id for node, _ in rows]
+            for row in session.scalars(select(LinkRow).where(LinkRow.node_id.in_(page)).order_by(LinkRow.peer_id)):
                 links.setdefault(row.node_id, []).append(LinkReport(
                     peer_id=row.peer_id, bandwidth_bytes_per_s=row.bandwidth, latency_s=row.latency))
             return [NodeView(id=node.id, name=node.name, address=node.address,
@@ -164,7 +167,7 @@ class Membership(ServiceBase):
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
                              links=links.get(node.id, []),
                              note=self._left_out.get(node.id, "") if node.state == IDLE else "")
-                    for node, stage in rows]
+                    for node, stage in rows], total
 
     def _node(self, session: Session, node_id: str, authorization: str | None) -> NodeRow:
         token = bearer_token(authorization)
@@ -177,6 +180,15 @@ class Membership(ServiceBase):
         if not token_matches(token, node.token_hash):
             raise Unauthorized(f"wrong token for node {node_id}")
         return node
+
+    def _prune_nodes(self, session: Session, cutoff: float) -> None:
+        """Forget nodes gone since before `cutoff` (and the links they measured): 2000 joins must not
+        make every node list megabytes long for ever. Their credentials end with them."""
+        stale = select(NodeRow.id).where(NodeRow.state == GONE, NodeRow.last_seen < cutoff, NodeRow.job_id.is_(None))
+        ids = list(session.scalars(stale))
+        if ids:
+            session.execute(delete(LinkRow).where(LinkRow.node_id.in_(ids) | LinkRow.peer_id.in_(ids)))
+            session.execute(delete(NodeRow).where(NodeRow.id.in_(ids)))
 
     def _node_lost(self, session: Session, node: NodeRow, reason: str) -> None:
         """The node is gone: a job that still needed it is re-planned without it."""

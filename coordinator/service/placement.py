@@ -28,6 +28,7 @@ class Placing(ServiceBase):
                                                                       NodeRow.last_seen < cutoff)):
                         self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped sending "
                                                        f"heartbeats (last seen {now - node.last_seen:.0f} s ago)")
+                    self._prune_nodes(session, now - self.settings.node_retention_s)
             with self.store.session() as session:
                 self._replan_recovered(session)
             self.place_pending()
