@@ -39,7 +39,7 @@ def big_job(optimizer: str, in_flight: int, steps: int = 12) -> dict:
             "dataset": {"name": "text", "source": "source-code", "seq_len": SEQ_LEN},
             "training": {"steps": steps, "batch_size": BATCH, "microbatches_in_flight": in_flight,
                          "optimizer": {"name": optimizer, "kwargs": {"lr": 0.05 if optimizer == "SGD" else 1e-3}}},
-            "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": 4}}
+            "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": 4, "stages_per_cluster": 4}}
 
 
 def job(d_model: int, layers: int, nodes: int) -> dict:

@@ -8,7 +8,7 @@ import threading
 
 import grpc
 
-from ravnest.spec import LinkReport, PeerProbe
+from ravnest.spec import LATENCY, LinkReport, PeerProbe, plausible_bandwidth
 from ravnest.wire import measure_link
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ class LinkProber:
             try:
                 latency, bandwidth = measure_link(probe.address, token=self._token, probe_bytes=self._probe_bytes,
                                                   timeout=PROBE_TIMEOUT_S)  # the process's shared channels
-                report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+                report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),
+                                    latency_s=min(latency, LATENCY["le"]))
             except (grpc.RpcError, ValueError) as e:  # unreachable, refused, or a malformed address
                 log.info("link probe to %s (%s) failed: %s", probe.node_id, probe.address, e)
                 report = None

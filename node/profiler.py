@@ -9,7 +9,7 @@ import httpx
 import torch
 
 from node.client import CoordinatorError
-from ravnest.spec import NodeProfile
+from ravnest.spec import LATENCY, NodeProfile, plausible_bandwidth
 
 
 def pick_device(choice: str = "auto") -> torch.device:
@@ -117,7 +117,8 @@ def profile_node(client: httpx.Client, device: torch.device, max_memory: int | N
     return NodeProfile(
         flops=matmul_flops(device), memory_bytes=offered_memory(device, max_memory), device=str(device),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
-        cores=torch.get_num_threads(), bandwidth_bytes_per_s=bandwidth, latency_s=latency, datasets=list(datasets))
+        cores=torch.get_num_threads(), bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),
+        latency_s=min(latency, LATENCY["le"]), datasets=list(datasets))
 
 
 def _timed(fn) -> float:

@@ -196,6 +196,11 @@ class _Measured(_Strict):
 # plausible ranges, from a phone to a datacentre node
 FLOPS = dict(ge=1e6, le=1e17)  # 1 MFLOP/s .. 100 PFLOP/s
 BANDWIDTH = dict(ge=1e3, le=1e12)  # 1 kB/s .. 8 Tbit/s
+
+
+def plausible_bandwidth(measured: float) -> float:
+    """A measurement within BANDWIDTH: a probe over loopback can finish faster than the clock resolves."""
+    return min(max(measured, BANDWIDTH["ge"]), BANDWIDTH["le"])
 LATENCY = dict(ge=0, le=60)  # seconds, round trip
 ADDRESS = r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}$"
 

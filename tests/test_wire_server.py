@@ -129,9 +129,10 @@ def test_ping_and_measure_link(node: Node) -> None:
     assert ping(node.server.address, payload_bytes=1000, reply_bytes=1000) > 0
     latency, bandwidth = measure_link(node.server.address, probe_bytes=1 << 20)
     assert latency > 0 and bandwidth > 0
-    with pytest.raises(grpc.RpcError) as info:
-        ping(node.server.address, reply_bytes=1 << 30)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for too_much in (1 << 30, (1 << 20) + 1):
+        with pytest.raises(grpc.RpcError) as info:
+            ping(node.server.address, reply_bytes=too_much)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 # --- hostile streams -----------------------------------------------------------------------------
@@ -233,6 +234,41 @@ def test_unknown_kinds_are_refused_at_once_while_expected_ones_wait_for_their_ro
         sender.join(DEADLINE_S)
     finally:
         server.stop(0)
+
+
+def test_what_unfinished_messages_hold_is_bounded_across_streams_and_given_back() -> None:
+    """Two peers each start a 2 MiB tensor and stall: with 3 MiB for all streams, the second is refused
+    at its header (before anything is allocated); once the first stream ends, the bytes are free again."""
+    limits = WireLimits(max_tensor_bytes=4 << 20, max_message_bytes=8 << 20, max_chunk_bytes=CHUNK,
+                        max_receiving_bytes=3 << 20)
+    node = Node(limits=limits)
+    release = threading.Event()
+
+    def stalled() -> Iterator[bytes]:
+        yield from (f.SerializeToString() for f in [
+            message_header(), tensor_header(shape=[1 << 19], nbytes=2 << 20), chunk(CHUNK)])
+        release.wait(DEADLINE_S)  # then the stream ends, unfinished
+
+    try:
+        with grpc.insecure_channel(node.server.address, options=GRPC_OPTIONS) as channel:
+            call = channel.stream_unary(STREAM_METHOD, request_serializer=None,
+                                        response_deserializer=peer_pb2.StreamSummary.FromString)
+            first = call.future(stalled(), timeout=DEADLINE_S)
+            deadline = time.monotonic() + DEADLINE_S
+            while node.server._service.receiving.used == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the server's thread reads the headers on its own time
+            with pytest.raises(grpc.RpcError) as info:
+                raw_stream(node.server.address, [message_header(), tensor_header(shape=[1 << 19], nbytes=2 << 20),
+                                                 chunk(CHUNK)])
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "receiving" in info.value.details()
+            release.set()
+            with pytest.raises(grpc.RpcError):
+                first.result(timeout=DEADLINE_S)
+        assert node.server._service.receiving.used == 0
+        node.assert_serves_a_good_stream()
+    finally:
+        release.set()
+        node.server.stop(0)
 
 
 # --- tokens and TLS ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ more than the configured limits, nor build a tensor whose bytes do not match its
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -63,6 +64,29 @@ class WireLimits:
     max_name_chars: int = 256             # message kind, tensor names, tag keys
     max_note_chars: int = 4096
     max_tags: int = 64
+    # over all streams of one server: what messages still being received may hold at once, so three
+    # peers each leaving a 1 GiB tensor unfinished cannot take a node's memory
+    max_receiving_bytes: int = 2 << 30
+
+
+class ByteBudget:
+    """Bytes that may be held at once, shared by threads: `take` never waits, it says no."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.capacity:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
 
 
 def itemsize(dtype_name: str) -> int:

@@ -16,7 +16,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from ravnest.v1 import peer_pb2
-from ravnest.wire.codec import (WireError, WireLimits, allocate, decoded_nbytes, encode,
+from ravnest.wire.codec import (ByteBudget, WireError, WireLimits, allocate, decoded_nbytes, encode,
                                 restore, validate_header, wrap)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -127,11 +127,15 @@ def message_frames(msg: Message, codec: str = "", chunk_bytes: int = DEFAULT_CHU
 class MessageAssembler:
     """Turns a stream of frames back into Messages, validating everything before allocating."""
 
-    def __init__(self, limits: WireLimits = WireLimits(), zero_copy: Callable[[str], bool] | None = None):
+    def __init__(self, limits: WireLimits = WireLimits(), zero_copy: Callable[[str], bool] | None = None,
+                 budget: ByteBudget | None = None):
         """`zero_copy(kind)` says whether messages of that kind may carry read-only tensors sharing the
-        received frames' memory (see `Router.route`)."""
+        received frames' memory (see `Router.route`). `budget`, shared by a server's streams, bounds
+        what all messages being received hold at once (a message's bytes are taken from it when its
+        headers are read, given back once it is complete or its stream ends)."""
         self.limits = limits
         self.zero_copy = zero_copy
+        self.budget = budget
 
     def messages(self, frames: Iterable[FrameLike]) -> Iterator[Message]:
         frames = iter(frames)
@@ -177,21 +181,32 @@ class MessageAssembler:
             raise WireError(f"{where}: tag name longer than {limits.max_name_chars} chars")
         msg = Message(kind=mh.kind, id=mh.id, tags=dict(mh.tags), note=mh.note)
         in_place = self.zero_copy is not None and self.zero_copy(mh.kind)
-        total = 0
-        for _ in range(mh.num_tensors):
-            body, th = self._next(frames)
-            if body == _END:
-                raise WireError(f"{where}: stream ended after {len(msg.tensors)} of {mh.num_tensors} tensors")
-            if body != "tensor":
-                raise WireError(f"{where}: expected a tensor header, got {body}")
-            validate_header(th, limits)
-            if th.name in msg.tensors:
-                raise WireError(f"{where}: tensor {th.name!r} appears twice")
-            total += decoded_nbytes(th)
-            if total > limits.max_message_bytes:
-                raise WireError(f"{where}: {total} bytes exceed the limit of {limits.max_message_bytes}",
-                                grpc.StatusCode.RESOURCE_EXHAUSTED)
-            msg.tensors[th.name] = restore(th, self._read_tensor(th, frames, in_place))
+        total = taken = 0  # bytes of this message so far; of those, taken from the shared budget
+        try:
+            for _ in range(mh.num_tensors):
+                body, th = self._next(frames)
+                if body == _END:
+                    raise WireError(f"{where}: stream ended after {len(msg.tensors)} of {mh.num_tensors} tensors")
+                if body != "tensor":
+                    raise WireError(f"{where}: expected a tensor header, got {body}")
+                validate_header(th, limits)
+                if th.name in msg.tensors:
+                    raise WireError(f"{where}: tensor {th.name!r} appears twice")
+                size = decoded_nbytes(th)
+                total += size
+                if total > limits.max_message_bytes:
+                    raise WireError(f"{where}: {total} bytes exceed the limit of {limits.max_message_bytes}",
+                                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+                if self.budget is not None:
+                    if not self.budget.take(size):
+                        raise WireError(f"{where}: this node is receiving {self.budget.used} bytes already; "
+                                        f"{size} more exceed its limit of {self.budget.capacity}",
+                                        grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    taken += size
+                msg.tensors[th.name] = restore(th, self._read_tensor(th, frames, in_place))
+        finally:  # complete (the handler owns it now) or abandoned: either way no longer being received
+            if self.budget is not None:
+                self.budget.give(taken)
         return msg
 
     def _read_tensor(self, th: peer_pb2.TensorHeader, frames: Iterator[FrameLike],

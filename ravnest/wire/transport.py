@@ -24,7 +24,7 @@ import grpc
 
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
 from ravnest.wire import faults
-from ravnest.wire.codec import WireError, WireLimits
+from ravnest.wire.codec import ByteBudget, WireError, WireLimits
 from ravnest.wire.gate import PeerGate, Refusal
 from ravnest.wire.messages import (DEFAULT_CHUNK_BYTES, Message, MessageAssembler, chunked_frames,
                                    prepare_message)
@@ -52,7 +52,9 @@ SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 STREAM_METHOD = f"/{SERVICE}/Stream"
 PING_METHOD = f"/{SERVICE}/Ping"
 MAX_STATUS_CHARS = 1000  # status details travel in an HTTP/2 header: keep them short
-MAX_PING_REPLY_BYTES = 16 << 20
+MAX_PING_BYTES = 16 << 20  # a probe's payload (measuring upload bandwidth)
+MAX_PING_REPLY_BYTES = 1 << 20  # a probe's reply: what a prober can make this node allocate per call...
+PING_REPLIES_AT_ONCE = 4  # ... and how many such replies are built at once (more: RESOURCE_EXHAUSTED)
 
 Handler = Callable[[Message, str], None]
 TokenSource = Union[str, Callable[[], Collection[str]]]
@@ -90,7 +92,7 @@ class PeerError(RuntimeError):
 def _server_options(limits: WireLimits) -> list[tuple[str, int]]:
     # Frames larger than this are refused by gRPC itself (RESOURCE_EXHAUSTED) before protobuf parses
     # them; below it, chunks up to twice our limit still reach the validator, which names the tensor.
-    receive = max(2 * limits.max_chunk_bytes, MAX_PING_REPLY_BYTES) + (1 << 20)
+    receive = max(2 * limits.max_chunk_bytes, MAX_PING_BYTES) + (1 << 20)
     return [(k, receive if k == "grpc.max_receive_message_length" else v)
             for k, v in GRPC_OPTIONS] + SERVER_KEEPALIVE_OPTIONS
 
@@ -153,6 +155,8 @@ class _PeerService:
         self._limits = limits
         self._refusal = refusal  # is a stream's credential still accepted? (a job's token ends with the job)
         self._zero_copy = getattr(handler, "zero_copy", None)  # e.g. Router.zero_copy
+        self._replies = threading.BoundedSemaphore(PING_REPLIES_AT_ONCE)
+        self.receiving = ByteBudget(limits.max_receiving_bytes)  # shared by every stream of this server
 
     def handlers(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -168,7 +172,7 @@ class _PeerService:
         peer = context.peer()
         offered = dict(context.invocation_metadata() or ()).get(AUTH_HEADER, "")
         try:
-            for msg in MessageAssembler(self._limits, self._zero_copy).messages(request_iterator):
+            for msg in MessageAssembler(self._limits, self._zero_copy, self.receiving).messages(request_iterator):
                 if self._refusal is not None and self._refusal(offered) is not None:
                     # a stream outlives nothing: what an ended job's peer still sends never reaches the next job
                     raise WireError("this stream's credential is no longer accepted (its job has ended)",
@@ -200,8 +204,15 @@ class _PeerService:
 
     def ping(self, request: peer_pb2.PingRequest, context: grpc.ServicerContext) -> peer_pb2.PingReply:
         if not 0 <= request.reply_bytes <= MAX_PING_REPLY_BYTES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reply_bytes must be within 0..16 MiB")
-        return peer_pb2.PingReply(payload=bytes(request.reply_bytes))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reply_bytes must be within 0..{MAX_PING_REPLY_BYTES}")
+        if not request.reply_bytes:
+            return peer_pb2.PingReply()
+        if not self._replies.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many probes with replies at once; retry later")
+        try:
+            return peer_pb2.PingReply(payload=bytes(request.reply_bytes))
+        finally:
+            self._replies.release()
 
 
 class PeerServer:
@@ -227,7 +238,8 @@ class PeerServer:
                                    options=_server_options(limits), interceptors=[interceptor] if interceptor else [],
                                    maximum_concurrent_rpcs=max_streams)
         refusal = (lambda offered: interceptor.refusal(offered, STREAM_METHOD)) if interceptor else None
-        self._server.add_generic_rpc_handlers((_PeerService(handler, limits, refusal).handlers(),))
+        self._service = _PeerService(handler, limits, refusal)
+        self._server.add_generic_rpc_handlers((self._service.handlers(),))
         bind = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         if tls:
             creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (private key, certificate chain)
