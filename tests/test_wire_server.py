@@ -6,6 +6,7 @@ import ipaddress
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import grpc
@@ -266,6 +267,50 @@ def test_what_unfinished_messages_hold_is_bounded_across_streams_and_given_back(
                 first.result(timeout=DEADLINE_S)
         assert node.server._service.receiving.used == 0
         node.assert_serves_a_good_stream()
+    finally:
+        release.set()
+        node.server.stop(0)
+
+
+def test_strangers_take_no_stream_slot_and_one_peer_cannot_take_them_all() -> None:
+    """Streams count only once their credential is accepted, and a peer holds at most its share: a
+    flood of unauthenticated calls and one greedy peer leave another peer's streams working."""
+    gate = PeerGate()
+    tokens = {"greedy": "rvn_greedy", "fair": "rvn_fair"}
+    gate.admit("job/0", {node: credential_hash(t) for node, t in tokens.items()}, allowed=set(tokens))
+    node = Node(gate=gate, max_streams=12)
+    release = threading.Event()
+
+    def stalled() -> Iterator[bytes]:  # a message whose tensor never comes
+        yield from (f.SerializeToString() for f in (message_header(), tensor_header()))
+        release.wait(DEADLINE_S)
+
+    metadata = (("authorization", f"Bearer {tokens['greedy']}"),)
+    try:
+        with grpc.insecure_channel(node.server.address, options=GRPC_OPTIONS) as channel, \
+                ThreadPoolExecutor(16) as pool:
+            call = channel.stream_unary(STREAM_METHOD, request_serializer=None,
+                                        response_deserializer=peer_pb2.StreamSummary.FromString)
+            held = [call.future(stalled(), timeout=DEADLINE_S, metadata=metadata) for _ in range(8)]
+            deadline = time.monotonic() + DEADLINE_S
+            while sum(node.server._service._streams.values()) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the server opens them on its own threads
+            with pytest.raises(grpc.RpcError) as info:
+                call(stalled(), timeout=DEADLINE_S, metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per peer" in info.value.details()
+
+            def stranger(_):
+                try:
+                    ping(node.server.address, token="rvn_guess")
+                except grpc.RpcError as e:
+                    return e.code()
+            codes = set(pool.map(stranger, range(200)))
+            assert codes == {grpc.StatusCode.UNAUTHENTICATED}  # refused, never "exhausted"
+            node.assert_serves_a_good_stream(token=tokens["fair"])
+            release.set()
+            for stream in held:
+                with pytest.raises(grpc.RpcError):  # unfinished
+                    stream.result(timeout=DEADLINE_S)
     finally:
         release.set()
         node.server.stop(0)

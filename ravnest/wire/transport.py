@@ -55,6 +55,8 @@ MAX_STATUS_CHARS = 1000  # status details travel in an HTTP/2 header: keep them 
 MAX_PING_BYTES = 16 << 20  # a probe's payload (measuring upload bandwidth)
 MAX_PING_REPLY_BYTES = 1 << 20  # a probe's reply: what a prober can make this node allocate per call...
 PING_REPLIES_AT_ONCE = 4  # ... and how many such replies are built at once (more: RESOURCE_EXHAUSTED)
+STREAMS_PER_PEER = 8  # open streams one sender (one credential) may hold on a node
+SPARE_THREADS = 8  # server threads beyond the stream limit: pings and refusals are always answered
 
 Handler = Callable[[Message, str], None]
 TokenSource = Union[str, Callable[[], Collection[str]]]
@@ -150,8 +152,12 @@ def _truncate(text: str) -> str:
 class _PeerService:
     """The Peer service, with Stream reading raw frame bytes (see the module docstring)."""
 
-    def __init__(self, handler: Handler, limits: WireLimits, refusal: Callable[[str], Refusal | None] | None = None):
+    def __init__(self, handler: Handler, limits: WireLimits, refusal: Callable[[str], Refusal | None] | None = None,
+                 max_streams: int = 32, per_peer: int = STREAMS_PER_PEER):
         self._handler = handler
+        self._max_streams, self._per_peer = max_streams, per_peer
+        self._streams: dict[str, int] = {}  # open streams per credential (per sending peer)
+        self._streams_lock = threading.Lock()
         self._limits = limits
         self._refusal = refusal  # is a stream's credential still accepted? (a job's token ends with the job)
         self._zero_copy = getattr(handler, "zero_copy", None)  # e.g. Router.zero_copy
@@ -168,9 +174,27 @@ class _PeerService:
         })
 
     def stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> peer_pb2.StreamSummary:
+        offered = dict(context.invocation_metadata() or ()).get(AUTH_HEADER, "")
+        with self._streams_lock:
+            full = (sum(self._streams.values()) >= self._max_streams
+                    or self._streams.get(offered, 0) >= self._per_peer)
+            if not full:
+                self._streams[offered] = self._streams.get(offered, 0) + 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many open streams (at most {self._per_peer} "
+                                                              f"per peer, {self._max_streams} in all)")
+        try:
+            return self._receive(request_iterator, context, offered)
+        finally:
+            with self._streams_lock:
+                self._streams[offered] -= 1
+                if not self._streams[offered]:
+                    del self._streams[offered]
+
+    def _receive(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext,
+                 offered: str) -> peer_pb2.StreamSummary:
         count = nbytes = 0
         peer = context.peer()
-        offered = dict(context.invocation_metadata() or ()).get(AUTH_HEADER, "")
         try:
             for msg in MessageAssembler(self._limits, self._zero_copy, self.receiving).messages(request_iterator):
                 if self._refusal is not None and self._refusal(offered) is not None:
@@ -234,11 +258,15 @@ class PeerServer:
         keep_freed_buffers()
         rule = gate or (_SharedTokens(token, ping_token) if token else None)
         interceptor = _AuthInterceptor(rule) if rule else None
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams),
-                                   options=_server_options(limits), interceptors=[interceptor] if interceptor else [],
-                                   maximum_concurrent_rpcs=max_streams)
+        # Streams are counted only once their credential is accepted (`_PeerService.stream`), never by
+        # gRPC's own call limit: a flood of unauthenticated calls is refused on the spare threads and
+        # never takes a legitimate peer's place.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + SPARE_THREADS),
+                                   options=_server_options(limits), interceptors=[interceptor] if interceptor else [])
         refusal = (lambda offered: interceptor.refusal(offered, STREAM_METHOD)) if interceptor else None
-        self._service = _PeerService(handler, limits, refusal)
+        # with per-node credentials (a gate) a credential is one sender: it gets a share of the streams
+        self._service = _PeerService(handler, limits, refusal, max_streams,
+                                     per_peer=STREAMS_PER_PEER if gate else max_streams)
         self._server.add_generic_rpc_handlers((self._service.handlers(),))
         bind = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         if tls:
