@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from http import HTTPStatus
 import importlib.resources
 import os
 import tempfile
@@ -19,17 +20,19 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.staticfiles import StaticFiles
 
 from ravnest.spec import FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse, MetricsReport
 
-from .auth import COOKIE, Authentication
+from .auth import COOKIE, Authentication, required
 from .config import Settings
 from .dashboard import render_dashboard, render_login
 from .errors import CoordinatorError, TooLarge
 from .limits import BodyLimit
-from .schemas import (CredentialCreated, CredentialView, Health, JobCreated, JobSummary, JobView, JoinTokenRequest,
+from .schemas import (CredentialCreated, CredentialView, ErrorBody, Health, JobCreated, JobSummary, JobView, JoinTokenRequest,
                       KeyRequest, NodeView)
 from .service import Coordinator, Principal
 
@@ -41,7 +44,7 @@ OCTET_STREAM_BODY = {"requestBody": {"required": True, "content": {"application/
 
 
 LIMIT = Query(100, ge=1, le=1000, description="most items in this page")
-OFFSET = Query(0, ge=0, description="items to skip (the page starts after them)")
+OFFSET = Query(0, ge=0, le=1 << 31, description="items to skip (the page starts after them)")
 DASHBOARD_ROWS = 200
 
 
@@ -86,7 +89,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "docs/security.md).")
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
-    app.add_middleware(Authentication, identify=service.identify)  # added last: runs first
+    def routed(method: str, path: str) -> bool:
+        return any(isinstance(route, APIRoute) and method in route.methods and route.path_regex.match(path)
+                   for route in app.routes)
+
+    app.add_middleware(Authentication, identify=service.identify, routed=routed)  # added last: runs first
 
     def principal(request: Request) -> Principal:
         return request.state.principal  # set by the Authentication gate
@@ -104,6 +111,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(CoordinatorError)
     async def coordinator_error(_: Request, error: CoordinatorError) -> JSONResponse:
         return JSONResponse({"detail": error.detail}, status_code=error.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        headers = dict(error.headers or {})
+        if error.status_code == 405:  # Starlette names only the first route's methods; a path may have several
+            headers["Allow"] = ", ".join(sorted({method for route in app.routes if isinstance(route, APIRoute)
+                                                 and route.path_regex.match(request.url.path)
+                                                 for method in route.methods}))
+        return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -327,4 +343,37 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise
         return FileResponse(path, media_type="application/octet-stream", background=BackgroundTask(path.unlink))
 
+    document_refusals(app)
     return app
+
+
+def document_refusals(app: FastAPI) -> None:
+    """Every refusal an endpoint can answer, in the OpenAPI document, with the body it has:
+    {"detail": "<reason>"}, also for 422 (instead of FastAPI's default list of errors)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = generate()
+        document["components"]["schemas"]["ErrorBody"] = ErrorBody.model_json_schema()
+        body = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+        for path, operations in document["paths"].items():
+            for method, operation in operations.items():
+                statuses = {422} if operation.get("parameters") or "requestBody" in operation else set()
+                if "requestBody" in operation:
+                    statuses |= {400}  # not even JSON
+                if required(method.upper(), path) != "open":
+                    statuses |= {401, 403}
+                if "{" in path:
+                    statuses |= {404}
+                if method != "get":
+                    statuses |= {409, 413}  # a state that does not allow it; a body over the limit
+                for status in sorted(statuses):
+                    operation["responses"][str(status)] = {"description": HTTPStatus(status).phrase, **body}
+        document["components"]["schemas"].pop("HTTPValidationError", None)
+        document["components"]["schemas"].pop("ValidationError", None)
+        app.openapi_schema = document
+        return document
+
+    app.openapi = openapi

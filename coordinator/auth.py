@@ -10,7 +10,8 @@
                jobs, checked by the service) or an operator key
     operator   everything else (join tokens, keys, revoking nodes): an operator key
 
-A key is sent as a bearer header, or as the cookie /login sets for the dashboard. An operator key
+A call no endpoint answers passes through to 404 or 405 (no body is read). A key is sent as a
+bearer header, or as the cookie /login sets for the dashboard. An operator key
 may also join. The principal the token belongs to is handed on in `scope["state"]["principal"]`;
 the service checks finer rules on top (a node reports only on its own stage, a submitter acts on
 its own jobs). A stranger never gets as far as a parsed body.
@@ -75,16 +76,17 @@ class Authentication:
     """ASGI middleware: 401 with the reason for a missing, unknown, expired or revoked token, 403 for
     a known one that may not make this call. `identify(token)` returns the Principal or a refusal."""
 
-    def __init__(self, app: ASGIApp, *, identify: Callable[[str], object]):
+    def __init__(self, app: ASGIApp, *, identify: Callable[[str], object], routed: Callable[[str, str], bool]):
         self.app = app
         self.identify = identify
+        self.routed = routed  # (method, path) -> is there an endpoint? If not, the app answers 404 or 405
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         needed = required(scope["method"], scope["path"])
-        if needed == "open":
+        if needed == "open" or not self.routed(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)

@@ -6,6 +6,11 @@ from pydantic import BaseModel, Field
 from ravnest.spec import JobSpec, LinkReport, NodeProfile
 
 
+class ErrorBody(BaseModel):
+    """Every refusal (4xx): the reason, in words."""
+    detail: str
+
+
 class Health(BaseModel):
     status: str = "ok"
     nodes_alive: int
