@@ -18,7 +18,7 @@ from ravnest.pipeline import (PipelineError, StageOptimizer, StageRunner, build_
 from ravnest.pipeline.local import make_assignments
 from ravnest.pipeline.stash import StageCompute, WeightVersions
 from ravnest.spec import JobSpec, OptimizerRef, TrainingSettings
-from ravnest.wire import Message, OutboundStream, PeerError, PeerServer, Router
+from ravnest.wire import Message, OutboundStream, PeerError, PeerGate, PeerServer, Router, credential_hash
 
 TINY_MLP = {"name": "mlp", "config": {"input_dim": 64, "hidden": 32, "depth": 2, "num_classes": 10}}
 MLP_RANGES = [(0, 2), (2, 3), (3, 4)]
@@ -306,6 +306,40 @@ def test_an_abort_is_passed_on_as_one_short_printable_line() -> None:
     reason = str(failure.value)
     assert "neighbour at 10.0.0.1:5 reported a failure ('first line" in reason
     assert "\x1b" not in reason and "second line" not in reason and len(reason) < 700
+
+
+def test_a_stage_that_starts_late_is_waited_for_and_the_job_runs() -> None:
+    """Per-node credentials, as node daemons use them: stage 1 learns its assignment seconds after
+    stage 0 (its next heartbeat). Until then it refuses stage 0's credential; stage 0 waits for it
+    (with a deadline) instead of failing, and the pipeline trains."""
+    routers, gates = [Router(wait_for_route=60.0), Router(wait_for_route=60.0)], [PeerGate(), PeerGate()]
+    servers = [PeerServer(router, gate=gate) for router, gate in zip(routers, gates)]
+    try:
+        base = make_assignments(make_job(steps=20), [(0, 2), (2, 4)], [s.address for s in servers], "unused")
+        tokens = {"cluster0-stage0": "rvn_0-secret", "cluster0-stage1": "rvn_1-secret"}
+        hashes = {node: credential_hash(token) for node, token in tokens.items()}
+        assignments = [a.model_copy(update={"token": tokens[f"cluster0-stage{a.stage}"], "peer_credentials": hashes})
+                       for a in base]
+        outcomes: dict[int, Any] = {}
+
+        def run(stage: int, delay: float) -> None:
+            time.sleep(delay)  # the late node's heartbeat, not a wait for a condition
+            a = assignments[stage]
+            gates[stage].admit("job/0", a.peer_credentials, a.planned_peers())
+            try:
+                outcomes[stage] = StageRunner(a, routers[stage]).run()
+            except BaseException as e:
+                outcomes[stage] = e
+
+        threads = [threading.Thread(target=run, args=(0, 0.0)), threading.Thread(target=run, args=(1, 3.0))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert all(isinstance(outcomes[s], dict) and outcomes[s]["step"] == 20 for s in (0, 1)), outcomes
+    finally:
+        for server in servers:
+            server.stop(0)
 
 
 def test_stop_event_ends_a_waiting_stage() -> None:
