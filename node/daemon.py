@@ -139,6 +139,9 @@ class NodeDaemon:
         try:
             while not stop.is_set():
                 self._heartbeat()
+                if self._running_job_id() is None:
+                    # what peers' probes made the wire buffer (kept for speed) goes back to the system
+                    release_free_memory()
                 stop.wait(joined.heartbeat_interval_s)
         finally:
             self._stop_job(timeout=30.0)

@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
 from coordinator.config import Settings
+from ravnest.wire import ping
+from scripts.local_cluster import LocalCluster
 from tests.test_coordinator_api import OPERATOR_TOKEN, FakeClock, beat, join, profile
 
 
@@ -132,3 +136,42 @@ def test_nodes_gone_past_retention_are_pruned_and_lists_come_in_pages(tmp_path: 
         assert [n["name"] for n in c.get("/v1/nodes").json()] == ["n3", "n4"]
         r = c.post(f"/v1/nodes/{joined[0][0]}/heartbeat", json={}, headers=joined[0][1])
         assert r.status_code == 401  # a forgotten node's credential is gone with it
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_a_probe_flood_leaves_a_node_answering_and_its_memory_where_it_was(tmp_path: Path) -> None:
+    """Anybody holding the probe token (every joined node does) sends 200 Pings asking for big replies:
+    replies are capped and built a few at a time, so the node's memory stays put and it keeps answering."""
+    with LocalCluster(tmp_path, nodes=1) as cluster:
+        [node] = cluster.alive_nodes()
+        pid, probe = cluster.node_process(node["id"]).pid, (tmp_path / "probe_token").read_text().strip()
+        ping(node["address"], token=probe, reply_bytes=64 << 10)  # the channel and the reply path are warm
+        before = rss_bytes(pid)
+        with pytest.raises(grpc.RpcError) as info:
+            ping(node["address"], token=probe, reply_bytes=(64 << 10) + 1)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        def flood(i: int) -> str:
+            try:  # half ask for replies, half send what a bandwidth probe sends
+                ping(node["address"], token=probe, reply_bytes=(64 << 10) * (i % 2),
+                     payload_bytes=(4 << 20) * (1 - i % 2), timeout=30)
+                return "OK"
+            except grpc.RpcError as e:
+                return e.code().name
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(flood, range(200)))
+        assert set(answers) <= {"OK", "RESOURCE_EXHAUSTED"} and "OK" in answers
+        peak = (rss_bytes(pid) - before) / 2**20
+        # an idle node hands what the wire buffered back at its next heartbeat
+        cluster.wait_for(lambda: rss_bytes(pid) - before < 32 << 20, 30, "the node's memory to settle")
+        grown = (rss_bytes(pid) - before) / 2**20
+        assert ping(node["address"], token=probe) > 0
+        print(f"200 probes: {answers.count('OK')} answered, {answers.count('RESOURCE_EXHAUSTED')} told to retry; "
+              f"node memory {peak:+.0f} MiB right after, {grown:+.0f} MiB a heartbeat later")

@@ -53,7 +53,9 @@ STREAM_METHOD = f"/{SERVICE}/Stream"
 PING_METHOD = f"/{SERVICE}/Ping"
 MAX_STATUS_CHARS = 1000  # status details travel in an HTTP/2 header: keep them short
 MAX_PING_BYTES = 16 << 20  # a probe's payload (measuring upload bandwidth)
-MAX_PING_REPLY_BYTES = 1 << 20  # a probe's reply: what a prober can make this node allocate per call...
+# a probe's reply (bandwidth probes send a payload, not ask for one): what a prober can make this node
+# allocate per call...
+MAX_PING_REPLY_BYTES = 64 << 10
 PING_REPLIES_AT_ONCE = 4  # ... and how many such replies are built at once (more: RESOURCE_EXHAUSTED)
 STREAMS_PER_PEER = 8  # open streams one sender (one credential) may hold on a node
 SPARE_THREADS = 8  # server threads beyond the stream limit: pings and refusals are always answered
@@ -68,7 +70,9 @@ def keep_freed_buffers() -> None:
     Every message allocates buffers of megabytes (frames, tensors). By default glibc maps most of
     them fresh and unmaps or trims them on free, so each byte received or sent pays a page fault
     (a third of the sender's CPU in bench.wire). Blocks below 32 MiB (glibc's ceiling for the
-    threshold) now come from the heap, and up to 256 MiB of free heap is kept. Process-wide and
+    threshold) now come from the heap, and up to 256 MiB of free heap is kept. At most two heaps
+    (arenas): with one per thread, a flood of 4 MiB probes left 95 MiB that malloc_trim could not
+    return (fragmented over the server's threads' arenas); with two, 10 MiB. Process-wide and
     idempotent; called by PeerServer and OutboundStream; a no-op without glibc.
     """
     global _malloc_tuned
@@ -84,7 +88,8 @@ def keep_freed_buffers() -> None:
 
 
 _malloc_tuned = False
-_MALLOPT = {-3: 32 << 20, -1: 256 << 20, -2: 16 << 20}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD
+# M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD, M_ARENA_MAX
+_MALLOPT = {-3: 32 << 20, -1: 256 << 20, -2: 16 << 20, -8: 2}
 
 
 class PeerError(RuntimeError):
