@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import tenacity
 
+from ravnest.client.api import refusal_reason
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           MetricsReport)
 
@@ -53,11 +54,8 @@ class CoordinatorClient:
         headers = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
         response = self.http.request(method, path, headers=headers, **kwargs)
         if response.is_error:
-            try:
-                reason = response.json().get("detail", response.text)
-            except ValueError:
-                reason = response.text
-            raise CoordinatorError(f"{method} {path}: {response.status_code} {reason}", response.status_code)
+            raise CoordinatorError(f"{method} {path}: {response.status_code} {refusal_reason(response)}",
+                                   response.status_code)
         return response
 
     def wait_until_reachable(self, timeout: float, stop: threading.Event) -> None:
@@ -123,7 +121,7 @@ class CoordinatorClient:
         with self.http.stream("GET", f"/v1/jobs/{job_id}/state", params=params, headers=headers) as response:
             if response.is_error:
                 response.read()
-                raise CoordinatorError(f"GET state of job {job_id}: {response.status_code} {response.text}",
+                raise CoordinatorError(f"GET state of job {job_id}: {response.status_code} {refusal_reason(response)}",
                                        response.status_code)
             with target.open("wb") as out:
                 for chunk in response.iter_bytes(1 << 20):

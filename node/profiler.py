@@ -9,6 +9,7 @@ import httpx
 import torch
 
 from node.client import CoordinatorError
+from ravnest.client.api import refusal_reason
 from ravnest.spec import LATENCY, NodeProfile, plausible_bandwidth
 
 
@@ -84,12 +85,8 @@ def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20) -> tuple[
 def _probe(client: httpx.Client, size: int) -> None:
     response = client.get("/v1/probe", params={"bytes": size})
     if response.status_code == 401:
-        try:
-            reason = response.json().get("detail", "")
-        except ValueError:
-            reason = response.text[:200]
-        raise CoordinatorError(f"the coordinator refused this node ({reason}): it needs a valid join token (--token "
-                               "or $RAVNEST_JOIN_TOKEN, from the coordinator's operator)", 401)
+        raise CoordinatorError(f"the coordinator refused this node ({refusal_reason(response)}): it needs a valid "
+                               "join token (--token or $RAVNEST_JOIN_TOKEN, from the coordinator's operator)", 401)
     response.raise_for_status()
 
 

@@ -7,6 +7,15 @@ from typing import Any
 import httpx
 
 
+def refusal_reason(response: httpx.Response) -> str:
+    """The coordinator's reason for a refusal: its {"detail": ...}, else the body's start."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail) if detail is not None else response.text[:500]
+
+
 class ApiError(RuntimeError):
     def __init__(self, message: str, status: int = 0):
         super().__init__(message)
@@ -25,11 +34,7 @@ class Api:
         except httpx.HTTPError as e:
             raise ApiError(f"cannot reach the coordinator at {self.url}: {e}") from None
         if response.is_error:
-            try:
-                reason = response.json().get("detail", response.text)
-            except ValueError:
-                reason = response.text
-            raise ApiError(f"{response.status_code}: {reason}", response.status_code)
+            raise ApiError(f"{response.status_code}: {refusal_reason(response)}", response.status_code)
         return response.json() if response.content else None
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """Talk to a Ravnest coordinator: join tokens, API keys and nodes.
 
-The coordinator's URL and your API key come from --coordinator and --key, or $RAVNEST_COORDINATOR and $RAVNEST_KEY.
+URL and API key: --coordinator and --key, or $RAVNEST_COORDINATOR and $RAVNEST_KEY.
 
-Exit codes: 0 done, 1 the coordinator refused (its reason is printed), 2 wrong usage, 3 the coordinator could not be reached.
+Exit codes: 0 done, 1 refused (the reason is printed), 2 wrong usage, 3 coordinator unreachable.
 """
 from __future__ import annotations
 
