@@ -20,7 +20,7 @@ from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import make_averager, ring
 from ravnest.pipeline import stage
-from ravnest.pipeline.memory import release_free_memory
+from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
 from ravnest.wire import PeerGate, PeerServer, Router
@@ -140,8 +140,7 @@ class NodeDaemon:
             while not stop.is_set():
                 self._heartbeat()
                 if self._running_job_id() is None:
-                    # what peers' probes made the wire buffer (kept for speed) goes back to the system
-                    release_free_memory()
+                    trim_heap()  # what peers' probes made the wire buffer (kept for speed) goes back
                 stop.wait(joined.heartbeat_interval_s)
         finally:
             self._stop_job(timeout=30.0)
