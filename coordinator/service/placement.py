@@ -97,10 +97,14 @@ class Placing(ServiceBase):
                 plan = self._plan_on(session, spec, members + newcomers)
             except PlanningError:
                 continue
-            if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * current.predicted_samples_per_s:
+            try:  # like with like: its own nodes planned again with the links measured since it was placed
+                baseline = self._plan_on(session, spec, members).predicted_samples_per_s
+            except PlanningError:
+                baseline = current.predicted_samples_per_s
+            if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * baseline:
                 self._recover(session, job, f"{len(newcomers)} idle node(s) can speed it up: predicted "
-                                            f"{current.predicted_samples_per_s:,.0f} -> "
-                                            f"{plan.predicted_samples_per_s:,.0f} samples/s", kind=GROW)
+                                            f"{baseline:,.0f} -> {plan.predicted_samples_per_s:,.0f} samples/s",
+                              kind=GROW)
                 return  # the idle nodes wait for its re-plan
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
