@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from http import HTTPStatus
 import importlib.resources
 import os
 import tempfile
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qs
@@ -25,15 +25,16 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.staticfiles import StaticFiles
 
-from ravnest.spec import FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse, MetricsReport
+from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse,
+                          MetricsReport)
 
 from .auth import COOKIE, Authentication, required
 from .config import Settings
 from .dashboard import render_dashboard, render_login
 from .errors import CoordinatorError, TooLarge
 from .limits import BodyLimit
-from .schemas import (CredentialCreated, CredentialView, ErrorBody, Health, JobCreated, JobSummary, JobView, JoinTokenRequest,
-                      KeyRequest, NodeView)
+from .schemas import (CredentialCreated, CredentialView, ErrorBody, Health, JobCreated, JobSummary, JobView,
+                      JoinTokenRequest, KeyRequest, NodeView)
 from .service import Coordinator, Principal
 
 MAX_PROBE_BYTES = 64 << 20
@@ -89,6 +90,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "docs/security.md).")
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+
     def routed(method: str, path: str) -> bool:
         return any(isinstance(route, APIRoute) and method in route.methods and route.path_regex.match(path)
                    for route in app.routes)
@@ -158,7 +160,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        """The operator token from the form becomes an HttpOnly cookie for the dashboard."""
+        """An API key from the form becomes an HttpOnly cookie for the dashboard."""
         token = parse_qs((await request.body())[:4096].decode(errors="replace")).get("token", [""])[0].strip()
         who = await run_in_threadpool(service.identify, token) if token else "no key given"
         if isinstance(who, str) or who.kind != "key":

@@ -59,6 +59,7 @@ MAX_PING_REPLY_BYTES = 64 << 10
 PING_REPLIES_AT_ONCE = 4  # ... and how many such replies are built at once (more: RESOURCE_EXHAUSTED)
 STREAMS_PER_PEER = 8  # open streams one sender (one credential) may hold on a node
 SPARE_THREADS = 8  # server threads beyond the stream limit: pings and refusals are always answered
+SERVER_THREADS = "peer-server"  # their name; the pool keeps (up to its bound) the threads it once needed
 
 Handler = Callable[[Message, str], None]
 TokenSource = Union[str, Callable[[], Collection[str]]]
@@ -266,7 +267,8 @@ class PeerServer:
         # Streams are counted only once their credential is accepted (`_PeerService.stream`), never by
         # gRPC's own call limit: a flood of unauthenticated calls is refused on the spare threads and
         # never takes a legitimate peer's place.
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + SPARE_THREADS),
+        pool = futures.ThreadPoolExecutor(max_workers=max_streams + SPARE_THREADS, thread_name_prefix=SERVER_THREADS)
+        self._server = grpc.server(pool,
                                    options=_server_options(limits), interceptors=[interceptor] if interceptor else [])
         refusal = (lambda offered: interceptor.refusal(offered, STREAM_METHOD)) if interceptor else None
         # with per-node credentials (a gate) a credential is one sender: it gets a share of the streams
