@@ -1,7 +1,7 @@
-"""Properties of the tensor codec and the message assembler, over inputs hypothesis makes up:
-whatever a message holds comes back bit for bit; whatever bytes a peer sends, the receiver answers
-with a WireError (a status and a reason) or a valid message, never another exception, and never
-allocates beyond its limits."""
+"""Properties of the tensor codec, the message assembler and a stage's message handlers, over inputs
+hypothesis makes up: whatever a message holds comes back bit for bit; whatever bytes or messages a
+peer sends, the receiver answers with a WireError (a status and a reason) or takes it, never another
+exception, and never allocates beyond its limits."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ravnest.pipeline import StageRunner
+from ravnest.pipeline.local import make_assignments
+from ravnest.pipeline.stage import MESSAGE_KINDS
+from ravnest.spec import JobSpec
 from ravnest.v1 import peer_pb2
-from ravnest.wire import Message, WireError, WireLimits
+from ravnest.wire import Message, Router, WireError, WireLimits
 from ravnest.wire.codec import DTYPES, ByteBudget
 from ravnest.wire.messages import MessageAssembler, chunk_frame, encode_message
 
@@ -77,3 +81,32 @@ def test_any_bytes_from_a_peer_give_a_wire_error_or_valid_messages(stream: list[
     except WireError as e:
         assert str(e) and e.code is not None
     assert budget.used == 0  # given back whether the stream ended well or not
+
+
+def stage_router() -> Router:
+    """The router of stage 1 of 2 of a small MLP on digits, as a node holds it, before it runs."""
+    job = JobSpec.model_validate({"model": {"name": "mlp", "config": {"hidden": 16, "depth": 2}},
+                                  "dataset": {"name": "digits"}, "training": {"steps": 5, "batch_size": 4}})
+    assignment = make_assignments(job, [(0, 2), (2, 4)], ["127.0.0.1:9", "127.0.0.1:9"], "x")[1]
+    router = Router(expected_kinds=MESSAGE_KINDS)
+    StageRunner(assignment, router)
+    return router
+
+
+peer_messages = st.builds(
+    Message, kind=st.sampled_from([*MESSAGE_KINDS, "ring", "bogus"]), id=st.integers(0, 3),
+    tensors=st.dictionaries(st.sampled_from(["x", "y", "grad", "z"]), tensors(), max_size=3),
+    tags=st.dictionaries(st.sampled_from(["final", "checkpoint_at"]), st.integers(-5, 5), max_size=2),
+    note=st.text(max_size=64))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a stage per case
+@given(message=peer_messages)
+def test_a_stage_answers_any_message_with_a_wire_error_or_takes_it(message: Message) -> None:
+    """What a neighbour sends reaches the stage's handlers: they refuse it with a reason the stream
+    turns into a status (WireError, ValueError), or queue it; nothing else escapes, nothing blocks."""
+    router = stage_router()
+    try:
+        router(message, "ipv4:127.0.0.1:5")
+    except (WireError, ValueError):
+        pass
