@@ -68,8 +68,8 @@ class ServiceBase:
         self._install_root_credentials()
         self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
         self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
-        # job -> (generation, idle node ids) it was last planned with, to grow it onto them
-        self._grow_considered: dict[str, tuple[int, frozenset[str]]] = {}
+        # job -> (generation, idle node ids, links measured among them) it was last weighed with, to grow it
+        self._grow_considered: dict[str, tuple[int, frozenset[str], int]] = {}
 
     def _install_root_credentials(self) -> None:
         """The operator token and the default join token are credentials like any other (listed,

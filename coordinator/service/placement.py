@@ -2,7 +2,7 @@
 places pending ones; idle nodes may grow a running job."""
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ravnest.spec import JobSpec
@@ -86,13 +86,20 @@ class Placing(ServiceBase):
                 continue
             spec, current = JobSpec.model_validate(job.spec), self._plan(job)
             newcomers = offering(idle, spec)
-            considered = (job.generation, frozenset(node.id for node in newcomers))
-            if not newcomers or self._grow_considered.get(job.id) == considered:
-                continue  # planned with these very nodes already (each tick would plan again)
+            if not newcomers:
+                continue
+            members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id)))
+            ids = [node.id for node in members + newcomers]
+            measured = session.scalar(select(func.count()).select_from(LinkRow).where(
+                LinkRow.node_id.in_(ids), LinkRow.peer_id.in_(ids))) or 0
+            # planned with these very nodes and links already (each tick would plan again); newcomers
+            # measure their links over their first heartbeats, and each measurement may change the answer
+            considered = (job.generation, frozenset(node.id for node in newcomers), measured)
+            if self._grow_considered.get(job.id) == considered:
+                continue
             if jobs.progress(job, stages_of(session, job.id)).fraction > 0.75:
                 continue  # too little left to be worth a re-plan
             self._grow_considered[job.id] = considered
-            members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id)))
             try:
                 plan = self._plan_on(session, spec, members + newcomers)
             except PlanningError:
