@@ -85,6 +85,9 @@ class TrainingSettings(_Strict):
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     weight_stash: Literal["stash", "recompute"] = Field(
         "stash", description="keep forward weights + activations, or weights + RNG and recompute")
+    staleness: Literal["none", "predict"] = Field(
+        "none", description="staleness compensation: 'predict' forwards with the weights extrapolated along "
+                            "the last update to when the gradient is applied (SpecTrain/XPipe); see docs/pipeline.md")
     codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between evaluations; 0 = only at the end")
     seed: int = Field(0, ge=0, lt=1 << 63)

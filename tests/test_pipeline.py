@@ -99,8 +99,9 @@ def test_recompute_replays_dropout_and_matches_stash() -> None:
         torch.manual_seed(3)
         output = compute.forward(0, x)
         torch.rand(100)  # the global RNG moves on before the backward
-        result = compute.backward(0, grad_out)
-        results.append((output, result.input_grad, [p.grad.clone() for p in module.parameters()]))
+        input_grad = compute.backward_input(0, grad_out)
+        assert compute.backward_weights(0) == 0
+        results.append((output, input_grad, [p.grad.clone() for p in module.parameters()]))
     (out_s, gin_s, grads_s), (out_r, gin_r, grads_r) = results
     assert torch.equal(out_s, out_r)
     assert torch.allclose(gin_s, gin_r) and all(torch.allclose(a, b) for a, b in zip(grads_s, grads_r))
@@ -251,7 +252,7 @@ def test_wrong_shaped_activation_gets_a_clear_error_and_the_server_keeps_serving
         good = OutboundStream(server.address, token=token)
         good.send(Message("forward", 0, {"x": torch.zeros(4, 32), "y": labels}))
         assert good.close(timeout=10).messages == 1
-        assert runner.inbox.get(admit=False, timeout=5).id == 0  # it reached the worker's queue
+        assert runner.inbox.next_forward(timeout=5).id == 0  # it reached the worker's queue
     finally:
         server.stop(0)
 
@@ -260,14 +261,14 @@ def test_a_failing_stage_stops_every_stage_with_its_reason() -> None:
     calls = itertools.count()
 
     def setup(runners: list[StageRunner]) -> None:
-        original = runners[2].compute.forward_backward
+        original = runners[2].compute.backward_input
 
-        def failing(x, loss_fn):
+        def failing(micro_batch, grad):
             if next(calls) == 5:
                 raise RuntimeError("boom in the last stage")
-            return original(x, loss_fn)
+            return original(micro_batch, grad)
 
-        runners[2].compute.forward_backward = failing
+        runners[2].compute.backward_input = failing
 
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="stage 0 failed.*boom in the last stage"):
@@ -281,13 +282,13 @@ def test_a_nan_gradient_from_a_neighbour_is_refused_and_never_applied() -> None:
     calls = itertools.count()
 
     def setup(runners: list[StageRunner]) -> None:
-        original = runners[2].compute.forward_backward
+        original = runners[2].compute.backward_input
 
-        def poisoned(x, loss_fn):
-            loss, input_grad = original(x, loss_fn)
-            return loss, input_grad.fill_(float("nan")) if next(calls) == 5 else input_grad
+        def poisoned(micro_batch, grad):
+            input_grad = original(micro_batch, grad)
+            return input_grad.fill_(float("nan")) if next(calls) == 5 else input_grad
 
-        runners[2].compute.forward_backward = poisoned
+        runners[2].compute.backward_input = poisoned
         captured.extend(runners)
 
     captured: list[StageRunner] = []
@@ -302,7 +303,7 @@ def test_an_abort_is_passed_on_as_one_short_printable_line() -> None:
     runner = StageRunner(assignment, Router())
     runner._on_abort(Message("abort", note="first line \x1b[31m" + "x" * 5000 + "\nsecond line"), "10.0.0.1:5")
     with pytest.raises(PipelineError) as failure:
-        runner.inbox.get(admit=False, timeout=1)
+        runner.inbox.next_forward(timeout=1)
     reason = str(failure.value)
     assert "neighbour at 10.0.0.1:5 reported a failure ('first line" in reason
     assert "\x1b" not in reason and "second line" not in reason and len(reason) < 700

@@ -1,9 +1,10 @@
 """A stage's inbox: gRPC handler threads put messages in, the stage's worker thread takes them out.
 
-Gradients always come out before activations (backward has priority). Activations sit in a bounded
-lane: a full lane blocks the handler, which stops reading the stream, so HTTP/2 flow control pushes
-back on the sender. Gradients need no bound: stage 0 admits at most K micro-batches, so at most K
-gradients can ever be owed.
+Two lanes, activations and gradients, each in arrival order; the worker takes from the lane its
+schedule names (schedule.py), so arrival timing never changes what it computes. Activations sit in a
+bounded lane: a full lane blocks the handler, which stops reading the stream, so HTTP/2 flow control
+pushes back on the sender. Gradients need no bound: stage 0 admits at most K micro-batches, so at most
+K gradients can ever be owed.
 """
 from __future__ import annotations
 
@@ -71,21 +72,24 @@ class Inbox:
             self._ready.notify_all()
             self._space.notify_all()
 
-    def get(self, *, admit: bool, timeout: float) -> Message | None:
-        """The next message, gradients first. With `admit`, returns None instead of waiting when
-        nothing is queued (stage 0 then feeds a new micro-batch)."""
+    def next_backward(self, timeout: float) -> Message:
+        """The oldest gradient, waiting for one; gradients arrive in the order the stage asks for them
+        (the next stage runs the same schedule)."""
+        return self._take(self._backward, timeout)
+
+    def next_forward(self, timeout: float) -> Message:
+        """The oldest activation or evaluation message, waiting for one."""
+        return self._take(self._forward, timeout)
+
+    def _take(self, lane: deque[Message], timeout: float) -> Message:
         deadline = time.monotonic() + timeout
         with self._ready:
             while True:
                 if self._failure is not None:
                     raise PipelineError(self._failure)
-                if self._backward:
-                    return self._backward.popleft()
-                if self._forward:
+                if lane:
                     self._space.notify()
-                    return self._forward.popleft()
-                if admit:
-                    return None
+                    return lane.popleft()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PipelineError(f"no message from the neighbouring stages for {timeout:.0f}s; "

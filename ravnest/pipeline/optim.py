@@ -67,13 +67,17 @@ class StageOptimizer:
         self._pending += 1
         if self._pending < self.accumulation:
             return False
+        self.step()
+        return True
+
+    def step(self) -> None:
+        """One update from the gradients gathered so far (pipeline stages call it from their schedule)."""
         if self.optimizer is not None:
             self.optimizer.step()
             self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
         self._pending = 0
         self.steps += 1
-        return True
 
     @property
     def lr(self) -> float:

@@ -3,11 +3,12 @@
 A stage owns a contiguous range of the model's blocks, one worker thread (the caller of `run`) and
 the message kinds it registers on its node's Router (the gRPC handler threads only validate and
 queue). Stage 0 draws micro-batches from its data shard and sends activations plus targets forward;
-middle stages forward; the last stage computes the loss, runs backward at once and sends the input
-gradient back. Backward always goes before forward, and stage 0 admits a new micro-batch only while
-fewer than K are owed a gradient, so weights are at most K-1 updates stale. Every stage steps its own
-optimizer as soon as it has gathered `accumulation` gradients, and forwards use the weight version
-the matching backward will differentiate (see stash.py).
+middle stages forward; the last stage computes the loss and sends the input gradient back. The
+worker runs its schedule (schedule.py): a fixed list of forwards, input-gradient and weight-gradient
+halves of backwards, sends, receives and optimizer steps, so at most K micro-batches are in flight,
+weights are at most K-1 updates stale, and which weights each computation uses never depends on
+timing. Backwards use the weight version their forward used (stash.py); with `training.staleness`
+"predict" forwards use the weights predicted for the time their gradient is applied.
 
 Message kinds: "forward" (x, y) and "backward" (grad) carry micro-batch `id`s; "eval" (x, y) and
 "eval_end" (tag "final") stream the test set after training (and every `eval_every` steps); "abort"
@@ -31,6 +32,8 @@ from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
 from ravnest.pipeline.optim import StageOptimizer
+from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, stage_actions,
+                                       staleness, warmup)
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment, StagePeer
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
@@ -82,8 +85,9 @@ class StageRunner:
         # only this stage's blocks, built on its device; weights depend on (seed, block index) alone
         self.module = spec.blocks(start, end, seed=training.seed, device=self.device)
         self.window = training.microbatches_in_flight or a.num_stages  # K, the staleness bound
+        stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
-                                    device=self.device, snapshots=self.window > 1)
+                                    device=self.device, snapshots=stale, predict=training.staleness == "predict")
         self.optimizer = StageOptimizer(self.module.parameters(), training)
         if a.resume_step:
             if initial_state is None:
@@ -96,6 +100,8 @@ class StageRunner:
         self._checkpoint_at = 0
         self._last_checkpoint = time.monotonic()
         self.total_micro_batches = (training.steps - a.resume_step) * training.accumulation
+        self.actions = stage_actions(a.stage, a.num_stages, self.window, self.total_micro_batches,
+                                     training.accumulation)
         self.trace = PipelineTrace()
         self.clock = StageClock(training.batch_size * training.accumulation)
         self.final_metrics: dict[str, float] = {}
@@ -111,6 +117,10 @@ class StageRunner:
         self._next_forward_id = 0
         self._forward_lock = threading.Lock()
         self._admitted = self._completed = 0
+        self._staleness_sum = 0  # optimizer steps between each micro-batch's forward and its W
+        # what one action hands to the next: (x, y) received, output computed, gradients
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._output = self._grad = self._input_grad = None
         self._eval = EvalAccumulator()
         self._eval_round = 0
         self._finished = False
@@ -138,9 +148,10 @@ class StageRunner:
                              name=f"stage{self.assignment.stage}-stop").start()
         self.clock = StageClock(self.clock.samples_per_step)
         try:
-            while not self._finished:
-                msg = self.inbox.get(admit=self._can_admit(), timeout=self.peer_timeout)
-                self._handle(msg)
+            for action in self.actions:
+                self._act(action)
+            while not self._finished:  # the evaluation after the last step
+                self._handle_forward_lane(self.inbox.next_forward(self.peer_timeout))
             self._close_streams()
         except BaseException as exc:
             reason = str(exc) if isinstance(exc, PipelineError) else f"stage {self.assignment.stage} failed: {exc}"
@@ -265,65 +276,93 @@ class StageRunner:
 
     # --- the worker thread -------------------------------------------------------------------------
 
-    def _can_admit(self) -> bool:
-        return (self.is_first and self._admitted < self.total_micro_batches
-                and self._admitted - self._completed < self.window)
-
-    def _handle(self, msg: Message | None) -> None:
-        if msg is None:  # stage 0 has room for another micro-batch
-            micro_batch, self._admitted = self._admitted, self._admitted + 1
+    def _act(self, action: Action) -> None:
+        """One action of this stage's schedule (schedule.py); messages are taken in schedule order."""
+        kind, m = action.kind, action.micro_batch
+        if kind == RECV_F:
+            if self.is_first:
+                with self.clock.busy():
+                    self._pending = next(self._batches)
+                self._admitted += 1
+                self.trace.in_flight(self._admitted - self._completed)
+            else:
+                msg = self.inbox.next_forward(self.peer_timeout)
+                while msg.kind != FORWARD:  # evaluation passes run in between, on the weights of now
+                    self._handle_forward_lane(msg)
+                    msg = self.inbox.next_forward(self.peer_timeout)
+                if msg.id != m:
+                    raise PipelineError(f"stage {self.assignment.stage} expected micro-batch {m}, got {msg.id}")
+                self._checkpoint_at = max(self._checkpoint_at, msg.tags.get("checkpoint_at", 0))
+                self._pending = msg.tensors["x"], msg.tensors["y"]
+        elif kind == F:
+            self._forward(m, *(t.to(self.device) for t in self._pending))
+        elif kind == SEND_F:
+            tags = {"checkpoint_at": self._checkpoint_at} if self._checkpoint_at > self.optimizer.steps else {}
+            self._send("next", Message(FORWARD, m, {"x": self._output, "y": self._pending[1]}, tags=tags))
+            self._output = self._pending = None
+        elif kind == RECV_B:
+            msg = self.inbox.next_backward(self.peer_timeout)
+            if msg.id != m:
+                raise PipelineError(f"stage {self.assignment.stage} expected the gradient of micro-batch {m}, "
+                                    f"got {msg.id}")
+            self._grad = msg.tensors["grad"].to(self.device)
+        elif kind == B:
             with self.clock.busy():
-                x, y = next(self._batches)
-            self.trace.in_flight(self._admitted - self._completed)
-            self._forward(micro_batch, x.to(self.device), y.to(self.device))
-        elif msg.kind == BACKWARD:
-            self._backward(msg.id, msg.tensors["grad"].to(self.device))
-        elif msg.kind == FORWARD:
-            self._checkpoint_at = max(self._checkpoint_at, msg.tags.get("checkpoint_at", 0))
-            self._forward(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
-        elif msg.kind == EVAL:
+                self._input_grad = self.compute.backward_input(m, self._grad)
+            self._grad = None
+        elif kind == SEND_B:
+            self._send("prev", Message(BACKWARD, m, {"grad": self._input_grad}))
+            self._input_grad = None
+        elif kind == W:
+            if self.is_first:  # no B here: W is the whole backward, from the gradient just received
+                self.compute.backward_input(m, self._grad)
+                self._grad = None
+            with self.clock.busy():
+                version = self.compute.backward_weights(m)
+            forward_version = self._forward_versions.pop(m)
+            self.trace.records.append(BackwardRecord(m, forward_version, version, self.optimizer.steps))
+            self._staleness_sum += self.optimizer.steps - forward_version
+            self._completed += 1
+        elif kind == STEP:
+            with self.clock.busy():
+                self.compute.before_step()
+                self.optimizer.step()
+            self._step_done()
+        else:
+            raise PipelineError(f"unknown action {action}")
+
+    def _handle_forward_lane(self, msg: Message) -> None:
+        if msg.kind == EVAL:
             self._eval_batch(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
         elif msg.kind == EVAL_END:
             self._eval_end(msg.id, final=bool(msg.tags.get("final", 0)))
         else:
-            raise PipelineError(f"unexpected message kind {msg.kind!r}")
+            raise PipelineError(f"stage {self.assignment.stage} got {msg.kind} {msg.id} after its last micro-batch")
 
     def _forward(self, micro_batch: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        version = self.optimizer.steps
-        if self.is_last:  # loss and backward at once: the gradient leaves as early as possible
+        self._forward_versions[micro_batch] = self.optimizer.steps
+        lookahead = self._lookahead(micro_batch)
+        if self.is_last:
             scale = 1.0 / self.training.accumulation
             with self.clock.busy():
-                loss, input_grad = self.compute.forward_backward(x, lambda out: self._loss(out, y) * scale)
-            self.trace.records.append(BackwardRecord(micro_batch, version, version, version))
-            if input_grad is not None:
-                self._send("prev", Message(BACKWARD, micro_batch, {"grad": input_grad}))
+                loss = self.compute.forward(micro_batch, x, lookahead, loss_fn=lambda out: self._loss(out, y) * scale)
             self.clock.add_loss(float(loss) / scale)
-            self._micro_batch_done()
             return
         with self.clock.busy():
-            output = self.compute.forward(micro_batch, x)
-        self._forward_versions[micro_batch] = version
+            self._output = self.compute.forward(micro_batch, x, lookahead)
         if not self.is_first:
             self.trace.in_flight(self.compute.in_flight)
-        self.inbox.expect_gradient(micro_batch, output.shape)
-        tags = {"checkpoint_at": self._checkpoint_at} if self._checkpoint_at > self.optimizer.steps else {}
-        self._send("next", Message(FORWARD, micro_batch, {"x": output, "y": y}, tags=tags))
+        self.inbox.expect_gradient(micro_batch, self._output.shape)
 
-    def _backward(self, micro_batch: int, grad: torch.Tensor) -> None:
-        with self.clock.busy():
-            result = self.compute.backward(micro_batch, grad)
-        self.trace.records.append(BackwardRecord(micro_batch, self._forward_versions.pop(micro_batch),
-                                                 result.version, self.optimizer.steps))
-        if result.input_grad is not None:
-            self._send("prev", Message(BACKWARD, micro_batch, {"grad": result.input_grad}))
-        self._micro_batch_done()
+    def _lookahead(self, micro_batch: int) -> int:
+        """Updates the weights will have moved on by the time this micro-batch's gradient is applied
+        (weight prediction only; 0 otherwise)."""
+        if self.training.staleness != "predict":
+            return 0
+        a = self.assignment
+        return staleness(micro_batch, a.stage, a.num_stages, self.window, self.training.accumulation)
 
-    def _micro_batch_done(self) -> None:
-        self._completed += 1
-        with self.clock.busy():
-            stepped = self.optimizer.micro_batch_done()
-        if not stepped:
-            return
+    def _step_done(self) -> None:
         self.compute.step_done()
         self.clock.step_done()
         step = self.optimizer.steps
@@ -385,7 +424,10 @@ class StageRunner:
         in_flight = self._admitted - self._completed if self.is_first else self.compute.in_flight
         averaging = getattr(self.averager, "metrics", None)  # test stand-ins may not report any
         peak = self.memory.peak_bytes()
-        return {**self.clock.snapshot(), "step": float(self.optimizer.steps),  # counted from 0, resumed or not
+        clock = self.clock.snapshot()
+        return {**clock, "step": float(self.optimizer.steps),  # counted from 0, resumed or not
+                "bubble": max(0.0, 1.0 - clock["utilization"]),  # the share of wall time spent waiting
+                "staleness": self._staleness_sum / max(1, self._completed),  # mean updates, forward to W
                 "stage": float(self.assignment.stage), "in_flight": float(in_flight),
                 "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
                 **(averaging() if averaging is not None else {})}
@@ -432,8 +474,9 @@ class StageRunner:
             if peer is None:
                 continue
             try:
-                stream = self._streams.pop(side, None) or OutboundStream(
-                    peer.address, token=self.assignment.token, wait_ready=2.0)
+                stream = self._streams.pop(side, None)
+                if stream is None or stream.ended:  # e.g. the neighbour refused what we sent: it is alive
+                    stream = OutboundStream(peer.address, token=self.assignment.token, wait_ready=2.0)
                 stream.send(Message(ABORT, note=reason[:1000]), timeout=2.0)
                 stream.close(timeout=2.0)
             except PeerError:

@@ -10,15 +10,17 @@ time (activations are not held while the micro-batch is in flight).
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 RngState = tuple[torch.Tensor, torch.Tensor | None]
 # observer(micro_batch, version, snapshot, inputs, grad_output, param_grads), a hook for tests;
@@ -27,54 +29,77 @@ BackwardObserver = Callable[[int, int, Tensors, torch.Tensor, torch.Tensor, Tens
 
 
 class WeightVersions:
-    """Reference-counted parameter snapshots, one per weight version with micro-batches in flight.
+    """Reference-counted parameter snapshots, one per (weight version, lookahead) with micro-batches in
+    flight.
 
     With `snapshots=False` every version is the live parameters themselves: right when no optimizer
-    step can fall between a micro-batch's forward and its backward (one micro-batch in flight), and
-    it saves a parameter-sized copy."""
+    step can fall between a micro-batch's forward and its backward, and it saves a parameter-sized
+    copy. With `predict`, a forward that will be `lookahead` updates stale uses the weights
+    extrapolated that far along the last update, w + lookahead * (w - w_previous) (weight prediction,
+    as SpecTrain and XPipe: the gradient is then taken near the weights it will be applied to)."""
 
-    def __init__(self, module: nn.Module, snapshots: bool = True):
+    def __init__(self, module: nn.Module, snapshots: bool = True, predict: bool = False):
         self.snapshots = snapshots
         self._live = dict(module.named_parameters())
-        self._snapshots: dict[int, Tensors] = {}
-        self._users: Counter[int] = Counter()
+        self._snapshots: dict[tuple[int, int], Tensors] = {}
+        self._users: Counter[tuple[int, int]] = Counter()
         self._spare: list[Tensors] = []  # retired snapshots, refilled in place: no allocation per step
+        # the last update w - w_previous, per parameter (written around each optimizer step)
+        self.last_update: Tensors | None = (
+            {name: torch.zeros_like(p) for name, p in self._live.items()} if predict and snapshots else None)
         self.current = 0
 
     @torch.no_grad()
-    def acquire(self) -> tuple[int, Tensors]:
-        """The current version and its snapshot (taken on first use), held until `release`."""
-        snapshot = self._snapshots.get(self.current) if self.snapshots else self._live
+    def acquire(self, lookahead: int = 0) -> tuple[int, Tensors]:
+        """The current version's weights (predicted `lookahead` updates on when predicting), taken on
+        first use and held until `release` with the same lookahead."""
+        if not self.snapshots:
+            return self.current, self._live
+        lookahead = lookahead if self.last_update is not None else 0
+        key = (self.current, lookahead)
+        snapshot = self._snapshots.get(key)
         if snapshot is None:
-            if self._spare:
-                snapshot = self._spare.pop()
-                for name, p in self._live.items():
+            snapshot = self._spare.pop() if self._spare else {
+                name: torch.empty_like(p).requires_grad_(p.requires_grad) for name, p in self._live.items()}
+            for name, p in self._live.items():
+                if lookahead:
+                    torch.add(p, self.last_update[name], alpha=lookahead, out=snapshot[name])
+                else:
                     snapshot[name].copy_(p)
-            else:
-                snapshot = {name: p.detach().clone().requires_grad_(p.requires_grad)
-                            for name, p in self._live.items()}
-            self._snapshots[self.current] = snapshot
-        self._users[self.current] += 1
+            self._snapshots[key] = snapshot
+        self._users[key] += 1
         return self.current, snapshot
 
-    def release(self, version: int) -> None:
-        self._users[version] -= 1
-        if self._users[version] == 0:
-            del self._users[version]
+    def release(self, version: int, lookahead: int = 0) -> None:
+        if not self.snapshots:
+            return
+        key = (version, lookahead if self.last_update is not None else 0)
+        self._users[key] -= 1
+        if self._users[key] == 0:
+            del self._users[key]
             if version != self.current:
-                self._retire(version)
+                self._retire(key)
 
+    @torch.no_grad()
+    def before_step(self) -> None:
+        if self.last_update is not None:
+            for name, p in self._live.items():
+                self.last_update[name].copy_(p)
+
+    @torch.no_grad()
     def advance(self) -> None:
-        """The optimizer stepped: later forwards use a new version; retire the old one if unused."""
-        if self._users[self.current] == 0:
-            self._users.pop(self.current, None)
-            if self.current in self._snapshots:
-                self._retire(self.current)
+        """The optimizer stepped: later forwards use a new version; retire the old ones if unused."""
+        if self.last_update is not None:
+            for name, p in self._live.items():
+                torch.sub(p, self.last_update[name], out=self.last_update[name])
+        for key in [key for key in self._snapshots if key[0] == self.current and not self._users[key]]:
+            self._users.pop(key, None)
+            self._retire(key)
         self.current += 1
 
-    def _retire(self, version: int) -> None:
+    def _retire(self, key: tuple[int, int]) -> None:
         # Its micro-batches are all done, so no autograd graph still holds these tensors.
-        snapshot = self._snapshots.pop(version, None)
+        snapshot = self._snapshots.pop(key, None)
         if snapshot is not None:
             self._spare.append(snapshot)
 
@@ -83,18 +108,20 @@ class WeightVersions:
 
 
 @dataclass
-class BackwardResult:
-    input_grad: torch.Tensor | None
-    version: int  # the weight version the gradient was computed with
-
-
-@dataclass
 class _InFlight:
     version: int
+    lookahead: int
     weights: Tensors
     inputs: torch.Tensor
-    output: torch.Tensor | None  # "stash": the output, still attached to its graph
+    output: torch.Tensor | None  # "stash": the output (the loss on the last stage), with its graph
     rng: RngState | None         # "recompute": RNG state to replay dropout exactly
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    grad_output: torch.Tensor | None = None
+    captured: list[tuple[int, torch.Tensor]] | None = None  # parameter owners' outputs (split backward)
+    # between B and W: the gradient of each parameter owner's output (split backward), or the
+    # parameters' gradients themselves (backward not split)
+    owner_grads: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+    param_grads: Tensors | None = None
 
 
 def _capture_rng(device: torch.device) -> RngState:
@@ -112,81 +139,175 @@ def _replayed_rng(state: RngState, device: torch.device) -> Iterator[None]:
 
 
 class StageCompute:
-    """Forward and backward of one stage's blocks with weight versioning ("stash" or "recompute")."""
+    """Forward and the two halves of backward of one stage's blocks, with weight versioning ("stash"
+    or "recompute") and optionally weight prediction.
+
+    The backward is split as in zero-bubble pipelines: `backward_input` (B) gives the input gradient
+    and `backward_weights` (W) the weight gradients afterwards. B asks autograd for the gradients of
+    the input and of every parameter owner's output (a module with parameters of its own), which
+    skips every weight-gradient kernel; W then differentiates each owner's output with respect to its
+    own parameters only, which runs just those kernels. That is exact when a parameter is used only
+    inside its owner's forward; the first micro-batch checks it against a plain backward and, if a
+    model breaks the rule (e.g. weights tied by reading another module's tensor), falls back to the
+    plain backward in B for the rest of the run.
+    """
 
     def __init__(self, module: nn.Module, *, mode: str, input_grad: bool, device: torch.device,
-                 snapshots: bool = True):
+                 snapshots: bool = True, predict: bool = False):
         if mode not in ("stash", "recompute"):
             raise ValueError(f"unknown weight_stash mode {mode!r}")
         self.module = module
         self.mode = mode
         self.input_grad = input_grad  # False on stage 0: its input is data
         self.device = device
-        self.versions = WeightVersions(module, snapshots)
+        self.versions = WeightVersions(module, snapshots, predict)
         self._params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())
         self._in_flight: dict[int, _InFlight] = {}
         self.observer: BackwardObserver | None = None
+        # parameter owners, and the outputs they produce while a forward is being captured
+        owners = [(name, m) for name, m in module.named_modules()
+                  if any(p.requires_grad for p in m.parameters(recurse=False))]
+        self._owner_params = [[f"{name}.{p}" if name else p for p, q in m.named_parameters(recurse=False)
+                               if q.requires_grad] for name, m in owners]
+        self._captured: list[tuple[int, torch.Tensor]] | None = None
+        for index, (_, owner) in enumerate(owners):
+            owner.register_forward_hook(self._capture_hook(index))
+        self.split = input_grad and bool(owners)
+        self._split_checked = False
+
+    def _capture_hook(self, index: int) -> Callable:
+        def capture(module: nn.Module, args: Any, output: Any) -> None:
+            if self._captured is not None:
+                outputs = output if isinstance(output, (tuple, list)) else (output,)
+                self._captured.extend((index, t) for t in outputs if torch.is_tensor(t) and t.grad_fn is not None)
+        return capture
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_grad and x.is_floating_point():
             return x.detach().requires_grad_(True)
         return x
 
-    def forward(self, micro_batch: int, x: torch.Tensor) -> torch.Tensor:
-        """Forward at the current version; returns the detached output, keeps what backward needs."""
-        version, weights = self.versions.acquire()
+    def _run(self, weights: Tensors, inputs: torch.Tensor, loss_fn: Callable | None) -> torch.Tensor:
+        # The graph keeps copies of the buffers (BatchNorm saves its running stats for backward):
+        # the averager rewrites the live ones in place while this micro-batch is in flight.
+        buffers = {name: b.clone() for name, b in self._buffers.items()}
+        output = functional_call(self.module, {**weights, **buffers}, (inputs,))
+        return output if loss_fn is None else loss_fn(output)
+
+    def forward(self, micro_batch: int, x: torch.Tensor, lookahead: int = 0,
+                loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward at the current version (predicted `lookahead` updates on); returns the detached
+        output, or with `loss_fn` (the last stage) the detached loss; keeps what backward needs."""
+        version, weights = self.versions.acquire(lookahead)
         if self.mode == "stash":
             inputs = self._prepare(x)
-            # The graph keeps copies of the buffers (BatchNorm saves its running stats for backward):
-            # the averager rewrites the live ones in place while this micro-batch is in flight.
             buffers = {name: b.clone() for name, b in self._buffers.items()}
-            output = functional_call(self.module, {**weights, **buffers}, (inputs,))
-            for name, b in buffers.items():
+            self._captured = [] if self.split else None
+            try:
+                output = functional_call(self.module, {**weights, **buffers}, (inputs,))
+            finally:
+                captured, self._captured = self._captured, None
+            for name, b in buffers.items():  # the batch counts once in the running statistics
                 self._buffers[name].copy_(b)
-            self._in_flight[micro_batch] = _InFlight(version, weights, inputs, output, None)
+            if loss_fn is not None:
+                output = loss_fn(output)
+            self._in_flight[micro_batch] = _InFlight(version, lookahead, weights, inputs, output, None, loss_fn,
+                                                     captured=captured)
             return output.detach()
         rng = _capture_rng(self.device)
         with torch.no_grad():
             output = functional_call(self.module, {**weights, **self._buffers}, (x,))
-        self._in_flight[micro_batch] = _InFlight(version, weights, x, None, rng)
+            if loss_fn is not None:
+                output = loss_fn(output)
+        self._in_flight[micro_batch] = _InFlight(version, lookahead, weights, x, None, rng, loss_fn)
         return output
 
-    def backward(self, micro_batch: int, grad_output: torch.Tensor) -> BackwardResult:
-        """Gradients of a forwarded micro-batch w.r.t. its own weight version, added to the live
-        parameters' grads; returns the input gradient for the previous stage."""
+    def _graph(self, entry: _InFlight) -> torch.Tensor:
+        """The micro-batch's output with its graph: kept ("stash") or redone now ("recompute", with the
+        same weights and RNG; throwaway buffer copies keep BatchNorm from counting it twice)."""
+        if entry.output is None:
+            entry.inputs = self._prepare(entry.inputs)
+            self._captured = [] if self.split else None
+            try:
+                with _replayed_rng(entry.rng, self.device):
+                    entry.output = self._run(entry.weights, entry.inputs, entry.loss_fn)
+            finally:
+                entry.captured, self._captured = self._captured, None
+        return entry.output
+
+    def backward_input(self, micro_batch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """B: the input gradient for the previous stage (None on stage 0). `grad_output` is None on the
+        last stage (its output is the loss)."""
+        entry = self._in_flight[micro_batch]
+        entry.grad_output = grad_output
+        if not self.input_grad:
+            return None
+        output = self._graph(entry)
+        if not self.split:
+            grads = self._plain_backward(entry, output, keep_graph=False)
+            entry.param_grads = grads[1]
+            return grads[0]
+        captured = entry.captured or []
+        grads = torch.autograd.grad(output, [entry.inputs, *(t for _, t in captured)], grad_output,
+                                    retain_graph=True, allow_unused=True)
+        entry.owner_grads = [(index, t, g) for (index, t), g in zip(captured, grads[1:]) if g is not None]
+        return grads[0]
+
+    def backward_weights(self, micro_batch: int) -> int:
+        """W: the weight gradients of a micro-batch whose B has run, added to the live parameters'
+        grads; releases its weights. Returns the weight version they were computed with."""
         entry = self._in_flight.pop(micro_batch)
-        inputs, output = entry.inputs, entry.output
-        if output is None:  # recompute with the same weights and RNG; throwaway buffer copies keep
-            inputs = self._prepare(inputs)  # BatchNorm from counting this batch twice
-            buffers = {name: b.clone() for name, b in self._buffers.items()}
-            with _replayed_rng(entry.rng, self.device):
-                output = functional_call(self.module, {**entry.weights, **buffers}, (inputs,))
-        names = [name for name, w in entry.weights.items() if w.requires_grad]
-        wants_input = inputs.requires_grad
-        targets = ([inputs] if wants_input else []) + [entry.weights[name] for name in names]
-        grads = torch.autograd.grad(output, targets, grad_output, allow_unused=True)
-        input_grad = grads[0] if wants_input else None
-        param_grads = {name: g for name, g in zip(names, grads[int(wants_input):]) if g is not None}
+        if entry.param_grads is None and entry.owner_grads is None:  # stage 0: the whole backward
+            entry.param_grads = self._plain_backward(entry, self._graph(entry), keep_graph=False)[1]
+        if entry.owner_grads is not None:
+            param_grads = self._split_weight_grads(entry)
+        else:
+            param_grads = entry.param_grads
         if self.observer is not None:  # before accumulating: grads may become live .grad tensors
-            self.observer(micro_batch, entry.version, entry.weights, entry.inputs, grad_output, param_grads)
+            self.observer(micro_batch, entry.version, entry.weights, entry.inputs.detach(), entry.grad_output,
+                          param_grads)
         for name, grad in param_grads.items():
             live = self._params[name]
             if live.grad is None:
                 live.grad = grad
             else:
                 live.grad.add_(grad)
-        self.versions.release(entry.version)
-        return BackwardResult(input_grad, entry.version)
+        self.versions.release(entry.version, entry.lookahead)
+        return entry.version
 
-    def forward_backward(self, x: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor],
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Forward, loss and backward at once on the live weights (the last stage: nothing to stash).
-        Returns the loss (detached) and the input gradient."""
-        inputs = self._prepare(x)
-        loss = loss_fn(self.module(inputs))
-        loss.backward()
-        return loss.detach(), inputs.grad if inputs.requires_grad else None
+    def _plain_backward(self, entry: _InFlight, output: torch.Tensor,
+                        keep_graph: bool) -> tuple[torch.Tensor | None, Tensors]:
+        names = [name for name, w in entry.weights.items() if w.requires_grad]
+        wants_input = entry.inputs.requires_grad
+        targets = ([entry.inputs] if wants_input else []) + [entry.weights[name] for name in names]
+        grads = torch.autograd.grad(output, targets, entry.grad_output, allow_unused=True, retain_graph=keep_graph)
+        param_grads = {name: g for name, g in zip(names, grads[int(wants_input):]) if g is not None}
+        return (grads[0] if wants_input else None), param_grads
+
+    def _split_weight_grads(self, entry: _InFlight) -> Tensors:
+        checking = not self._split_checked
+        param_grads: Tensors = {}
+        last = len(entry.owner_grads) - 1
+        for i, (index, output, grad) in enumerate(entry.owner_grads):
+            names = self._owner_params[index]
+            grads = torch.autograd.grad(output, [entry.weights[n] for n in names], grad, allow_unused=True,
+                                        retain_graph=checking or i < last)
+            for name, g in zip(names, grads):
+                if g is not None:
+                    param_grads[name] = g if name not in param_grads else param_grads[name] + g
+        if checking:  # once: the split must agree with a plain backward, else it is not used again
+            self._split_checked = True
+            _, plain = self._plain_backward(entry, entry.output, keep_graph=False)
+            agree = plain.keys() == param_grads.keys() and all(
+                torch.allclose(param_grads[k], plain[k], rtol=1e-4, atol=1e-6) for k in plain)
+            if not agree:
+                log.warning("this model uses parameters outside the module that owns them: the backward is "
+                            "not split into input and weight halves on this stage")
+                self.split = False
+                return plain
+        entry.output = None  # the graph is no longer needed
+        return param_grads
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,6 +317,9 @@ class StageCompute:
             return self.module(x)
         finally:
             self.module.train()
+
+    def before_step(self) -> None:
+        self.versions.before_step()
 
     def step_done(self) -> None:
         self.versions.advance()

@@ -487,6 +487,11 @@ class OutboundStream:
         self._closed = True
         self._future.cancel()
 
+    @property
+    def ended(self) -> bool:
+        """The stream is over (closed, failed or cancelled): nothing sent on it arrives any more."""
+        return self._future.done()
+
     def __enter__(self) -> OutboundStream:
         return self
 

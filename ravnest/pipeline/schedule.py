@@ -1,0 +1,77 @@
+"""What one stage does, in which order: a pure function of the stage, the stage count, K, the
+accumulation and the number of micro-batches (PipeDream's 1F1B, never flushed, with the backward
+split as in zero-bubble pipelines). Timing decides only *when* an action runs, never *what* it
+computes, so a seeded run gives the same weights bit for bit, however the threads are scheduled.
+
+Stage s of S with staleness bound K warms up with w_s = max(1, K - s) forwards, then repeats
+"backward of the oldest micro-batch, forward of a new one" (the last stage, w = 1, forwards and
+backwards each micro-batch at once). w never grows along the pipeline, so stage s has sent
+forward(i + w_{s+1} - 1) before it waits for backward(i): no stage waits on a message that its
+neighbour would only send after hearing from it (no deadlock).
+
+A backward is split (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): B computes the input
+gradient, which is sent upstream at once, and W the weight gradient after it, while the upstream
+stage already works on that gradient. The optimizer steps after every `accumulation`-th W, before
+the next forward, so the weight version each forward uses is fixed:
+
+    stage 0 of 2, K = 2:  RECV_F is data here
+    F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 W0 STEP1 F2 SEND_F2 RECV_B1 B1 W1 STEP2 ...
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+RECV_F, F, SEND_F, RECV_B, B, SEND_B, W, STEP = "RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "W", "STEP"
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    micro_batch: int  # for STEP: the optimizer step it completes (1 = the first)
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro_batch}"
+
+
+def warmup(stage: int, num_stages: int, window: int) -> int:
+    """Forwards stage `stage` runs before its first backward: K at stage 0, one less per stage, at
+    least one, exactly one on the last stage."""
+    return 1 if stage == num_stages - 1 else max(1, window - stage)
+
+
+def stage_actions(stage: int, num_stages: int, window: int, micro_batches: int,
+                  accumulation: int = 1) -> Iterator[Action]:
+    """Every action of one stage, in order (a generator: a run may have millions of micro-batches).
+    On stage 0, RECV_F draws the micro-batch from the data and there is no B (its input is data, W
+    does the whole backward); the last stage's F includes the loss, and it sends nothing forward."""
+    first, last = stage == 0, stage == num_stages - 1
+    ahead = min(warmup(stage, num_stages, window), micro_batches)
+
+    def forward(m: int) -> Iterator[Action]:
+        yield Action(RECV_F, m)
+        yield Action(F, m)
+        if not last:
+            yield Action(SEND_F, m)
+
+    for m in range(ahead):
+        yield from forward(m)
+    for m in range(micro_batches):
+        if not last:
+            yield Action(RECV_B, m)
+        if not first:
+            yield Action(B, m)
+            yield Action(SEND_B, m)
+        yield Action(W, m)
+        if (m + 1) % accumulation == 0:
+            yield Action(STEP, (m + 1) // accumulation)
+        if m + ahead < micro_batches:
+            yield from forward(m + ahead)
+
+
+def staleness(micro_batch: int, stage: int, num_stages: int, window: int, accumulation: int = 1) -> int:
+    """Optimizer steps this stage takes between the forward of `micro_batch` and its backward: how
+    far the weights its forward uses lag the weights its gradient is applied to."""
+    ahead = warmup(stage, num_stages, window)
+    steps_at_forward = 0 if micro_batch < ahead else (micro_batch - ahead + 1) // accumulation
+    return micro_batch // accumulation - steps_at_forward

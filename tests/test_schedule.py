@@ -1,0 +1,165 @@
+"""The pipeline's schedule: a pure function that never deadlocks, bounds what is in flight and fixes
+which weights each computation uses; the split backward sends input gradients before weight
+gradients are computed; and a seeded run over real processes is reproducible bit for bit."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import pytest
+import torch
+
+from ravnest.pipeline import StageRunner, run_local_pipeline, run_threaded_pipeline
+from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, stage_actions, staleness,
+                                       warmup)
+from ravnest.spec import JobSpec
+
+SHAPES = [(S, K, acc, n) for S in (1, 2, 3, 4) for K in (1, 2, 4, 6) for acc in (1, 3) for n in (1, 5, 12)]
+
+
+def simulate(num_stages: int, window: int, micro_batches: int, accumulation: int) -> list[list[tuple[str, int, int]]]:
+    """Run every stage's actions with FIFO links between neighbours, any stage that can move moving
+    (round robin); returns per stage the (action, micro-batch, optimizer steps so far) it did, and
+    fails on a deadlock."""
+    actions = [deque(stage_actions(s, num_stages, window, micro_batches, accumulation)) for s in range(num_stages)]
+    forward = [deque() for _ in range(num_stages)]   # forward[s]: activations waiting at stage s
+    backward = [deque() for _ in range(num_stages)]  # backward[s]: gradients waiting at stage s
+    steps, done = [0] * num_stages, [[] for _ in range(num_stages)]
+    while any(actions):
+        moved = False
+        for s in range(num_stages):
+            while actions[s]:
+                action = actions[s][0]
+                if action.kind == RECV_F and s > 0:
+                    if not forward[s]:
+                        break
+                    assert forward[s].popleft() == action.micro_batch
+                elif action.kind == RECV_B:
+                    if not backward[s]:
+                        break
+                    assert backward[s].popleft() == action.micro_batch
+                elif action.kind == SEND_F:
+                    forward[s + 1].append(action.micro_batch)
+                elif action.kind == SEND_B:
+                    backward[s - 1].append(action.micro_batch)
+                elif action.kind == STEP:
+                    steps[s] += 1
+                    assert steps[s] == action.micro_batch
+                actions[s].popleft()
+                done[s].append((action.kind, action.micro_batch, steps[s]))
+                moved = True
+        assert moved, f"deadlock: {[list(map(str, a))[:3] for a in actions]}"
+    return done
+
+
+@pytest.mark.parametrize("num_stages,window,accumulation,micro_batches", SHAPES)
+def test_every_schedule_completes_and_keeps_its_promises(num_stages, window, accumulation, micro_batches) -> None:
+    micro_batches *= accumulation
+    done = simulate(num_stages, window, micro_batches, accumulation)
+    for s, actions in enumerate(done):
+        first, last = s == 0, s == num_stages - 1
+        kinds = [kind for kind, _, _ in actions]
+        assert kinds.count(F) == kinds.count(W) == micro_batches
+        assert kinds.count(STEP) == micro_batches // accumulation
+        assert kinds.count(B) == kinds.count(SEND_B) == (0 if first else micro_batches)
+        assert kinds.count(SEND_F) == kinds.count(RECV_B) == (0 if last else micro_batches)
+        position = {(kind, m): i for i, (kind, m, _) in enumerate(actions)}
+        in_flight = 0
+        for kind, m, steps in actions:
+            in_flight += (kind == F) - (kind == W)
+            assert in_flight <= warmup(s, num_stages, window) <= window
+        for m in range(micro_batches):
+            assert position[(F, m)] < position[(W, m)]
+            if not first:  # the input gradient leaves before the weight gradient is computed
+                assert position[(B, m)] < position[(SEND_B, m)] < position[(W, m)]
+            # the staleness the schedule promises is the number of steps between forward and W
+            at_forward = actions[position[(F, m)]][2]
+            at_weights = actions[position[(W, m)]][2]
+            assert at_weights - at_forward == staleness(m, s, num_stages, window, accumulation)
+            assert at_weights - at_forward <= window - 1
+
+
+def test_stage_zero_of_two_warms_up_with_k_forwards_then_alternates() -> None:
+    assert " ".join(map(str, stage_actions(0, 2, 2, 3))) == (
+        "RECV_F0 F0 SEND_F0 RECV_F1 F1 SEND_F1 RECV_B0 W0 STEP1 RECV_F2 F2 SEND_F2 RECV_B1 W1 STEP2 RECV_B2 W2 STEP3")
+    assert " ".join(map(str, stage_actions(1, 2, 2, 2))) == "RECV_F0 F0 B0 SEND_B0 W0 STEP1 RECV_F1 F1 B1 SEND_B1 W1 STEP2"
+
+
+TINY_MLP = {"name": "mlp", "config": {"input_dim": 64, "hidden": 32, "depth": 2, "num_classes": 10}}
+
+
+def make_job(**training) -> JobSpec:
+    settings = {"steps": 30, "batch_size": 16, "optimizer": {"name": "SGD", "kwargs": {"lr": 0.05}}, **training}
+    return JobSpec.model_validate({"model": TINY_MLP, "dataset": {"name": "digits"}, "training": settings})
+
+
+def test_the_upstream_stage_receives_each_input_gradient_before_the_weight_gradient_is_computed() -> None:
+    """Each W of the middle and last stages waits (with a deadline) until the stage before has received
+    that micro-batch's input gradient: possible only because B's gradient leaves before W runs."""
+    ranges = [(0, 2), (2, 3), (3, 4)]
+    received = [dict() for _ in ranges]  # stage -> micro-batch -> Event set when its gradient arrived
+    late: list[tuple[int, int]] = []
+
+    def setup(runners: list[StageRunner]) -> None:
+        for stage, runner in enumerate(runners):
+            put = runner.inbox.put_backward
+
+            def put_backward(msg, put=put, stage=stage):
+                put(msg)
+                received[stage].setdefault(msg.id, threading.Event()).set()
+            runner.inbox.put_backward = put_backward
+            if stage == 0:
+                continue
+            weights = runner.compute.backward_weights
+
+            def backward_weights(m, weights=weights, stage=stage):
+                arrived = received[stage - 1].setdefault(m, threading.Event())
+                if not late and not arrived.wait(timeout=10):
+                    late.append((stage, m))
+                return weights(m)
+            runner.compute.backward_weights = backward_weights
+
+    run_threaded_pipeline(make_job(steps=20, microbatches_in_flight=3), ranges, setup=setup, timeout=120)
+    assert not late, f"stage {late[0][0]} computed W of micro-batch {late[0][1]} before stage {late[0][0] - 1} had B"
+    assert all(len(events) == 20 for events in received[:2])
+
+
+@pytest.mark.parametrize("predict", [False, True], ids=["none", "predict"])
+def test_split_backward_gives_the_gradients_of_a_plain_backward(predict: bool) -> None:
+    """The whole pipeline with the split backward and the one with a plain backward end bit-close."""
+    job = make_job(steps=25, microbatches_in_flight=3, staleness="predict" if predict else "none")
+    ranges = [(0, 2), (2, 3), (3, 4)]
+
+    def unsplit(runners: list[StageRunner]) -> None:
+        for runner in runners:
+            runner.compute.split = False
+
+    split = run_threaded_pipeline(job, ranges, timeout=120)["state_dict"]
+    plain = run_threaded_pipeline(job, ranges, setup=unsplit, timeout=120)["state_dict"]
+    for key, value in plain.items():
+        assert torch.allclose(split[key], value, rtol=1e-4, atol=1e-6), key
+
+
+def test_threaded_runs_are_identical_whatever_the_timing() -> None:
+    """Threads of one process interleave differently every run; the weights do not."""
+    job = make_job(steps=30, microbatches_in_flight=4, staleness="predict",
+                   optimizer={"name": "Adam", "kwargs": {"lr": 1e-3}})
+    ranges = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    first, second = (run_threaded_pipeline(job, ranges, timeout=120)["state_dict"] for _ in range(2))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["2-stages", "3-stages"])
+def test_a_seeded_pipeline_over_real_processes_is_reproducible_bit_for_bit(ranges) -> None:
+    job = JobSpec.model_validate({"model": {"name": "cnn"}, "dataset": {"name": "digits"}, "training": {
+        "steps": 60, "batch_size": 32, "seed": 7, "optimizer": {"name": "Adam", "kwargs": {"lr": 1e-3}}}})
+    runs = [run_local_pipeline(job, ranges, timeout=300) for _ in range(2)]
+    first, second = (run["state_dict"] for run in runs)
+    assert first.keys() == second.keys() and len(first) > 0
+    different = [k for k in first if not torch.equal(first[k], second[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+    assert runs[0]["metrics"]["test_loss"] == runs[1]["metrics"]["test_loss"]
+    assert any(r[3] > r[1] for r in runs[0]["traces"][0]["records"])  # the weights were stale: async for real
+
