@@ -11,7 +11,8 @@ A stage's memory (`stage_memory_bytes`), with P its blocks' parameter bytes and 
 flight, is what the stage runner really holds:
 
     P x (1 live + 1 gradient + s optimizer state + v weight versions + a averaging copies)
-    + activations saved for backward: K micro-batches (the last stage: 1, plus the loss' logits twice)
+    + activations saved for backward: K micro-batches (the last stage: 1, plus the loss' logits twice),
+      each 1/parts of a batch when the pipeline cuts batches into parts (staleness "2bw")
     + backward workspace: the gradients of one block's activations (its largest block's saved bytes)
     + wire queues: SEND_QUEUE + 1 outgoing and K + RECEIVE_SLACK incoming activations
     + a base: what any stage costs a node whatever its blocks (gRPC threads' heaps, stream buffers,
@@ -19,7 +20,7 @@ flight, is what the stage runner really holds:
 
 s is the optimizer's state per parameter (SGD 0, momentum 1, Adam 2: `pipeline.optim.optimizer_state_factor`);
 v = K weight snapshots while a forward's weights can change before its backward (K > 1, not on the
-last stage, which runs forward and backward at once); a = 2 (snapshot and average) when the stage
+last stage, which runs forward and backward at once), plus the last update with weight prediction; a = 2 (snapshot and average) when the stage
 takes part in averaging rings. With weight_stash "recompute" a micro-batch keeps only its input, and
 one recomputed forward's activations exist at a time.
 """
@@ -41,6 +42,8 @@ class Load:
     recompute: bool = False          # weight_stash "recompute": keep inputs, redo the forward
     averaging_copies: float = 0.0    # parameter-sized buffers an averaging strategy keeps
     stage_base: int = 0              # bytes any stage costs, whatever its blocks
+    parts: int = 1                   # micro-batches a batch is cut into (staleness "2bw")
+    predict: bool = False            # weight prediction keeps the last update
 
 
 MESSAGE_OVERHEAD_S = 0.001  # fixed cost of one activation or gradient message between stages
@@ -84,10 +87,12 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
             load: Load) -> int:
     last = end == len(costs)
     k = load.in_flight
-    versions = k if k > 1 and not last else 0
+    versions = k + load.predict if k > 1 and not last else 0
     weights = param_bytes * (2 + load.optimizer_state + versions + load.averaging_copies)
-    received = costs[start - 1].activation_bytes if start > 0 else 0
-    sent = costs[end - 1].activation_bytes
+    share = 1 / load.parts  # of a batch's activations, per micro-batch
+    saved_bytes, workspace = math.ceil(saved_bytes * share), math.ceil(workspace * share)
+    received = math.ceil((costs[start - 1].activation_bytes if start > 0 else 0) * share)
+    sent = math.ceil(costs[end - 1].activation_bytes * share)
     if last:
         activations = saved_bytes + 2 * sent  # the loss keeps log-probabilities, then their gradient
     elif load.recompute:

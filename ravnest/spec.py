@@ -85,9 +85,11 @@ class TrainingSettings(_Strict):
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     weight_stash: Literal["stash", "recompute"] = Field(
         "stash", description="keep forward weights + activations, or weights + RNG and recompute")
-    staleness: Literal["none", "predict"] = Field(
-        "none", description="staleness compensation: 'predict' forwards with the weights extrapolated along "
-                            "the last update to when the gradient is applied (SpecTrain/XPipe); see docs/pipeline.md")
+    staleness: Literal["2bw+predict", "2bw", "predict", "none"] = Field(
+        "2bw+predict", description="staleness compensation of the asynchronous pipeline: '2bw' cuts each batch "
+        "into K micro-batches whose gradients make one update (PipeDream-2BW: at most one update of delay); "
+        "'predict' forwards with the weights extrapolated to when the gradient is applied (SpecTrain/XPipe); "
+        "'2bw+predict' both; 'none'. Measured in docs/pipeline.md")
     codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between evaluations; 0 = only at the end")
     seed: int = Field(0, ge=0, lt=1 << 63)

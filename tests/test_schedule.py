@@ -121,7 +121,7 @@ def test_the_upstream_stage_receives_each_input_gradient_before_the_weight_gradi
 
     run_threaded_pipeline(make_job(steps=20, microbatches_in_flight=3), ranges, setup=setup, timeout=120)
     assert not late, f"stage {late[0][0]} computed W of micro-batch {late[0][1]} before stage {late[0][0] - 1} had B"
-    assert all(len(events) == 20 for events in received[:2])
+    assert all(len(events) == 20 * 3 for events in received[:2])  # "2bw" cuts each batch into K = 3 parts
 
 
 @pytest.mark.parametrize("predict", [False, True], ids=["none", "predict"])

@@ -21,7 +21,8 @@ STEPS = 150
 
 def job(averaging: dict) -> JobSpec:
     return JobSpec.model_validate({"model": {"name": "cnn"}, "dataset": {"name": "digits"},
-                                   "training": {"steps": STEPS, "batch_size": 32, "seed": 0},
+                                   # whole batches per micro-batch: every cluster steps at the same pace
+                                   "training": {"steps": STEPS, "batch_size": 32, "seed": 0, "staleness": "none"},
                                    "averaging": averaging})
 
 

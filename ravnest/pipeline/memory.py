@@ -50,10 +50,12 @@ def _state_factor(name: str, kwargs_json: str) -> float:
 
 def training_load(training: TrainingSettings, num_stages: int, *, averaging: bool = False) -> Load:
     """The memory-relevant facts of a job's training on a pipeline of `num_stages` stages."""
-    return Load(in_flight=training.microbatches_in_flight or num_stages,
-                optimizer_state=optimizer_state_factor(training.optimizer),
+    k = training.microbatches_in_flight or num_stages
+    return Load(in_flight=k, optimizer_state=optimizer_state_factor(training.optimizer),
                 recompute=training.weight_stash == "recompute",
-                averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE)
+                averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE,
+                parts=min(k, training.batch_size) if training.staleness.startswith("2bw") else 1,
+                predict=training.staleness.endswith("predict"))
 
 
 _STATUS = Path("/proc/self/status")

@@ -86,8 +86,9 @@ class StageRunner:
         self.module = spec.blocks(start, end, seed=training.seed, device=self.device)
         self.window = training.microbatches_in_flight or a.num_stages  # K, the staleness bound
         stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
+        self.predict = training.staleness in ("predict", "2bw+predict")
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
-                                    device=self.device, snapshots=stale, predict=training.staleness == "predict")
+                                    device=self.device, snapshots=stale, predict=self.predict)
         self.optimizer = StageOptimizer(self.module.parameters(), training)
         if a.resume_step:
             if initial_state is None:
@@ -99,9 +100,11 @@ class StageRunner:
         # by seconds: stage 0 picks the step and tags forwards with it (see `_plan_timed_checkpoint`)
         self._checkpoint_at = 0
         self._last_checkpoint = time.monotonic()
-        self.total_micro_batches = (training.steps - a.resume_step) * training.accumulation
-        self.actions = stage_actions(a.stage, a.num_stages, self.window, self.total_micro_batches,
-                                     training.accumulation)
+        # "2bw" (PipeDream-2BW): stage 0 cuts every batch into K parts, whose gradients make one update
+        self.parts = min(self.window, training.batch_size) if training.staleness.startswith("2bw") else 1
+        self.per_step = training.accumulation * self.parts  # micro-batches per optimizer step
+        self.total_micro_batches = (training.steps - a.resume_step) * self.per_step
+        self.actions = stage_actions(a.stage, a.num_stages, self.window, self.total_micro_batches, self.per_step)
         self.trace = PipelineTrace()
         self.clock = StageClock(training.batch_size * training.accumulation)
         self.final_metrics: dict[str, float] = {}
@@ -121,6 +124,7 @@ class StageRunner:
         # what one action hands to the next: (x, y) received, output computed, gradients
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._output = self._grad = self._input_grad = None
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # stage 0: the rest of a batch cut in parts
         self._eval = EvalAccumulator()
         self._eval_round = 0
         self._finished = False
@@ -281,8 +285,11 @@ class StageRunner:
         kind, m = action.kind, action.micro_batch
         if kind == RECV_F:
             if self.is_first:
-                with self.clock.busy():
-                    self._pending = next(self._batches)
+                if m % self.parts == 0:
+                    with self.clock.busy():
+                        x, y = next(self._batches)
+                    self._parts = list(zip(x.tensor_split(self.parts), y.tensor_split(self.parts)))
+                self._pending = self._parts.pop(0)
                 self._admitted += 1
                 self.trace.in_flight(self._admitted - self._completed)
             else:
@@ -343,7 +350,8 @@ class StageRunner:
         self._forward_versions[micro_batch] = self.optimizer.steps
         lookahead = self._lookahead(micro_batch)
         if self.is_last:
-            scale = 1.0 / self.training.accumulation
+            # this micro-batch's share of the update's mean loss (2bw parts may differ by one row)
+            scale = y.shape[0] / (self.training.batch_size * self.training.accumulation)
             with self.clock.busy():
                 loss = self.compute.forward(micro_batch, x, lookahead, loss_fn=lambda out: self._loss(out, y) * scale)
             self.clock.add_loss(float(loss) / scale)
@@ -357,10 +365,10 @@ class StageRunner:
     def _lookahead(self, micro_batch: int) -> int:
         """Updates the weights will have moved on by the time this micro-batch's gradient is applied
         (weight prediction only; 0 otherwise)."""
-        if self.training.staleness != "predict":
+        if not self.predict:
             return 0
         a = self.assignment
-        return staleness(micro_batch, a.stage, a.num_stages, self.window, self.training.accumulation)
+        return staleness(micro_batch, a.stage, a.num_stages, self.window, self.per_step)
 
     def _step_done(self) -> None:
         self.compute.step_done()
@@ -393,7 +401,7 @@ class StageRunner:
         pending = self._checkpoint_at > step
         if self.is_first and every_s and not pending and time.monotonic() - self._last_checkpoint >= every_s:
             untagged = self._admitted + 1  # micro-batches (since the resume) that carry no tag
-            first_tagged_step = self.assignment.resume_step + -(-untagged // self.training.accumulation)
+            first_tagged_step = self.assignment.resume_step + -(-untagged // self.per_step)
             self._checkpoint_at = max(step + 1, first_tagged_step)
 
     def _evaluate(self, final: bool) -> None:
