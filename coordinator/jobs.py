@@ -180,6 +180,8 @@ def metrics(stages: list[StageRow], plan: Plan | None = None) -> JobMetrics:
         loss=_mean([m["loss"] for m in tails if "loss" in m]),
         samples_per_s=sum(throughput) if throughput else None,
         utilization=_mean([row.metrics["utilization"] for row in stages if "utilization" in row.metrics]),
+        bubble=_mean([row.metrics["bubble"] for row in stages if "bubble" in row.metrics]),
+        staleness=_mean([row.metrics["staleness"] for row in stages if "staleness" in row.metrics]),
         test_accuracy=tails[0].get("test_accuracy") if tails else None,
         averaging_rounds=min((m["avg_rounds"] for m in averaging), default=None),
         averaging_round_s=_mean([m["avg_round_s"] for m in averaging if "avg_round_s" in m]),
@@ -188,7 +190,9 @@ def metrics(stages: list[StageRow], plan: Plan | None = None) -> JobMetrics:
         stages=[StageMetrics(cluster=row.cluster, stage=row.stage, node_id=row.node_id, step=row.step,
                              metrics=row.metrics, weights_uploaded=row.weights_uploaded,
                              predicted_memory_bytes=_predicted_memory(plan, row),
-                             peak_memory_bytes=row.metrics.get("memory_peak_bytes"))
+                             peak_memory_bytes=row.metrics.get("memory_peak_bytes"),
+                             utilization=row.metrics.get("utilization"), bubble=row.metrics.get("bubble"),
+                             staleness=row.metrics.get("staleness"))
                 for row in stages])
 
 

@@ -95,12 +95,19 @@ class StageMetrics(BaseModel):
     predicted_memory_bytes: int | None = Field(None, description="what the planner predicted this stage holds")
     peak_memory_bytes: float | None = Field(None, description="what the node measured: peak above idle "
                                                               "(RSS on CPU, allocated on CUDA)")
+    utilization: float | None = Field(None, description="share of the stage's wall time spent computing")
+    bubble: float | None = Field(None, description="share of the stage's wall time spent waiting (1 - utilization)")
+    staleness: float | None = Field(None, description="mean optimizer steps between a micro-batch's forward and "
+                                                      "its weight gradient on this stage (0 = synchronous)")
 
 
 class JobMetrics(BaseModel):
     loss: float | None = Field(None, description="mean of the clusters' last-stage training loss")
     samples_per_s: float | None = Field(None, description="sum over clusters (last stage)")
     utilization: float | None = Field(None, description="mean over all stages")
+    bubble: float | None = Field(None, description="mean over all stages of the share of time spent waiting")
+    staleness: float | None = Field(None, description="mean over all stages of the optimizer steps between a "
+                                                      "micro-batch's forward and its weight gradient")
     test_accuracy: float | None = Field(None, description="cluster 0's last stage, when evaluated")
     averaging_rounds: float | None = Field(None, description="averaging rounds applied, fewest over the "
                                                              "stages that average")

@@ -85,11 +85,12 @@ class TrainingSettings(_Strict):
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     weight_stash: Literal["stash", "recompute"] = Field(
         "stash", description="keep forward weights + activations, or weights + RNG and recompute")
-    staleness: Literal["2bw+predict", "2bw", "predict", "none"] = Field(
-        "2bw+predict", description="staleness compensation of the asynchronous pipeline: '2bw' cuts each batch "
-        "into K micro-batches whose gradients make one update (PipeDream-2BW: at most one update of delay); "
-        "'predict' forwards with the weights extrapolated to when the gradient is applied (SpecTrain/XPipe); "
-        "'2bw+predict' both; 'none'. Measured in docs/pipeline.md")
+    staleness: Literal["auto", "2bw+predict", "2bw", "predict", "none"] = Field(
+        "auto", description="staleness compensation of the asynchronous pipeline: '2bw' cuts each batch into K "
+        "micro-batches whose gradients make one update (PipeDream-2BW: at most one update of delay); 'predict' "
+        "forwards with the weights extrapolated to when the gradient is applied (SpecTrain/XPipe); '2bw+predict' "
+        "both; 'none'; 'auto' (default) is 'predict' for K <= 2 and '2bw+predict' above, as measured in "
+        "docs/pipeline.md")
     codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between evaluations; 0 = only at the end")
     seed: int = Field(0, ge=0, lt=1 << 63)

@@ -301,7 +301,8 @@ def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
     for node_id, auth, a in sorted(assignments, key=lambda x: (x[2]["cluster"], x[2]["stage"])):
         last = a["stage"] == a["num_stages"] - 1
         report = {"node_id": node_id, "cluster": a["cluster"], "stage": a["stage"], "step": 20,
-                  "metrics": {"loss": 0.5, "samples_per_s": 100.0, "utilization": 0.8,
+                  "metrics": {"loss": 0.5, "samples_per_s": 100.0, "utilization": 0.8, "bubble": 0.2,
+                              "staleness": float(a["num_stages"] - 1 - a["stage"]),
                               **({"test_accuracy": 0.9 + a["cluster"] / 100} if last else {})}}
         assert client.post(f"/v1/jobs/{job_id}/metrics", json=report, headers=auth).status_code == 204
         r = client.put(f"/v1/jobs/{job_id}/weights?cluster={a['cluster']}&stage={a['stage']}",
@@ -311,6 +312,10 @@ def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
     assert job["state"] == "completed", job["reason"]
     assert job["final_metrics"]["test_accuracy"] == pytest.approx(0.9)
     assert job["metrics"]["samples_per_s"] == pytest.approx(200.0) and job["progress"]["fraction"] == 1.0
+    # what the pipeline's schedule costs, per stage and overall: waiting and stale weights
+    assert job["metrics"]["bubble"] == pytest.approx(0.2)
+    assert {(s["stage"], s["utilization"], s["staleness"]) for s in job["metrics"]["stages"]} == {
+        (a["stage"], 0.8, float(a["num_stages"] - 1 - a["stage"])) for _, _, a in assignments}
     r = client.get(job["model_url"])
     assert r.status_code == 200
     model = build_model("cnn", {"channels": [8, 8]}).full_model()

@@ -20,6 +20,7 @@ import torch
 
 from ravnest.partition import Load
 from ravnest.pipeline.optim import build_optimizer
+from ravnest.pipeline.schedule import batch_parts, staleness_method
 from ravnest.spec import OptimizerRef, TrainingSettings
 
 RING_COPIES = 2.0  # a ring averager keeps a snapshot and an average of its segment
@@ -51,11 +52,11 @@ def _state_factor(name: str, kwargs_json: str) -> float:
 def training_load(training: TrainingSettings, num_stages: int, *, averaging: bool = False) -> Load:
     """The memory-relevant facts of a job's training on a pipeline of `num_stages` stages."""
     k = training.microbatches_in_flight or num_stages
+    method = staleness_method(training.staleness, k)
     return Load(in_flight=k, optimizer_state=optimizer_state_factor(training.optimizer),
                 recompute=training.weight_stash == "recompute",
                 averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE,
-                parts=min(k, training.batch_size) if training.staleness.startswith("2bw") else 1,
-                predict=training.staleness.endswith("predict"))
+                parts=batch_parts(method, k, training.batch_size), predict=method.endswith("predict"))
 
 
 _STATUS = Path("/proc/self/status")

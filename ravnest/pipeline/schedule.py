@@ -75,3 +75,18 @@ def staleness(micro_batch: int, stage: int, num_stages: int, window: int, accumu
     ahead = warmup(stage, num_stages, window)
     steps_at_forward = 0 if micro_batch < ahead else (micro_batch - ahead + 1) // accumulation
     return micro_batch // accumulation - steps_at_forward
+
+
+def staleness_method(setting: str, window: int) -> str:
+    """The compensation `training.staleness` means with K = `window`: "auto" is weight prediction
+    while at most one update can fall between a forward and its gradient (K <= 2), where it is as
+    accurate as synchronous training and costs nothing in speed, and PipeDream-2BW with prediction
+    beyond, where prediction alone falls short (docs/pipeline.md has the figures)."""
+    if setting != "auto":
+        return setting
+    return "predict" if window <= 2 else "2bw+predict"
+
+
+def batch_parts(method: str, window: int, batch_size: int) -> int:
+    """Micro-batches each batch is cut into: K with PipeDream-2BW (at most one per sample), else 1."""
+    return min(window, batch_size) if method.startswith("2bw") else 1

@@ -7,8 +7,8 @@ middle stages forward; the last stage computes the loss and sends the input grad
 worker runs its schedule (schedule.py): a fixed list of forwards, input-gradient and weight-gradient
 halves of backwards, sends, receives and optimizer steps, so at most K micro-batches are in flight,
 weights are at most K-1 updates stale, and which weights each computation uses never depends on
-timing. Backwards use the weight version their forward used (stash.py); with `training.staleness`
-"predict" forwards use the weights predicted for the time their gradient is applied.
+timing. Backwards use the weight version their forward used (stash.py); `training.staleness` may cut
+batches into K parts (PipeDream-2BW) and predict the weights forwards use (schedule.staleness_method).
 
 Message kinds: "forward" (x, y) and "backward" (grad) carry micro-batch `id`s; "eval" (x, y) and
 "eval_end" (tag "final") stream the test set after training (and every `eval_every` steps); "abort"
@@ -32,8 +32,8 @@ from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
 from ravnest.pipeline.optim import StageOptimizer
-from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, stage_actions,
-                                       staleness, warmup)
+from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, batch_parts,
+                                       stage_actions, staleness, staleness_method, warmup)
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment, StagePeer
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
@@ -86,7 +86,8 @@ class StageRunner:
         self.module = spec.blocks(start, end, seed=training.seed, device=self.device)
         self.window = training.microbatches_in_flight or a.num_stages  # K, the staleness bound
         stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
-        self.predict = training.staleness in ("predict", "2bw+predict")
+        method = staleness_method(training.staleness, self.window)
+        self.predict = method.endswith("predict")
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
                                     device=self.device, snapshots=stale, predict=self.predict)
         self.optimizer = StageOptimizer(self.module.parameters(), training)
@@ -101,7 +102,7 @@ class StageRunner:
         self._checkpoint_at = 0
         self._last_checkpoint = time.monotonic()
         # "2bw" (PipeDream-2BW): stage 0 cuts every batch into K parts, whose gradients make one update
-        self.parts = min(self.window, training.batch_size) if training.staleness.startswith("2bw") else 1
+        self.parts = batch_parts(method, self.window, training.batch_size)
         self.per_step = training.accumulation * self.parts  # micro-batches per optimizer step
         self.total_micro_batches = (training.steps - a.resume_step) * self.per_step
         self.actions = stage_actions(a.stage, a.num_stages, self.window, self.total_micro_batches, self.per_step)
