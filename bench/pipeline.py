@@ -75,12 +75,14 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.staleness:
             for stages, ranges in cuts.items():
                 piped = run_local_pipeline(make_job(steps, args.batch_size, stages, mode, seed), ranges)
-                metrics = {**piped["metrics"], "utilization": statistics.mean(
-                    s["steady_utilization"] for s in piped["stages"]), "seed": seed}
+                metrics = {**piped["metrics"], "seed": seed,
+                           "utilization": statistics.mean(s["steady_utilization"] for s in piped["stages"]),
+                           "staleness": statistics.mean(s["staleness"] for s in piped["stages"])}
                 runs.setdefault((mode, stages), []).append(metrics)
                 print(f"seed {seed} {mode:12s} {stages} stages K={stages}: {metrics['steady_samples_per_s']:.0f} "
                       f"samples/s (x{metrics['steady_samples_per_s'] / single[seed]['steady_samples_per_s']:.2f}), "
-                      f"utilization {metrics['utilization']:.2f}, test accuracy {metrics['test_accuracy']:.4f}",
+                      f"utilization {metrics['utilization']:.2f}, mean staleness {metrics['staleness']:.2f} steps, "
+                      f"test accuracy {metrics['test_accuracy']:.4f}",
                       flush=True)
 
     def median(mode: str, stages: int, figure: str) -> float:
@@ -91,11 +93,12 @@ def main(argv: list[str] | None = None) -> None:
 
     single_accuracy = statistics.median(m["test_accuracy"] for m in single.values())
     rows = [f"| {mode} | {stages} | {median(mode, stages, 'speedup'):.2f} | {median(mode, stages, 'utilization'):.2f} "
+            f"| {1 - median(mode, stages, 'utilization'):.2f} | {median(mode, stages, 'staleness'):.2f} "
             f"| {median(mode, stages, 'test_accuracy'):.4f} | "
             f"{', '.join('%.3f' % r['test_accuracy'] for r in runs[(mode, stages)])} |"
             for mode in args.staleness for stages in CUTS]
-    table = ("| staleness | stages (K) | speedup | utilization | test accuracy (median) | runs |\n"
-             "|---|---|---|---|---|---|\n" + "\n".join(rows))
+    table = ("| staleness | stages (K) | speedup | utilization | bubble | mean staleness (steps) "
+             "| test accuracy (median) | runs |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     first = args.staleness[0]
     speedup, utilization = median(first, 2, "speedup"), median(first, 2, "utilization")
     gap = max(single_accuracy - median(first, stages, "test_accuracy") for stages in CUTS)
@@ -109,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{list(cuts.values())} from the partitioner; one process on one torch thread against one process "
             f"per stage on one torch thread each (loopback gRPC), the same samples in both; seeds 0-"
             f"{args.repeat - 1}, medians. Speedup and utilization over the steady state (20%-90% of the "
-            f"steps). Single process test accuracy {single_accuracy:.4f} (median).\n\n{table}\n\n"
+            f"steps); bubble = 1 - utilization; mean staleness = optimizer steps between a micro-batch's "
+            f"forward and its weight gradient, averaged over stages. Single process test accuracy "
+            f"{single_accuracy:.4f} (median).\n\n{table}\n\n"
             f"Machine: {os.cpu_count()} cores, load average {load:.1f} at the start (other work shares it, "
             f"so figures are noisy).\n"))
     print(f"pipeline speedup={speedup:.2f} utilization={utilization:.2f} accuracy_gap={gap:.4f}")
