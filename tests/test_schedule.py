@@ -163,3 +163,37 @@ def test_a_seeded_pipeline_over_real_processes_is_reproducible_bit_for_bit(range
     assert runs[0]["metrics"]["test_loss"] == runs[1]["metrics"]["test_loss"]
     assert any(r[3] > r[1] for r in runs[0]["traces"][0]["records"])  # the weights were stale: async for real
 
+
+
+def test_a_model_that_reads_another_modules_weight_falls_back_to_a_plain_backward(caplog) -> None:
+    """The split backward is exact only when each parameter is used inside its owner: the first
+    micro-batch finds out, and the gradients are right either way."""
+    from torch import nn
+
+    from ravnest.pipeline.stash import StageCompute
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))) @ self.a.weight  # a.weight read outside `a`
+
+    for model, splits in ((Tied(), False), (nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), True)):
+        reference = type(model)() if isinstance(model, Tied) else nn.Sequential(nn.Linear(8, 8), nn.ReLU(),
+                                                                                 nn.Linear(8, 8))
+        reference.load_state_dict(model.state_dict())
+        compute = StageCompute(model, mode="stash", input_grad=True, device=torch.device("cpu"), snapshots=False)
+        for micro_batch in range(2):  # the first is checked; the second runs as the check decided
+            x = torch.randn(4, 8)
+            grad = torch.randn_like(compute.forward(micro_batch, x))
+            input_grad = compute.backward_input(micro_batch, grad)
+            compute.backward_weights(micro_batch)
+            x = x.clone().requires_grad_(True)
+            (reference(x) * grad).sum().backward()
+            assert torch.allclose(input_grad, x.grad, atol=1e-6)
+        assert compute.split is splits
+        for mine, want in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(mine.grad, want.grad, atol=1e-5)
+    assert "uses parameters outside the module that owns them" in caplog.text
