@@ -6,7 +6,9 @@ Every weight version that still has micro-batches in flight keeps one snapshot o
 `torch.func.functional_call` on the snapshot; backwards take gradients w.r.t. the snapshot and add
 them to the live parameters' `.grad`, which the optimizer then steps. In "recompute" mode a
 micro-batch keeps only its input, its version and the RNG state, and redoes its forward at backward
-time (activations are not held while the micro-batch is in flight).
+time (activations are not held while the micro-batch is in flight). The backward comes in two
+halves, input gradient (B) and weight gradient (W), and forwards may use predicted weights
+(`StageCompute`, `WeightVersions`).
 """
 from __future__ import annotations
 
