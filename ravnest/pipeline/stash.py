@@ -57,8 +57,8 @@ class WeightVersions:
         first use and held until `release` with the same lookahead."""
         if not self.snapshots:
             return self.current, self._live
-        lookahead = lookahead if self.last_update is not None else 0
-        key = (self.current, lookahead)
+        key = self._key(self.current, lookahead)
+        lookahead = key[1]
         snapshot = self._snapshots.get(key)
         if snapshot is None:
             snapshot = self._spare.pop() if self._spare else {
@@ -75,12 +75,15 @@ class WeightVersions:
     def release(self, version: int, lookahead: int = 0) -> None:
         if not self.snapshots:
             return
-        key = (version, lookahead if self.last_update is not None else 0)
+        key = self._key(version, lookahead)
         self._users[key] -= 1
         if self._users[key] == 0:
             del self._users[key]
             if version != self.current:
                 self._retire(key)
+
+    def _key(self, version: int, lookahead: int) -> tuple[int, int]:
+        return version, (lookahead if self.last_update is not None else 0)  # no prediction: one per version
 
     @torch.no_grad()
     def before_step(self) -> None:
@@ -197,12 +200,18 @@ class StageCompute:
             return x.detach().requires_grad_(True)
         return x
 
-    def _run(self, weights: Tensors, inputs: torch.Tensor, loss_fn: Callable | None) -> torch.Tensor:
-        # The graph keeps copies of the buffers (BatchNorm saves its running stats for backward):
-        # the averager rewrites the live ones in place while this micro-batch is in flight.
+    def _run(self, weights: Tensors, inputs: torch.Tensor, loss_fn: Callable | None,
+             ) -> tuple[torch.Tensor, Tensors, list[tuple[int, torch.Tensor]] | None]:
+        """A forward that builds its graph: (output or loss, the buffers it ran on, the parameter owners'
+        outputs when the backward is split). The graph keeps copies of the buffers (BatchNorm saves its
+        running stats for backward): the averager rewrites the live ones in place meanwhile."""
         buffers = {name: b.clone() for name, b in self._buffers.items()}
-        output = functional_call(self.module, {**weights, **buffers}, (inputs,))
-        return output if loss_fn is None else loss_fn(output)
+        self._captured = [] if self.split else None
+        try:
+            output = functional_call(self.module, {**weights, **buffers}, (inputs,))
+        finally:
+            captured, self._captured = self._captured, None
+        return (output if loss_fn is None else loss_fn(output)), buffers, captured
 
     def forward(self, micro_batch: int, x: torch.Tensor, lookahead: int = 0,
                 loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
@@ -211,16 +220,9 @@ class StageCompute:
         version, weights = self.versions.acquire(lookahead)
         if self.mode == "stash":
             inputs = self._prepare(x)
-            buffers = {name: b.clone() for name, b in self._buffers.items()}
-            self._captured = [] if self.split else None
-            try:
-                output = functional_call(self.module, {**weights, **buffers}, (inputs,))
-            finally:
-                captured, self._captured = self._captured, None
+            output, buffers, captured = self._run(weights, inputs, loss_fn)
             for name, b in buffers.items():  # the batch counts once in the running statistics
                 self._buffers[name].copy_(b)
-            if loss_fn is not None:
-                output = loss_fn(output)
             self._in_flight[micro_batch] = _InFlight(version, lookahead, weights, inputs, output, None, loss_fn,
                                                      captured=captured)
             return output.detach()
@@ -237,12 +239,8 @@ class StageCompute:
         same weights and RNG; throwaway buffer copies keep BatchNorm from counting it twice)."""
         if entry.output is None:
             entry.inputs = self._prepare(entry.inputs)
-            self._captured = [] if self.split else None
-            try:
-                with _replayed_rng(entry.rng, self.device):
-                    entry.output = self._run(entry.weights, entry.inputs, entry.loss_fn)
-            finally:
-                entry.captured, self._captured = self._captured, None
+            with _replayed_rng(entry.rng, self.device):
+                entry.output, _, entry.captured = self._run(entry.weights, entry.inputs, entry.loss_fn)
         return entry.output
 
     def backward_input(self, micro_batch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
