@@ -45,7 +45,6 @@ FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_
 MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
 log = logging.getLogger(__name__)
 METRICS_EVERY = 10  # optimizer steps between on_metrics reports
-ABORT_WAIT_S = 10.0  # for telling a neighbour why we stop: a lost abort costs it a whole peer timeout
 
 
 class StageRunner:
@@ -486,9 +485,9 @@ class StageRunner:
             try:
                 stream = self._streams.pop(side, None)
                 if stream is None or stream.ended:  # e.g. the neighbour refused what we sent: it is alive
-                    stream = OutboundStream(peer.address, token=self.assignment.token, wait_ready=ABORT_WAIT_S)
-                stream.send(Message(ABORT, note=reason[:1000]), timeout=ABORT_WAIT_S)
-                stream.close(timeout=ABORT_WAIT_S)
+                    stream = OutboundStream(peer.address, token=self.assignment.token, wait_ready=2.0)
+                stream.send(Message(ABORT, note=reason[:1000]), timeout=2.0)
+                stream.close(timeout=2.0)
             except PeerError:
                 pass  # the neighbour is gone or failing already
         for stream in self._streams.values():
