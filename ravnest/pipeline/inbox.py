@@ -45,11 +45,16 @@ class Inbox:
             shape = self._owed.get(msg.id)
             if shape is None:
                 raise WireError(f"backward for micro-batch {msg.id}, which is not awaiting a gradient here")
-            if grad is None or grad.shape != shape or not grad.is_floating_point():
-                got = "no 'grad' tensor" if grad is None else f"{grad.dtype}{list(grad.shape)}"
-                raise WireError(f"backward for micro-batch {msg.id}: expected a float 'grad' of shape "
-                                f"{list(shape)}, got {got}")
-            require_finite(grad, f"gradient for micro-batch {msg.id}")
+            try:
+                if grad is None or grad.shape != shape or not grad.is_floating_point():
+                    got = "no 'grad' tensor" if grad is None else f"{grad.dtype}{list(grad.shape)}"
+                    raise WireError(f"backward for micro-batch {msg.id}: expected a float 'grad' of shape "
+                                    f"{list(shape)}, got {got}")
+                require_finite(grad, f"gradient for micro-batch {msg.id}")
+            except WireError as refused:  # the schedule waits for exactly this gradient: it will not come
+                self._failure = self._failure or f"a neighbour sent a bad gradient: {refused}"
+                self._ready.notify_all()
+                raise
             del self._owed[msg.id]
             self._backward.append(msg)
             self._ready.notify()
