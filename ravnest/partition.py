@@ -14,6 +14,8 @@ flight, is what the stage runner really holds:
     + activations saved for backward: K micro-batches (the last stage: 1, plus the loss' logits twice),
       each 1/parts of a batch when the pipeline cuts batches into parts (staleness "2bw")
     + backward workspace: the gradients of one block's activations (its largest block's saved bytes)
+    + split backward (stages after the first): the gradients of the parameter owners' outputs of one
+      micro-batch, held from B (input gradient) to W (weight gradients)
     + wire queues: SEND_QUEUE + 1 outgoing and K + RECEIVE_SLACK incoming activations
     + a base: what any stage costs a node whatever its blocks (gRPC threads' heaps, stream buffers,
       Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
@@ -73,8 +75,9 @@ class PartitionError(ValueError):
 
 def stage_memory_bytes(costs: list[BlockCost], start: int, end: int, load: Load) -> int:
     """Bytes a node needs to train blocks [start, end) under `load` (see the module docstring)."""
-    return _memory(costs, sum(c.param_bytes for c in costs[start:end]), sum(c.saved_bytes for c in costs[start:end]),
-                   max(c.saved_bytes for c in costs[start:end]), start, end, load)
+    blocks = costs[start:end]
+    return _memory(costs, sum(c.param_bytes for c in blocks), sum(c.saved_bytes for c in blocks),
+                   max(c.saved_bytes for c in blocks), sum(c.owner_output_bytes for c in blocks), start, end, load)
 
 
 def stage_seconds(costs: list[BlockCost], node: NodeCapacity, start: int, end: int) -> float:
@@ -83,14 +86,15 @@ def stage_seconds(costs: list[BlockCost], node: NodeCapacity, start: int, end: i
     return _seconds(sum(c.flops for c in costs[start:end]), node, boundary)
 
 
-def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspace: int, start: int, end: int,
-            load: Load) -> int:
+def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspace: int, owner_outputs: int,
+            start: int, end: int, load: Load) -> int:
     last = end == len(costs)
     k = load.in_flight
     versions = k + load.predict if k > 1 and not last else 0
     weights = param_bytes * (2 + load.optimizer_state + versions + load.averaging_copies)
     share = 1 / load.parts  # of a batch's activations, per micro-batch
     saved_bytes, workspace = math.ceil(saved_bytes * share), math.ceil(workspace * share)
+    split = math.ceil(owner_outputs * share) if start > 0 else 0  # stage 0's backward is not split
     received = math.ceil((costs[start - 1].activation_bytes if start > 0 else 0) * share)
     sent = math.ceil(costs[end - 1].activation_bytes * share)
     if last:
@@ -100,7 +104,7 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     else:
         activations = k * saved_bytes
     queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
-    return int(weights + activations + workspace + queues + load.stage_base)
+    return int(weights + activations + workspace + split + queues + load.stage_base)
 
 
 class _RangeMax:
@@ -143,6 +147,7 @@ def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load |
     flops = [0.0, *itertools.accumulate(c.flops for c in costs)]
     params = [0, *itertools.accumulate(c.param_bytes for c in costs)]
     saved = [0, *itertools.accumulate(c.saved_bytes for c in costs)]
+    owner_outputs = [0, *itertools.accumulate(c.owner_output_bytes for c in costs)]
     largest_saved = _RangeMax([c.saved_bytes for c in costs])
 
     def seconds(node: NodeCapacity, start: int, end: int) -> float:
@@ -151,7 +156,7 @@ def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load |
 
     def fits(node: NodeCapacity, start: int, end: int) -> bool:
         memory = _memory(costs, params[end] - params[start], saved[end] - saved[start], largest_saved(start, end),
-                         start, end, load)
+                         owner_outputs[end] - owner_outputs[start], start, end, load)
         return memory <= node.memory_bytes
 
     # best[j][end]: smallest bottleneck placing blocks [0, end) on nodes 0..j-1, each non-empty

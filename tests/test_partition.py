@@ -1,6 +1,7 @@
 """The pipeline partitioner: exact DP against brute-force enumeration, memory limits, errors, speed."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -58,6 +59,11 @@ def test_stage_memory_formula() -> None:
     # recompute keeps K inputs and one forward's activations; averaging rings add two copies
     assert stage_memory_bytes(costs, 1, 2, Load(2, 2.0, recompute=True, averaging_copies=2)) == \
         20 * 8 + (2 * 3 + 11) + 11 + 3 * 5 + 4 * 3
+    # the split backward holds the gradients of the parameter owners' outputs from B to W, except on
+    # stage 0, whose backward is not split (its input is data)
+    split = [dataclasses.replace(c, owner_output_bytes=100 * (i + 1)) for i, c in enumerate(costs)]
+    assert stage_memory_bytes(split, 1, 3, adam_k2) == stage_memory_bytes(costs, 1, 3, adam_k2) + 200 + 300
+    assert stage_memory_bytes(split, 0, 2, adam_k2) == stage_memory_bytes(costs, 0, 2, adam_k2)
     # and every stage costs a node its base, whatever its blocks
     assert stage_memory_bytes(costs, 0, 2, Load(in_flight=2, stage_base=1000)) == \
         stage_memory_bytes(costs, 0, 2, adam_k2) + 1000

@@ -25,6 +25,7 @@ class BlockCost:
     flops: float           # forward FLOPs for one micro-batch; backward is about 2x
     activation_bytes: int  # bytes of this block's output for one micro-batch (crosses a stage boundary)
     saved_bytes: int = 0   # bytes autograd keeps from forward to backward for one micro-batch (not weights)
+    owner_output_bytes: int = 0  # outputs of the modules owning parameters: their gradients wait from B to W
     output_shape: tuple[int, ...] = ()  # for one micro-batch, batch dimension first
     output_dtype: str = "float32"
     forward_seconds: float | None = None   # measured on the local device when measure=True
@@ -59,11 +60,17 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata  # one StorageImpl per allocation, meta tensors included
 
 
-def _trace(block: nn.Module, x: torch.Tensor) -> tuple[float, int, torch.Tensor]:
-    """Forward FLOPs, bytes saved for backward (each storage once, weights excluded) and the output,
-    for a block on the meta device in training mode."""
+def _trace(block: nn.Module, x: torch.Tensor) -> tuple[float, int, int, torch.Tensor]:
+    """Forward FLOPs, bytes saved for backward (each storage once, weights excluded), bytes output by
+    the modules that own parameters (what a split backward holds gradients of) and the output, for a
+    block on the meta device in training mode."""
     weights = {_storage_key(t) for t in [*block.parameters(), *block.buffers()]}
     saved: dict[int, int] = {}
+    owner_outputs: list[int] = []
+
+    def count(module: nn.Module, args: object, output: object) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        owner_outputs.extend(tensor_bytes(t) for t in outputs if torch.is_tensor(t) and t.requires_grad)
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
@@ -73,9 +80,14 @@ def _trace(block: nn.Module, x: torch.Tensor) -> tuple[float, int, torch.Tensor]
 
     x = x.detach().requires_grad_(x.is_floating_point())  # a pipeline stage sends the input gradient back
     counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
-    with counter, torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        out = block(x)
-    return float(counter.get_total_flops()), sum(saved.values()), out.detach()
+    hooks = [m.register_forward_hook(count) for m in block.modules() if any(True for _ in m.parameters(recurse=False))]
+    try:
+        with counter, torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            out = block(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return float(counter.get_total_flops()), sum(saved.values()), sum(owner_outputs), out.detach()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -119,9 +131,10 @@ def profile_blocks(spec: ModelSpec, batch_size: int, *, measure: bool = False,
     x = spec.example_input(batch_size, device="meta")
     for index in range(spec.num_blocks):
         block = spec.block(index, device="meta")
-        flops, saved, out = _trace(block, x)
+        flops, saved, owner_outputs, out = _trace(block, x)
         cost = BlockCost(params=sum(p.numel() for p in block.parameters()), param_bytes=_state_bytes(block),
                          flops=flops, activation_bytes=tensor_bytes(out), saved_bytes=saved,
+                         owner_output_bytes=owner_outputs,
                          output_shape=tuple(out.shape), output_dtype=str(out.dtype).removeprefix("torch."))
         if measure:
             real_input = (spec.example_input(batch_size, device) if index == 0

@@ -101,8 +101,10 @@ def _server_options(limits: WireLimits) -> list[tuple[str, int]]:
     # Frames larger than this are refused by gRPC itself (RESOURCE_EXHAUSTED) before protobuf parses
     # them; below it, chunks up to twice our limit still reach the validator, which names the tensor.
     receive = max(2 * limits.max_chunk_bytes, MAX_PING_BYTES) + (1 << 20)
+    # No SO_REUSEPORT (gRPC's default): with it a bind to port 0 can be handed a port another server
+    # already listens on, and the two then share (or, once one stops, refuse) each other's peers.
     return [(k, receive if k == "grpc.max_receive_message_length" else v)
-            for k, v in GRPC_OPTIONS] + SERVER_KEEPALIVE_OPTIONS
+            for k, v in GRPC_OPTIONS] + SERVER_KEEPALIVE_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
 class _SharedTokens:
