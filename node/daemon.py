@@ -225,7 +225,8 @@ class NodeDaemon:
                 state.unlink()
             # The averager works on the runner's live tensors, so it is attached once they exist.
             runner.averager = make_averager(a, self.router, runner.live_tensors(), device=self.device,
-                                            optimizer_state=runner.optimizer_tensors)
+                                            optimizer_state=runner.optimizer_tensors,
+                                            companions=runner.prediction_base)
             final = runner.run(job.stop)
             self.progress.update(prefix, final, final=True)
             if "memory_peak_bytes" in final:

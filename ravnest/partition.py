@@ -20,6 +20,10 @@ flight, is what the stage runner really holds:
     + a base: what any stage costs a node whatever its blocks (gRPC threads' heaps, stream buffers,
       Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
 
+with activations, workspace and the split backward's gradients taken `heap_slack` times: many
+short-lived tensors of mixed sizes leave holes in the allocator's heap that later ones do not fit
+(`pipeline.memory.HEAP_SLACK` for real jobs).
+
 s is the optimizer's state per parameter (SGD 0, momentum 1, Adam 2: `pipeline.optim.optimizer_state_factor`);
 v = K weight snapshots while a forward's weights can change before its backward (K > 1, not on the
 last stage, which runs forward and backward at once), plus the last update with weight prediction; a = 2 (snapshot and average) when the stage
@@ -46,6 +50,7 @@ class Load:
     stage_base: int = 0              # bytes any stage costs, whatever its blocks
     parts: int = 1                   # micro-batches a batch is cut into (staleness "2bw")
     predict: bool = False            # weight prediction keeps the last update
+    heap_slack: float = 1.0          # what the allocator really takes per activation byte (see memory.py)
 
 
 MESSAGE_OVERHEAD_S = 0.001  # fixed cost of one activation or gradient message between stages
@@ -104,7 +109,7 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     else:
         activations = k * saved_bytes
     queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
-    return int(weights + activations + workspace + split + queues + load.stage_base)
+    return int(weights + load.heap_slack * (activations + workspace + split) + queues + load.stage_base)
 
 
 class _RangeMax:

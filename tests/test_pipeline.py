@@ -88,6 +88,25 @@ def test_weight_versions_share_snapshots_and_recycle_them() -> None:
     assert len(versions) == 0
 
 
+def test_weight_prediction_extrapolates_the_last_update_only() -> None:
+    module = nn.Linear(2, 2)
+    versions = WeightVersions(module, predict=True)
+    w0 = module.weight.detach().clone()
+    assert torch.equal(versions.acquire(2)[1]["weight"], w0)  # no update yet: nothing to extrapolate
+    versions.before_step()
+    with torch.no_grad():
+        module.weight.add_(0.5)  # the optimizer's update
+    versions.advance()
+    for lookahead in (0, 1, 3):
+        assert torch.allclose(versions.acquire(lookahead)[1]["weight"], w0 + 0.5 * (1 + lookahead))
+    versions.before_step()
+    versions.advance()  # a step that changed nothing: the next prediction is the weights themselves
+    with torch.no_grad():  # an averaging correction moves the live and the previous weights alike
+        for tensor in (module.weight, versions.previous["weight"]):
+            tensor.add_(-2.0)
+    assert torch.allclose(versions.acquire(2)[1]["weight"], w0 + 0.5 - 2.0)
+
+
 def test_recompute_replays_dropout_and_matches_stash() -> None:
     torch.manual_seed(1)
     x, grad_out = torch.randn(8, 6), torch.randn(8, 4)

@@ -10,9 +10,9 @@ from coordinator.clustering import NodeInfo
 from coordinator.planning import PlanningError, chain_order, plan_job
 from ravnest.models import build_model, profile_blocks
 from ravnest.models.profile import BlockCost
-from ravnest.partition import Load, stage_memory_bytes
-from ravnest.pipeline.memory import STAGE_BASE
-from ravnest.spec import AveragingSettings, OptimizerRef, Placement, TrainingSettings
+from ravnest.partition import stage_memory_bytes
+from ravnest.pipeline.memory import training_load
+from ravnest.spec import OptimizerRef, Placement, TrainingSettings
 
 GIB = 1 << 30
 
@@ -141,9 +141,9 @@ def test_a_big_model_gets_as_many_stages_as_its_memory_needs() -> None:
     costs = profile_blocks(build_model("gpt", {"d_model": 256, "n_layers": 8}), 8)
     training = TrainingSettings(batch_size=8, optimizer=OptimizerRef(name="SGD", kwargs={"lr": 0.1}),
                                 microbatches_in_flight=1)
-    whole = stage_memory_bytes(costs, 0, len(costs), Load(1, optimizer_state=0.0))
+    load = training_load(training, 1)
     split = sum(c.owner_output_bytes for c in costs)  # what the stages after the first add for the split backward
-    offer = (whole + split) * 2 // 5 + STAGE_BASE  # >= 3 stages
+    offer = int(stage_memory_bytes(costs, 0, len(costs), load) + load.heap_slack * split) * 2 // 5  # >= 3 stages
     nodes = [node(f"n{i}", memory=offer) for i in range(4)]
     plan = plan_job(costs, nodes, Placement(), training=training)
     assert len(plan.clusters) == 1 and len(plan.clusters[0].stages) in (3, 4)

@@ -80,14 +80,18 @@ class Averager:
 
     `live` maps "{i}.<name>" (global block index i) to the stage's live parameters and floating
     buffers; `optimizer_state()` (used with `averaging.average_optimizer_state`) returns the
-    optimizer's floating per-parameter state keyed the same way plus ":<state name>". All of them are
-    only read and written on the caller's thread, inside `after_step`/`flush`/`finish`.
+    optimizer's floating per-parameter state keyed the same way plus ":<state name>". `companions()`
+    returns tensors keyed like `live` that take every correction `live` takes (weight prediction's
+    pre-step weights: a correction is not an update to extrapolate). All of them are only read and
+    written on the caller's thread, inside `after_step`/`flush`/`finish`.
     """
 
     def __init__(self, assignment: StageAssignment, router: Router, live: Tensors, *,
                  device: str | torch.device = "cpu", step_timeout: float = 300.0,
-                 optimizer_state: Callable[[], Tensors] | None = None):
+                 optimizer_state: Callable[[], Tensors] | None = None,
+                 companions: Callable[[], Tensors] = dict):
         settings = assignment.averaging
+        self._companions = companions
         self.every, self.every_seconds = settings.every, settings.every_seconds
         self.live = live
         self._optimizer_state = optimizer_state if settings.average_optimizer_state else None
@@ -222,12 +226,13 @@ class Averager:
                                         outcome.ended))
         if self.every_seconds is not None:
             segment.committed = None if outcome.anyone_finished else segment.running_round + 1
-        tensors = self._tensors()
+        tensors, companions = self._tensors(), self._companions()
         with torch.no_grad():
             delta = outcome.average.sub_(outcome.snapshot).to(self.device)
             for key, value in segment.layout.views(delta).items():
-                target = tensors[key]
-                target.add_(value.to(device=target.device, dtype=target.dtype))
+                for target in (tensors[key], companions.get(key)):
+                    if target is not None:
+                        target.add_(value.to(device=target.device, dtype=target.dtype))
 
 
 def _average(segment: _Segment, number: int, codec: str | None, finishing: bool | None) -> _Outcome:
@@ -244,8 +249,9 @@ def _average(segment: _Segment, number: int, codec: str | None, finishing: bool 
 
 def make_averager(assignment: StageAssignment, router: Router, live: Tensors,
                   device: str | torch.device = "cpu",
-                  optimizer_state: Callable[[], Tensors] | None = None) -> Averager | None:
+                  optimizer_state: Callable[[], Tensors] | None = None,
+                  companions: Callable[[], Tensors] = dict) -> Averager | None:
     """The averager this assignment asks for, or None when there is nothing to average."""
     if assignment.averaging.strategy == "none" or assignment.num_clusters == 1 or not assignment.rings:
         return None
-    return Averager(assignment, router, live, device=device, optimizer_state=optimizer_state)
+    return Averager(assignment, router, live, device=device, optimizer_state=optimizer_state, companions=companions)

@@ -70,7 +70,8 @@ def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], add
 def attach_averager(runner: StageRunner, router: Router, device: str | torch.device) -> Averager | None:
     """Give `runner` the averager its assignment asks for (None when there is nothing to average)."""
     runner.averager = make_averager(runner.assignment, router, runner.live_tensors(), device=device,
-                                    optimizer_state=runner.optimizer_tensors)
+                                    optimizer_state=runner.optimizer_tensors,
+                                    companions=runner.prediction_base)
     return runner.averager
 
 

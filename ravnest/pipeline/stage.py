@@ -229,6 +229,11 @@ class StageRunner:
         tensors.update((k, b) for k, b in self.module.named_buffers() if b.is_floating_point())
         return tensors
 
+    def prediction_base(self) -> dict[str, torch.Tensor]:
+        """What weight prediction extrapolates from (the weights before the last step, keyed like
+        `live_tensors`; empty without prediction): averaging corrects them with the live weights."""
+        return self.compute.versions.previous or {}
+
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer's live per-parameter floating state (e.g. Adam's exp_avg, exp_avg_sq), keyed
         "{parameter key}:{state name}" so every cluster names it alike; empty before the first step.

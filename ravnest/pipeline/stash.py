@@ -38,7 +38,11 @@ class WeightVersions:
     step can fall between a micro-batch's forward and its backward, and it saves a parameter-sized
     copy. With `predict`, a forward that will be `lookahead` updates stale uses the weights
     extrapolated that far along the last update, w + lookahead * (w - w_previous) (weight prediction,
-    as SpecTrain and XPipe: the gradient is then taken near the weights it will be applied to)."""
+    as SpecTrain and XPipe: the gradient is then taken near the weights it will be applied to).
+    `previous` is a copy taken before each optimizer step; the prediction is one fused pass,
+    lerp(w_previous, w, 1 + lookahead), so predicting costs one parameter copy per step over plain
+    snapshots. Whatever else moves the live weights (an averaging correction) must move `previous`
+    alike: a correction is not an update to extrapolate."""
 
     def __init__(self, module: nn.Module, snapshots: bool = True, predict: bool = False):
         self.snapshots = snapshots
@@ -46,9 +50,10 @@ class WeightVersions:
         self._snapshots: dict[tuple[int, int], Tensors] = {}
         self._users: Counter[tuple[int, int]] = Counter()
         self._spare: list[Tensors] = []  # retired snapshots, refilled in place: no allocation per step
-        # the last update w - w_previous, per parameter (written around each optimizer step)
-        self.last_update: Tensors | None = (
-            {name: torch.zeros_like(p) for name, p in self._live.items()} if predict and snapshots else None)
+        self.predict = predict and snapshots
+        # the weights before the last optimizer step; none before the first (nothing to extrapolate:
+        # a stage resuming from a checkpoint loads its weights after this is built)
+        self.previous: Tensors | None = None
         self.current = 0
 
     @torch.no_grad()
@@ -64,8 +69,8 @@ class WeightVersions:
             snapshot = self._spare.pop() if self._spare else {
                 name: torch.empty_like(p).requires_grad_(p.requires_grad) for name, p in self._live.items()}
             for name, p in self._live.items():
-                if lookahead:
-                    torch.add(p, self.last_update[name], alpha=lookahead, out=snapshot[name])
+                if lookahead and self.previous is not None:  # w + lookahead * (w - w_previous)
+                    torch.lerp(self.previous[name], p, 1.0 + lookahead, out=snapshot[name])
                 else:
                     snapshot[name].copy_(p)
             self._snapshots[key] = snapshot
@@ -83,20 +88,17 @@ class WeightVersions:
                 self._retire(key)
 
     def _key(self, version: int, lookahead: int) -> tuple[int, int]:
-        return version, (lookahead if self.last_update is not None else 0)  # no prediction: one per version
+        return version, (lookahead if self.predict else 0)  # no prediction: one per version
 
     @torch.no_grad()
     def before_step(self) -> None:
-        if self.last_update is not None:
-            for name, p in self._live.items():
-                self.last_update[name].copy_(p)
+        if self.previous is not None:
+            torch._foreach_copy_(list(self.previous.values()), [p.detach() for p in self._live.values()])
+        elif self.predict:
+            self.previous = {name: p.detach().clone() for name, p in self._live.items()}
 
-    @torch.no_grad()
     def advance(self) -> None:
         """The optimizer stepped: later forwards use a new version; retire the old ones if unused."""
-        if self.last_update is not None:
-            for name, p in self._live.items():
-                torch.sub(p, self.last_update[name], out=self.last_update[name])
         for key in [key for key in self._snapshots if key[0] == self.current and not self._users[key]]:
             self._users.pop(key, None)
             self._retire(key)
