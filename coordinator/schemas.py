@@ -165,7 +165,7 @@ MAX_LIFETIME_S = 366 * 86400.0
 
 
 class JoinTokenRequest(BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "strict": True}  # strict: `true` is not 1 second
     name: str = Field("", max_length=128, description="what it is for, e.g. 'lab machines, November'")
     expires_in_s: float | None = Field(None, gt=0, le=MAX_LIFETIME_S, description="seconds it stays valid; "
                                                                                    "None: until revoked")
@@ -173,7 +173,7 @@ class JoinTokenRequest(BaseModel):
 
 
 class KeyRequest(BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "strict": True}
     name: str = Field("", max_length=128, description="whose key, e.g. 'alice'")
     role: str = Field(pattern="^(operator|submitter|reader)$",
                       description="operator: everything; submitter: submits jobs and sees, cancels, resumes and "

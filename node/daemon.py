@@ -18,7 +18,7 @@ from node.client import CoordinatorClient, CoordinatorError
 from node.links import LinkProber
 from node.profiler import profile_node
 from node.progress import Progress
-from ravnest.averaging import make_averager, ring
+from ravnest.averaging import ring
 from ravnest.pipeline import stage
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
@@ -223,10 +223,7 @@ class NodeDaemon:
                                               datasets=self.datasets)
             if state is not None:
                 state.unlink()
-            # The averager works on the runner's live tensors, so it is attached once they exist.
-            runner.averager = make_averager(a, self.router, runner.live_tensors(), device=self.device,
-                                            optimizer_state=runner.optimizer_tensors,
-                                            companions=runner.prediction_base)
+            runner.attach_averaging()  # it works on the runner's live tensors, which exist now
             final = runner.run(job.stop)
             self.progress.update(prefix, final, final=True)
             if "memory_peak_bytes" in final:

@@ -11,7 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator,
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # `true` is not 1 step, "30" is not 30
+
+
+# a block range: JSON has no tuples, and parsed JSON (lists) must validate as well as JSON text
+BlockRange = Annotated[tuple[int, int], Field(strict=False)]
 
 
 MAX_STEPS = 100_000_000  # hard bounds on what any spec may say; the coordinator's own limits are tighter
@@ -97,13 +101,22 @@ class TrainingSettings(_Strict):
 
 
 class AveragingSettings(_Strict):
-    strategy: Literal["ring", "none"] = "ring"
+    strategy: str = Field("ring", description="how clusters average their copies of each segment: 'ring' "
+                          "(periodic multi-ring all-reduce), 'none', or an installed plug-in strategy")
     every: PositiveInt = Field(50, le=MAX_STEPS, description="local optimizer steps between averaging rounds")
     every_seconds: float | None = Field(
         None, gt=0, le=86400, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")
     codec: Literal["", "fp16", "bf16", "int8"] = ""
     average_optimizer_state: bool = Field(
         False, description="also average the optimizer's per-parameter state (e.g. Adam's moments)")
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, name: str) -> str:
+        from ravnest.averaging.strategy import available_strategies, is_strategy  # they import this module
+        if not is_strategy(name):
+            raise ValueError(f"unknown averaging strategy {name!r}; known: {', '.join(available_strategies())}")
+        return name
 
 
 class Placement(_Strict):
@@ -146,7 +159,7 @@ class StagePeer(_Strict):
 class Ring(_Strict):
     """One parameter segment (a block range) and the node holding it in each cluster."""
     segment: int
-    blocks: tuple[int, int]
+    blocks: BlockRange
     members: list[StagePeer]
     weights: list[float] | None = Field(
         None, description="share of the vector each member reduces, per member (default equal); "
@@ -168,7 +181,7 @@ class StageAssignment(_Strict):
     num_clusters: int
     stage: int
     num_stages: int
-    blocks: tuple[int, int] = Field(description="half-open range of block indices")
+    blocks: BlockRange = Field(description="half-open range of block indices")
     input_shape: list[int] | None = Field(
         None, description="shape of the activations this stage receives for a micro-batch of "
                           "training.batch_size (batch first; sequence length may be shorter); None on stage 0")

@@ -1,4 +1,5 @@
-"""Ring all-reduce and the Averager, with every member a PeerServer on 127.0.0.1 in this process."""
+"""Ring collectives and the "ring" averaging strategy, with every member a PeerServer on 127.0.0.1 in
+this process; the strategy registry."""
 from __future__ import annotations
 
 import time
@@ -9,10 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from ravnest.averaging import (RingError, RingMember, RingTimeout, balanced_shares, canonical_keys,
-                               make_averager, reference_average, reference_mean, ring_link_loads,
+from ravnest.averaging import (AveragingStrategy, RingError, RingMember, RingTimeout, StageContext, StrategyError,
+                               available_strategies, balanced_shares, canonical_keys, make_strategy,
+                               reference_average, reference_mean, register_strategy, ring_link_loads,
                                ring_time_bound, segment_rings, share_bounds)
-from ravnest.averaging.averager import Averager
+from ravnest.averaging import strategy as strategy_module
+from ravnest.averaging.strategies.ring import RingAveraging
 from ravnest.spec import (AveragingSettings, DatasetRef, ModelRef, Ring, StageAssignment, StagePeer,
                           TrainingSettings)
 from ravnest.wire import PeerError, PeerServer, Router
@@ -65,6 +68,27 @@ def allreduce_all(members: list[RingMember], tensors: list[torch.Tensor], round:
 
 
 # --- the ring --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_reduce_scatter_then_all_gather_is_the_all_reduce_bit_for_bit(nodes, n):
+    """The two halves run apart (as DeAR needs): after the reduce-scatter each member holds the mean
+    of its own share, the shares partition the vector, and the all-gather makes the all-reduce."""
+    group = nodes(n)
+    weights = [1.0 + i for i in range(n)]
+    tensors = [torch.randn(50_001) * (i + 1) for i in range(n)]
+    whole = allreduce_all(group.ring(chunk_bytes=4096, weights=weights), tensors, round=0)
+    members = group.ring(chunk_bytes=4096, weights=weights, segment=1)
+    scattered = run_all([lambda m=m, t=t: m.reduce_scatter(t, 1) for m, t in zip(members, tensors)])
+    assert not any(isinstance(r, BaseException) for r in scattered), scattered
+    expected = reference_mean(tensors)
+    owned = sorted(bounds for _, bounds in scattered)
+    assert owned[0][0] == 0 and owned[-1][1] == 50_001 and all(a[1] == b[0] for a, b in zip(owned, owned[1:]))
+    for buf, (a, b) in scattered:
+        assert torch.allclose(buf[a:b], expected[a:b], atol=1e-5)
+    gathered = run_all([lambda m=m, buf=buf: m.all_gather(buf, 1) for m, (buf, _) in zip(members, scattered)])
+    for result in gathered:
+        assert torch.equal(result, whole[0])
+
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("numel,chunk_bytes", [(100_003, 4096), (70_001, 4 << 20), (3, 4096), (1, 4), (0, 4096)])
@@ -174,7 +198,7 @@ def test_canonical_keys_sort_by_global_block_then_state_dict_order():
     assert canonical_keys(state, (3, 10)) == ["9.running_mean"]
 
 
-# --- the Averager across clusters with different cut points -----------------------------------------
+# --- the ring strategy across clusters with different cut points ----------------------------------------
 
 def make_blocks(seed: int) -> list[nn.Module]:
     """Six blocks (one without parameters), BatchNorm buffers perturbed so replicas differ."""
@@ -204,7 +228,7 @@ class Stage:
                                 if isinstance(v, nn.Parameter) for name in ("exp_avg", "exp_avg_sq")}
         self.router = Router()
         self.server = PeerServer(self.router, token=TOKEN)
-        self.averager: Averager | None = None
+        self.averager: RingAveraging | None = None
 
 
 def build_job(cluster_ranges: list[list[tuple[int, int]]], every: int = 1,
@@ -224,8 +248,9 @@ def build_job(cluster_ranges: list[list[tuple[int, int]]], every: int = 1,
                 num_stages=len(stages), blocks=stage.cut, model=ModelRef(name="test"),
                 dataset=DatasetRef(name="digits"), training=TrainingSettings(),
                 averaging=averaging, rings=mine)
-            stage.averager = Averager(assignment, stage.router, stage.live, step_timeout=20.0,
-                                      optimizer_state=lambda stage=stage: stage.optimizer_state)
+            context = StageContext(assignment, stage.router, stage.live,
+                                   optimizer_state=lambda stage=stage: stage.optimizer_state)
+            stage.averager = RingAveraging(context, step_timeout=20.0)
     return clusters
 
 
@@ -352,18 +377,44 @@ def test_rings_outside_the_stage_are_rejected():
         model=ModelRef(name="test"), dataset=DatasetRef(name="digits"), training=TrainingSettings(),
         averaging=AveragingSettings(), rings=[ring])
     with pytest.raises(ValueError, match="outside"):
-        Averager(assignment, Router(), {})
+        RingAveraging(StageContext(assignment, Router(), {}))
 
 
-def test_make_averager_is_none_without_work():
+def test_strategy_is_none_without_work():
     base = dict(job_id="j", token=TOKEN, cluster=0, stage=0, num_stages=1, blocks=(0, 2),
                 model=ModelRef(name="test"), dataset=DatasetRef(name="digits"), training=TrainingSettings())
     ring = Ring(segment=0, blocks=(0, 2), members=[StagePeer(node_id="a", address="127.0.0.1:1"),
                                                   StagePeer(node_id="b", address="127.0.0.1:2")])
     alone = StageAssignment(num_clusters=1, averaging=AveragingSettings(), **base)
     off = StageAssignment(num_clusters=2, averaging=AveragingSettings(strategy="none"), rings=[ring], **base)
-    assert make_averager(alone, Router(), {}) is None
-    assert make_averager(off, Router(), {}) is None
+    assert make_strategy(StageContext(alone, Router(), {})) is None
+    assert make_strategy(StageContext(off, Router(), {})) is None
+    two = StageAssignment(num_clusters=2, averaging=AveragingSettings(), rings=[ring], **base)
+    router = Router()
+    strategy = make_strategy(StageContext(two, router, {}))
+    try:
+        assert isinstance(strategy, RingAveraging) and strategy.name == "ring"
+    finally:
+        strategy.close()
+
+
+def test_strategies_register_by_name_and_unknown_names_are_refused_with_the_known_ones(monkeypatch):
+    monkeypatch.setattr(strategy_module, "_FACTORIES", dict(strategy_module._FACTORIES))  # undone after the test
+    assert {"none", "ring"} <= set(available_strategies())
+    with pytest.raises(ValueError, match=r"unknown averaging strategy 'gossip'; known: none, ring"):
+        AveragingSettings(strategy="gossip")
+    with pytest.raises(StrategyError, match="reserved"):
+        register_strategy("none")
+
+    @register_strategy("test-recorder")
+    class Recorder(AveragingStrategy):
+        name = "test-recorder"
+
+        def __init__(self, context: StageContext):
+            self.context = context
+
+    assert "test-recorder" in available_strategies()
+    assert AveragingSettings(strategy="test-recorder").strategy == "test-recorder"
 
 
 def test_ring_weights_reach_the_members_and_the_average_is_unchanged():

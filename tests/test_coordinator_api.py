@@ -189,6 +189,9 @@ BAD_JOBS = {
     "too few min_nodes": (digits_job(clusters=3, min_nodes=2), "min_nodes"),
     "wrong input size": ({**digits_job(), "model": {"name": "mlp", "config": {"input_dim": 10}}}, "digits"),
     "extra field": ({**digits_job(), "surprise": 1}, "surprise"),
+    "boolean steps": ({**digits_job(), "training": {"steps": True}}, "steps"),  # not 1 step
+    "steps as text": ({**digits_job(), "training": {"steps": "30"}}, "steps"),
+    "unknown strategy": ({**digits_job(), "averaging": {"strategy": "gossip"}}, "known: none, ring"),
 }
 
 

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from ravnest.averaging import AveragingStrategy
 from ravnest.models import build_model
 from ravnest.pipeline import (PipelineError, StageOptimizer, StageRunner, build_optimizer, lr_factor,
                               run_single_process, run_threaded_pipeline)
@@ -145,8 +146,8 @@ def test_one_micro_batch_in_flight_equals_single_process_training(ranges: list[t
     assert all(trace["max_in_flight"] <= 1 for trace in piped["traces"])
 
 
-class VersionRecorder:
-    """A stand-in averager: records the stage's live weights after every optimizer step."""
+class VersionRecorder(AveragingStrategy):
+    """A stand-in averaging strategy: records the stage's live weights after every optimizer step."""
 
     def __init__(self) -> None:
         self.history: dict[int, dict[str, torch.Tensor]] = {}

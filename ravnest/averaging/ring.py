@@ -1,4 +1,5 @@
-"""Ring all-reduce of one flat fp32 vector over the peer wire: reduce-scatter, then all-gather.
+"""Ring collectives on one flat fp32 vector over the peer wire: all-reduce, or its two halves,
+reduce-scatter and all-gather, called apart.
 
 The vector is cut into one share per member (sized by `weights`), each share into chunks. In a ring
 of n members, at step L (0 <= L < 2n-2) member r sends share (r - L) mod n to r+1 and receives share
@@ -221,36 +222,26 @@ class RingMember:
         `round` tags the messages: every member must call with the same round number, each round
         once, in increasing order. `codec` overrides the member's codec for this round. Raises
         RingTimeout/RingError/PeerError naming the peer and the step."""
-        codec = self.codec if codec is None else codec
-        buf = _work_buffer(flat, out)
-        n, r = self.size, self.rank
-        if n == 1:
-            return buf
-        chunks = [self._chunk_bounds(a, b) for a, b in share_bounds(buf.numel(), self.weights)]
-        last_step = 2 * n - 3
-        try:
-            for c, (a, b) in enumerate(chunks[r]):
-                self._send(round, 0, c, buf[a:b], buf.numel(), codec)
-            for step in range(last_step + 1):
-                for c, (a, b) in enumerate(chunks[(r - 1 - step) % n]):
-                    part, received = buf[a:b], self._receive(round, step, c, b - a, buf.numel())
-                    if step < n - 1:
-                        part.add_(received)
-                        if step == n - 2:  # this share is complete here: its owner makes it the mean
-                            part.div_(n)
-                    else:
-                        part.copy_(received)
-                    if step < last_step:  # `part` is not written again before the flush below
-                        self._send(round, step + 1, c, part, buf.numel(), codec)
-        except BaseException:
-            with contextlib.suppress(PeerError):  # the round failed anyway; just release `buf`
-                self.hub.flush(self._next, min(self.step_timeout, FAILED_FLUSH_TIMEOUT))
-            raise
-        else:
-            self._flush(round)
-        finally:
-            self.hub.end_round(self.segment, round)
-        return buf
+        # one pass over all 2n - 2 steps: a share completed by the reduce-scatter is sent on at once
+        return self._steps(_work_buffer(flat, out), round, range(2 * self.size - 2), codec, ends_round=True)
+
+    def reduce_scatter(self, flat: torch.Tensor, round: int, *, codec: str | None = None,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The first half of `allreduce`: (the work buffer, the bounds [a, b) of the share whose mean
+        this member now holds; elsewhere the buffer holds partial sums). Member r holds share
+        (r + 1) mod n (`owned_share`). Every member must follow with `all_gather` of the same round."""
+        buf = self._steps(_work_buffer(flat, out), round, range(self.size - 1), codec, ends_round=False)
+        return buf, self.owned_share(buf.numel())
+
+    def all_gather(self, buf: torch.Tensor, round: int, *, codec: str | None = None) -> torch.Tensor:
+        """The second half of `allreduce`: every member's own share of `buf` (a contiguous fp32 CPU
+        tensor, see `owned_share`) is copied into the others', in place; returns `buf`."""
+        return self._steps(_work_buffer(buf, buf), round, range(self.size - 1, 2 * self.size - 2), codec,
+                           ends_round=True)
+
+    def owned_share(self, numel: int) -> tuple[int, int]:
+        """Bounds of the share of a `numel`-element vector that this member reduces and gathers from."""
+        return share_bounds(numel, self.weights)[(self.rank + 1) % self.size]
 
     def close(self) -> None:
         """Leave the ring; a round still running here fails at once with RingError."""
@@ -259,6 +250,43 @@ class RingMember:
         self.hub.leave(self.segment)
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _steps(self, buf: torch.Tensor, round: int, steps: range, codec: str | None,
+               ends_round: bool) -> torch.Tensor:
+        """Run ring steps `steps` on `buf` (see the module docstring): at step L send share (r - L)
+        and receive share (r - 1 - L); reduce below n - 1, copy from there on."""
+        codec = self.codec if codec is None else codec
+        n, r = self.size, self.rank
+        if n == 1:
+            return buf
+        chunks = [self._chunk_bounds(a, b) for a, b in share_bounds(buf.numel(), self.weights)]
+        first, last = steps.start, steps.stop - 1
+        failed = False
+        try:
+            for c, (a, b) in enumerate(chunks[(r - first) % n]):
+                self._send(round, first, c, buf[a:b], buf.numel(), codec)
+            for step in steps:
+                for c, (a, b) in enumerate(chunks[(r - 1 - step) % n]):
+                    part, received = buf[a:b], self._receive(round, step, c, b - a, buf.numel())
+                    if step < n - 1:
+                        part.add_(received)
+                        if step == n - 2:  # this share is complete here: its owner makes it the mean
+                            part.div_(n)
+                    else:
+                        part.copy_(received)
+                    if step < last:  # `part` is not written again before the flush below
+                        self._send(round, step + 1, c, part, buf.numel(), codec)
+        except BaseException:
+            failed = True
+            with contextlib.suppress(PeerError):  # the round failed anyway; just release `buf`
+                self.hub.flush(self._next, min(self.step_timeout, FAILED_FLUSH_TIMEOUT))
+            raise
+        else:
+            self._flush(round)
+        finally:
+            if ends_round or failed:
+                self.hub.end_round(self.segment, round)
+        return buf
 
     def _chunk_bounds(self, start: int, end: int) -> list[tuple[int, int]]:
         return [(a, min(a + self.chunk_elems, end)) for a in range(start, end, self.chunk_elems)]

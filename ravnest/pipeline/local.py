@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from ravnest.averaging import Averager, make_averager, segment_rings
+from ravnest.averaging import segment_rings
 from ravnest.data import load_dataset
 from ravnest.models import BlockCost, build_model, profile_blocks, stage_input
 from ravnest.pipeline.metrics import EvalAccumulator, StageClock
@@ -67,14 +67,6 @@ def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], add
     return clusters
 
 
-def attach_averager(runner: StageRunner, router: Router, device: str | torch.device) -> Averager | None:
-    """Give `runner` the averager its assignment asks for (None when there is nothing to average)."""
-    runner.averager = make_averager(runner.assignment, router, runner.live_tensors(), device=device,
-                                    optimizer_state=runner.optimizer_tensors,
-                                    companions=runner.prediction_base)
-    return runner.averager
-
-
 def _trace_summary(runner: StageRunner) -> dict[str, Any]:
     return {"max_in_flight": runner.trace.max_in_flight,
             "records": [(r.micro_batch, r.forward_version, r.backward_version, r.stage_version)
@@ -102,7 +94,7 @@ def _stage_process(conn: Connection, token: str, threads: int, device: str, data
         assignment = StageAssignment.model_validate_json(conn.recv())
         history: list[dict[str, float]] = []
         runner = StageRunner(assignment, router, device=device, on_metrics=history.append, datasets=datasets)
-        averager = attach_averager(runner, router, device)
+        averager = runner.attach_averaging()
         try:
             metrics = runner.run()
         finally:
@@ -220,9 +212,8 @@ def run_threaded_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, tim
     """Like run_local_clusters but every stage of every cluster is a thread of this process, with the
     averager its assignment asks for; each cluster's result also holds "runners" and "averagers"."""
     def attach(runners: list[list[StageRunner]], routers: list[list[Router]]) -> None:
-        for cluster_runners, cluster_routers in zip(runners, routers):
-            for runner, router in zip(cluster_runners, cluster_routers):
-                attach_averager(runner, router, device)
+        for runner in (r for cluster in runners for r in cluster):
+            runner.attach_averaging()
         if setup is not None:
             setup(runners)
     results = _run_threads(job, cluster_ranges, timeout, device, attach)
@@ -279,7 +270,7 @@ def _run_threads(job: JobSpec, cluster_ranges: Sequence[Ranges], timeout: float,
         return results
     finally:
         for runner in (r for cluster in runners for r in cluster):
-            if isinstance(runner.averager, Averager):
+            if runner.averager is not None:
                 runner.averager.close()
         for server in servers:
             server.stop(0)

@@ -20,11 +20,12 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ravnest.averaging.strategy import AveragingStrategy, StageContext, make_strategy
 from ravnest.data import load_dataset
 from ravnest.models import build_model
 from ravnest.partition import RECEIVE_SLACK, SEND_QUEUE
@@ -38,9 +39,6 @@ from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment, StagePeer
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
 
-if TYPE_CHECKING:
-    from ravnest.averaging import Averager
-
 FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
 MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
 log = logging.getLogger(__name__)
@@ -48,14 +46,14 @@ METRICS_EVERY = 10  # optimizer steps between on_metrics reports
 
 
 class StageRunner:
-    """Runs one stage of one cluster's pipeline. `averager` (also assignable before `run`, since it
-    usually needs `live_tensors()`) gets `after_step(step)` after every optimizer step and `finish()`
-    after the last one, before the final evaluation; both on the worker thread."""
+    """Runs one stage of one cluster's pipeline. `averager`, the averaging strategy (usually built by
+    `attach_averaging` once the live tensors exist), is called at the points `AveragingStrategy`
+    names, on the worker thread."""
 
     def __init__(self, assignment: StageAssignment, router: Router, *,
                  device: str | torch.device = "cpu",
                  on_metrics: Callable[[dict[str, float]], None] = lambda m: None,
-                 averager: Averager | None = None,
+                 averager: AveragingStrategy | None = None,
                  peer_timeout: float = 300.0,
                  initial_state: str | Path | None = None,
                  on_checkpoint: Callable[[int], None] = lambda step: None,
@@ -129,6 +127,7 @@ class StageRunner:
         self._eval = EvalAccumulator()
         self._eval_round = 0
         self._finished = False
+        self.router = router
         self._register(router)
 
     def _register(self, router: Router) -> None:
@@ -176,9 +175,8 @@ class StageRunner:
     def stop(self, reason: str = "stopped") -> None:
         """Make `run` raise PipelineError(reason) promptly, from any thread (also out of a ring round)."""
         self.inbox.fail(reason)
-        abort = getattr(self.averager, "abort", None)
-        if abort is not None:
-            abort()
+        if self.averager is not None:
+            self.averager.abort()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers on the CPU, keyed "{global block index}.<name>"."""
@@ -228,6 +226,13 @@ class StageRunner:
         tensors = {k: p.detach() for k, p in self.module.named_parameters()}
         tensors.update((k, b) for k, b in self.module.named_buffers() if b.is_floating_point())
         return tensors
+
+    def attach_averaging(self) -> AveragingStrategy | None:
+        """Build the averaging strategy the assignment asks for on this stage's tensors (None: nothing
+        to average); call before `run`."""
+        self.averager = make_strategy(StageContext(self.assignment, self.router, self.live_tensors(), self.device,
+                                                   self.optimizer_tensors, self.prediction_base))
+        return self.averager
 
     def prediction_base(self) -> dict[str, torch.Tensor]:
         """What weight prediction extrapolates from (the weights before the last step, keyed like
@@ -308,6 +313,8 @@ class StageRunner:
                 self._checkpoint_at = max(self._checkpoint_at, msg.tags.get("checkpoint_at", 0))
                 self._pending = msg.tensors["x"], msg.tensors["y"]
         elif kind == F:
+            if self.averager is not None:
+                self.averager.before_forward(m)
             self._forward(m, *(t.to(self.device) for t in self._pending))
         elif kind == SEND_F:
             tags = {"checkpoint_at": self._checkpoint_at} if self._checkpoint_at > self.optimizer.steps else {}
@@ -337,6 +344,8 @@ class StageRunner:
             self._staleness_sum += self.optimizer.steps - forward_version
             self._completed += 1
         elif kind == STEP:
+            if self.averager is not None:
+                self.averager.gradients_ready(self.optimizer.steps + 1)
             with self.clock.busy():
                 self.compute.before_step()
                 self.optimizer.step()
@@ -436,7 +445,6 @@ class StageRunner:
 
     def _metrics(self) -> dict[str, float]:
         in_flight = self._admitted - self._completed if self.is_first else self.compute.in_flight
-        averaging = getattr(self.averager, "metrics", None)  # test stand-ins may not report any
         peak = self.memory.peak_bytes()
         clock = self.clock.snapshot()
         return {**clock, "step": float(self.optimizer.steps),  # counted from 0, resumed or not
@@ -444,7 +452,7 @@ class StageRunner:
                 "staleness": self._staleness_sum / max(1, self._completed),  # mean updates, forward to W
                 "stage": float(self.assignment.stage), "in_flight": float(in_flight),
                 "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
-                **(averaging() if averaging is not None else {})}
+                **(self.averager.metrics() if self.averager is not None else {})}
 
     # --- outbound streams --------------------------------------------------------------------------
 

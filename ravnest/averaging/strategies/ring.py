@@ -1,4 +1,6 @@
-"""Keeps one stage's segments close to the other clusters' copies, without draining the pipeline.
+"""Strategy "ring": periodic multi-ring all-reduce of the parameters, overlapped with training.
+
+Keeps one stage's segments close to the other clusters' copies, without draining the pipeline.
 
 When a round is due the stage snapshots each segment it holds and averages the snapshots in the
 background, one thread per ring. Training goes on meanwhile; when a segment's round is done the stage
@@ -28,14 +30,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
-from ravnest.spec import StageAssignment
-from ravnest.wire import Router
+from ravnest.averaging.strategy import AveragingStrategy, StageContext, register_strategy
 
 FINAL_ROUND = 1 << 40  # above every periodic round's wire number
 Tensors = dict[str, torch.Tensor]
@@ -75,27 +75,25 @@ class _Segment:
     due_at: float = 0.0        # time mode: when this member starts the committed round
 
 
-class Averager:
-    """Periodic, overlapped averaging of the segments `assignment.rings` names.
+@register_strategy("ring")
+class RingAveraging(AveragingStrategy):
+    """Periodic, overlapped averaging of the segments `assignment.rings` names (one ring each).
 
-    `live` maps "{i}.<name>" (global block index i) to the stage's live parameters and floating
-    buffers; `optimizer_state()` (used with `averaging.average_optimizer_state`) returns the
-    optimizer's floating per-parameter state keyed the same way plus ":<state name>". `companions()`
-    returns tensors keyed like `live` that take every correction `live` takes (weight prediction's
-    pre-step weights: a correction is not an update to extrapolate). All of them are only read and
-    written on the caller's thread, inside `after_step`/`flush`/`finish`.
+    The context's tensors (see `StageContext`) are only read and written on the caller's thread,
+    inside `after_step`/`flush`/`finish`; the optimizer's state travels too with
+    `averaging.average_optimizer_state`.
     """
 
-    def __init__(self, assignment: StageAssignment, router: Router, live: Tensors, *,
-                 device: str | torch.device = "cpu", step_timeout: float = 300.0,
-                 optimizer_state: Callable[[], Tensors] | None = None,
-                 companions: Callable[[], Tensors] = dict):
+    name = "ring"
+
+    def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
+        assignment, router = context.assignment, context.router
         settings = assignment.averaging
-        self._companions = companions
+        self._companions = context.companions
         self.every, self.every_seconds = settings.every, settings.every_seconds
-        self.live = live
-        self._optimizer_state = optimizer_state if settings.average_optimizer_state else None
-        self.device = torch.device(device)
+        self.live = context.live
+        self._optimizer_state = context.optimizer_state if settings.average_optimizer_state else None
+        self.device = torch.device(context.device)
         for ring in assignment.rings:  # check them all before joining any
             if not (assignment.blocks[0] <= ring.blocks[0] < ring.blocks[1] <= assignment.blocks[1]):
                 raise ValueError(f"ring of segment {ring.segment} covers blocks {ring.blocks}, outside "
@@ -246,12 +244,3 @@ def _average(segment: _Segment, number: int, codec: str | None, finishing: bool 
         anyone_finished = bool(segment.member.allreduce(flag, wire_round + 1, codec="")[0] > 0)
     return _Outcome(segment.snapshot, average, time.perf_counter(), anyone_finished)
 
-
-def make_averager(assignment: StageAssignment, router: Router, live: Tensors,
-                  device: str | torch.device = "cpu",
-                  optimizer_state: Callable[[], Tensors] | None = None,
-                  companions: Callable[[], Tensors] = dict) -> Averager | None:
-    """The averager this assignment asks for, or None when there is nothing to average."""
-    if assignment.averaging.strategy == "none" or assignment.num_clusters == 1 or not assignment.rings:
-        return None
-    return Averager(assignment, router, live, device=device, optimizer_state=optimizer_state, companions=companions)

@@ -1,0 +1,1 @@
+"""Averaging strategies, one module each, registered by name (see `ravnest.averaging.strategy`)."""

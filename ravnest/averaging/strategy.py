@@ -1,0 +1,140 @@
+"""The averaging-strategy seam: where a strategy acts on a stage, and the registry of strategies.
+
+A strategy keeps one stage's blocks close to the copies other clusters hold of the same segment.
+The stage calls it at fixed points of its schedule, all on its worker thread (except `abort`):
+
+    before_forward(m)    a micro-batch is about to run forward (e.g. wait for a gathered group)
+    gradients_ready(s)   the weight gradients of step s are complete, the optimizer has not stepped
+    after_step(s)        optimizer step s (1-based) is done
+    flush()              everything started must be applied now (before a checkpoint or evaluation)
+    finish()             after the last step: leave every replica with the same final weights
+    abort()              from any thread: the job stops, fail what is running or awaited
+    close()              release the strategy's streams and threads, however the job ended
+    metrics()            figures for the job view, prefixed "avg_"
+
+Strategies register under a name with `@register_strategy` (built-ins in
+`ravnest/averaging/strategies/<name>.py`), or plug in through the entry-point group
+"ravnest.averaging" like models do (docs/models.md). "none" is reserved: no averaging at all.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ravnest.spec import StageAssignment
+from ravnest.wire import Router
+
+ENTRY_POINT_GROUP = "ravnest.averaging"
+NO_AVERAGING = "none"
+BUILT_IN = ("ring",)  # modules of ravnest.averaging.strategies, imported when first looked up
+Tensors = dict[str, torch.Tensor]
+
+
+class StrategyError(ValueError):
+    """An unknown strategy name or a strategy that failed to load."""
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a strategy is built from: the stage's assignment (its groups: `rings`), its node's router,
+    and the tensors it may read and write on the worker thread.
+
+    `live` maps parameter and floating buffer keys to the live tensors; `optimizer_state()` returns
+    the optimizer's per-parameter floating state keyed "<parameter key>:<state name>";
+    `companions()` returns tensors keyed like `live` that must take every correction `live` takes
+    (weight prediction's pre-step weights)."""
+    assignment: StageAssignment
+    router: Router
+    live: Tensors
+    device: torch.device = torch.device("cpu")
+    optimizer_state: Callable[[], Tensors] = dict
+    companions: Callable[[], Tensors] = dict
+
+
+class AveragingStrategy:
+    """The points where a strategy acts (see the module docstring); each does nothing by default."""
+
+    name = "base"
+
+    def before_forward(self, micro_batch: int) -> None:
+        pass
+
+    def gradients_ready(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+Factory = Callable[[StageContext], AveragingStrategy]
+_FACTORIES: dict[str, Factory] = {}
+
+
+def register_strategy(name: str) -> Callable[[Factory], Factory]:
+    """Decorator registering `factory(context) -> AveragingStrategy` (a class will do) under `name`."""
+    if name == NO_AVERAGING:
+        raise StrategyError(f"{NO_AVERAGING!r} is reserved: it means no averaging")
+
+    def decorate(factory: Factory) -> Factory:
+        _FACTORIES[name] = factory
+        return factory
+    return decorate
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available_strategies() -> list[str]:
+    """"none", the built-in strategies and the installed (entry-point) ones."""
+    return sorted({NO_AVERAGING, *BUILT_IN, *_FACTORIES, *_entry_points()})
+
+
+def is_strategy(name: str) -> bool:
+    """Whether `name` is "none", a built-in or registered strategy, or an installed plug-in."""
+    return name in (NO_AVERAGING, *BUILT_IN, *_FACTORIES) or name in _entry_points()
+
+
+def strategy_factory(name: str) -> Factory:
+    """The factory registered under `name`, importing a built-in or loading a plug-in on first use."""
+    if name not in _FACTORIES and name in BUILT_IN:
+        importlib.import_module(f"ravnest.averaging.strategies.{name}")
+    if name in _FACTORIES:
+        return _FACTORIES[name]
+    entry_point = _entry_points().get(name)
+    if entry_point is None:
+        raise StrategyError(f"unknown averaging strategy {name!r}; known: {', '.join(available_strategies())}")
+    try:
+        factory = entry_point.load()
+    except Exception as exc:  # a broken plug-in must not look like an unknown name
+        raise StrategyError(f"averaging plug-in {name!r} ({entry_point.value}) failed to load: {exc}") from exc
+    _FACTORIES[name] = factory
+    return factory
+
+
+def make_strategy(context: StageContext) -> AveragingStrategy | None:
+    """The strategy the stage's assignment asks for, or None when there is nothing to average (one
+    cluster, no groups planned, or "none")."""
+    a = context.assignment
+    if a.averaging.strategy == NO_AVERAGING or a.num_clusters == 1 or not a.rings:
+        return None
+    return strategy_factory(a.averaging.strategy)(context)
