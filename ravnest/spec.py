@@ -69,7 +69,8 @@ class DatasetRef(_Strict):
 
 
 class OptimizerRef(_Strict):
-    name: str = Field("Adam", max_length=64, description="any torch.optim class name")
+    name: str = Field("Adam", max_length=64, description="any torch.optim class name, or AccumAdam / AccumAdamW "
+                      "(Adam whose moments advance every `accumulation` steps: ravnest/pipeline/accum_adam.py)")
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-3})
 
     @field_validator("kwargs")
@@ -100,9 +101,15 @@ class TrainingSettings(_Strict):
     seed: int = Field(0, ge=0, lt=1 << 63)
 
 
+GOSSIP_STRATEGIES = ("dsgd", "dadam")
+
+
 class AveragingSettings(_Strict):
     strategy: str = Field("ring", description="how clusters average their copies of each segment: 'ring' "
-                          "(periodic multi-ring all-reduce), 'none', or an installed plug-in strategy")
+                          "(periodic multi-ring all-reduce), 'dsgd' / 'dadam' (gossip with the neighbours of "
+                          "`topology`), 'none', or an installed plug-in strategy (docs/averaging.md)")
+    topology: str = Field("one-peer-exp", description="whom gossip strategies mix with each round: complete, ring, "
+                          "torus, exponential, one-peer-exp, alternating-exp-ring")
     every: PositiveInt = Field(50, le=MAX_STEPS, description="local optimizer steps between averaging rounds")
     every_seconds: float | None = Field(
         None, gt=0, le=86400, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")
@@ -117,6 +124,20 @@ class AveragingSettings(_Strict):
         if not is_strategy(name):
             raise ValueError(f"unknown averaging strategy {name!r}; known: {', '.join(available_strategies())}")
         return name
+
+    @field_validator("topology")
+    @classmethod
+    def _known_topology(cls, name: str) -> str:
+        from ravnest.averaging.topology import TOPOLOGIES  # its package imports this module
+        if name not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {name!r}; choose one of {', '.join(TOPOLOGIES)}")
+        return name
+
+    @model_validator(mode="after")
+    def _gossip_counts_steps(self) -> AveragingSettings:
+        if self.strategy in GOSSIP_STRATEGIES and self.every_seconds is not None:
+            raise ValueError(f"'{self.strategy}' mixes every `every` steps; `every_seconds` is for 'ring'")
+        return self
 
 
 class Placement(_Strict):

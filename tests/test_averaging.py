@@ -90,6 +90,21 @@ def test_reduce_scatter_then_all_gather_is_the_all_reduce_bit_for_bit(nodes, n):
         assert torch.equal(result, whole[0])
 
 
+def test_exchange_delivers_each_neighbours_vector_by_the_topology(nodes):
+    from ravnest.averaging.topology import mixing_row, sends_to
+    n = 5
+    members = nodes(n).ring(chunk_bytes=4096)
+    vectors = [torch.full((10_001,), float(i)) for i in range(n)]
+    for round in range(3):  # one-peer-exp: rank i hears i - 2^(round mod 3)
+        heard = run_all([lambda m=m, v=v, i=i, r=round: m.exchange(
+            v, r, sends_to("one-peer-exp", i, n, r), [j for j in mixing_row("one-peer-exp", i, n, r) if j != i])
+            for i, (m, v) in enumerate(zip(members, vectors))])
+        for i, got in enumerate(heard):
+            assert not isinstance(got, BaseException), got
+            source = (i - 2 ** round) % n
+            assert list(got) == [source] and torch.equal(got[source], vectors[source])
+
+
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("numel,chunk_bytes", [(100_003, 4096), (70_001, 4 << 20), (3, 4096), (1, 4), (0, 4096)])
 def test_ring_equals_reference_mean(nodes, n, numel, chunk_bytes):
@@ -400,8 +415,8 @@ def test_strategy_is_none_without_work():
 
 def test_strategies_register_by_name_and_unknown_names_are_refused_with_the_known_ones(monkeypatch):
     monkeypatch.setattr(strategy_module, "_FACTORIES", dict(strategy_module._FACTORIES))  # undone after the test
-    assert {"none", "ring"} <= set(available_strategies())
-    with pytest.raises(ValueError, match=r"unknown averaging strategy 'gossip'; known: none, ring"):
+    assert {"none", "ring", "dsgd", "dadam"} <= set(available_strategies())
+    with pytest.raises(ValueError, match=r"unknown averaging strategy 'gossip'; known: dadam, dsgd, none, ring"):
         AveragingSettings(strategy="gossip")
     with pytest.raises(StrategyError, match="reserved"):
         register_strategy("none")

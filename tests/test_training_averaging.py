@@ -19,10 +19,11 @@ CLUSTER_RANGES = [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 4)]]  # segments (0,1
 STEPS = 150
 
 
-def job(averaging: dict) -> JobSpec:
+def job(averaging: dict, optimizer: dict | None = None) -> JobSpec:
+    # whole batches per micro-batch: every cluster steps at the same pace
+    training = {"steps": STEPS, "batch_size": 32, "seed": 0, "staleness": "none"}
     return JobSpec.model_validate({"model": {"name": "cnn"}, "dataset": {"name": "digits"},
-                                   # whole batches per micro-batch: every cluster steps at the same pace
-                                   "training": {"steps": STEPS, "batch_size": 32, "seed": 0, "staleness": "none"},
+                                   "training": {**training, **({"optimizer": optimizer} if optimizer else {})},
                                    "averaging": averaging})
 
 
@@ -84,3 +85,32 @@ def test_clusters_with_different_cuts_train_average_and_end_identical(reference,
             assert rounds >= 3 and metrics["avg_rounds"] == len(averager.history)
             assert inside >= max(1, rounds // 4), "training must go on while averaging rounds are in flight"
             assert stall < 0.5
+
+
+@pytest.mark.parametrize("averaging,optimizer,cluster_ranges", [
+    ({"strategy": "dadam", "topology": "one-peer-exp", "every": 1},
+     {"name": "AccumAdam", "kwargs": {"lr": 1e-3, "accumulation": 2}}, [[(0, 4)]] * 4),
+    ({"strategy": "dsgd", "topology": "ring", "every": 2}, {"name": "Adam", "kwargs": {"lr": 1e-3}}, CLUSTER_RANGES),
+], ids=["dadam-4-replicas-one-peer-exp", "dsgd-3-cuts-ring"])
+def test_gossip_strategies_train_with_their_neighbours_and_end_identical(reference, averaging, optimizer,
+                                                                          cluster_ranges) -> None:
+    spec = job(averaging, optimizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clusters = run_threaded_clusters(spec, cluster_ranges, timeout=300)
+    finally:
+        torch.set_num_threads(threads)
+    accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
+    print(f"\n{averaging} with {optimizer['name']}: test accuracy {accuracies} vs reference "
+          f"{reference['test_accuracy']:.4f}")
+    assert min(accuracies) >= reference["test_accuracy"] - 0.03
+    states = [c["state_dict"] for c in clusters]  # finish() leaves the exact global average everywhere
+    for state in states[1:]:
+        for key, value in state.items():
+            assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+    for cluster in clusters:
+        for averager, metrics in zip(cluster["averagers"], cluster["stages"]):
+            # every round mixed (counted per segment the stage holds), none skipped
+            assert metrics["avg_rounds"] == STEPS // averaging["every"] * len(averager._segments)
+            assert metrics["avg_stall_s"] < 0.5 * metrics["elapsed_s"]

@@ -1,5 +1,6 @@
-"""Ring collectives on one flat fp32 vector over the peer wire: all-reduce, or its two halves,
-reduce-scatter and all-gather, called apart.
+"""Collectives of one segment's group on one flat fp32 vector over the peer wire: the ring all-reduce,
+or its two halves, reduce-scatter and all-gather, called apart; and a gossip exchange with chosen
+members.
 
 The vector is cut into one share per member (sized by `weights`), each share into chunks. In a ring
 of n members, at step L (0 <= L < 2n-2) member r sends share (r - L) mod n to r+1 and receives share
@@ -239,6 +240,36 @@ class RingMember:
         return self._steps(_work_buffer(buf, buf), round, range(self.size - 1, 2 * self.size - 2), codec,
                            ends_round=True)
 
+    def exchange(self, flat: torch.Tensor, round: int, sends_to: list[int], hears_from: list[int], *,
+                 codec: str | None = None) -> dict[int, torch.Tensor]:
+        """Gossip: send `flat` (left untouched until this returns) to the members `sends_to`; return
+        what each member of `hears_from` sent in this round, as fp32 vectors of the same size. Every
+        member must call with the same round number, each round once, in increasing order. The
+        messages carry step -(1 + sender): the keyed mailbox keeps senders apart, and apart from the
+        all-reduce's steps (>= 0)."""
+        codec = self.codec if codec is None else codec
+        flat = flat.detach().reshape(-1)
+        chunks = self._chunk_bounds(0, flat.numel())
+        received: dict[int, torch.Tensor] = {}
+        try:
+            for target in sends_to:
+                for c, (a, b) in enumerate(chunks):
+                    self._send(round, -1 - self.rank, c, flat[a:b], flat.numel(), codec, to=target)
+            for source in hears_from:
+                buf = received[source] = torch.empty(flat.numel())
+                for c, (a, b) in enumerate(chunks):
+                    buf[a:b] = self._receive(round, -1 - source, c, b - a, flat.numel(), sender=source)
+            for target in sends_to:
+                self._flush(round, to=target)
+        except BaseException:
+            with contextlib.suppress(PeerError):  # the round failed anyway; just release `flat`
+                for target in sends_to:
+                    self.hub.flush(self.addresses[target], min(self.step_timeout, FAILED_FLUSH_TIMEOUT))
+            raise
+        finally:
+            self.hub.end_round(self.segment, round)
+        return received
+
     def owned_share(self, numel: int) -> tuple[int, int]:
         """Bounds of the share of a `numel`-element vector that this member reduces and gathers from."""
         return share_bounds(numel, self.weights)[(self.rank + 1) % self.size]
@@ -293,34 +324,41 @@ class RingMember:
 
     def _where(self, round: int, step: int, chunk: int) -> str:
         n = self.size
-        phase = f"reduce-scatter step {step}" if step < n - 1 else f"all-gather step {step - n + 1}"
+        if step < 0:
+            phase = f"exchange from rank {-1 - step}"
+        else:
+            phase = f"reduce-scatter step {step}" if step < n - 1 else f"all-gather step {step - n + 1}"
         return f"ring segment {self.segment} round {round} {phase} chunk {chunk}"
 
     def _send(self, round: int, step: int, chunk: int, part: torch.Tensor, numel: int,
-              codec: str) -> None:
+              codec: str, to: int | None = None) -> None:
+        address = self._next if to is None else self.addresses[to]
         tags = {"segment": self.segment, "round": round, "step": step, "chunk": chunk,
                 "numel": numel, "sender": self.rank}
         try:
-            self.hub.send(self._next, Message(KIND, step, {TENSOR: part}, tags), codec, self.step_timeout)
+            self.hub.send(address, Message(KIND, step, {TENSOR: part}, tags), codec, self.step_timeout)
         except PeerError as e:
-            raise PeerError(f"{self._where(round, step, chunk)}: sending to {self._next}: {e}") from None
+            raise PeerError(f"{self._where(round, step, chunk)}: sending to {address}: {e}") from None
 
-    def _flush(self, round: int) -> None:
+    def _flush(self, round: int, to: int | None = None) -> None:
+        address = self._next if to is None else self.addresses[to]
         try:
-            self.hub.flush(self._next, self.step_timeout)
+            self.hub.flush(address, self.step_timeout)
         except PeerError as e:
-            raise PeerError(f"ring segment {self.segment} round {round}: sending to {self._next}: {e}") from None
+            raise PeerError(f"ring segment {self.segment} round {round}: sending to {address}: {e}") from None
 
-    def _receive(self, round: int, step: int, chunk: int, size: int, numel: int) -> torch.Tensor:
+    def _receive(self, round: int, step: int, chunk: int, size: int, numel: int,
+                 sender: int | None = None) -> torch.Tensor:
+        expected = self._prev if sender is None else sender
         item = self.hub.mailbox.take((self.segment, round, step, chunk), self.step_timeout, self._closed)
-        peer = f"{self.addresses[self._prev]} (rank {self._prev})"
+        peer = f"{self.addresses[expected]} (rank {expected})"
         if self._closed.is_set():
             raise RingError(f"{self._where(round, step, chunk)}: this ring member was closed")
         if item is None:
             raise RingTimeout(f"{self._where(round, step, chunk)}: nothing from {peer} within "
                               f"{self.step_timeout:g}s")
         their_numel, sender, tensor = item
-        if sender != self._prev or their_numel != numel or tensor.numel() != size:
+        if sender != expected or their_numel != numel or tensor.numel() != size:
             raise RingError(f"{self._where(round, step, chunk)}: rank {sender} sent {tensor.numel()} of "
                             f"{their_numel} elements, expected {size} of {numel} from {peer}; do all "
                             f"members hold the same blocks and use the same weights?")

@@ -30,7 +30,7 @@ from ravnest.wire import Router
 
 ENTRY_POINT_GROUP = "ravnest.averaging"
 NO_AVERAGING = "none"
-BUILT_IN = ("ring",)  # modules of ravnest.averaging.strategies, imported when first looked up
+BUILT_IN = ("ring", "dsgd", "dadam")  # modules of ravnest.averaging.strategies, imported on first use
 Tensors = dict[str, torch.Tensor]
 
 

@@ -1,4 +1,5 @@
-"""A stage's optimizer: a torch.optim class chosen by name, gradient accumulation and the LR schedule."""
+"""A stage's optimizer: a torch.optim class (or AccumAdam/AccumAdamW) chosen by name, gradient accumulation
+and the LR schedule."""
 from __future__ import annotations
 
 import inspect
@@ -7,14 +8,17 @@ from typing import Iterable
 
 import torch
 
+from ravnest.pipeline.accum_adam import OPTIMIZERS
 from ravnest.spec import OptimizerRef, TrainingSettings
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], ref: OptimizerRef) -> torch.optim.Optimizer:
-    """`torch.optim.<ref.name>(params, **ref.kwargs)`; any other name or bad kwargs is a ValueError."""
-    cls = getattr(torch.optim, ref.name, None)
+    """`torch.optim.<ref.name>(params, **ref.kwargs)`, or one of ours (AccumAdam, AccumAdamW); any other
+    name or bad kwargs is a ValueError."""
+    cls = OPTIMIZERS.get(ref.name) or getattr(torch.optim, ref.name, None)
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-        raise ValueError(f"unknown optimizer {ref.name!r}: expected a torch.optim class such as Adam or SGD")
+        raise ValueError(f"unknown optimizer {ref.name!r}: expected a torch.optim class such as Adam or SGD, "
+                         f"or {', '.join(OPTIMIZERS)}")
     try:
         return cls(list(params), **ref.kwargs)
     except (TypeError, ValueError) as exc:

@@ -224,13 +224,8 @@ class RingAveraging(AveragingStrategy):
                                         outcome.ended))
         if self.every_seconds is not None:
             segment.committed = None if outcome.anyone_finished else segment.running_round + 1
-        tensors, companions = self._tensors(), self._companions()
-        with torch.no_grad():
-            delta = outcome.average.sub_(outcome.snapshot).to(self.device)
-            for key, value in segment.layout.views(delta).items():
-                for target in (tensors[key], companions.get(key)):
-                    if target is not None:
-                        target.add_(value.to(device=target.device, dtype=target.dtype))
+        delta = outcome.average.sub_(outcome.snapshot).to(self.device)
+        segment.layout.add_into(delta, self._tensors(), self._companions())
 
 
 def _average(segment: _Segment, number: int, codec: str | None, finishing: bool | None) -> _Outcome:

@@ -1,0 +1,136 @@
+"""Strategy "dsgd": decentralized training by gossip, each round mixing with the round's neighbours.
+
+Every `averaging.every` steps, round t = step // every: each stage snapshots each segment it holds
+and, in the background, exchanges the snapshot with the neighbours of W(t) (`averaging.topology`,
+see `ravnest/averaging/topology.py`) and mixes, x_i <- sum_j W_ij(t) x_j. The mixing overlaps the
+next forward and backward; before the next optimizer step (`gradients_ready`) the stage applies
+x += mixed - snapshot, so the gradient computed meanwhile is kept, and then takes its local step.
+Each member talks to its neighbours only: one or a few messages of its segment per round, however
+many clusters there are, where a ring all-reduce moves 2 (n - 1) / n of it through everyone.
+
+W(t) is doubly stochastic, so the replicas' mean is exactly what synchronous training with the same
+gradients would give; the replicas themselves differ by a spread the topology keeps bounded.
+Evaluation during the run is of the local replica; `finish` runs one exact fp32 all-reduce so the
+final evaluation and the final model are the global average, equal in every cluster.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ravnest.averaging.layout import FlatLayout, canonical_keys
+from ravnest.averaging.ring import RingMember
+from ravnest.averaging.strategy import AveragingStrategy, StageContext, register_strategy
+from ravnest.averaging.topology import mixing_row, sends_to
+
+FINAL_ROUND = 1 << 40  # above every gossip round's number
+
+
+@dataclass
+class _Segment:
+    member: RingMember
+    blocks: tuple[int, int]
+    layout: FlatLayout | None = None
+    snapshot: torch.Tensor | None = None
+    running: Future | None = None
+
+
+@register_strategy("dsgd")
+class GossipMixing(AveragingStrategy):
+    """See the module docstring; the optimizer is the job's (with Adam-type optimizers this is
+    decentralized Adam: strategy "dadam")."""
+
+    name = "dsgd"
+
+    def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
+        a, settings = context.assignment, context.assignment.averaging
+        self.every, self.topology = settings.every, settings.topology
+        self.live, self.device, self._companions = context.live, torch.device(context.device), context.companions
+        self.rank, self.size = a.cluster, a.num_clusters
+        self._segments = [_Segment(RingMember(a.cluster, [m.address for m in ring.members], context.router, a.token,
+                                              segment=ring.segment, weights=ring.weights, codec=settings.codec,
+                                              step_timeout=step_timeout), tuple(ring.blocks))
+                          for ring in a.rings]
+        self._pool = ThreadPoolExecutor(max(1, len(self._segments)), thread_name_prefix="ravnest-gossip")
+        self.rounds = 0
+        self.mix_s = 0.0    # seconds the exchanges took, summed
+        self.stall_s = 0.0  # seconds the training thread waited for them
+
+    def after_step(self, step: int) -> None:
+        if step % self.every == 0:
+            for segment in self._segments:
+                self._start(segment, step // self.every)
+
+    def gradients_ready(self, step: int) -> None:
+        self._apply_all()
+
+    def flush(self) -> None:
+        self._apply_all()
+
+    def finish(self) -> None:
+        """Apply what is running, then set every replica to the exact average (raw fp32)."""
+        self._apply_all()
+        with torch.no_grad():
+            for segment in self._segments:
+                flat = self._flatten(segment)
+                average = segment.member.allreduce(flat, FINAL_ROUND, codec="")
+                for key, value in segment.layout.views(average.to(self.device)).items():
+                    self.live[key].copy_(value)
+
+    def abort(self) -> None:
+        for segment in self._segments:
+            segment.member.close()
+
+    def close(self) -> None:
+        for segment in self._segments:
+            segment.member.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def metrics(self) -> dict[str, float]:
+        figures = {"avg_rounds": float(self.rounds), "avg_stall_s": self.stall_s}
+        if self.rounds:
+            figures["avg_round_s"] = self.mix_s / self.rounds
+        return figures
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _flatten(self, segment: _Segment) -> torch.Tensor:
+        keys = canonical_keys(self.live, segment.blocks)
+        if segment.layout is None or segment.layout.keys != keys:
+            segment.layout = FlatLayout(self.live, keys)
+            segment.snapshot = torch.empty(segment.layout.numel)
+        return segment.layout.flatten(self.live, out=segment.snapshot)
+
+    def _start(self, segment: _Segment, round: int) -> None:
+        if segment.running is not None:  # at most one round in flight per segment
+            self._apply(segment)
+        snapshot = self._flatten(segment)
+        segment.running = self._pool.submit(self._mix, segment.member, snapshot, round)
+
+    def _mix(self, member: RingMember, snapshot: torch.Tensor, round: int) -> tuple[torch.Tensor, float]:
+        started = time.perf_counter()
+        row = mixing_row(self.topology, self.rank, self.size, round)
+        heard = member.exchange(snapshot, round, sends_to(self.topology, self.rank, self.size, round),
+                                [j for j in row if j != self.rank])
+        mixed = snapshot * row[self.rank]
+        for j, vector in heard.items():
+            mixed.add_(vector, alpha=row[j])
+        return mixed, time.perf_counter() - started
+
+    def _apply_all(self) -> None:
+        entered = time.perf_counter()
+        for segment in self._segments:
+            if segment.running is not None:
+                self._apply(segment)
+        self.stall_s += time.perf_counter() - entered
+
+    def _apply(self, segment: _Segment) -> None:
+        """x += mixed - snapshot: the mixing, keeping what the stage trained meanwhile."""
+        future, segment.running = segment.running, None
+        mixed, seconds = future.result()  # re-raises the exchange's error, naming peer and round
+        self.rounds += 1
+        self.mix_s += seconds
+        segment.layout.add_into(mixed.sub_(segment.snapshot).to(self.device), self.live, self._companions())
