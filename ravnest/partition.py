@@ -27,8 +27,9 @@ short-lived tensors of mixed sizes leave holes in the allocator's heap that late
 s is the optimizer's state per parameter (SGD 0, momentum 1, Adam 2: `pipeline.optim.optimizer_state_factor`);
 v = K weight snapshots while a forward's weights can change before its backward (K > 1, not on the
 last stage, which runs forward and backward at once), plus the pre-step weights with weight
-prediction; a = 2 (snapshot and average) when the stage takes part in averaging rings. With weight_stash "recompute" a micro-batch keeps only its input, and
-one recomputed forward's activations exist at a time.
+prediction; a = 2 (snapshot and average) when the stage takes part in averaging rings. With
+weight_stash "recompute" a micro-batch keeps only its input, and one recomputed forward's
+activations exist at a time.
 """
 from __future__ import annotations
 
