@@ -22,6 +22,7 @@ import torch
 
 from ravnest.data.datasets import DatasetError, load_dataset
 from ravnest.models import ModelError, ModelSpec, build_model
+from ravnest.pipeline.optim import build_optimizer
 from ravnest.spec import JobSpec, Ring, StageAssignment, StagePeer
 
 from .errors import Conflict, InvalidRequest
@@ -112,14 +113,10 @@ def _check_accepts_digits(model: ModelSpec, spec: JobSpec) -> None:
 
 
 def _check_optimizer(spec: JobSpec) -> None:
-    optimizer = spec.training.optimizer
-    cls = getattr(torch.optim, optimizer.name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise InvalidRequest(f"optimizer {optimizer.name!r} is not a torch.optim optimizer")
-    try:  # the kwargs must be accepted by the class, on one dummy parameter
-        cls([torch.nn.Parameter(torch.zeros(1))], **optimizer.kwargs)
-    except (TypeError, ValueError) as e:
-        raise InvalidRequest(f"optimizer {optimizer.name}: {e}") from e
+    try:  # built as a node builds it, on one dummy parameter: the name and the kwargs must be accepted
+        build_optimizer([torch.nn.Parameter(torch.zeros(1))], spec.training.optimizer)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
 
 
 def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
