@@ -126,6 +126,8 @@ on 4 local node processes each started with `--max-memory {args.cap}`, against o
 | 1 | {layers[1]} layers | {one / 1e6:.1f} M | {one * 4 / 2**20:.0f} MiB |
 
 Ratio **{ratio:.2f}** (4 is the ideal: every stage also holds activations, workspace and queues).
+A depth whose measured peak passes the cap counts as not training, and peak RSS varies by about 5%
+between identical runs here, so the depths move by a few layers from run to run.
 
 The planner's memory promise, on a gpt of {weights / 2**20:.0f} MiB of fp32 weights (d_model 512, 16 layers,
 batch {BATCH}) trained as a 4-stage pipeline, 12 steps: predicted stage memory against each node's
