@@ -28,6 +28,7 @@ Rules (see also docs in examples/jobs/README.md):
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -87,7 +88,8 @@ class Shape:
     samples_per_s: float
 
     def describe(self) -> str:
-        return f"{len(self.replicas)} x {len(self.ranges)} stage(s): {_rate(self.samples_per_s)}"
+        plain = "" if self.load.split_backward else " (backward not split, to fit memory)"
+        return f"{len(self.replicas)} x {len(self.ranges)} stage(s){plain}: {_rate(self.samples_per_s)}"
 
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
@@ -144,7 +146,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
             cluster=index, predicted_bottleneck_seconds=max(stage_times),
             stages=[PlannedStage.model_construct(
                 stage=s, node_id=node.node_id, address=node.address, blocks=blocks, predicted_seconds=seconds,
-                predicted_memory_bytes=memory[s],
+                predicted_memory_bytes=memory[s], split_backward=shape.load.split_backward,
                 input_shape=inputs[s][0], input_dtype=inputs[s][1])
                 for s, (node, blocks, seconds) in enumerate(zip(replica, shape.ranges, stage_times))]))
     rings = [PlannedRing.model_construct(segment=i, blocks=blocks, stages=stages,
@@ -201,11 +203,12 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
             load = training_load(training, depth, averaging=with_rings)
             weakest = _weakest(dealt, links)
             try:
-                ranges = partition(costs, weakest, load=load).ranges
+                fit = _fitting_partition(costs, weakest, load)
             except PartitionError as e:
                 last_error = str(e)
                 considered.append(f"{count} x {depth} stage(s): does not fit")
                 continue
+            load, ranges = fit.load, fit.ranges
             shape = Shape(dealt, ranges, load, _samples_per_s(costs, dealt, weakest, ranges, load, training, averaging))
             falling = falling + 1 if shapes and shape.samples_per_s < max(s.samples_per_s for s in shapes) else 0
             shapes.append(shape)
@@ -216,6 +219,25 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
         raise PlanningError(f"a group of {len(chain)} nodes cannot hold the model: {last_error}")
     best = max(shape.samples_per_s for shape in shapes)
     return min((s for s in shapes if s.samples_per_s >= PREFER_SHALLOW * best), key=lambda s: len(s.ranges)), considered
+
+
+@dataclass
+class _Fit:
+    ranges: list[tuple[int, int]]
+    load: Load
+
+
+def _fitting_partition(costs: list[BlockCost], weakest: list[NodeCapacity], load: Load) -> _Fit:
+    """The partition under `load`, or, when none fits, under `load` without the split backward (the
+    plain backward holds no gradients of the owners' outputs: the zero-bubble schedule gives way to
+    memory); PartitionError when neither fits."""
+    try:
+        return _Fit(partition(costs, weakest, load=load).ranges, load)
+    except PartitionError:
+        if not load.split_backward:
+            raise
+    plain = dataclasses.replace(load, split_backward=False)
+    return _Fit(partition(costs, weakest, load=plain).ranges, plain)
 
 
 def _samples_per_s(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: list[NodeCapacity],

@@ -42,6 +42,8 @@ class PlannedStage(BaseModel):
                                                        "optimizer state, weight versions, activations, buffers)")
     input_shape: list[int] | None = Field(None, description="activations it receives per micro-batch; None on stage 0")
     input_dtype: str = "float32"
+    split_backward: bool = Field(True, description="the backward is split into input and weight halves "
+                                                   "(zero-bubble); off where memory does not allow it")
 
 
 class PlannedCluster(BaseModel):

@@ -14,8 +14,8 @@ flight, is what the stage runner really holds:
     + activations saved for backward: K micro-batches (the last stage: 1, plus the loss' logits twice),
       each 1/parts of a batch when the pipeline cuts batches into parts (staleness "2bw")
     + backward workspace: the gradients of one block's activations (its largest block's saved bytes)
-    + split backward (stages after the first): the gradients of the parameter owners' outputs of one
-      micro-batch, held from B (input gradient) to W (weight gradients)
+    + split backward (stages after the first, unless `split_backward` is off): the gradients of the
+      parameter owners' outputs of one micro-batch, held from B (input gradient) to W (weight gradients)
     + wire queues: SEND_QUEUE + 1 outgoing and K + RECEIVE_SLACK incoming activations
     + a base: what any stage costs a node whatever its blocks (gRPC threads' heaps, stream buffers,
       Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
@@ -52,6 +52,7 @@ class Load:
     parts: int = 1                   # micro-batches a batch is cut into (staleness "2bw")
     predict: bool = False            # weight prediction keeps the last update
     heap_slack: float = 1.0          # what the allocator really takes per activation byte (see memory.py)
+    split_backward: bool = True      # B/W split: owners' output gradients held from B to W (stages > 0)
 
 
 MESSAGE_OVERHEAD_S = 0.001  # fixed cost of one activation or gradient message between stages
@@ -100,7 +101,7 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     weights = param_bytes * (2 + load.optimizer_state + versions + load.averaging_copies)
     share = 1 / load.parts  # of a batch's activations, per micro-batch
     saved_bytes, workspace = math.ceil(saved_bytes * share), math.ceil(workspace * share)
-    split = math.ceil(owner_outputs * share) if start > 0 else 0  # stage 0's backward is not split
+    split = math.ceil(owner_outputs * share) if start > 0 and load.split_backward else 0  # stage 0's is not
     received = math.ceil((costs[start - 1].activation_bytes if start > 0 else 0) * share)
     sent = math.ceil(costs[end - 1].activation_bytes * share)
     if last:

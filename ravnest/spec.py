@@ -208,6 +208,8 @@ class StageAssignment(_Strict):
                           "training.batch_size (batch first; sequence length may be shorter); None on stage 0")
     input_dtype: str = Field("float32", description="their dtype, e.g. 'float32'")
     predicted_memory_bytes: int | None = Field(None, description="what the planner predicts this stage holds")
+    split_backward: bool = Field(True, description="split the backward into input and weight halves (off where "
+                                                   "memory does not allow it)")
     model: ModelRef
     dataset: DatasetRef
     training: TrainingSettings

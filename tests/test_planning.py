@@ -1,6 +1,7 @@
 """Planning: chain order, block ranges per cluster, caps and replicas, rings, and scale."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from coordinator.clustering import NodeInfo
 from coordinator.planning import PlanningError, chain_order, plan_job
 from ravnest.models import build_model, profile_blocks
 from ravnest.models.profile import BlockCost
-from ravnest.partition import stage_memory_bytes
+from ravnest.partition import NodeCapacity, PartitionError, partition, stage_memory_bytes
 from ravnest.pipeline.memory import training_load
 from ravnest.spec import OptimizerRef, Placement, TrainingSettings
 
@@ -160,3 +161,34 @@ def test_max_nodes_caps_the_nodes_used() -> None:
     used = {s.node_id for c in plan.clusters for s in c.stages}
     assert used == {"n4", "n3"}  # the fastest
     assert sum("max_nodes" in why for why in plan.unused.values()) == 3
+
+
+def test_where_the_split_backward_does_not_fit_the_plan_runs_the_plain_backward() -> None:
+    """The zero-bubble split holds the gradients of the parameter owners' outputs from B to W; on
+    nodes too small for that, the planner keeps the pipeline and drops the split, and says so."""
+    costs = profile_blocks(build_model("gpt", {"d_model": 256, "n_layers": 8}), 8)
+    training = TrainingSettings(batch_size=8, optimizer=OptimizerRef(name="SGD", kwargs={"lr": 0.1}),
+                                microbatches_in_flight=1)
+    split = training_load(training, 4)
+    plain = dataclasses.replace(split, split_backward=False)
+
+    def fits(offer: int, load) -> bool:
+        try:
+            partition(costs, [NodeCapacity(1e10, offer, 1e8)] * 4, load=load)
+            return True
+        except PartitionError:
+            return False
+
+    low, high = 1, 1 << 34  # the smallest offer on which 4 stages fit without the split
+    while high - low > 1:
+        low, high = (low, (low + high) // 2) if fits((low + high) // 2, plain) else ((low + high) // 2, high)
+    assert not fits(high, split), "this model's split must need more memory than its plain backward"
+    plan = plan_job(costs, [node(f"n{i}", memory=high) for i in range(4)], Placement(stages_per_cluster=4),
+                    training=training)
+    stages = plan.clusters[0].stages
+    assert len(stages) == 4 and not any(s.split_backward for s in stages)
+    assert all(s.predicted_memory_bytes <= high for s in stages)
+    assert "backward not split, to fit memory" in plan.reason
+    roomy = plan_job(costs, [node(f"n{i}", memory=2 * high) for i in range(4)], Placement(stages_per_cluster=4),
+                     training=training)
+    assert all(s.split_backward for s in roomy.clusters[0].stages)

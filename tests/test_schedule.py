@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ravnest.pipeline import StageRunner, run_local_pipeline, run_threaded_pipeline
+from ravnest.pipeline.stash import StageCompute
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, stage_actions, staleness,
                                        warmup)
 from ravnest.spec import JobSpec
@@ -130,9 +131,12 @@ def test_split_backward_gives_the_gradients_of_a_plain_backward(predict: bool) -
     job = make_job(steps=25, microbatches_in_flight=3, staleness="predict" if predict else "none")
     ranges = [(0, 2), (2, 3), (3, 4)]
 
-    def unsplit(runners: list[StageRunner]) -> None:
+    def unsplit(runners: list[StageRunner]) -> None:  # as a plan without room for the split makes them
         for runner in runners:
-            runner.compute.split = False
+            runner.compute = StageCompute(runner.module, mode="stash", input_grad=not runner.is_first,
+                                          device=runner.device, snapshots=runner.compute.versions.snapshots,
+                                          predict=runner.predict, split=False)
+            assert not runner.compute.split
 
     split = run_threaded_pipeline(job, ranges, timeout=120)["state_dict"]
     plain = run_threaded_pipeline(job, ranges, setup=unsplit, timeout=120)["state_dict"]

@@ -87,7 +87,8 @@ class StageRunner:
         method = staleness_method(training.staleness, self.window)
         self.predict = method.endswith("predict")
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
-                                    device=self.device, snapshots=stale, predict=self.predict)
+                                    device=self.device, snapshots=stale, predict=self.predict,
+                                    split=a.split_backward)
         self.optimizer = StageOptimizer(self.module.parameters(), training)
         if a.resume_step:
             if initial_state is None:

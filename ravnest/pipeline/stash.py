@@ -167,7 +167,7 @@ class StageCompute:
     """
 
     def __init__(self, module: nn.Module, *, mode: str, input_grad: bool, device: torch.device,
-                 snapshots: bool = True, predict: bool = False):
+                 snapshots: bool = True, predict: bool = False, split: bool = True):
         if mode not in ("stash", "recompute"):
             raise ValueError(f"unknown weight_stash mode {mode!r}")
         self.module = module
@@ -187,7 +187,7 @@ class StageCompute:
         self._captured: list[tuple[int, torch.Tensor]] | None = None
         for index, (_, owner) in enumerate(owners):
             owner.register_forward_hook(self._capture_hook(index))
-        self.split = input_grad and bool(owners)
+        self.split = split and input_grad and bool(owners)  # `split` off: memory does not allow it
         self._split_checked = False
 
     def _capture_hook(self, index: int) -> Callable:
