@@ -42,6 +42,14 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A peer that was unreachable is retried within 2 s, not gRPC's up-to-120 s backoff: a volunteer
+    # restarting on its address, or a new job's peer on a port an earlier one used, is reached at
+    # once. Each channel keeps its own connections (no process-wide subchannel pool): a fresh channel
+    # never inherits another's backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 # The server side must agree, or it answers an idle client's pings with GOAWAY "too_many_pings"
 # (its default minimum is 5 minutes between pings without data).
