@@ -19,12 +19,13 @@ Strategies register under a name with `@register_strategy` (built-ins in
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ravnest.plugins import entry_points, load_plugin
 from ravnest.spec import StageAssignment
 from ravnest.wire import Router
 
@@ -85,6 +86,25 @@ class AveragingStrategy:
         return {}
 
 
+class GroupStrategy(AveragingStrategy):
+    """A strategy holding one group member per segment of the stage (`_segments`, each with a
+    `member`) and a thread pool for their rounds."""
+
+    _segments: list
+    _pool: ThreadPoolExecutor
+
+    def abort(self) -> None:
+        """From any thread: leave every group, so a round running or awaited fails at once (the job is
+        stopping); `close` still follows."""
+        for segment in self._segments:
+            segment.member.close()
+
+    def close(self) -> None:
+        """Leave every group; a round still running is abandoned (its thread ends at once)."""
+        self.abort()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 Factory = Callable[[StageContext], AveragingStrategy]
 _FACTORIES: dict[str, Factory] = {}
 
@@ -100,18 +120,14 @@ def register_strategy(name: str) -> Callable[[Factory], Factory]:
     return decorate
 
 
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
 def available_strategies() -> list[str]:
     """"none", the built-in strategies and the installed (entry-point) ones."""
-    return sorted({NO_AVERAGING, *BUILT_IN, *_FACTORIES, *_entry_points()})
+    return sorted({NO_AVERAGING, *BUILT_IN, *_FACTORIES, *entry_points(ENTRY_POINT_GROUP)})
 
 
 def is_strategy(name: str) -> bool:
     """Whether `name` is "none", a built-in or registered strategy, or an installed plug-in."""
-    return name in (NO_AVERAGING, *BUILT_IN, *_FACTORIES) or name in _entry_points()
+    return name in (NO_AVERAGING, *BUILT_IN, *_FACTORIES) or name in entry_points(ENTRY_POINT_GROUP)
 
 
 def strategy_factory(name: str) -> Factory:
@@ -120,13 +136,9 @@ def strategy_factory(name: str) -> Factory:
         importlib.import_module(f"ravnest.averaging.strategies.{name}")
     if name in _FACTORIES:
         return _FACTORIES[name]
-    entry_point = _entry_points().get(name)
-    if entry_point is None:
+    factory = load_plugin(ENTRY_POINT_GROUP, name, "averaging", StrategyError)
+    if factory is None:
         raise StrategyError(f"unknown averaging strategy {name!r}; known: {', '.join(available_strategies())}")
-    try:
-        factory = entry_point.load()
-    except Exception as exc:  # a broken plug-in must not look like an unknown name
-        raise StrategyError(f"averaging plug-in {name!r} ({entry_point.value}) failed to load: {exc}") from exc
     _FACTORIES[name] = factory
     return factory
 

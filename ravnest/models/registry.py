@@ -19,7 +19,6 @@ Only names and JSON configs travel between machines, never code.
 """
 from __future__ import annotations
 
-import importlib.metadata
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,6 +26,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from ravnest.plugins import entry_points, load_plugin
 
 ENTRY_POINT_GROUP = "ravnest.models"
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: seeds of neighbouring blocks differ in every bit
@@ -131,27 +132,17 @@ def register_model(name: str) -> Callable[[Builder], Builder]:
     return decorate
 
 
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
 def available_models() -> list[str]:
     """Names of built-in and installed (entry-point) architectures."""
-    return sorted(set(_BUILDERS) | set(_entry_points()))
+    return sorted(set(_BUILDERS) | set(entry_points(ENTRY_POINT_GROUP)))
 
 
 def _lookup(name: str) -> Builder:
     if name in _BUILDERS:
         return _BUILDERS[name]
-    entry_point = _entry_points().get(name)
-    if entry_point is None:
+    builder = load_plugin(ENTRY_POINT_GROUP, name, "model", ModelError)
+    if builder is None:
         raise ModelError(f"unknown model {name!r}; known models: {', '.join(available_models())}")
-    try:
-        builder = entry_point.load()
-    except Exception as exc:  # a broken plugin must not look like an unknown name
-        raise ModelError(f"model plugin {name!r} ({entry_point.value}) failed to load: {exc}") from exc
-    if not callable(builder):
-        raise ModelError(f"model plugin {name!r} ({entry_point.value}) is not callable")
     _BUILDERS[name] = builder
     return builder
 

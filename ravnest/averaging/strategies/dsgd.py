@@ -23,7 +23,7 @@ import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
-from ravnest.averaging.strategy import AveragingStrategy, StageContext, register_strategy
+from ravnest.averaging.strategy import GroupStrategy, StageContext, register_strategy
 from ravnest.averaging.topology import mixing_row, sends_to
 
 FINAL_ROUND = 1 << 40  # above every gossip round's number
@@ -39,7 +39,7 @@ class _Segment:
 
 
 @register_strategy("dsgd")
-class GossipMixing(AveragingStrategy):
+class GossipMixing(GroupStrategy):
     """See the module docstring; the optimizer is the job's (with Adam-type optimizers this is
     decentralized Adam: strategy "dadam")."""
 
@@ -79,15 +79,6 @@ class GossipMixing(AveragingStrategy):
                 average = segment.member.allreduce(flat, FINAL_ROUND, codec="")
                 for key, value in segment.layout.views(average.to(self.device)).items():
                     self.live[key].copy_(value)
-
-    def abort(self) -> None:
-        for segment in self._segments:
-            segment.member.close()
-
-    def close(self) -> None:
-        for segment in self._segments:
-            segment.member.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def metrics(self) -> dict[str, float]:
         figures = {"avg_rounds": float(self.rounds), "avg_stall_s": self.stall_s}

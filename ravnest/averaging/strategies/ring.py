@@ -35,7 +35,7 @@ import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
-from ravnest.averaging.strategy import AveragingStrategy, StageContext, register_strategy
+from ravnest.averaging.strategy import GroupStrategy, StageContext, register_strategy
 
 FINAL_ROUND = 1 << 40  # above every periodic round's wire number
 Tensors = dict[str, torch.Tensor]
@@ -76,7 +76,7 @@ class _Segment:
 
 
 @register_strategy("ring")
-class RingAveraging(AveragingStrategy):
+class RingAveraging(GroupStrategy):
     """Periodic, overlapped averaging of the segments `assignment.rings` names (one ring each).
 
     The context's tensors (see `StageContext`) are only read and written on the caller's thread,
@@ -153,18 +153,6 @@ class RingAveraging(AveragingStrategy):
                 tensors = self._tensors()
                 for key, value in segment.layout.views(average).items():
                     tensors[key].copy_(value)
-
-    def abort(self) -> None:
-        """From any thread: leave every ring, so a round running or awaited fails at once (the job is
-        stopping); `close` still follows."""
-        for segment in self._segments:
-            segment.member.close()
-
-    def close(self) -> None:
-        """Leave every ring; a round still running is abandoned (its thread ends at once)."""
-        for segment in self._segments:
-            segment.member.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def metrics(self) -> dict[str, float]:
         """Rounds applied (summed over this node's rings), their mean duration, and the seconds the
