@@ -106,8 +106,10 @@ GOSSIP_STRATEGIES = ("dsgd", "dadam")
 
 class AveragingSettings(_Strict):
     strategy: str = Field("ring", description="how clusters average their copies of each segment: 'ring' "
-                          "(periodic multi-ring all-reduce), 'dsgd' / 'dadam' (gossip with the neighbours of "
-                          "`topology`), 'none', or an installed plug-in strategy (docs/averaging.md)")
+                          "(periodic multi-ring all-reduce), 'dear' (every step's gradients, all-reduce hidden "
+                          "behind backward and forward: synchronous data parallelism), 'dsgd' / 'dadam' (gossip "
+                          "with the neighbours of `topology`), 'none', or an installed plug-in strategy "
+                          "(docs/averaging.md)")
     topology: str = Field("one-peer-exp", description="whom gossip strategies mix with each round: complete, ring, "
                           "torus, exponential, one-peer-exp, alternating-exp-ring")
     every: PositiveInt = Field(50, le=MAX_STEPS, description="local optimizer steps between averaging rounds")
@@ -116,6 +118,10 @@ class AveragingSettings(_Strict):
     codec: Literal["", "fp16", "bf16", "int8"] = ""
     average_optimizer_state: bool = Field(
         False, description="also average the optimizer's per-parameter state (e.g. Adam's moments)")
+    fusion_mb: float = Field(25.0, gt=0, le=1024, description="dear: gradients travel in groups of consecutive "
+                             "parameters of up to this many MB (the search's starting point when tune_fusion)")
+    tune_fusion: bool = Field(True, description="dear: try each grouping a power-of-two size in [1, 256] MB gives "
+                              "over the first steps and keep the fastest")
 
     @field_validator("strategy")
     @classmethod
@@ -134,9 +140,9 @@ class AveragingSettings(_Strict):
         return name
 
     @model_validator(mode="after")
-    def _gossip_counts_steps(self) -> AveragingSettings:
-        if self.strategy in GOSSIP_STRATEGIES and self.every_seconds is not None:
-            raise ValueError(f"'{self.strategy}' mixes every `every` steps; `every_seconds` is for 'ring'")
+    def _seconds_are_for_rings(self) -> AveragingSettings:
+        if self.every_seconds is not None and self.strategy in (*GOSSIP_STRATEGIES, "dear"):
+            raise ValueError(f"'{self.strategy}' averages by steps; `every_seconds` is for 'ring'")
         return self
 
 

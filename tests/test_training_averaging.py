@@ -12,7 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ravnest.data import load_dataset
+from ravnest.models import build_model
 from ravnest.pipeline.local import run_single_process, run_threaded_clusters
+from ravnest.pipeline.stage import data_seed
 from ravnest.spec import JobSpec
 
 CLUSTER_RANGES = [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 4)]]  # segments (0,1) (1,2) (2,4)
@@ -114,3 +117,57 @@ def test_gossip_strategies_train_with_their_neighbours_and_end_identical(referen
             # every round mixed (counted per segment the stage holds), none skipped
             assert metrics["avg_rounds"] == STEPS // averaging["every"] * len(averager._segments)
             assert metrics["avg_stall_s"] < 0.5 * metrics["elapsed_s"]
+
+
+def test_dear_updates_are_synchronous_data_parallel_sgd() -> None:
+    """4 single-node clusters with "dear": after the run every replica's parameters equal one model
+    trained by synchronous data-parallel SGD with momentum, each step on the mean gradient of the four
+    shards' batches (two micro-batches each: the reduce-scatters start inside the backward of the
+    step's second one), up to float reordering."""
+    steps = 12
+    spec = JobSpec.model_validate({
+        "model": {"name": "cnn"}, "dataset": {"name": "digits"},
+        "training": {"steps": steps, "batch_size": 16, "accumulation": 2, "seed": 0, "staleness": "none",
+                     "optimizer": {"name": "SGD", "kwargs": {"lr": 0.05, "momentum": 0.9}}},
+        "averaging": {"strategy": "dear", "fusion_mb": 0.02}})  # several groups even for this small model
+    clusters = run_threaded_clusters(spec, [[(0, 4)]] * 4, timeout=300)
+    for cluster in clusters:
+        assert cluster["stages"][0]["avg_rounds"] == steps
+
+    model_spec = build_model(spec.model.name, spec.model.config)
+    model = model_spec.full_model(seed=spec.training.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dataset = load_dataset(spec.dataset)
+    batches = [dataset.shard(c, 4).batches(16, seed=data_seed(spec.training.seed, cluster["runners"][0].assignment))
+               for c, cluster in enumerate(clusters)]
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for shard in batches:
+            for _ in range(2):
+                x, y = next(shard)
+                (model_spec.loss(model(x), y) / 8).backward()  # mean over 4 shards x 2 micro-batches
+        optimizer.step()
+    expected = dict(model.named_parameters())
+    for cluster in clusters:
+        for key, value in cluster["state_dict"].items():
+            if key in expected:
+                torch.testing.assert_close(value, expected[key].detach(), rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_dear_keeps_differently_cut_pipelines_equal(reference) -> None:
+    """Clusters cut 1, 2 and 2 ways: every stage averages its segments' gradients every step and all
+    clusters end with the same weights, learning at least as well as the single process."""
+    spec = job({"strategy": "dear"}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clusters = run_threaded_clusters(spec, CLUSTER_RANGES, timeout=300)
+    finally:
+        torch.set_num_threads(threads)
+    accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
+    print(f"\ndear, 3 cuts: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
+    assert min(accuracies) >= reference["test_accuracy"] - 0.03
+    states = [c["state_dict"] for c in clusters]
+    for state in states[1:]:
+        for key, value in state.items():
+            assert torch.equal(value, states[0][key]), f"{key} differs between clusters"

@@ -4,13 +4,18 @@ A strategy keeps one stage's blocks close to the copies other clusters hold of t
 The stage calls it at fixed points of its schedule, all on its worker thread (except `abort`):
 
     before_forward(m)    a micro-batch is about to run forward (e.g. wait for a gathered group)
+    weight_gradients(m)  micro-batch m's weight gradients are about to be computed (W)
     gradients_ready(s)   the weight gradients of step s are complete, the optimizer has not stepped
-    after_step(s)        optimizer step s (1-based) is done
+    after_step(s)        optimizer step s (1-based) is done (or only counted: `defers_update`)
     flush()              everything started must be applied now (before a checkpoint or evaluation)
     finish()             after the last step: leave every replica with the same final weights
     abort()              from any thread: the job stops, fail what is running or awaited
     close()              release the strategy's streams and threads, however the job ended
     metrics()            figures for the job view, prefixed "avg_"
+
+A strategy with `defers_update` takes the gradients at `gradients_ready` and applies the update
+itself later, in parts, through `StageContext.apply_update` (DeAR: each part once its all-gather is
+in, before the forward that reads it); the stage then only counts the step.
 
 Strategies register under a name with `@register_strategy` (built-ins in
 `ravnest/averaging/strategies/<name>.py`), or plug in through the entry-point group
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import nn
 
 from ravnest.plugins import entry_points, load_plugin
 from ravnest.spec import StageAssignment
@@ -31,7 +37,7 @@ from ravnest.wire import Router
 
 ENTRY_POINT_GROUP = "ravnest.averaging"
 NO_AVERAGING = "none"
-BUILT_IN = ("ring", "dsgd", "dadam")  # modules of ravnest.averaging.strategies, imported on first use
+BUILT_IN = ("ring", "dsgd", "dadam", "dear")  # modules of ravnest.averaging.strategies, imported on first use
 Tensors = dict[str, torch.Tensor]
 
 
@@ -47,21 +53,34 @@ class StageContext:
     `live` maps parameter and floating buffer keys to the live tensors; `optimizer_state()` returns
     the optimizer's per-parameter floating state keyed "<parameter key>:<state name>";
     `companions()` returns tensors keyed like `live` that must take every correction `live` takes
-    (weight prediction's pre-step weights)."""
+    (weight prediction's pre-step weights). `apply_update(grads, last)` steps the optimizer on the
+    parameters named in `grads` (keyed like `live`) with those gradients; `last` ends the step (the
+    learning-rate schedule advances). `module` holds the stage's blocks as children named by their
+    global index; `forward_reads_live`: its forwards read the live parameters (no weight snapshots),
+    so a block's parameters may still change until its forward pre-hook runs. `per_step`
+    micro-batches make one step."""
     assignment: StageAssignment
     router: Router
     live: Tensors
     device: torch.device = torch.device("cpu")
     optimizer_state: Callable[[], Tensors] = dict
     companions: Callable[[], Tensors] = dict
+    apply_update: Callable[[Tensors, bool], None] | None = None
+    module: nn.Module | None = None
+    forward_reads_live: bool = False
+    per_step: int = 1
 
 
 class AveragingStrategy:
     """The points where a strategy acts (see the module docstring); each does nothing by default."""
 
     name = "base"
+    defers_update = False
 
     def before_forward(self, micro_batch: int) -> None:
+        pass
+
+    def weight_gradients(self, micro_batch: int) -> None:
         pass
 
     def gradients_ready(self, step: int) -> None:

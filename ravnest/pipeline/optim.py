@@ -74,14 +74,36 @@ class StageOptimizer:
         self.step()
         return True
 
-    def step(self) -> None:
-        """One update from the gradients gathered so far (pipeline stages call it from their schedule)."""
+    def step(self, update: bool = True) -> None:
+        """One update from the gradients gathered so far (pipeline stages call it from their schedule).
+        With `update=False` the step is only counted and its gradients dropped: an averaging strategy
+        took them and applies the update through `apply_update` (DeAR)."""
         if self.optimizer is not None:
-            self.optimizer.step()
-            self.schedule.step()
+            if update:
+                self.optimizer.step()
+                self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
         self._pending = 0
         self.steps += 1
+
+    def apply_update(self, grads: dict[torch.nn.Parameter, torch.Tensor], last: bool) -> None:
+        """Part of a counted step's update: the parameters in `grads` step with those gradients (at
+        the step's learning rate); with `last` the step is complete and the schedule advances."""
+        if self.optimizer is None:
+            return
+        # gradients the next step has gathered already (a pipeline's micro-batches in flight) wait
+        others = {param: param.grad for param in self.params if param.grad is not None and param not in grads}
+        for param in others:
+            param.grad = None
+        for param, grad in grads.items():
+            param.grad = grad
+        self.optimizer.step()
+        for param in grads:
+            param.grad = None
+        for param, grad in others.items():
+            param.grad = grad
+        if last:
+            self.schedule.step()
 
     @property
     def lr(self) -> float:

@@ -231,9 +231,15 @@ class StageRunner:
     def attach_averaging(self) -> AveragingStrategy | None:
         """Build the averaging strategy the assignment asks for on this stage's tensors (None: nothing
         to average); call before `run`."""
-        self.averager = make_strategy(StageContext(self.assignment, self.router, self.live_tensors(), self.device,
-                                                   self.optimizer_tensors, self.prediction_base))
+        self.averager = make_strategy(StageContext(
+            self.assignment, self.router, self.live_tensors(), self.device, self.optimizer_tensors,
+            self.prediction_base, apply_update=self._apply_update, module=self.module,
+            forward_reads_live=not self.compute.versions.snapshots, per_step=self.per_step))
         return self.averager
+
+    def _apply_update(self, grads: dict[str, torch.Tensor], last: bool) -> None:
+        params = self.compute.params
+        self.optimizer.apply_update({params[key]: grad.to(self.device) for key, grad in grads.items()}, last)
 
     def prediction_base(self) -> dict[str, torch.Tensor]:
         """What weight prediction extrapolates from (the weights before the last step, keyed like
@@ -335,6 +341,8 @@ class StageRunner:
             self._send("prev", Message(BACKWARD, m, {"grad": self._input_grad}))
             self._input_grad = None
         elif kind == W:
+            if self.averager is not None:
+                self.averager.weight_gradients(m)
             if self.is_first:  # no B here: W is the whole backward, from the gradient just received
                 self.compute.backward_input(m, self._grad)
                 self._grad = None
@@ -349,13 +357,20 @@ class StageRunner:
                 self.averager.gradients_ready(self.optimizer.steps + 1)
             with self.clock.busy():
                 self.compute.before_step()
-                self.optimizer.step()
+                self.optimizer.step(update=self.averager is None or not self.averager.defers_update)
             self._step_done()
         else:
             raise PipelineError(f"unknown action {action}")
 
+    def _flush_averaging(self) -> None:
+        """Whatever the averaging strategy has under way lands in the weights now (before they are
+        evaluated or saved)."""
+        if self.averager is not None:
+            self.averager.flush()
+
     def _handle_forward_lane(self, msg: Message) -> None:
         if msg.kind == EVAL:
+            self._flush_averaging()
             self._eval_batch(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
         elif msg.kind == EVAL_END:
             self._eval_end(msg.id, final=bool(msg.tags.get("final", 0)))
@@ -394,6 +409,7 @@ class StageRunner:
             self.averager.after_step(step)
         every = self.assignment.checkpoint_every
         if ((every and step % every == 0) or step == self._checkpoint_at) and step < self.training.steps:
+            self._flush_averaging()
             self.on_checkpoint(step)
             self._last_checkpoint = time.monotonic()  # by steps or by seconds, whichever came first
         self._plan_timed_checkpoint(step)
@@ -405,6 +421,7 @@ class StageRunner:
             if self.is_first:
                 self._evaluate(final=True)
         elif self.is_first and self.training.eval_every and step % self.training.eval_every == 0:
+            self._flush_averaging()
             self._evaluate(final=False)
 
     def _plan_timed_checkpoint(self, step: int) -> None:

@@ -175,7 +175,7 @@ class StageCompute:
         self.input_grad = input_grad  # False on stage 0: its input is data
         self.device = device
         self.versions = WeightVersions(module, snapshots, predict)
-        self._params = dict(module.named_parameters())
+        self.params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())
         self._in_flight: dict[int, _InFlight] = {}
         self.observer: BackwardObserver | None = None
@@ -277,7 +277,7 @@ class StageCompute:
             self.observer(micro_batch, entry.version, entry.weights, entry.inputs.detach(), entry.grad_output,
                           param_grads)
         for name, grad in param_grads.items():
-            live = self._params[name]
+            live = self.params[name]
             if live.grad is None:
                 live.grad = grad
             else:
