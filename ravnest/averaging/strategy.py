@@ -23,10 +23,11 @@ Strategies register under a name with `@register_strategy` (built-ins in
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -58,7 +59,8 @@ class StageContext:
     learning-rate schedule advances). `module` holds the stage's blocks as children named by their
     global index; `forward_reads_live`: its forwards read the live parameters (no weight snapshots),
     so a block's parameters may still change until its forward pre-hook runs. `per_step`
-    micro-batches make one step."""
+    micro-batches make one step. `waiting()` wraps a wait for the network inside the stage's
+    computation (it is not counted as busy)."""
     assignment: StageAssignment
     router: Router
     live: Tensors
@@ -69,6 +71,7 @@ class StageContext:
     module: nn.Module | None = None
     forward_reads_live: bool = False
     per_step: int = 1
+    waiting: Callable[[], ContextManager[None]] = contextlib.nullcontext
 
 
 class AveragingStrategy:

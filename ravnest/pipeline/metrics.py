@@ -29,6 +29,15 @@ class StageClock:
         finally:
             self.busy_s += time.perf_counter() - start
 
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Time waited inside a busy section (for the network, not computing) does not count as busy."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s -= time.perf_counter() - start
+
     def step_done(self) -> None:
         self.steps.append((time.perf_counter(), self.busy_s))
 

@@ -234,7 +234,8 @@ class StageRunner:
         self.averager = make_strategy(StageContext(
             self.assignment, self.router, self.live_tensors(), self.device, self.optimizer_tensors,
             self.prediction_base, apply_update=self._apply_update, module=self.module,
-            forward_reads_live=not self.compute.versions.snapshots, per_step=self.per_step))
+            forward_reads_live=not self.compute.versions.snapshots, per_step=self.per_step,
+            waiting=lambda: self.clock.waiting()))
         return self.averager
 
     def _apply_update(self, grads: dict[str, torch.Tensor], last: bool) -> None:

@@ -73,7 +73,7 @@ class DecoupledAllReduce(GroupStrategy):
         a, settings = context.assignment, context.assignment.averaging
         if context.apply_update is None or context.module is None:
             raise ValueError("dear applies the updates itself: the stage must give apply_update and its module")
-        self.live, self._apply = context.live, context.apply_update
+        self.live, self._apply, self._waiting = context.live, context.apply_update, context.waiting
         self.per_step = context.per_step
         params = {key: p for key, p in context.module.named_parameters() if p.requires_grad}
         self._params = params
@@ -257,7 +257,8 @@ class DecoupledAllReduce(GroupStrategy):
             while segment.unapplied and (block is None or segment.unapplied[0].first_block <= block):
                 group = segment.unapplied.pop(0)
                 waited = time.perf_counter()
-                group.gathered.result()  # re-raises the round's error, naming peer and round
+                with self._waiting():
+                    group.gathered.result()  # re-raises the round's error, naming peer and round
                 self.stall_s += time.perf_counter() - waited
                 self._apply(group.views, not any(s.unapplied for s in self._segments))
 
