@@ -20,10 +20,11 @@ from enum import Enum
 
 import torch
 
+from ravnest.averaging.strategy import AUTO
 from ravnest.data.datasets import DatasetError, load_dataset
 from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.pipeline.optim import build_optimizer
-from ravnest.spec import JobSpec, Ring, StageAssignment, StagePeer
+from ravnest.spec import AveragingSettings, JobSpec, Ring, StageAssignment, StagePeer
 
 from .errors import Conflict, InvalidRequest
 from .schemas import ClusterProgress, JobMetrics, Plan, Progress, StageMetrics
@@ -140,9 +141,17 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
         input_shape=planned.input_shape, input_dtype=planned.input_dtype,
         predicted_memory_bytes=planned.predicted_memory_bytes, split_backward=planned.split_backward,
         model=spec.model, dataset=spec.dataset,
-        training=spec.training, averaging=spec.averaging,
+        training=spec.training, averaging=_averaging(spec, plan),
         prev=peer(stage - 1) if stage > 0 else None, next=peer(stage + 1) if stage + 1 < len(stages) else None,
         rings=rings)
+
+
+def _averaging(spec: JobSpec, plan: Plan) -> AveragingSettings:
+    """The job's averaging settings, with the planner's strategy (and topology) where it asked for "auto"."""
+    if spec.averaging.strategy != AUTO or plan.averaging is None:
+        return spec.averaging
+    return spec.averaging.model_copy(update={"strategy": plan.averaging.strategy,
+                                             "topology": plan.averaging.topology or spec.averaging.topology})
 
 
 def progress(job: JobRow, stages: list[StageRow]) -> Progress:
@@ -185,6 +194,8 @@ def metrics(stages: list[StageRow], plan: Plan | None = None) -> JobMetrics:
         averaging_round_s=_mean([m["avg_round_s"] for m in averaging if "avg_round_s" in m]),
         averaging_stall_fraction=max((m.get("avg_stall_s", 0.0) / m["elapsed_s"] for m in averaging
                                       if m.get("elapsed_s", 0) > 0), default=None),
+        step_s=max((m["elapsed_s"] / m["step"] for m in (row.metrics for row in stages)
+                    if m.get("step", 0) > 0 and "elapsed_s" in m), default=None),
         stages=[StageMetrics(cluster=row.cluster, stage=row.stage, node_id=row.node_id, step=row.step,
                              metrics=row.metrics, weights_uploaded=row.weights_uploaded,
                              predicted_memory_bytes=_predicted_memory(plan, row),

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ravnest.averaging import runtime
+from ravnest.averaging.fusion import MB
 from ravnest.averaging.segments import segment_rings
 from ravnest.averaging.shares import balanced_shares
 from ravnest.models.profile import BlockCost, stage_input
@@ -41,7 +43,7 @@ from ravnest.pipeline.memory import training_load
 from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
-from .schemas import Plan, PlannedCluster, PlannedRing, PlannedStage
+from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, PlannedStage
 
 
 PREFER_SHALLOW = 0.9  # a shallower pipeline within this share of the best throughput is preferred
@@ -138,10 +140,12 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     per_shape = {id(shape): (_merge_stages(costs, shape.ranges), [stage_input(costs, a) for a, _ in shape.ranges],
                              [stage_memory_bytes(costs, a, b, shape.load) for a, b in shape.ranges])
                  for shape in shapes}
+    step_s: list[float] = []  # compute seconds per optimizer step, per cluster
     for index, (replica, shape) in enumerate(pipelines):
         merged, inputs, memory = per_shape[id(shape)]
         stage_times = [stage_seconds(merged, capacity, s, s + 1)
                        for s, capacity in enumerate(capacities(replica, links))]
+        step_s.append(_compute_step_s(stage_times, shape.load, training))
         clusters.append(PlannedCluster.model_construct(
             cluster=index, predicted_bottleneck_seconds=max(stage_times),
             stages=[PlannedStage.model_construct(
@@ -153,11 +157,31 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                                          members=[clusters[c].stages[s].node_id for c, s in enumerate(stages)],
                                          weights=ring_weights([pipelines[c][0][s] for c, s in enumerate(stages)], links))
              for i, (blocks, stages) in enumerate(segment_rings([shape.ranges for _, shape in pipelines]))]
+    ring_groups = [_ring_group(ring, pipelines, costs, links) for ring in rings]
+    averaging_plan = _planned_averaging(averaging, training, max(step_s), ring_groups) if len(clusters) > 1 else None
     throughput = sum(shape.samples_per_s for shape in shapes)
     reason = f"{len(clusters)} cluster(s) x {'/'.join(str(len(s.ranges)) for s in shapes)} stage(s), predicted " \
              f"{_rate(throughput)}; " + "; ".join(why)
-    return Plan.model_construct(clusters=clusters, rings=rings, unused=unused, predicted_samples_per_s=throughput,
-                                reason=reason)
+    if averaging_plan is not None and averaging.strategy == "auto":
+        reason += f"; averaging: {averaging_plan.strategy}" + (f" ({averaging_plan.topology})" if
+                                                               averaging_plan.topology else "") + \
+            f", predicted fastest at {averaging_plan.predicted_step_s[_table_key(averaging_plan)] * 1e3:.3g} ms/step"
+    return Plan.model_construct(clusters=clusters, rings=rings, averaging=averaging_plan, unused=unused,
+                                predicted_samples_per_s=throughput, reason=reason)
+
+
+def _table_key(planned: PlannedAveraging) -> str:
+    return f"{planned.strategy}:{planned.topology}" if planned.topology else planned.strategy
+
+
+def _ring_group(ring: PlannedRing, pipelines: list[tuple[list[NodeInfo], Shape]], costs: list[BlockCost],
+                links: Links | None) -> runtime.Group:
+    """A planned ring as the runtime model sees it: its members, its segment's bytes, its slowest link."""
+    members = [pipelines[c][0][s] for c, s in enumerate(ring.stages)]
+    around = [link(here, after, links) for here, after in zip(members, [*members[1:], members[0]])]
+    return runtime.Group(len(members), sum(c.param_bytes for c in costs[ring.blocks[0]:ring.blocks[1]]),
+                         min(b for b, _ in around), max(lat for _, lat in around),
+                         fine_overlap=all(len(shape.ranges) == 1 for _, shape in pipelines))
 
 
 def _rate(samples_per_s: float) -> str:
@@ -244,18 +268,50 @@ def _samples_per_s(costs: list[BlockCost], replicas: list[list[NodeInfo]], weake
                    ranges: list[tuple[int, int]], load: Load, training: TrainingSettings,
                    averaging: AveragingSettings) -> float:
     """Predicted samples/s of these replicas together: the pace of `weakest` (stage by stage the
-    weakest capacity over the replicas), times their number."""
+    weakest capacity over the replicas) with averaging among them (the runtime model), times their
+    number."""
     merged = _merge_stages(costs, ranges)
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
-    step = training.accumulation * max(max(times), sum(times) / load.in_flight)  # seconds per optimizer step
-    if len(replicas) > 1 and averaging.strategy != "none" and averaging.every_seconds is None:
-        members = len(replicas)
-        slowest = [(min(r[s].bandwidth for r in replicas), max(r[s].latency for r in replicas))
-                   for s in range(len(ranges))]
-        round_seconds = max(2 * (members - 1) * (merged[s].param_bytes / members / bandwidth + latency)
-                            for s, (bandwidth, latency) in enumerate(slowest))
-        step = max(step, round_seconds / averaging.every)
+    groups = [runtime.Group(len(replicas), merged[s].param_bytes, min(r[s].bandwidth for r in replicas),
+                            max(r[s].latency for r in replicas), fine_overlap=len(ranges) == 1)
+              for s in range(len(ranges))]
+    step = _averaged_step_s(averaging, training, _compute_step_s(times, load, training), groups)
     return len(replicas) * training.batch_size * training.accumulation / step
+
+
+def _compute_step_s(stage_times: list[float], load: Load, training: TrainingSettings) -> float:
+    """Seconds per optimizer step of one pipeline: its slowest stage, or the round trip over K."""
+    return training.accumulation * max(max(stage_times), sum(stage_times) / load.in_flight)
+
+
+def _averaged_step_s(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
+                     groups: list[runtime.Group]) -> float:
+    """Seconds per step with the job's averaging (the fastest candidate for "auto"); rounds by the
+    clock (`every_seconds`) and plug-ins the model does not know are taken as free."""
+    if averaging.strategy == "auto":
+        return min(v for k, v in _predictions(averaging, training, step_s, groups).items() if k != "allreduce")
+    if averaging.every_seconds is not None or averaging.strategy not in runtime.MODELLED:
+        return step_s
+    return runtime.strategy_step_s(averaging.strategy, step_s, groups, every=averaging.every,
+                                   topology=averaging.topology, fusion_bytes=averaging.fusion_mb * MB)
+
+
+def _predictions(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
+                 groups: list[runtime.Group]) -> dict[str, float]:
+    return runtime.predictions(step_s, groups, every=averaging.every, optimizer=training.optimizer.name,
+                               fusion_bytes=averaging.fusion_mb * MB)
+
+
+def _planned_averaging(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
+                       groups: list[runtime.Group]) -> PlannedAveraging | None:
+    """The runtime model's table for the plan, and the strategy the stages will run."""
+    if averaging.strategy == "none" or not groups:
+        return None
+    table = _predictions(averaging, training, step_s, groups)
+    strategy, topology = ((averaging.strategy, averaging.topology) if averaging.strategy != "auto"
+                          else runtime.pick(table))
+    return PlannedAveraging.model_construct(strategy=strategy, topology=topology, compute_step_s=step_s,
+                                            predicted_step_s=table)
 
 
 MAX_WEIGHTED_RING = 16  # balancing costs O(members^2) per iteration; larger rings share equally

@@ -61,9 +61,20 @@ class PlannedRing(BaseModel):
                                                           "(balanced against bandwidth); None: equal")
 
 
+class PlannedAveraging(BaseModel):
+    strategy: str = Field(description="the strategy the clusters run: the job's, or the planner's pick for 'auto'")
+    topology: str = Field("", description="its topology, for gossip strategies")
+    compute_step_s: float = Field(description="predicted compute seconds per optimizer step, slowest cluster")
+    predicted_step_s: dict[str, float] = Field(
+        description="runtime model (ravnest/averaging/runtime.py): seconds per optimizer step under each "
+                    "strategy ('dadam:ring' = dadam on the ring topology; 'allreduce' = bucketed all-reduce "
+                    "after the backward, for reference); compare with metrics.step_s")
+
+
 class Plan(BaseModel):
     clusters: list[PlannedCluster]
     rings: list[PlannedRing]
+    averaging: PlannedAveraging | None = Field(None, description="None with one cluster or no averaging")
     unused: dict[str, str] = Field(default_factory=dict, description="node id -> why it got no stage")
     predicted_samples_per_s: float
     reason: str = Field("", description="why the job has this shape (clusters x stages), with the alternatives")
@@ -117,6 +128,8 @@ class JobMetrics(BaseModel):
     averaging_stall_fraction: float | None = Field(
         None, description="largest share of a stage's time spent waiting on averaging; near 0 means the "
                           "pipeline kept running while rounds were in flight")
+    step_s: float | None = Field(None, description="measured seconds per optimizer step, slowest cluster "
+                                                   "(compare with plan.averaging.predicted_step_s)")
     stages: list[StageMetrics] = Field(default_factory=list)
 
 

@@ -19,7 +19,9 @@ in, before the forward that reads it); the stage then only counts the step.
 
 Strategies register under a name with `@register_strategy` (built-ins in
 `ravnest/averaging/strategies/<name>.py`), or plug in through the entry-point group
-"ravnest.averaging" like models do (docs/models.md). "none" is reserved: no averaging at all.
+"ravnest.averaging" like models do (docs/models.md). "none" is reserved: no averaging at all; so is
+"auto": the coordinator's planner picks the strategy its runtime model predicts fastest
+(`ravnest/averaging/runtime.py`) and hands the stages that one.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from ravnest.wire import Router
 
 ENTRY_POINT_GROUP = "ravnest.averaging"
 NO_AVERAGING = "none"
+AUTO = "auto"
 BUILT_IN = ("ring", "dsgd", "dadam", "dear")  # modules of ravnest.averaging.strategies, imported on first use
 Tensors = dict[str, torch.Tensor]
 
@@ -133,8 +136,8 @@ _FACTORIES: dict[str, Factory] = {}
 
 def register_strategy(name: str) -> Callable[[Factory], Factory]:
     """Decorator registering `factory(context) -> AveragingStrategy` (a class will do) under `name`."""
-    if name == NO_AVERAGING:
-        raise StrategyError(f"{NO_AVERAGING!r} is reserved: it means no averaging")
+    if name in (NO_AVERAGING, AUTO):
+        raise StrategyError(f"{name!r} is reserved: it means {'no averaging' if name == NO_AVERAGING else 'pick one'}")
 
     def decorate(factory: Factory) -> Factory:
         _FACTORIES[name] = factory
@@ -143,13 +146,13 @@ def register_strategy(name: str) -> Callable[[Factory], Factory]:
 
 
 def available_strategies() -> list[str]:
-    """"none", the built-in strategies and the installed (entry-point) ones."""
-    return sorted({NO_AVERAGING, *BUILT_IN, *_FACTORIES, *entry_points(ENTRY_POINT_GROUP)})
+    """"none", "auto", the built-in strategies and the installed (entry-point) ones."""
+    return sorted({NO_AVERAGING, AUTO, *BUILT_IN, *_FACTORIES, *entry_points(ENTRY_POINT_GROUP)})
 
 
 def is_strategy(name: str) -> bool:
-    """Whether `name` is "none", a built-in or registered strategy, or an installed plug-in."""
-    return name in (NO_AVERAGING, *BUILT_IN, *_FACTORIES) or name in entry_points(ENTRY_POINT_GROUP)
+    """Whether `name` is "none", "auto", a built-in or registered strategy, or an installed plug-in."""
+    return name in (NO_AVERAGING, AUTO, *BUILT_IN, *_FACTORIES) or name in entry_points(ENTRY_POINT_GROUP)
 
 
 def strategy_factory(name: str) -> Factory:
@@ -171,4 +174,7 @@ def make_strategy(context: StageContext) -> AveragingStrategy | None:
     a = context.assignment
     if a.averaging.strategy == NO_AVERAGING or a.num_clusters == 1 or not a.rings:
         return None
+    if a.averaging.strategy == AUTO:
+        raise StrategyError("averaging strategy 'auto' is chosen by the coordinator's planner; a stage must be "
+                            "given the strategy it picked")
     return strategy_factory(a.averaging.strategy)(context)

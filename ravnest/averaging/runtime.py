@@ -1,0 +1,127 @@
+"""The runtime model: predicted seconds per optimizer step under each averaging strategy.
+
+Inputs: `step_s`, the compute seconds of one optimizer step of the slowest replica (every strategy
+here waits for its peers, so the slowest one sets the pace), and per averaging group (one per
+segment: the stage holding it in every cluster) its `Group`: members n, parameter bytes P, and the
+slowest link around it, bandwidth B (bytes/s) and latency L (s). The groups of a stage run side by
+side, so a step costs what its slowest group costs. With the ring all-reduce's two halves,
+
+    RS(P) = AG(P) = (n - 1) (P / (n B) + L)          AR(P) = RS + AG    (bandwidth-optimal ring)
+
+the strategies cost (T = step_s):
+
+- `ring`, every E steps: the round started after step s is applied after step s + D, D = max(1, E // 2),
+  so it stalls only past D steps of compute, once per E steps: T + max(0, AR - D T) / E.
+- `allreduce` (reference only, no strategy: bucketed all-reduce of the gradients after the backward,
+  as DDP without overlap): T + AR + (k - 1) 2 (n - 1) L, with k fusion groups.
+- `dear`: with k groups, RS = AG = (n - 1) (P / (n B) + k L). With the fine-grained overlap (one-stage
+  clusters) the reduce-scatter hides behind the backward, b = 2/3 of T, except at least its last
+  group's part, and the all-gather behind the forward, f = 1/3 of T, except its first group's part:
+  T + max(RS / k, RS - b T) + max(AG / k, AG - f T). Inside deeper pipelines: T + RS + AG.
+- `dsgd` / `dadam` with a topology, every E steps: in round t a member sends its segment to its
+  out-neighbours and hears from its in-neighbours, d(t) = the larger count, costing d(t) (P / B + L);
+  the exchange is applied before the next step, so it hides behind one step: T + max(0, X - T) / E,
+  with X the mean over a period of rounds of the slowest member's d(t) (P / B + L).
+
+`auto` picks the fastest predicted strategy; within 5% it prefers the more synchronous one (dear,
+then ring, then gossip): exact averages cost nothing extra there.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ravnest.averaging.topology import TOPOLOGIES, mixing_row
+
+BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward costs about twice the forward
+AUTO_TOLERANCE = 1.05
+GOSSIP = ("dsgd", "dadam")
+MODELLED = ("none", "ring", "dear", *GOSSIP)  # job strategies with a figure here
+
+
+@dataclass(frozen=True)
+class Group:
+    """One averaging group as the model sees it."""
+    members: int
+    param_bytes: float
+    bandwidth: float  # bytes/s, the slowest link around the group
+    latency: float    # seconds
+    fine_overlap: bool = False  # every member's stage is a whole replica (dear's own setting)
+
+
+def half_allreduce_s(group: Group, messages: int = 1) -> float:
+    """Seconds of a reduce-scatter (or an all-gather) of the group's parameters in `messages` groups."""
+    n = group.members
+    return (n - 1) * (group.param_bytes / (n * group.bandwidth) + messages * group.latency)
+
+
+def fusion_count(param_bytes: float, fusion_bytes: float) -> int:
+    return max(1, math.ceil(param_bytes / fusion_bytes))
+
+
+def strategy_step_s(strategy: str, step_s: float, groups: Sequence[Group], *, every: int = 1,
+                    topology: str = "one-peer-exp", fusion_bytes: float = 25 * 2**20) -> float:
+    """Predicted seconds per optimizer step (see the module docstring); `strategy` is one of "none",
+    "ring", "allreduce", "dear", "dsgd", "dadam"."""
+    if strategy == "none" or not groups or all(g.members < 2 for g in groups):
+        return step_s
+    costs = [_group_step_s(strategy, step_s, g, every, topology, fusion_bytes) for g in groups if g.members > 1]
+    return max(costs)
+
+
+def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, fusion_bytes: float) -> float:
+    if strategy == "ring":
+        delay = max(1, every // 2)
+        return t + max(0.0, 2 * half_allreduce_s(g) - delay * t) / every
+    k = fusion_count(g.param_bytes, fusion_bytes)
+    if strategy == "allreduce":
+        return t + 2 * half_allreduce_s(g) + (k - 1) * 2 * (g.members - 1) * g.latency
+    if strategy == "dear":
+        half = half_allreduce_s(g, k)
+        if not g.fine_overlap:
+            return t + 2 * half
+        return t + max(half / k, half - BACKWARD_SHARE * t) + max(half / k, half - (1 - BACKWARD_SHARE) * t)
+    if strategy in GOSSIP:
+        exchange = mean_degree(topology, g.members) * (g.param_bytes / g.bandwidth + g.latency)
+        return t + max(0.0, exchange - t) / every
+    raise ValueError(f"the runtime model has no figure for strategy {strategy!r}")
+
+
+@lru_cache(maxsize=256)
+def mean_degree(topology: str, members: int) -> float:
+    """A member's messages per round, averaged over enough rounds to cover a time-varying topology's
+    period. In every topology here member i hears i minus a fixed set of offsets (on the grid for the
+    torus), so each member sends as many messages as it hears and member 0 stands for all: O(degree)
+    per round, not O(n^2)."""
+    rounds = 2 * max(1, math.ceil(math.log2(max(members, 2))))
+    return sum(len(mixing_row(topology, 0, members, t)) - 1 for t in range(rounds)) / rounds
+
+
+def candidates(optimizer: str) -> list[tuple[str, str]]:
+    """(strategy, topology) pairs `auto` chooses among, most synchronous first; gossip is named
+    "dadam" for Adam-type optimizers, else "dsgd" (the same mixing)."""
+    gossip = "dadam" if "adam" in optimizer.lower() else "dsgd"
+    return [("dear", ""), ("ring", ""), *((gossip, topology) for topology in TOPOLOGIES)]
+
+
+def predictions(step_s: float, groups: Sequence[Group], *, every: int, optimizer: str,
+                fusion_bytes: float = 25 * 2**20) -> dict[str, float]:
+    """Predicted seconds per step for each candidate ("dear", "ring", "dadam:ring", ...) and the
+    reference "allreduce"."""
+    table = {("%s:%s" % pair if pair[1] else pair[0]): strategy_step_s(
+        pair[0], step_s, groups, every=every, topology=pair[1] or "one-peer-exp", fusion_bytes=fusion_bytes)
+        for pair in candidates(optimizer)}
+    table["allreduce"] = strategy_step_s("allreduce", step_s, groups, fusion_bytes=fusion_bytes)
+    return table
+
+
+def pick(table: dict[str, float]) -> tuple[str, str]:
+    """The (strategy, topology) `auto` runs: the fastest candidate, preferring the earlier (more
+    synchronous) one within AUTO_TOLERANCE."""
+    choices = [name for name in table if name != "allreduce"]
+    best = min(table[name] for name in choices)
+    name = next(name for name in choices if table[name] <= AUTO_TOLERANCE * best)
+    strategy, _, topology = name.partition(":")
+    return strategy, topology
