@@ -37,6 +37,14 @@ def test_dear_hides_its_halves_behind_backward_and_forward_but_not_the_first_and
     assert strategy_step_s("allreduce", 1.0, [fast]) == pytest.approx(1.0 + 2 * half_allreduce_s(fast))
 
 
+def test_without_a_spare_core_nothing_hides() -> None:
+    g = Group(members=4, param_bytes=40 * MB, bandwidth=10 * MB, latency=0.01, fine_overlap=True)
+    ar = 2 * half_allreduce_s(g)
+    assert strategy_step_s("ring", 1.0, [g], every=50, spare_core=False) == pytest.approx(1.0 + ar / 50)
+    assert strategy_step_s("dear", 1.0, [g], spare_core=False) == pytest.approx(1.0 + 2 * half_allreduce_s(g, 2))
+    assert strategy_step_s("dsgd", 1.0, [g], topology="ring", spare_core=False) == pytest.approx(1.0 + 2 * 4.01)
+
+
 def test_gossip_costs_one_message_per_neighbour_of_the_round() -> None:
     assert mean_degree("one-peer-exp", 8) == 1
     assert mean_degree("ring", 8) == 2

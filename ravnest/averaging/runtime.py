@@ -23,6 +23,11 @@ the strategies cost (T = step_s):
   the exchange is applied before the next step, so it hides behind one step: T + max(0, X - T) / E,
   with X the mean over a period of rounds of the slowest member's d(t) (P / B + L).
 
+Overlap needs a core to spare: where every core of a node is computing (several nodes sharing one
+machine, as in tests and benchmarks here) communication takes its CPU from the compute, and each
+strategy costs T plus all it moves per step (`spare_core=False`; ring: T + AR / E, dear: T + RS + AG,
+gossip: T + X / E). The planner assumes one node per machine, with a core to spare.
+
 `auto` picks the fastest predicted strategy; within 5% it prefers the more synchronous one (dear,
 then ring, then gossip): exact averages cost nothing extra there.
 """
@@ -62,30 +67,33 @@ def fusion_count(param_bytes: float, fusion_bytes: float) -> int:
 
 
 def strategy_step_s(strategy: str, step_s: float, groups: Sequence[Group], *, every: int = 1,
-                    topology: str = "one-peer-exp", fusion_bytes: float = 25 * 2**20) -> float:
+                    topology: str = "one-peer-exp", fusion_bytes: float = 25 * 2**20, spare_core: bool = True) -> float:
     """Predicted seconds per optimizer step (see the module docstring); `strategy` is one of "none",
-    "ring", "allreduce", "dear", "dsgd", "dadam"."""
+    "ring", "allreduce", "dear", "dsgd", "dadam". Without `spare_core` (every core of the node is
+    computing, e.g. several nodes sharing one machine) nothing hides: each strategy pays its
+    communication in full, T + (what it moves per step)."""
     if strategy == "none" or not groups or all(g.members < 2 for g in groups):
         return step_s
-    costs = [_group_step_s(strategy, step_s, g, every, topology, fusion_bytes) for g in groups if g.members > 1]
-    return max(costs)
+    return max(_group_step_s(strategy, step_s, g, every, topology, fusion_bytes, spare_core)
+               for g in groups if g.members > 1)
 
 
-def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, fusion_bytes: float) -> float:
-    if strategy == "ring":
-        delay = max(1, every // 2)
-        return t + max(0.0, 2 * half_allreduce_s(g) - delay * t) / every
+def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, fusion_bytes: float,
+                  spare_core: bool) -> float:
     k = fusion_count(g.param_bytes, fusion_bytes)
+    if strategy == "ring":
+        delay = max(1, every // 2) if spare_core else 0
+        return t + max(0.0, 2 * half_allreduce_s(g) - delay * t) / every
     if strategy == "allreduce":
         return t + 2 * half_allreduce_s(g) + (k - 1) * 2 * (g.members - 1) * g.latency
     if strategy == "dear":
         half = half_allreduce_s(g, k)
-        if not g.fine_overlap:
+        if not (g.fine_overlap and spare_core):
             return t + 2 * half
         return t + max(half / k, half - BACKWARD_SHARE * t) + max(half / k, half - (1 - BACKWARD_SHARE) * t)
     if strategy in GOSSIP:
         exchange = mean_degree(topology, g.members) * (g.param_bytes / g.bandwidth + g.latency)
-        return t + max(0.0, exchange - t) / every
+        return t + max(0.0, exchange - (t if spare_core else 0.0)) / every
     raise ValueError(f"the runtime model has no figure for strategy {strategy!r}")
 
 
@@ -107,12 +115,12 @@ def candidates(optimizer: str) -> list[tuple[str, str]]:
 
 
 def predictions(step_s: float, groups: Sequence[Group], *, every: int, optimizer: str,
-                fusion_bytes: float = 25 * 2**20) -> dict[str, float]:
+                fusion_bytes: float = 25 * 2**20, spare_core: bool = True) -> dict[str, float]:
     """Predicted seconds per step for each candidate ("dear", "ring", "dadam:ring", ...) and the
     reference "allreduce"."""
-    table = {("%s:%s" % pair if pair[1] else pair[0]): strategy_step_s(
-        pair[0], step_s, groups, every=every, topology=pair[1] or "one-peer-exp", fusion_bytes=fusion_bytes)
-        for pair in candidates(optimizer)}
+    table = {(f"{strategy}:{topology}" if topology else strategy): strategy_step_s(
+        strategy, step_s, groups, every=every, topology=topology or "one-peer-exp", fusion_bytes=fusion_bytes,
+        spare_core=spare_core) for strategy, topology in candidates(optimizer)}
     table["allreduce"] = strategy_step_s("allreduce", step_s, groups, fusion_bytes=fusion_bytes)
     return table
 

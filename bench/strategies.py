@@ -1,0 +1,157 @@
+"""Averaging strategies side by side: the runtime model's prediction, the measured step time and the
+accuracy of each, on the same data-parallel job.
+
+    python -m bench.strategies [--replicas 4 8] [--repeat 3] [--quick] [--no-docs]
+
+For each group size n: n replicas of an MLP on digits, one process each with one torch thread
+(loopback gRPC), every replica averaging every step (`every` = 1, the like-for-like setting: dear is
+per step by nature). First the inputs of the model are measured in the same run: the compute
+seconds per step T with strategy "none" (all n processes training at once, so T carries the same
+sharing of the machine's cores as every strategy after it), and the ring links' bandwidth and
+latency from our ring all-reduce over n processes at two sizes (4 KiB and the model's size; the
+fit is exact at both). Then each strategy runs and its step time is measured over the steady state
+(20%-90% of the steps). Medians over `--repeat` runs.
+
+Prints a table (strategy, topology, predicted ms, measured ms, error, test accuracy) and last
+`strategies auto_pick_ok=<true|false> max_pred_error=<x>`: auto_pick_ok when the strategy the
+runtime model picks (ravnest/averaging/runtime.py `pick`) measures within 5% of the fastest one
+measured, for every n; max_pred_error = max |predicted - measured| / measured.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+from bench.allreduce import run_ring
+from ravnest.averaging import runtime
+from ravnest.models import build_model, profile_blocks
+from ravnest.pipeline.local import run_local_clusters
+from ravnest.spec import JobSpec
+
+MODEL = {"name": "mlp", "config": {"hidden": 256, "depth": 4}}
+BATCH = 64
+GOSSIP_TOPOLOGIES = ("one-peer-exp", "alternating-exp-ring", "ring", "exponential", "complete")
+SMALL = 1024  # fp32 elements of the latency probe
+
+
+def job(strategy: str, steps: int, seed: int, topology: str = "one-peer-exp") -> JobSpec:
+    averaging = {"strategy": strategy, "every": 1}
+    if strategy in runtime.GOSSIP:
+        averaging["topology"] = topology
+    return JobSpec.model_validate({
+        "model": MODEL, "dataset": {"name": "digits"},
+        "training": {"steps": steps, "batch_size": BATCH, "seed": seed, "staleness": "none",
+                     "optimizer": {"name": "Adam", "kwargs": {"lr": 1e-3}}},
+        "averaging": averaging})
+
+
+def measured(spec: JobSpec, replicas: int, blocks: int) -> dict[str, float]:
+    """Median seconds per step (steady state) over the replicas, and cluster 0's test accuracy."""
+    clusters = run_local_clusters(spec, [[(0, blocks)]] * replicas, timeout=900)
+    samples_per_step = spec.training.batch_size * spec.training.accumulation
+    step_s = statistics.median(samples_per_step / c["stages"][0]["steady_samples_per_s"] for c in clusters)
+    return {"step_s": step_s, "accuracy": clusters[0]["metrics"]["test_accuracy"]}
+
+
+def ring_link(replicas: int, param_bytes: int, rounds: int) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) that make the runtime model's all-reduce time match ours over
+    `replicas` processes at 4 KiB and at `param_bytes`."""
+    small = statistics.median(run_ring(replicas, SMALL, rounds=rounds)["times"])
+    large = statistics.median(run_ring(replicas, param_bytes // 4, rounds=rounds)["times"])
+    steps = 2 * (replicas - 1)
+    bandwidth = (param_bytes - 4 * SMALL) / (replicas * max(large - small, 1e-9) / steps)
+    latency = max(small / steps - 4 * SMALL / (replicas * bandwidth), 0.0)
+    return bandwidth, latency
+
+
+def run(replicas: int, steps: int, repeat: int) -> list[dict]:
+    model = build_model(MODEL["name"], MODEL["config"])
+    costs = profile_blocks(model, BATCH)
+    param_bytes = sum(c.param_bytes for c in costs)
+    bandwidth, latency = ring_link(replicas, param_bytes, rounds=5)
+    group = runtime.Group(replicas, param_bytes, bandwidth, latency, fine_overlap=True)
+    print(f"{replicas} replicas: model {param_bytes / 2**20:.2f} MiB; ring link {bandwidth / 2**20:.0f} MiB/s, "
+          f"latency {latency * 1e3:.2f} ms", flush=True)
+    configs = [("ring", ""), ("dear", ""), *(("dadam", t) for t in GOSSIP_TOPOLOGIES)]
+    rows: dict[tuple[str, str], list[dict]] = {}
+    compute: list[float] = []
+    for seed in range(repeat):  # alternated, so load changes hit every strategy alike
+        compute.append(measured(job("none", steps, seed), replicas, len(costs))["step_s"])
+        print(f"  seed {seed} none: {compute[-1] * 1e3:.2f} ms/step", flush=True)
+        for strategy, topology in configs:
+            figures = measured(job(strategy, steps, seed, topology or "one-peer-exp"), replicas, len(costs))
+            rows.setdefault((strategy, topology), []).append(figures)
+            print(f"  seed {seed} {strategy} {topology}: {figures['step_s'] * 1e3:.2f} ms/step, "
+                  f"accuracy {figures['accuracy']:.4f}", flush=True)
+    t = statistics.median(compute)
+    results = []
+    for (strategy, topology), runs in rows.items():
+        predicted = runtime.strategy_step_s(strategy, t, [group], every=1, topology=topology or "one-peer-exp",
+                                            spare_core=spare_core(replicas))
+        results.append({"replicas": replicas, "strategy": strategy, "topology": topology, "predicted_s": predicted,
+                        "step_s": statistics.median(r["step_s"] for r in runs),
+                        "accuracy": statistics.median(r["accuracy"] for r in runs), "compute_s": t})
+    return results
+
+
+def spare_core(replicas: int) -> bool:
+    """Whether each replica process (one torch thread) has a core beside its compute for communication."""
+    return (os.cpu_count() or 1) >= 2 * replicas
+
+
+def auto_pick_ok(results: list[dict]) -> bool:
+    table = {(f"{r['strategy']}:{r['topology']}" if r["topology"] else r["strategy"]): r["predicted_s"]
+             for r in results}
+    strategy, topology = runtime.pick(table)
+    picked = next(r for r in results if (r["strategy"], r["topology"]) == (strategy, topology))
+    return picked["step_s"] <= 1.05 * min(r["step_s"] for r in results)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--repeat", type=int, default=1, help="runs per figure, seeds 0, 1, ... (medians quoted)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (noisier figures)")
+    parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    steps = 60 if args.quick else 200
+    load = os.getloadavg()[0]
+    torch.set_num_threads(1)
+    results = [row for n in args.replicas for row in run(n, steps, args.repeat)]
+    lines = []
+    for r in results:
+        error = (r["predicted_s"] - r["step_s"]) / r["step_s"]
+        lines.append(f"| {r['replicas']} | {r['strategy']} | {r['topology'] or '-'} | {r['predicted_s'] * 1e3:.2f} "
+                     f"| {r['step_s'] * 1e3:.2f} | {error:+.0%} | {r['accuracy']:.4f} |")
+    table = ("| replicas | strategy | topology | predicted ms/step | measured ms/step | error | test accuracy |\n"
+             "|---|---|---|---|---|---|---|\n" + "\n".join(lines))
+    ok = all(auto_pick_ok([r for r in results if r["replicas"] == n]) for n in args.replicas)
+    worst = max(abs(r["predicted_s"] - r["step_s"]) / r["step_s"] for r in results)
+    computes = ", ".join(f"{n} replicas {next(r['compute_s'] for r in results if r['replicas'] == n) * 1e3:.2f} ms"
+                         for n in args.replicas)
+    print(table)
+    cores_note = (f"with {os.cpu_count()} cores for the replicas' processes no core is spare, so the model charges "
+                  f"each strategy all its communication (`spare_core=False`)"
+                  if not all(spare_core(n) for n in args.replicas) else "every replica has a core to spare")
+    if not args.no_docs:
+        from bench.common import write_section
+        command = "python -m bench.strategies " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_section("Averaging strategies", (
+            f"`{command.strip()}`\n\n"
+            f"MLP {MODEL['config']} on digits, batch {BATCH} per replica, {steps} Adam steps (lr 1e-3), every "
+            f"replica one process with one torch thread on loopback gRPC, averaging every step. Predicted: the "
+            f"runtime model (`ravnest/averaging/runtime.py`) from the compute time per step measured with "
+            f"strategy none ({computes}) and the ring link fitted to our all-reduce at 4 KiB and the model's "
+            f"size; {cores_note}. Measured: steady state (20%-90% of the steps), median over replicas and {args.repeat} "
+            f"run(s). Test accuracy: cluster 0 after the run (dear is the synchronous all-reduce reference).\n\n"
+            f"{table}\n\nauto picks within 5% of the fastest measured: {str(ok).lower()}. Machine: "
+            f"{os.cpu_count()} cores, load average {load:.1f} at the start.\n"))
+    print(f"strategies auto_pick_ok={str(ok).lower()} max_pred_error={worst:.2f}")
+
+
+if __name__ == "__main__":
+    main()
