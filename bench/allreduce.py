@@ -4,8 +4,9 @@ bandwidth-shaped links.
     python -m bench.allreduce [--size-mib 64] [--quick] [--rounds 3] [--no-docs]
     python -m bench.allreduce --shaped [--size-mib 32] [--quick]     # root, ip and tc
 
-Loopback: for world sizes 2 and 4, members are separate processes with one torch thread each; ours
-and gloo reduce the same fp32 tensor. Bus bandwidth = 2(n-1)/n * S / t, t = the slowest member's
+Loopback: for world sizes 2 and 4, members are separate processes with one torch thread each; ours,
+gloo, and our `backend: "torch"` (ravnest/averaging/torch_group.py: gloo behind our rendezvous, what
+a job on a trusted cluster runs) reduce the same fp32 tensor. Bus bandwidth = 2(n-1)/n * S / t, t = the slowest member's
 time, median over rounds. Last line: `allreduce ratio_vs_gloo=<ours/gloo, worse world size>`.
 
 Shaped: 4 members in network namespaces (deploy/testbed/netns.sh), member 0 at 50 Mbit/s and the
@@ -65,8 +66,12 @@ def _ring_member(args: argparse.Namespace) -> None:
     _emit({"address": server.address})
     addresses = json.loads(sys.stdin.readline())["addresses"]
     weights = json.loads(args.weights) if args.weights else None
-    member = RingMember(args.member, addresses, router, TOKEN, weights=weights, codec=args.codec,
-                        chunk_bytes=args.chunk_bytes, step_timeout=120.0, lanes=args.lanes)
+    if args.backend == "torch":  # our gloo backend: rendezvous over the peer wire, then gloo
+        from ravnest.averaging.torch_group import TorchMember
+        member = TorchMember(args.member, addresses, router, TOKEN, step_timeout=120.0)
+    else:
+        member = RingMember(args.member, addresses, router, TOKEN, weights=weights, codec=args.codec,
+                            chunk_bytes=args.chunk_bytes, step_timeout=120.0, lanes=args.lanes)
     x = member_input(args.member, args.numel)
     result = torch.empty_like(x)
     for round, _ in enumerate(sys.stdin):
@@ -149,11 +154,12 @@ def _member_command(rank: int, world: int, numel: int, extra: list[str], prefix:
 
 def run_ring(world: int, numel: int, *, rounds: int, warmup: int = 1, hosts: list[str] | None = None,
              netns: list[str] | None = None, chunk_bytes: int = 4 * MIB, weights: list[float] | None = None,
-             codec: str = "", lanes: int = 1, check: bool = False) -> dict:
-    """Our ring over `world` member processes: per-round times (slowest member) and the max error of
-    the first round's result against the reference mean (with `check`)."""
+             codec: str = "", lanes: int = 1, check: bool = False, backend: str = "grpc") -> dict:
+    """Our ring (or with backend "torch", our gloo backend) over `world` member processes: per-round
+    times (slowest member) and the max error of the first round's result against the reference mean
+    (with `check`)."""
     hosts = hosts or ["127.0.0.1"] * world
-    extra = ["--chunk-bytes", str(chunk_bytes), "--codec", codec, "--lanes", str(lanes)]
+    extra = ["--chunk-bytes", str(chunk_bytes), "--codec", codec, "--lanes", str(lanes), "--backend", backend]
     extra += ["--weights", json.dumps(weights)] if weights else []
     extra += ["--check"] if check else []
     commands = [_member_command(r, world, numel, [*extra, "--host", hosts[r]],
@@ -202,13 +208,17 @@ def loopback(args: argparse.Namespace) -> str:
     for world in (2, 4):
         ours = run_ring(world, nbytes // 4, rounds=args.rounds, lanes=args.lanes, check=True)
         gloo = run_gloo(world, nbytes // 4, rounds=args.rounds)
+        backend = run_ring(world, nbytes // 4, rounds=args.rounds, check=True, backend="torch")
         t_ours, t_gloo = statistics.median(ours["times"]), statistics.median(gloo["times"])
+        t_backend = statistics.median(backend["times"])
         cpu_ours, cpu_gloo = statistics.median(ours["cpu"]), statistics.median(gloo["cpu"])
         ratio = t_gloo / t_ours
         ratios.append(ratio)
         line = (f"n={world}: ours {t_ours * 1e3:.0f} ms, bus {bus_bandwidth(world, nbytes, t_ours) / 1e9:.3f} GB/s, "
                 f"CPU {cpu_ours:.2f} s (max error vs reference {ours['max_error']:.1e}); gloo {t_gloo * 1e3:.0f} ms, "
-                f"bus {bus_bandwidth(world, nbytes, t_gloo) / 1e9:.3f} GB/s, CPU {cpu_gloo:.2f} s; ours/gloo {ratio:.2f}")
+                f"bus {bus_bandwidth(world, nbytes, t_gloo) / 1e9:.3f} GB/s, CPU {cpu_gloo:.2f} s; ours/gloo {ratio:.2f}; "
+                f"backend torch (gloo behind our rendezvous) {t_backend * 1e3:.0f} ms, bus "
+                f"{bus_bandwidth(world, nbytes, t_backend) / 1e9:.3f} GB/s (max error {backend['max_error']:.1e})")
         print(line, flush=True)
         lines.append(line)
     summary = (f"{args.size_mib:g} MiB fp32 on 127.0.0.1, one process per member, 1 torch thread each, "
@@ -307,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     member.add_argument("--member", type=int, default=None, help=argparse.SUPPRESS)
     for flag, kind, default in [("--world", int, 0), ("--numel", int, 0), ("--host", str, "127.0.0.1"),
                                 ("--port", int, 0), ("--chunk-bytes", int, 4 * MIB), ("--codec", str, ""),
-                                ("--weights", str, "")]:
+                                ("--weights", str, ""), ("--backend", str, "grpc")]:
         member.add_argument(flag, type=kind, default=default, help=argparse.SUPPRESS)
     member.add_argument("--gloo", action="store_true", help=argparse.SUPPRESS)
     member.add_argument("--check", action="store_true", help=argparse.SUPPRESS)

@@ -116,6 +116,11 @@ class AveragingSettings(_Strict):
     every_seconds: float | None = Field(
         None, gt=0, le=86400, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")
     codec: Literal["", "fp16", "bf16", "int8"] = ""
+    backend: Literal["grpc", "torch"] = Field(
+        "grpc", description="'grpc': collectives over the authenticated peer wire (the default, and the only "
+                            "choice across the internet); 'torch': over torch.distributed's gloo, for trusted "
+                            "clusters whose members reach each other directly. gloo has NO authentication: "
+                            "see docs/security.md")
     average_optimizer_state: bool = Field(
         False, description="also average the optimizer's per-parameter state (e.g. Adam's moments)")
     fusion_mb: float = Field(25.0, gt=0, le=1024, description="dear: gradients travel in groups of consecutive "

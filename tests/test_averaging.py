@@ -16,6 +16,7 @@ from ravnest.averaging import (AveragingStrategy, RingError, RingMember, RingTim
                                ring_time_bound, segment_rings, share_bounds)
 from ravnest.averaging import strategy as strategy_module
 from ravnest.averaging.strategies.ring import RingAveraging
+from ravnest.averaging.torch_group import TorchMember
 from ravnest.spec import (AveragingSettings, DatasetRef, ModelRef, Ring, StageAssignment, StagePeer,
                           TrainingSettings)
 from ravnest.wire import PeerError, PeerServer, Router
@@ -41,6 +42,9 @@ class Nodes:
 
     def ring(self, **kwargs) -> list[RingMember]:
         return [RingMember(i, self.addresses, r, TOKEN, **kwargs) for i, r in enumerate(self.routers)]
+
+    def torch_group(self, segment: int = 0) -> list[TorchMember]:
+        return [TorchMember(i, self.addresses, r, TOKEN, segment=segment) for i, r in enumerate(self.routers)]
 
     def stop(self) -> None:
         for server in self.servers:
@@ -103,6 +107,37 @@ def test_exchange_delivers_each_neighbours_vector_by_the_topology(nodes):
             assert not isinstance(got, BaseException), got
             source = (i - 2 ** round) % n
             assert list(got) == [source] and torch.equal(got[source], vectors[source])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_torch_backend_gives_the_same_collectives_over_gloo(nodes, n):
+    """backend "torch": the members meet through a TCPStore whose port travels over the peer wire,
+    then gloo runs the all-reduce, its two halves and gossip's exchange, with the ring's results."""
+    group = nodes(n)
+    members = group.torch_group()
+    tensors = [torch.randn(10_007) * (i + 1) for i in range(n)]
+    expected = reference_mean(tensors)
+    try:
+        for result in allreduce_all(members, tensors):
+            assert torch.allclose(result, expected, atol=1e-5)
+        scattered = run_all([lambda m=m, t=t: m.reduce_scatter(t, 1) for m, t in zip(members, tensors)])
+        assert not any(isinstance(r, BaseException) for r in scattered), scattered
+        owned = sorted(bounds for _, bounds in scattered)
+        assert owned[0][0] == 0 and owned[-1][1] == 10_007 and all(a[1] == b[0] for a, b in zip(owned, owned[1:]))
+        for buf, (a, b) in scattered:
+            assert torch.allclose(buf[a:b], expected[a:b], atol=1e-5)
+        gathered = run_all([lambda m=m, buf=buf: m.all_gather(buf, 1) for m, (buf, _) in zip(members, scattered)])
+        assert all(torch.equal(g, gathered[0]) for g in gathered) and torch.allclose(gathered[0], expected, atol=1e-5)
+        heard = run_all([lambda m=m, i=i: m.exchange(tensors[i], 2, [(i + 1) % n], [(i - 1) % n])
+                         for i, m in enumerate(members)])
+        for i, got in enumerate(heard):
+            assert not isinstance(got, BaseException), got
+            assert list(got) == [(i - 1) % n] and torch.equal(got[(i - 1) % n], tensors[(i - 1) % n])
+    finally:
+        for member in members:
+            member.close()
+    with pytest.raises(RingError, match="left the group"):
+        members[0].allreduce(tensors[0], 3)
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])

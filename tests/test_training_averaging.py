@@ -22,9 +22,9 @@ CLUSTER_RANGES = [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 4)]]  # segments (0,1
 STEPS = 150
 
 
-def job(averaging: dict, optimizer: dict | None = None) -> JobSpec:
+def job(averaging: dict, optimizer: dict | None = None, eval_every: int = 0) -> JobSpec:
     # whole batches per micro-batch: every cluster steps at the same pace
-    training = {"steps": STEPS, "batch_size": 32, "seed": 0, "staleness": "none"}
+    training = {"steps": STEPS, "batch_size": 32, "seed": 0, "staleness": "none", "eval_every": eval_every}
     return JobSpec.model_validate({"model": {"name": "cnn"}, "dataset": {"name": "digits"},
                                    "training": {**training, **({"optimizer": optimizer} if optimizer else {})},
                                    "averaging": averaging})
@@ -97,7 +97,7 @@ def test_clusters_with_different_cuts_train_average_and_end_identical(reference,
 ], ids=["dadam-4-replicas-one-peer-exp", "dsgd-3-cuts-ring"])
 def test_gossip_strategies_train_with_their_neighbours_and_end_identical(reference, averaging, optimizer,
                                                                           cluster_ranges) -> None:
-    spec = job(averaging, optimizer)
+    spec = job(averaging, optimizer, eval_every=50)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -112,6 +112,10 @@ def test_gossip_strategies_train_with_their_neighbours_and_end_identical(referen
     for state in states[1:]:
         for key, value in state.items():
             assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+    # the evaluations during the run are of the global average too: every cluster evaluated the same model
+    periodic = [[h["test_accuracy"] for h in c["history"][-1] if "test_accuracy" in h] for c in clusters]
+    print(f"evaluations per cluster (steps 50, 100, 150, then the final report): {periodic}")
+    assert len(periodic[0]) >= 3 and all(p == periodic[0] for p in periodic)
     for cluster in clusters:
         for averager, metrics in zip(cluster["averagers"], cluster["stages"]):
             # every round mixed (counted per segment the stage holds), none skipped
@@ -154,10 +158,12 @@ def test_dear_updates_are_synchronous_data_parallel_sgd() -> None:
                 torch.testing.assert_close(value, expected[key].detach(), rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_dear_keeps_differently_cut_pipelines_equal(reference) -> None:
+@pytest.mark.parametrize("backend", ["grpc", "torch"])
+def test_dear_keeps_differently_cut_pipelines_equal(reference, backend) -> None:
     """Clusters cut 1, 2 and 2 ways: every stage averages its segments' gradients every step and all
-    clusters end with the same weights, learning at least as well as the single process."""
-    spec = job({"strategy": "dear"}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
+    clusters end with the same weights, learning at least as well as the single process; over the
+    peer wire or over gloo (backend "torch")."""
+    spec = job({"strategy": "dear", "backend": backend}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -165,7 +171,7 @@ def test_dear_keeps_differently_cut_pipelines_equal(reference) -> None:
     finally:
         torch.set_num_threads(threads)
     accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
-    print(f"\ndear, 3 cuts: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
+    print(f"\ndear over {backend}, 3 cuts: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
     assert min(accuracies) >= reference["test_accuracy"] - 0.03
     states = [c["state_dict"] for c in clusters]
     for state in states[1:]:

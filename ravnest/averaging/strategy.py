@@ -8,6 +8,8 @@ The stage calls it at fixed points of its schedule, all on its worker thread (ex
     gradients_ready(s)   the weight gradients of step s are complete, the optimizer has not stepped
     after_step(s)        optimizer step s (1-based) is done (or only counted: `defers_update`)
     flush()              everything started must be applied now (before a checkpoint or evaluation)
+    begin_evaluation(k)  evaluation round k is about to run on this stage (e.g. swap in the global
+                         average); end_evaluation(k) after it
     finish()             after the last step: leave every replica with the same final weights
     abort()              from any thread: the job stops, fail what is running or awaited
     close()              release the strategy's streams and threads, however the job ended
@@ -34,8 +36,9 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
+from ravnest.averaging.ring import RingMember
 from ravnest.plugins import entry_points, load_plugin
-from ravnest.spec import StageAssignment
+from ravnest.spec import Ring, StageAssignment
 from ravnest.wire import Router
 
 ENTRY_POINT_GROUP = "ravnest.averaging"
@@ -77,6 +80,17 @@ class StageContext:
     waiting: Callable[[], ContextManager[None]] = contextlib.nullcontext
 
 
+def group_member(context: StageContext, ring: Ring, *, step_timeout: float, codec: str = "") -> RingMember:
+    """This stage's member of `ring`'s group: collectives over the peer wire, or over gloo where the
+    job chose `averaging.backend: "torch"` (ravnest/averaging/torch_group.py; same interface)."""
+    a = context.assignment
+    member = RingMember
+    if a.averaging.backend == "torch":
+        from ravnest.averaging.torch_group import TorchMember as member  # torch.distributed loads on demand
+    return member(a.cluster, [m.address for m in ring.members], context.router, a.token, segment=ring.segment,
+                  weights=ring.weights, codec=codec, step_timeout=step_timeout)
+
+
 class AveragingStrategy:
     """The points where a strategy acts (see the module docstring); each does nothing by default."""
 
@@ -96,6 +110,12 @@ class AveragingStrategy:
         pass
 
     def flush(self) -> None:
+        pass
+
+    def begin_evaluation(self, round: int) -> None:
+        pass
+
+    def end_evaluation(self, round: int) -> None:
         pass
 
     def finish(self) -> None:

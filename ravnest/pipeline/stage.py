@@ -127,6 +127,8 @@ class StageRunner:
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # stage 0: the rest of a batch cut in parts
         self._eval = EvalAccumulator()
         self._eval_round = 0
+        self._evaluating: int | None = None  # the evaluation round under way on this stage
+        self._eval_backlog: list[Message] = []  # evaluation messages for a step this stage has not reached
         self._finished = False
         self.router = router
         self._register(router)
@@ -155,6 +157,7 @@ class StageRunner:
         try:
             for action in self.actions:
                 self._act(action)
+            self._drain_eval_backlog()
             while not self._finished:  # the evaluation after the last step
                 self._handle_forward_lane(self.inbox.next_forward(self.peer_timeout))
             self._close_streams()
@@ -370,13 +373,36 @@ class StageRunner:
             self.averager.flush()
 
     def _handle_forward_lane(self, msg: Message) -> None:
-        if msg.kind == EVAL:
-            self._flush_averaging()
-            self._eval_batch(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
-        elif msg.kind == EVAL_END:
-            self._eval_end(msg.id, final=bool(msg.tags.get("final", 0)))
-        else:
+        """An evaluation message between forwards: evaluated once this stage has reached the step stage 0
+        evaluated at (a stage may read it a little before finishing that step), in arrival order."""
+        if msg.kind not in (EVAL, EVAL_END):
             raise PipelineError(f"stage {self.assignment.stage} got {msg.kind} {msg.id} after its last micro-batch")
+        self._eval_backlog.append(msg)
+        self._drain_eval_backlog()
+
+    def _drain_eval_backlog(self) -> None:
+        while self._eval_backlog and self.optimizer.steps >= self._eval_step(self._eval_backlog[0].id):
+            msg = self._eval_backlog.pop(0)
+            if self._evaluating != msg.id:
+                self._begin_evaluation(msg.id)
+            if msg.kind == EVAL:
+                self._eval_batch(msg.id, msg.tensors["x"].to(self.device), msg.tensors["y"].to(self.device))
+            else:
+                self._eval_end(msg.id, final=bool(msg.tags.get("final", 0)))
+
+    def _eval_step(self, round_: int) -> int:
+        """The step evaluation round `round_` is taken at: every `eval_every` steps after the resume
+        step, then the final one."""
+        every, steps = self.training.eval_every, self.training.steps
+        if every and (step := (self.assignment.resume_step // every + 1 + round_) * every) < steps:
+            return step
+        return steps
+
+    def _begin_evaluation(self, round_: int) -> None:
+        self._flush_averaging()
+        self._evaluating = round_
+        if self.averager is not None:
+            self.averager.begin_evaluation(round_)
 
     def _forward(self, micro_batch: int, x: torch.Tensor, y: torch.Tensor) -> None:
         self._forward_versions[micro_batch] = self.optimizer.steps
@@ -422,8 +448,8 @@ class StageRunner:
             if self.is_first:
                 self._evaluate(final=True)
         elif self.is_first and self.training.eval_every and step % self.training.eval_every == 0:
-            self._flush_averaging()
             self._evaluate(final=False)
+        self._drain_eval_backlog()
 
     def _plan_timed_checkpoint(self, step: int) -> None:
         """`checkpoint_every_s`: every stage of the pipeline must checkpoint at the same step, so stage 0
@@ -441,6 +467,7 @@ class StageRunner:
     def _evaluate(self, final: bool) -> None:
         """Stage 0: stream the whole test set through the pipeline."""
         round_, self._eval_round = self._eval_round, self._eval_round + 1
+        self._begin_evaluation(round_)
         for x, y in self._dataset.test_batches(self.training.batch_size):
             self._eval_batch(round_, x.to(self.device), y.to(self.device))
         self._eval_end(round_, final)
@@ -454,6 +481,9 @@ class StageRunner:
             self._send("next", Message(EVAL, round_, {"x": output, "y": y}))
 
     def _eval_end(self, round_: int, final: bool) -> None:
+        if self.averager is not None:
+            self.averager.end_evaluation(round_)
+        self._evaluating = None
         if self.is_last:
             results, self._eval = self._eval.result(), EvalAccumulator()
             self.final_metrics.update(results)

@@ -34,7 +34,7 @@ import torch
 from ravnest.averaging.fusion import MB, FusionTuner, fusion_groups
 from ravnest.averaging.layout import FlatLayout, block_index, canonical_keys
 from ravnest.averaging.ring import RingMember
-from ravnest.averaging.strategy import GroupStrategy, StageContext, register_strategy
+from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
 
 
 @dataclass
@@ -82,8 +82,7 @@ class DecoupledAllReduce(GroupStrategy):
             blocks = tuple(ring.blocks)
             keys = [k for k in canonical_keys(self.live, blocks) if k in params]
             sizes = [params[k].numel() * 4 for k in reversed(keys)]  # fp32 on the wire, backward order
-            member = RingMember(a.cluster, [m.address for m in ring.members], context.router, a.token,
-                                segment=ring.segment, weights=ring.weights, step_timeout=step_timeout)
+            member = group_member(context, ring, step_timeout=step_timeout)  # raw fp32: see the docstring
             self._segments.append(_Segment(
                 member, keys, [k for k in canonical_keys(self.live, blocks) if k not in params],
                 FusionTuner(sizes, settings.fusion_mb, tune=settings.tune_fusion,

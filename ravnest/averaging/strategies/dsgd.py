@@ -9,9 +9,15 @@ Each member talks to its neighbours only: one or a few messages of its segment p
 many clusters there are, where a ring all-reduce moves 2 (n - 1) / n of it through everyone.
 
 W(t) is doubly stochastic, so the replicas' mean is exactly what synchronous training with the same
-gradients would give; the replicas themselves differ by a spread the topology keeps bounded.
-Evaluation during the run is of the local replica; `finish` runs one exact fp32 all-reduce so the
-final evaluation and the final model are the global average, equal in every cluster.
+gradients would give; the replicas themselves differ by a spread the topology keeps bounded. What is
+evaluated is that mean, the model the run stands for: at every evaluation step (`eval_every`) each
+stage all-reduces its segments exactly (raw fp32) and the evaluation runs on the average, swapped in
+for it and out again; `finish` sets every replica to the exact average, so the final evaluation and
+the final model are the global average, equal in every cluster.
+
+Wire rounds: gossip round t travels as round 2t; the evaluation average at step s as round
+2 ceil(s / every) - 1, between the gossip round before it and the one it precedes (a member's rounds
+must rise).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
-from ravnest.averaging.strategy import GroupStrategy, StageContext, register_strategy
+from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
 from ravnest.averaging.topology import mixing_row, sends_to
 
 FINAL_ROUND = 1 << 40  # above every gossip round's number
@@ -50,16 +56,19 @@ class GossipMixing(GroupStrategy):
         self.every, self.topology = settings.every, settings.topology
         self.live, self.device, self._companions = context.live, torch.device(context.device), context.companions
         self.rank, self.size = a.cluster, a.num_clusters
-        self._segments = [_Segment(RingMember(a.cluster, [m.address for m in ring.members], context.router, a.token,
-                                              segment=ring.segment, weights=ring.weights, codec=settings.codec,
-                                              step_timeout=step_timeout), tuple(ring.blocks))
-                          for ring in a.rings]
+        self._eval_every, self._steps, self._resumed_at = a.training.eval_every, a.training.steps, a.resume_step
+        self._eval_averages: dict[int, list[torch.Tensor]] = {}  # evaluation round -> average per segment
+        self._eval_backup: list[torch.Tensor] | None = None
+        self._segments = [_Segment(group_member(context, ring, codec=settings.codec, step_timeout=step_timeout),
+                                   tuple(ring.blocks)) for ring in a.rings]
         self._pool = ThreadPoolExecutor(max(1, len(self._segments)), thread_name_prefix="ravnest-gossip")
         self.rounds = 0
         self.mix_s = 0.0    # seconds the exchanges took, summed
         self.stall_s = 0.0  # seconds the training thread waited for them
 
     def after_step(self, step: int) -> None:
+        if self._eval_every and step % self._eval_every == 0 and step < self._steps:
+            self._average_for_evaluation(step)
         if step % self.every == 0:
             for segment in self._segments:
                 self._start(segment, step // self.every)
@@ -73,12 +82,21 @@ class GossipMixing(GroupStrategy):
     def finish(self) -> None:
         """Apply what is running, then set every replica to the exact average (raw fp32)."""
         self._apply_all()
-        with torch.no_grad():
-            for segment in self._segments:
-                flat = self._flatten(segment)
-                average = segment.member.allreduce(flat, FINAL_ROUND, codec="")
-                for key, value in segment.layout.views(average.to(self.device)).items():
-                    self.live[key].copy_(value)
+        self._write([segment.member.allreduce(self._flatten(segment), FINAL_ROUND, codec="")
+                     for segment in self._segments])
+
+    def begin_evaluation(self, round: int) -> None:
+        """Evaluate the global average of `round`'s step (kept by `_average_for_evaluation`)."""
+        averages = self._eval_averages.get(round)
+        if averages is not None:
+            self._eval_backup = [self._flatten(segment).clone() for segment in self._segments]
+            self._write(averages)
+
+    def end_evaluation(self, round: int) -> None:
+        self._eval_averages.pop(round, None)
+        if self._eval_backup is not None:
+            self._write(self._eval_backup)
+            self._eval_backup = None
 
     def metrics(self) -> dict[str, float]:
         figures = {"avg_rounds": float(self.rounds), "avg_stall_s": self.stall_s}
@@ -95,6 +113,21 @@ class GossipMixing(GroupStrategy):
             segment.snapshot = torch.empty(segment.layout.numel)
         return segment.layout.flatten(self.live, out=segment.snapshot)
 
+    def _average_for_evaluation(self, step: int) -> None:
+        """The exact global average of every segment at `step`, kept for the evaluation round that
+        stage 0 runs at this step (every stage reaches it, in every cluster)."""
+        self._apply_all()
+        wire = 2 * -(-step // self.every) - 1
+        averages = [segment.member.allreduce(self._flatten(segment), wire, codec="") for segment in self._segments]
+        every = self._eval_every
+        self._eval_averages[step // every - self._resumed_at // every - 1] = averages
+
+    def _write(self, flats: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for segment, flat in zip(self._segments, flats):
+                for key, value in segment.layout.views(flat).items():
+                    self.live[key].copy_(value)
+
     def _start(self, segment: _Segment, round: int) -> None:
         if segment.running is not None:  # at most one round in flight per segment
             self._apply(segment)
@@ -104,7 +137,7 @@ class GossipMixing(GroupStrategy):
     def _mix(self, member: RingMember, snapshot: torch.Tensor, round: int) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
         row = mixing_row(self.topology, self.rank, self.size, round)
-        heard = member.exchange(snapshot, round, sends_to(self.topology, self.rank, self.size, round),
+        heard = member.exchange(snapshot, 2 * round, sends_to(self.topology, self.rank, self.size, round),
                                 [j for j in row if j != self.rank])
         mixed = snapshot * row[self.rank]
         for j, vector in heard.items():

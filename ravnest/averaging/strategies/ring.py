@@ -35,7 +35,7 @@ import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
-from ravnest.averaging.strategy import GroupStrategy, StageContext, register_strategy
+from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
 
 FINAL_ROUND = 1 << 40  # above every periodic round's wire number
 Tensors = dict[str, torch.Tensor]
@@ -87,7 +87,7 @@ class RingAveraging(GroupStrategy):
     name = "ring"
 
     def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
-        assignment, router = context.assignment, context.router
+        assignment = context.assignment
         settings = assignment.averaging
         self._companions = context.companions
         self.every, self.every_seconds = settings.every, settings.every_seconds
@@ -103,9 +103,7 @@ class RingAveraging(GroupStrategy):
                                  f"{assignment.num_clusters} clusters")
         now = time.perf_counter()
         self._segments = [
-            _Segment(RingMember(assignment.cluster, [m.address for m in ring.members], router, assignment.token,
-                                segment=ring.segment, weights=ring.weights, codec=settings.codec,
-                                step_timeout=step_timeout),
+            _Segment(group_member(context, ring, codec=settings.codec, step_timeout=step_timeout),
                      tuple(ring.blocks), due_at=now + (self.every_seconds or 0.0))
             for ring in assignment.rings]
         # one thread per ring: a node serves all its rings at once
