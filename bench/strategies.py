@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 
 import torch
 
-from bench.allreduce import run_ring
+from bench.allreduce import TESTBED, run_ring
 from ravnest.averaging import runtime
 from ravnest.models import build_model, profile_blocks
 from ravnest.pipeline.local import run_local_clusters
@@ -49,30 +50,45 @@ def job(strategy: str, steps: int, seed: int, topology: str = "one-peer-exp") ->
         "averaging": averaging})
 
 
-def measured(spec: JobSpec, replicas: int, blocks: int) -> dict[str, float]:
+def measured(spec: JobSpec, replicas: int, blocks: int, places: list[tuple[str, str]] | None) -> dict[str, float]:
     """Median seconds per step (steady state) over the replicas, and cluster 0's test accuracy."""
-    clusters = run_local_clusters(spec, [[(0, blocks)]] * replicas, timeout=900)
+    clusters = run_local_clusters(spec, [[(0, blocks)]] * replicas, timeout=900, places=places)
     samples_per_step = spec.training.batch_size * spec.training.accumulation
     step_s = statistics.median(samples_per_step / c["stages"][0]["steady_samples_per_s"] for c in clusters)
     return {"step_s": step_s, "accuracy": clusters[0]["metrics"]["test_accuracy"]}
 
 
-def ring_link(replicas: int, param_bytes: int, rounds: int) -> tuple[float, float]:
+def ring_link(replicas: int, param_bytes: int, rounds: int,
+              places: list[tuple[str, str]] | None) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) that make the runtime model's all-reduce time match ours over
     `replicas` processes at 4 KiB and at `param_bytes`."""
-    small = statistics.median(run_ring(replicas, SMALL, rounds=rounds)["times"])
-    large = statistics.median(run_ring(replicas, param_bytes // 4, rounds=rounds)["times"])
+    where = {"netns": [n for n, _ in places], "hosts": [h for _, h in places]} if places else {}
+    small = statistics.median(run_ring(replicas, SMALL, rounds=rounds, **where)["times"])
+    large = statistics.median(run_ring(replicas, param_bytes // 4, rounds=rounds, **where)["times"])
     steps = 2 * (replicas - 1)
     bandwidth = (param_bytes - 4 * SMALL) / (replicas * max(large - small, 1e-9) / steps)
     latency = max(small / steps - 4 * SMALL / (replicas * bandwidth), 0.0)
     return bandwidth, latency
 
 
-def run(replicas: int, steps: int, repeat: int) -> list[dict]:
+def run(replicas: int, steps: int, repeat: int, shaped_mbit: float | None = None) -> list[dict]:
     model = build_model(MODEL["name"], MODEL["config"])
     costs = profile_blocks(model, BATCH)
     param_bytes = sum(c.param_bytes for c in costs)
-    bandwidth, latency = ring_link(replicas, param_bytes, rounds=5)
+    places = None
+    if shaped_mbit:
+        subprocess.run([str(TESTBED), "up", *[str(shaped_mbit)] * replicas], check=True)
+        places = [(f"rvn-m{i}", f"10.77.0.{i + 1}") for i in range(replicas)]
+    try:
+        return _run(replicas, steps, repeat, costs, param_bytes, places)
+    finally:
+        if shaped_mbit:
+            subprocess.run([str(TESTBED), "down"], check=True)
+
+
+def _run(replicas: int, steps: int, repeat: int, costs: list, param_bytes: int,
+         places: list[tuple[str, str]] | None) -> list[dict]:
+    bandwidth, latency = ring_link(replicas, param_bytes, 5, places)
     group = runtime.Group(replicas, param_bytes, bandwidth, latency, fine_overlap=True)
     print(f"{replicas} replicas: model {param_bytes / 2**20:.2f} MiB; ring link {bandwidth / 2**20:.0f} MiB/s, "
           f"latency {latency * 1e3:.2f} ms", flush=True)
@@ -80,19 +96,21 @@ def run(replicas: int, steps: int, repeat: int) -> list[dict]:
     rows: dict[tuple[str, str], list[dict]] = {}
     compute: list[float] = []
     for seed in range(repeat):  # alternated, so load changes hit every strategy alike
-        compute.append(measured(job("none", steps, seed), replicas, len(costs))["step_s"])
+        compute.append(measured(job("none", steps, seed), replicas, len(costs), places)["step_s"])
         print(f"  seed {seed} none: {compute[-1] * 1e3:.2f} ms/step", flush=True)
         for strategy, topology in configs:
-            figures = measured(job(strategy, steps, seed, topology or "one-peer-exp"), replicas, len(costs))
+            figures = measured(job(strategy, steps, seed, topology or "one-peer-exp"), replicas, len(costs), places)
             rows.setdefault((strategy, topology), []).append(figures)
             print(f"  seed {seed} {strategy} {topology}: {figures['step_s'] * 1e3:.2f} ms/step, "
                   f"accuracy {figures['accuracy']:.4f}", flush=True)
     t = statistics.median(compute)
     results = []
     for (strategy, topology), runs in rows.items():
-        predicted = runtime.strategy_step_s(strategy, t, [group], every=1, topology=topology or "one-peer-exp",
-                                            spare_core=spare_core(replicas))
-        results.append({"replicas": replicas, "strategy": strategy, "topology": topology, "predicted_s": predicted,
+        predicted = {spare: runtime.strategy_step_s(strategy, t, [group], every=1, topology=topology or "one-peer-exp",
+                                                    spare_core=spare) for spare in (False, True)}
+        results.append({"replicas": replicas, "strategy": strategy, "topology": topology,
+                        "predicted_s": predicted[spare_core(replicas)], "predicted_spare_s": predicted[True],
+                        "predicted_busy_s": predicted[False],
                         "step_s": statistics.median(r["step_s"] for r in runs),
                         "accuracy": statistics.median(r["accuracy"] for r in runs), "compute_s": t})
     return results
@@ -116,19 +134,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--repeat", type=int, default=1, help="runs per figure, seeds 0, 1, ... (medians quoted)")
     parser.add_argument("--quick", action="store_true", help="fewer steps (noisier figures)")
+    parser.add_argument("--shaped", type=float, default=None, metavar="MBIT",
+                        help="each replica in its own network namespace, links tbf-shaped to MBIT (root, ip, tc)")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args(argv)
     steps = 60 if args.quick else 200
     load = os.getloadavg()[0]
     torch.set_num_threads(1)
-    results = [row for n in args.replicas for row in run(n, steps, args.repeat)]
+    results = [row for n in args.replicas for row in run(n, steps, args.repeat, args.shaped)]
     lines = []
     for r in results:
         error = (r["predicted_s"] - r["step_s"]) / r["step_s"]
         lines.append(f"| {r['replicas']} | {r['strategy']} | {r['topology'] or '-'} | {r['predicted_s'] * 1e3:.2f} "
-                     f"| {r['step_s'] * 1e3:.2f} | {error:+.0%} | {r['accuracy']:.4f} |")
-    table = ("| replicas | strategy | topology | predicted ms/step | measured ms/step | error | test accuracy |\n"
-             "|---|---|---|---|---|---|---|\n" + "\n".join(lines))
+                     f"| {r['step_s'] * 1e3:.2f} | {error:+.0%} | {r['accuracy']:.4f} | "
+                     f"{r['predicted_busy_s'] * 1e3:.2f} / {r['predicted_spare_s'] * 1e3:.2f} |")
+    table = ("| replicas | strategy | topology | predicted ms/step | measured ms/step | error | test accuracy "
+             "| predicted without / with a spare core |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
     ok = all(auto_pick_ok([r for r in results if r["replicas"] == n]) for n in args.replicas)
     worst = max(abs(r["predicted_s"] - r["step_s"]) / r["step_s"] for r in results)
     computes = ", ".join(f"{n} replicas {next(r['compute_s'] for r in results if r['replicas'] == n) * 1e3:.2f} ms"

@@ -3,6 +3,7 @@ pipeline or several clusters averaging across rings, and the single-process refe
 the same model on the same data for comparison."""
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import secrets
 import threading
@@ -84,11 +85,16 @@ def _result(stage_results: list[dict[str, Any]], states: list[dict[str, torch.Te
 
 # --- one process per stage ---------------------------------------------------------------------------
 
-def _stage_process(conn: Connection, token: str, threads: int, device: str, datasets: dict[str, str]) -> None:
-    """Child: serve gRPC, tell the parent the address, run the assigned stage, send back the results."""
+def _stage_process(conn: Connection, token: str, threads: int, device: str, datasets: dict[str, str],
+                   place: tuple[str, str] | None = None) -> None:
+    """Child: serve gRPC, tell the parent the address, run the assigned stage, send back the results.
+    With `place` = (network namespace, address), it first moves into that namespace (the pipe to the
+    parent is a socket pair, which crosses namespaces) and serves on that address."""
+    if place is not None:
+        enter_network_namespace(place[0])
     torch.set_num_threads(threads)
     router = Router(wait_for_route=ROUTE_WAIT_S)
-    server = PeerServer(router, "127.0.0.1", 0, token=token)
+    server = PeerServer(router, place[1] if place else "127.0.0.1", 0, token=token)
     try:
         conn.send(server.address)
         assignment = StageAssignment.model_validate_json(conn.recv())
@@ -108,6 +114,18 @@ def _stage_process(conn: Connection, token: str, threads: int, device: str, data
         conn.send({"error": traceback.format_exc()})
     finally:
         server.stop(0)
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def enter_network_namespace(name: str) -> None:
+    """Move this process (its calling thread, before it starts others) into the named network
+    namespace, as `ip netns exec` would (Python 3.11 has no os.setns)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as namespace:
+        if libc.setns(namespace.fileno(), CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {name!r} (root?)")
 
 
 def _gather(pipes: list[Connection], processes: list[mp.Process], deadline: float) -> list[Any]:
@@ -151,9 +169,12 @@ def run_local_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 600, th
 
 def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeout: float = 600,
                        threads_per_stage: int = 1, device: str | torch.device = "cpu",
-                       datasets: dict[str, str] | None = None) -> list[dict[str, Any]]:
+                       datasets: dict[str, str] | None = None,
+                       places: Sequence[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
     """Train `job` as several clusters (cluster c cut as cluster_ranges[c]) averaging over rings,
-    one process per stage on 127.0.0.1; one run_local_pipeline-like result per cluster."""
+    one process per stage on 127.0.0.1, or, with `places`, the i-th stage process (clusters in order,
+    stages in order) in network namespace places[i][0] on address places[i][1] (a bandwidth-shaped
+    testbed: deploy/testbed/netns.sh; needs root); one run_local_pipeline-like result per cluster."""
     flat = [(c, s) for c, ranges in enumerate(cluster_ranges) for s in range(len(ranges))]
     context = mp.get_context("spawn")
     token = secrets.token_hex(16)
@@ -161,10 +182,11 @@ def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeou
     pipes: list[Connection] = []
     processes: list[mp.Process] = []
     try:
-        for _ in flat:
+        for i, _ in enumerate(flat):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_stage_process, daemon=True,
-                                      args=(child_end, token, threads_per_stage, str(device), dict(datasets or {})))
+                                      args=(child_end, token, threads_per_stage, str(device), dict(datasets or {}),
+                                            tuple(places[i]) if places else None))
             process.start()
             child_end.close()
             pipes.append(parent_end)
