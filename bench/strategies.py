@@ -161,10 +161,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_docs:
         from bench.common import write_section
         command = "python -m bench.strategies " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_section("Averaging strategies", (
+        where = (f"in its own network namespace, links tbf-shaped to {args.shaped:g} Mbit/s each way "
+                 f"(deploy/testbed/netns.sh)" if args.shaped else "on loopback gRPC")
+        write_section("Averaging strategies" + (" on shaped links" if args.shaped else ""), (
             f"`{command.strip()}`\n\n"
             f"MLP {MODEL['config']} on digits, batch {BATCH} per replica, {steps} Adam steps (lr 1e-3), every "
-            f"replica one process with one torch thread on loopback gRPC, averaging every step. Predicted: the "
+            f"replica one process with one torch thread {where}, averaging every step. Predicted: the "
             f"runtime model (`ravnest/averaging/runtime.py`) from the compute time per step measured with "
             f"strategy none ({computes}) and the ring link fitted to our all-reduce at 4 KiB and the model's "
             f"size; {cores_note}. Measured: steady state (20%-90% of the steps), median over replicas and {args.repeat} "
