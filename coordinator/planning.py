@@ -293,7 +293,8 @@ def _averaged_step_s(averaging: AveragingSettings, training: TrainingSettings, s
     if averaging.every_seconds is not None or averaging.strategy not in runtime.MODELLED:
         return step_s
     return runtime.strategy_step_s(averaging.strategy, step_s, groups, every=averaging.every,
-                                   topology=averaging.topology, fusion_bytes=averaging.fusion_mb * MB)
+                                   topology=averaging.topology, fusion_bytes=averaging.fusion_mb * MB,
+                                   streaming=averaging.streaming)
 
 
 def _predictions(averaging: AveragingSettings, training: TrainingSettings, step_s: float,

@@ -106,7 +106,8 @@ GOSSIP_STRATEGIES = ("dsgd", "dadam")
 
 class AveragingSettings(_Strict):
     strategy: str = Field("ring", description="how clusters average their copies of each segment: 'ring' "
-                          "(periodic multi-ring all-reduce), 'dear' (every step's gradients, all-reduce hidden "
+                          "(periodic multi-ring all-reduce), 'diloco' (H local steps, then an outer optimizer step on the "
+                          "averaged pseudo-gradient), 'dear' (every step's gradients, all-reduce hidden "
                           "behind backward and forward: synchronous data parallelism), 'dsgd' / 'dadam' (gossip "
                           "with the neighbours of `topology`), 'none', or an installed plug-in strategy "
                           "(docs/averaging.md)")
@@ -127,6 +128,10 @@ class AveragingSettings(_Strict):
                              "parameters of up to this many MB (the search's starting point when tune_fusion)")
     tune_fusion: bool = Field(True, description="dear: try each grouping a power-of-two size in [1, 256] MB gives "
                               "over the first steps and keep the fastest")
+    outer_lr: float = Field(0.7, gt=0, le=10, description="diloco: the outer optimizer's learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer optimizer's Nesterov momentum")
+    streaming: bool = Field(False, description="diloco: the all-reduce of a round overlaps the next round's first "
+                            "every // 2 local steps instead of blocking")
 
     @field_validator("strategy")
     @classmethod
@@ -146,7 +151,7 @@ class AveragingSettings(_Strict):
 
     @model_validator(mode="after")
     def _seconds_are_for_rings(self) -> AveragingSettings:
-        if self.every_seconds is not None and self.strategy in (*GOSSIP_STRATEGIES, "dear"):
+        if self.every_seconds is not None and self.strategy in (*GOSSIP_STRATEGIES, "dear", "diloco"):
             raise ValueError(f"'{self.strategy}' averages by steps; `every_seconds` is for 'ring'")
         return self
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ravnest.averaging.strategies.diloco import outer_step
 from ravnest.data import load_dataset
 from ravnest.models import build_model
 from ravnest.pipeline.local import run_single_process, run_threaded_clusters
@@ -177,3 +178,42 @@ def test_dear_keeps_differently_cut_pipelines_equal(reference, backend) -> None:
     for state in states[1:]:
         for key, value in state.items():
             assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+
+
+def test_diloco_outer_step_is_sgd_with_nesterov_momentum_on_the_pseudo_gradient() -> None:
+    start, delta = torch.tensor([1.0, 2.0]), torch.tensor([0.5, -1.0])
+    momentum = torch.zeros(2)
+    # first step: m = delta; direction = delta + 0.9 delta
+    assert torch.allclose(outer_step(start, delta, momentum, lr=0.7, mu=0.9), start - 0.7 * 1.9 * delta)
+    assert torch.equal(momentum, delta)
+    second = outer_step(start, delta, momentum, lr=0.7, mu=0.9)  # m = 0.9 delta + delta = 1.9 delta
+    assert torch.allclose(second, start - 0.7 * (delta + 0.9 * 1.9 * delta))
+    # lr 1 and no momentum: the new start is the replicas' mean, start - mean(start - theta)
+    plain = outer_step(start, delta, torch.zeros(2), lr=1.0, mu=0.0)
+    assert torch.allclose(plain, start - delta)
+
+
+@pytest.mark.parametrize("averaging,cluster_ranges", [
+    ({"strategy": "diloco", "every": 10, "codec": "int8"}, [[(0, 4)]] * 4),
+    ({"strategy": "diloco", "every": 10, "codec": "fp16", "streaming": True}, CLUSTER_RANGES),
+], ids=["4-replicas-int8", "3-cuts-fp16-streaming"])
+def test_diloco_trains_with_an_outer_optimizer_and_ends_identical(reference, averaging, cluster_ranges) -> None:
+    """H = 10 local Adam steps, then the int8 (fp16) mean pseudo-gradient and one Nesterov outer
+    step: the replicas learn as well as the single process and end with the same weights."""
+    spec = job(averaging, {"name": "Adam", "kwargs": {"lr": 1e-3}})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clusters = run_threaded_clusters(spec, cluster_ranges, timeout=300)
+    finally:
+        torch.set_num_threads(threads)
+    accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
+    print(f"\n{averaging}: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
+    assert min(accuracies) >= reference["test_accuracy"] - 0.03
+    states = [c["state_dict"] for c in clusters]
+    for state in states[1:]:
+        for key, value in state.items():
+            assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+    for cluster in clusters:
+        for averager, metrics in zip(cluster["averagers"], cluster["stages"]):
+            assert metrics["avg_rounds"] == STEPS // 10 * len(averager._segments)  # every round applied

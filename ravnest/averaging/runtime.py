@@ -11,7 +11,8 @@ side, so a step costs what its slowest group costs. With the ring all-reduce's t
 the strategies cost (T = step_s):
 
 - `ring`, every E steps: the round started after step s is applied after step s + D, D = max(1, E // 2),
-  so it stalls only past D steps of compute, once per E steps: T + max(0, AR - D T) / E.
+  so it stalls only past D steps of compute, once per E steps: T + max(0, AR - D T) / E. `diloco`
+  (H = E) the same with `streaming`, else D = 0: T + AR / E.
 - `allreduce` (reference only, no strategy: bucketed all-reduce of the gradients after the backward,
   as DDP without overlap): T + AR + (k - 1) 2 (n - 1) L, with k fusion groups.
 - `dear`: with k groups, RS = AG = (n - 1) (P / (n B) + k L). With the fine-grained overlap (one-stage
@@ -43,7 +44,7 @@ from ravnest.averaging.topology import TOPOLOGIES, mixing_row
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward costs about twice the forward
 AUTO_TOLERANCE = 1.05
 GOSSIP = ("dsgd", "dadam")
-MODELLED = ("none", "ring", "dear", *GOSSIP)  # job strategies with a figure here
+MODELLED = ("none", "ring", "diloco", "dear", *GOSSIP)  # job strategies with a figure here
 
 
 @dataclass(frozen=True)
@@ -67,22 +68,23 @@ def fusion_count(param_bytes: float, fusion_bytes: float) -> int:
 
 
 def strategy_step_s(strategy: str, step_s: float, groups: Sequence[Group], *, every: int = 1,
-                    topology: str = "one-peer-exp", fusion_bytes: float = 25 * 2**20, spare_core: bool = True) -> float:
+                    topology: str = "one-peer-exp", fusion_bytes: float = 25 * 2**20, spare_core: bool = True,
+                    streaming: bool = False) -> float:
     """Predicted seconds per optimizer step (see the module docstring); `strategy` is one of "none",
     "ring", "allreduce", "dear", "dsgd", "dadam". Without `spare_core` (every core of the node is
     computing, e.g. several nodes sharing one machine) nothing hides: each strategy pays its
     communication in full, T + (what it moves per step)."""
     if strategy == "none" or not groups or all(g.members < 2 for g in groups):
         return step_s
-    return max(_group_step_s(strategy, step_s, g, every, topology, fusion_bytes, spare_core)
+    return max(_group_step_s(strategy, step_s, g, every, topology, fusion_bytes, spare_core, streaming)
                for g in groups if g.members > 1)
 
 
 def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, fusion_bytes: float,
-                  spare_core: bool) -> float:
+                  spare_core: bool, streaming: bool) -> float:
     k = fusion_count(g.param_bytes, fusion_bytes)
-    if strategy == "ring":
-        delay = max(1, every // 2) if spare_core else 0
+    if strategy in ("ring", "diloco"):  # diloco: the ring's round, blocking unless streaming
+        delay = max(1, every // 2) if spare_core and (strategy == "ring" or streaming) else 0
         return t + max(0.0, 2 * half_allreduce_s(g) - delay * t) / every
     if strategy == "allreduce":
         return t + 2 * half_allreduce_s(g) + (k - 1) * 2 * (g.members - 1) * g.latency

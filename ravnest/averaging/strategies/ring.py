@@ -110,6 +110,7 @@ class RingAveraging(GroupStrategy):
         self._pool = ThreadPoolExecutor(max(1, len(self._segments)), thread_name_prefix="ravnest-avg")
         self.history: list[RoundRecord] = []
         self.stall_s = 0.0  # time the training thread spent in here, outside `finish`
+        self.apply_delay = max(1, self.every // 2)  # step mode: steps between a round's start and its use
 
     def after_step(self, step: int) -> None:
         """Call right after optimizer step number `step` (1 after the first step). Cheap unless a
@@ -124,7 +125,9 @@ class RingAveraging(GroupStrategy):
                     segment.pending.append(step // self.every)
                 if segment.running is None and segment.pending:
                     self._start(segment, segment.pending.pop(0))
-                    segment.apply_at = step + max(1, self.every // 2)
+                    segment.apply_at = step + self.apply_delay
+                    if self.apply_delay == 0:  # synchronous: the round lands before the next step
+                        self._apply(segment)
             else:
                 if segment.running is not None and segment.running.done():
                     self._apply(segment)
@@ -200,7 +203,16 @@ class RingAveraging(GroupStrategy):
             segment.snapshot, segment.average = torch.empty(segment.layout.numel), torch.empty(segment.layout.numel)
         segment.layout.flatten(tensors, out=segment.snapshot)
         timed = self.every_seconds is not None and number != FINAL_ROUND
-        return self._pool.submit(_average, segment, number, codec, finishing if timed else None)
+        vector = segment.snapshot if number == FINAL_ROUND else self._round_input(segment)
+        return self._pool.submit(_average, segment, vector, number, codec, finishing if timed else None)
+
+    def _round_input(self, segment: _Segment) -> torch.Tensor:
+        """What a periodic round all-reduces: the snapshot itself."""
+        return segment.snapshot
+
+    def _correction(self, segment: _Segment, outcome: _Outcome) -> torch.Tensor:
+        """What a finished round adds to the segment: avg(snapshot) - snapshot."""
+        return outcome.average.sub_(outcome.snapshot)
 
     def _apply(self, segment: _Segment) -> None:
         """x += avg(snapshot) - snapshot for every tensor of the segment's finished round."""
@@ -210,15 +222,17 @@ class RingAveraging(GroupStrategy):
                                         outcome.ended))
         if self.every_seconds is not None:
             segment.committed = None if outcome.anyone_finished else segment.running_round + 1
-        delta = outcome.average.sub_(outcome.snapshot).to(self.device)
+        delta = self._correction(segment, outcome).to(self.device)
         segment.layout.add_into(delta, self._tensors(), self._companions())
 
 
-def _average(segment: _Segment, number: int, codec: str | None, finishing: bool | None) -> _Outcome:
-    """The ring work of one round. Time mode (`finishing` not None) also all-reduces the finished
-    flag, exactly (raw fp32), under the odd wire round next to the data's even one."""
+def _average(segment: _Segment, vector: torch.Tensor, number: int, codec: str | None,
+             finishing: bool | None) -> _Outcome:
+    """The ring work of one round: the mean of `vector` (the snapshot, or what the strategy derives
+    from it). Time mode (`finishing` not None) also all-reduces the finished flag, exactly (raw
+    fp32), under the odd wire round next to the data's even one."""
     wire_round = number if finishing is None else 2 * number
-    average = segment.member.allreduce(segment.snapshot, wire_round, codec=codec, out=segment.average)
+    average = segment.member.allreduce(vector, wire_round, codec=codec, out=segment.average)
     anyone_finished = False
     if finishing is not None:
         flag = torch.tensor([1.0 if finishing else 0.0])
