@@ -101,7 +101,7 @@ class TrainingSettings(_Strict):
     seed: int = Field(0, ge=0, lt=1 << 63)
 
 
-GOSSIP_STRATEGIES = ("dsgd", "dadam")
+GOSSIP_STRATEGIES = ("dsgd", "dadam", "ada")
 
 
 class AveragingSettings(_Strict):
@@ -132,6 +132,10 @@ class AveragingSettings(_Strict):
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer optimizer's Nesterov momentum")
     streaming: bool = Field(False, description="diloco: the all-reduce of a round overlaps the next round's first "
                             "every // 2 local steps instead of blocking")
+    ada_check_every: PositiveInt = Field(10, le=MAX_STEPS, description="ada: steps between measurements of the "
+                                         "replicas' spread")
+    ada_high: float = Field(1e-5, gt=0, description="ada: a denser graph above this relative consensus distance")
+    ada_low: float = Field(4e-6, ge=0, description="ada: a sparser graph below this relative consensus distance")
 
     @field_validator("strategy")
     @classmethod
@@ -148,6 +152,12 @@ class AveragingSettings(_Strict):
         if name not in TOPOLOGIES:
             raise ValueError(f"unknown topology {name!r}; choose one of {', '.join(TOPOLOGIES)}")
         return name
+
+    @model_validator(mode="after")
+    def _ada_thresholds_ordered(self) -> AveragingSettings:
+        if self.ada_low >= self.ada_high:
+            raise ValueError(f"ada_low ({self.ada_low:g}) must be below ada_high ({self.ada_high:g})")
+        return self
 
     @model_validator(mode="after")
     def _seconds_are_for_rings(self) -> AveragingSettings:

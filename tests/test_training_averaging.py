@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ravnest.averaging.strategies.ada import consensus_distance
 from ravnest.averaging.strategies.diloco import outer_step
 from ravnest.data import load_dataset
 from ravnest.models import build_model
@@ -217,3 +218,31 @@ def test_diloco_trains_with_an_outer_optimizer_and_ends_identical(reference, ave
     for cluster in clusters:
         for averager, metrics in zip(cluster["averagers"], cluster["stages"]):
             assert metrics["avg_rounds"] == STEPS // 10 * len(averager._segments)  # every round applied
+
+
+def test_consensus_distance_from_the_all_reduced_sample() -> None:
+    samples = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 2.0])]
+    mean = torch.stack(samples).mean(0)
+    mean_square = sum(float(s.dot(s)) for s in samples) / 2
+    spread = sum(float((s - mean).dot(s - mean)) for s in samples) / 2  # 1.0 around (2, 2)
+    assert consensus_distance(mean, mean_square) == pytest.approx(spread / float(mean.dot(mean)))
+
+
+def test_ada_moves_to_a_denser_graph_while_replicas_drift_and_back_as_they_settle(reference) -> None:
+    """Starting at one-peer-exp with the default thresholds, the measured spread early in training is
+    above ada_high (a denser graph) and later below ada_low (a sparser one)."""
+    spec = job({"strategy": "ada", "every": 1, "topology": "one-peer-exp"}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clusters = run_threaded_clusters(spec, [[(0, 4)]] * 4, timeout=300)
+    finally:
+        torch.set_num_threads(threads)
+    graphs = [h["avg_graph"] for h in clusters[0]["history"][0] if "avg_graph" in h]
+    print(f"\nada: graph on the ladder per report {graphs}, accuracy {clusters[0]['metrics']['test_accuracy']:.4f}")
+    assert max(graphs) > 0 and graphs[-1] < max(graphs)  # went denser, then sparser again
+    assert all(c["stages"][0]["avg_graph_changes"] == clusters[0]["stages"][0]["avg_graph_changes"] for c in clusters)
+    assert min(c["metrics"]["test_accuracy"] for c in clusters) >= reference["test_accuracy"] - 0.03
+    states = [c["state_dict"] for c in clusters]
+    for state in states[1:]:
+        assert all(torch.equal(value, states[0][key]) for key, value in state.items())

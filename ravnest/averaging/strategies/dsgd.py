@@ -15,9 +15,9 @@ stage all-reduces its segments exactly (raw fp32) and the evaluation runs on the
 for it and out again; `finish` sets every replica to the exact average, so the final evaluation and
 the final model are the global average, equal in every cluster.
 
-Wire rounds: gossip round t travels as round 2t; the evaluation average at step s as round
-2 ceil(s / every) - 1, between the gossip round before it and the one it precedes (a member's rounds
-must rise).
+Wire rounds (a member's must rise): gossip round t travels as round 4t; the collectives a step s
+adds before the gossip round it may start, as 4 ceil(s / every) - slot, after the gossip round
+before them: the evaluation average (slot 3) and subclasses' measurements (slot 2, `_wire`).
 """
 from __future__ import annotations
 
@@ -69,9 +69,17 @@ class GossipMixing(GroupStrategy):
     def after_step(self, step: int) -> None:
         if self._eval_every and step % self._eval_every == 0 and step < self._steps:
             self._average_for_evaluation(step)
+        self._between_rounds(step)
         if step % self.every == 0:
             for segment in self._segments:
                 self._start(segment, step // self.every)
+
+    def _between_rounds(self, step: int) -> None:
+        """Subclasses' own collectives after `step`, before the gossip round it may start (wire slot 2)."""
+
+    def _topology_of(self, segment: _Segment) -> str:
+        """The graph `segment` mixes over (subclasses may change it between rounds)."""
+        return self.topology
 
     def gradients_ready(self, step: int) -> None:
         self._apply_all()
@@ -117,10 +125,14 @@ class GossipMixing(GroupStrategy):
         """The exact global average of every segment at `step`, kept for the evaluation round that
         stage 0 runs at this step (every stage reaches it, in every cluster)."""
         self._apply_all()
-        wire = 2 * -(-step // self.every) - 1
-        averages = [segment.member.allreduce(self._flatten(segment), wire, codec="") for segment in self._segments]
+        averages = [segment.member.allreduce(self._flatten(segment), self._wire(step, 3), codec="")
+                    for segment in self._segments]
         every = self._eval_every
         self._eval_averages[step // every - self._resumed_at // every - 1] = averages
+
+    def _wire(self, step: int, slot: int) -> int:
+        """The wire round of an extra collective at `step` (see the module docstring)."""
+        return 4 * -(-step // self.every) - slot
 
     def _write(self, flats: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -132,12 +144,13 @@ class GossipMixing(GroupStrategy):
         if segment.running is not None:  # at most one round in flight per segment
             self._apply(segment)
         snapshot = self._flatten(segment)
-        segment.running = self._pool.submit(self._mix, segment.member, snapshot, round)
+        segment.running = self._pool.submit(self._mix, segment.member, snapshot, round, self._topology_of(segment))
 
-    def _mix(self, member: RingMember, snapshot: torch.Tensor, round: int) -> tuple[torch.Tensor, float]:
+    def _mix(self, member: RingMember, snapshot: torch.Tensor, round: int,
+             topology: str) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
-        row = mixing_row(self.topology, self.rank, self.size, round)
-        heard = member.exchange(snapshot, 2 * round, sends_to(self.topology, self.rank, self.size, round),
+        row = mixing_row(topology, self.rank, self.size, round)
+        heard = member.exchange(snapshot, 4 * round, sends_to(topology, self.rank, self.size, round),
                                 [j for j in row if j != self.rank])
         mixed = snapshot * row[self.rank]
         for j, vector in heard.items():
