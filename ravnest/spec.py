@@ -101,7 +101,7 @@ class TrainingSettings(_Strict):
     seed: int = Field(0, ge=0, lt=1 << 63)
 
 
-GOSSIP_STRATEGIES = ("dsgd", "dadam", "ada")
+GOSSIP_STRATEGIES = ("dsgd", "dadam", "ada", "acid")
 
 
 class AveragingSettings(_Strict):
@@ -132,6 +132,13 @@ class AveragingSettings(_Strict):
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer optimizer's Nesterov momentum")
     streaming: bool = Field(False, description="diloco: the all-reduce of a round overlaps the next round's first "
                             "every // 2 local steps instead of blocking")
+    acid_rate: float = Field(1.0, gt=0, le=64, description="acid: pairwise averagings per gradient step")
+    acid_poisson: bool = Field(False, description="acid: averagings at Poisson times of that rate (the same on "
+                               "every member) instead of evenly spaced")
+    acid_eta: float | None = Field(None, ge=0, le=100, description="acid: the momentum's mixing rate (default: "
+                                   "from the graph's Laplacian; 0: plain asynchronous pairwise averaging)")
+    acid_alpha: float | None = Field(None, ge=0, le=100, description="acid: the momentum's step on an averaging "
+                                     "(default: from the graph's Laplacian)")
     ada_check_every: PositiveInt = Field(10, le=MAX_STEPS, description="ada: steps between measurements of the "
                                          "replicas' spread")
     ada_high: float = Field(1e-5, gt=0, description="ada: a denser graph above this relative consensus distance")

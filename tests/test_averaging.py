@@ -450,8 +450,8 @@ def test_strategy_is_none_without_work():
 
 def test_strategies_register_by_name_and_unknown_names_are_refused_with_the_known_ones(monkeypatch):
     monkeypatch.setattr(strategy_module, "_FACTORIES", dict(strategy_module._FACTORIES))  # undone after the test
-    assert {"none", "auto", "ring", "dsgd", "dadam", "dear", "diloco", "ada"} <= set(available_strategies())
-    with pytest.raises(ValueError, match=r"unknown averaging strategy 'gossip'; known: ada, auto, dadam, dear, diloco, dsgd, none, ring"):
+    assert {"none", "auto", "ring", "dsgd", "dadam", "dear", "diloco", "ada", "acid"} <= set(available_strategies())
+    with pytest.raises(ValueError, match=r"unknown averaging strategy 'gossip'; known: acid, ada, auto, dadam, dear, diloco, dsgd, none, ring"):
         AveragingSettings(strategy="gossip")
     with pytest.raises(StrategyError, match="reserved"):
         register_strategy("none")

@@ -191,7 +191,7 @@ BAD_JOBS = {
     "extra field": ({**digits_job(), "surprise": 1}, "surprise"),
     "boolean steps": ({**digits_job(), "training": {"steps": True}}, "steps"),  # not 1 step
     "steps as text": ({**digits_job(), "training": {"steps": "30"}}, "steps"),
-    "unknown strategy": ({**digits_job(), "averaging": {"strategy": "gossip"}}, "known: ada, auto, dadam, dear, diloco, dsgd, none, ring"),
+    "unknown strategy": ({**digits_job(), "averaging": {"strategy": "gossip"}}, "known: acid, ada, auto, dadam, dear, diloco, dsgd, none, ring"),
 }
 
 

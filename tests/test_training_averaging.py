@@ -9,9 +9,13 @@ times the samples per step would be a data-parallel bound, not what averaging ev
 """
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 import torch
 
+from ravnest.averaging.strategies.acid import acid_constants, mix, neighbours, partner
 from ravnest.averaging.strategies.ada import consensus_distance
 from ravnest.averaging.strategies.diloco import outer_step
 from ravnest.data import load_dataset
@@ -242,6 +246,71 @@ def test_ada_moves_to_a_denser_graph_while_replicas_drift_and_back_as_they_settl
     print(f"\nada: graph on the ladder per report {graphs}, accuracy {clusters[0]['metrics']['test_accuracy']:.4f}")
     assert max(graphs) > 0 and graphs[-1] < max(graphs)  # went denser, then sparser again
     assert all(c["stages"][0]["avg_graph_changes"] == clusters[0]["stages"][0]["avg_graph_changes"] for c in clusters)
+    assert min(c["metrics"]["test_accuracy"] for c in clusters) >= reference["test_accuracy"] - 0.03
+    states = [c["state_dict"] for c in clusters]
+    for state in states[1:]:
+        assert all(torch.equal(value, states[0][key]) for key, value in state.items())
+
+
+def test_acid_mixing_keeps_the_sum_and_matches_the_closed_form() -> None:
+    x, tilde = torch.tensor([1.0, -2.0]), torch.tensor([3.0, 4.0])
+    mix(x, tilde, eta=0.3, tau=2.0)
+    e = math.exp(-2 * 0.3 * 2.0)
+    assert torch.allclose(x, (1 + e) / 2 * torch.tensor([1.0, -2.0]) + (1 - e) / 2 * torch.tensor([3.0, 4.0]))
+    assert torch.allclose(tilde, (1 - e) / 2 * torch.tensor([1.0, -2.0]) + (1 + e) / 2 * torch.tensor([3.0, 4.0]))
+    assert torch.allclose(x + tilde, torch.tensor([4.0, 2.0]))  # the mean of x and x~ is kept
+
+
+@pytest.mark.parametrize("n", [4, 6, 9])
+def test_acid_constants_of_a_cycle_match_its_laplacian(n) -> None:
+    """L = rate (I - W) on the cycle: lambda_2 = rate (1 - cos(2 pi / n)); neighbours' effective
+    resistance in L is 2 (n - 1) / (rate n), so chi2 = (n - 1) / (rate n)."""
+    rate = 2.0
+    chi1 = 1 / (rate * (1 - math.cos(2 * math.pi / n)))
+    chi2 = (n - 1) / (rate * n)
+    eta, alpha = acid_constants("ring", n, rate)
+    assert eta == pytest.approx(0.5 / math.sqrt(chi1 * chi2)) and alpha == pytest.approx(0.5 * math.sqrt(chi1 / chi2))
+
+
+def test_acid_matchings_pair_both_ends_of_every_event() -> None:
+    for topology, n in [("ring", 4), ("ring", 5), ("ring", 6), ("exponential", 8)]:
+        for event in range(6):
+            for i in range(n):
+                j = partner(topology, i, n, event)
+                assert j is None or (partner(topology, j, n, event) == i and j in neighbours(topology, i, n))
+
+
+@pytest.mark.parametrize("strategy", ["acid", "dsgd"])
+def test_acid_keeps_fast_replicas_busy_beside_a_3x_slower_one(reference, strategy) -> None:
+    """One of 4 replicas sleeps twice its own step's time after every step (3x slower). With acid the
+    other three keep their pace (communication waits, computation does not); with dsgd every round
+    waits for the slow one. Both learn and end with the same weights."""
+    spec = job({"strategy": strategy, "every": 1, "topology": "ring"}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
+
+    def slow_down(runners) -> None:
+        optimizer = runners[3][0].optimizer
+        step, last = optimizer.step, [time.perf_counter()]
+
+        def three_times_slower(*args, **kwargs):
+            step(*args, **kwargs)
+            now = time.perf_counter()
+            time.sleep(2 * (now - last[0]))
+            last[0] = time.perf_counter()
+        optimizer.step = three_times_slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clusters = run_threaded_clusters(spec, [[(0, 4)]] * 4, timeout=300, setup=slow_down)
+    finally:
+        torch.set_num_threads(threads)
+    elapsed = [c["runners"][0].clock.steps[-1][0] - c["runners"][0].clock.started for c in clusters]
+    fast = max(elapsed[:3])
+    print(f"\n{strategy}: seconds to the last step per replica {[round(e, 2) for e in elapsed]}, "
+          f"accuracy {[round(c['metrics']['test_accuracy'], 4) for c in clusters]}")
+    if strategy == "acid":
+        assert elapsed[3] >= 1.7 * fast  # the fast ones did not wait for the slow one (about 2.4x measured)
+    else:
+        assert elapsed[3] <= 1.3 * fast  # synchronous rounds: everyone at the slow one's pace
     assert min(c["metrics"]["test_accuracy"] for c in clusters) >= reference["test_accuracy"] - 0.03
     states = [c["state_dict"] for c in clusters]
     for state in states[1:]:

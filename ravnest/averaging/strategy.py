@@ -44,7 +44,7 @@ from ravnest.wire import Router
 ENTRY_POINT_GROUP = "ravnest.averaging"
 NO_AVERAGING = "none"
 AUTO = "auto"
-BUILT_IN = ("ring", "dsgd", "dadam", "dear", "diloco", "ada")  # modules of ravnest.averaging.strategies, imported on first use
+BUILT_IN = ("ring", "dsgd", "dadam", "dear", "diloco", "ada", "acid")  # modules of ravnest.averaging.strategies, imported on first use
 Tensors = dict[str, torch.Tensor]
 
 
