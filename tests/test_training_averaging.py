@@ -55,27 +55,36 @@ def steps_during_rounds(runner, averager) -> tuple[int, int]:
     return inside, len({r.number for r in averager.history})
 
 
-@pytest.mark.parametrize("averaging", [{"every": 10}, {"every_seconds": 0.2, "average_optimizer_state": True}],
-                         ids=["every-10-steps", "every-0.2s-with-adam-state"])
-def test_clusters_with_different_cuts_train_average_and_end_identical(reference, averaging) -> None:
+def train(spec: JobSpec, cluster_ranges, **kwargs) -> list[dict]:
+    """run_threaded_clusters with one torch thread per stage, as nodes run."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        clusters = run_threaded_clusters(job(averaging), CLUSTER_RANGES, timeout=300)
+        return run_threaded_clusters(spec, cluster_ranges, timeout=300, **kwargs)
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_identical(clusters: list[dict]) -> None:
+    """finish() left every replica with the same weights: parameters and buffers alike."""
+    states = [c["state_dict"] for c in clusters]
+    for state in states[1:]:
+        assert state.keys() == states[0].keys()
+        for key, value in state.items():
+            assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+
+
+@pytest.mark.parametrize("averaging", [{"every": 10}, {"every_seconds": 0.2, "average_optimizer_state": True}],
+                         ids=["every-10-steps", "every-0.2s-with-adam-state"])
+def test_clusters_with_different_cuts_train_average_and_end_identical(reference, averaging) -> None:
+    clusters = train(job(averaging), CLUSTER_RANGES)
 
     accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
     print(f"\naveraging {averaging}: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
     assert reference["test_accuracy"] >= 0.95
     assert min(accuracies) >= reference["test_accuracy"] - 0.03
 
-    # finish() leaves every replica with the same weights: parameters and BatchNorm buffers alike
-    states = [c["state_dict"] for c in clusters]
-    assert states[0].keys() == states[1].keys() == states[2].keys()
-    for state in states[1:]:
-        for key, value in state.items():
-            assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+    assert_identical(clusters)
     if averaging.get("average_optimizer_state"):
         moments = [{k: v for r in c["runners"] for k, v in r.optimizer_tensors().items()} for c in clusters]
         assert moments[0] and all(m.keys() == moments[0].keys() for m in moments)
@@ -104,20 +113,12 @@ def test_clusters_with_different_cuts_train_average_and_end_identical(reference,
 def test_gossip_strategies_train_with_their_neighbours_and_end_identical(reference, averaging, optimizer,
                                                                           cluster_ranges) -> None:
     spec = job(averaging, optimizer, eval_every=50)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        clusters = run_threaded_clusters(spec, cluster_ranges, timeout=300)
-    finally:
-        torch.set_num_threads(threads)
+    clusters = train(spec, cluster_ranges)
     accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
     print(f"\n{averaging} with {optimizer['name']}: test accuracy {accuracies} vs reference "
           f"{reference['test_accuracy']:.4f}")
     assert min(accuracies) >= reference["test_accuracy"] - 0.03
-    states = [c["state_dict"] for c in clusters]  # finish() leaves the exact global average everywhere
-    for state in states[1:]:
-        for key, value in state.items():
-            assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+    assert_identical(clusters)  # finish() leaves the exact global average everywhere
     # the evaluations during the run are of the global average too: every cluster evaluated the same model
     periodic = [[h["test_accuracy"] for h in c["history"][-1] if "test_accuracy" in h] for c in clusters]
     print(f"evaluations per cluster (steps 50, 100, 150, then the final report): {periodic}")
@@ -140,7 +141,7 @@ def test_dear_updates_are_synchronous_data_parallel_sgd() -> None:
         "training": {"steps": steps, "batch_size": 16, "accumulation": 2, "seed": 0, "staleness": "none",
                      "optimizer": {"name": "SGD", "kwargs": {"lr": 0.05, "momentum": 0.9}}},
         "averaging": {"strategy": "dear", "fusion_mb": 0.02}})  # several groups even for this small model
-    clusters = run_threaded_clusters(spec, [[(0, 4)]] * 4, timeout=300)
+    clusters = train(spec, [[(0, 4)]] * 4)
     for cluster in clusters:
         assert cluster["stages"][0]["avg_rounds"] == steps
 
@@ -170,19 +171,11 @@ def test_dear_keeps_differently_cut_pipelines_equal(reference, backend) -> None:
     clusters end with the same weights, learning at least as well as the single process; over the
     peer wire or over gloo (backend "torch")."""
     spec = job({"strategy": "dear", "backend": backend}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        clusters = run_threaded_clusters(spec, CLUSTER_RANGES, timeout=300)
-    finally:
-        torch.set_num_threads(threads)
+    clusters = train(spec, CLUSTER_RANGES)
     accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
     print(f"\ndear over {backend}, 3 cuts: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
     assert min(accuracies) >= reference["test_accuracy"] - 0.03
-    states = [c["state_dict"] for c in clusters]
-    for state in states[1:]:
-        for key, value in state.items():
-            assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+    assert_identical(clusters)
 
 
 def test_diloco_outer_step_is_sgd_with_nesterov_momentum_on_the_pseudo_gradient() -> None:
@@ -206,19 +199,11 @@ def test_diloco_trains_with_an_outer_optimizer_and_ends_identical(reference, ave
     """H = 10 local Adam steps, then the int8 (fp16) mean pseudo-gradient and one Nesterov outer
     step: the replicas learn as well as the single process and end with the same weights."""
     spec = job(averaging, {"name": "Adam", "kwargs": {"lr": 1e-3}})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        clusters = run_threaded_clusters(spec, cluster_ranges, timeout=300)
-    finally:
-        torch.set_num_threads(threads)
+    clusters = train(spec, cluster_ranges)
     accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
     print(f"\n{averaging}: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
     assert min(accuracies) >= reference["test_accuracy"] - 0.03
-    states = [c["state_dict"] for c in clusters]
-    for state in states[1:]:
-        for key, value in state.items():
-            assert torch.equal(value, states[0][key]), f"{key} differs between clusters"
+    assert_identical(clusters)
     for cluster in clusters:
         for averager, metrics in zip(cluster["averagers"], cluster["stages"]):
             assert metrics["avg_rounds"] == STEPS // 10 * len(averager._segments)  # every round applied
@@ -236,20 +221,13 @@ def test_ada_moves_to_a_denser_graph_while_replicas_drift_and_back_as_they_settl
     """Starting at one-peer-exp with the default thresholds, the measured spread early in training is
     above ada_high (a denser graph) and later below ada_low (a sparser one)."""
     spec = job({"strategy": "ada", "every": 1, "topology": "one-peer-exp"}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        clusters = run_threaded_clusters(spec, [[(0, 4)]] * 4, timeout=300)
-    finally:
-        torch.set_num_threads(threads)
+    clusters = train(spec, [[(0, 4)]] * 4)
     graphs = [h["avg_graph"] for h in clusters[0]["history"][0] if "avg_graph" in h]
     print(f"\nada: graph on the ladder per report {graphs}, accuracy {clusters[0]['metrics']['test_accuracy']:.4f}")
     assert max(graphs) > 0 and graphs[-1] < max(graphs)  # went denser, then sparser again
     assert all(c["stages"][0]["avg_graph_changes"] == clusters[0]["stages"][0]["avg_graph_changes"] for c in clusters)
     assert min(c["metrics"]["test_accuracy"] for c in clusters) >= reference["test_accuracy"] - 0.03
-    states = [c["state_dict"] for c in clusters]
-    for state in states[1:]:
-        assert all(torch.equal(value, states[0][key]) for key, value in state.items())
+    assert_identical(clusters)
 
 
 def test_acid_mixing_keeps_the_sum_and_matches_the_closed_form() -> None:
@@ -297,12 +275,7 @@ def test_acid_keeps_fast_replicas_busy_beside_a_3x_slower_one(reference, strateg
             time.sleep(2 * (now - last[0]))
             last[0] = time.perf_counter()
         optimizer.step = three_times_slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        clusters = run_threaded_clusters(spec, [[(0, 4)]] * 4, timeout=300, setup=slow_down)
-    finally:
-        torch.set_num_threads(threads)
+    clusters = train(spec, [[(0, 4)]] * 4, setup=slow_down)
     elapsed = [c["runners"][0].clock.steps[-1][0] - c["runners"][0].clock.started for c in clusters]
     fast = max(elapsed[:3])
     print(f"\n{strategy}: seconds to the last step per replica {[round(e, 2) for e in elapsed]}, "
@@ -312,6 +285,4 @@ def test_acid_keeps_fast_replicas_busy_beside_a_3x_slower_one(reference, strateg
     else:
         assert elapsed[3] <= 1.3 * fast  # synchronous rounds: everyone at the slow one's pace
     assert min(c["metrics"]["test_accuracy"] for c in clusters) >= reference["test_accuracy"] - 0.03
-    states = [c["state_dict"] for c in clusters]
-    for state in states[1:]:
-        assert all(torch.equal(value, states[0][key]) for key, value in state.items())
+    assert_identical(clusters)
