@@ -2,6 +2,7 @@
 coordinator's reason and status."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,6 +37,26 @@ class Api:
         if response.is_error:
             raise ApiError(f"{response.status_code}: {refusal_reason(response)}", response.status_code)
         return response.json() if response.content else None
+
+    def download(self, path: str, target: Path) -> int:
+        """Stream a file to `target` (written whole or not at all); returns its size in bytes."""
+        partial = target.with_name(target.name + ".part")
+        try:
+            with self.http.stream("GET", path) as response:
+                if response.is_error:
+                    response.read()
+                    raise ApiError(f"{response.status_code}: {refusal_reason(response)}", response.status_code)
+                with partial.open("wb") as out:
+                    for chunk in response.iter_bytes(1 << 20):
+                        out.write(chunk)
+        except httpx.HTTPError as e:
+            partial.unlink(missing_ok=True)
+            raise ApiError(f"cannot reach the coordinator at {self.url}: {e}") from None
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        partial.replace(target)
+        return target.stat().st_size
 
     def close(self) -> None:
         self.http.close()

@@ -1,4 +1,5 @@
-"""Talk to a Ravnest coordinator: join tokens, API keys and nodes.
+"""Talk to a Ravnest coordinator: jobs (submit, status, watch, cancel, resume, download), nodes, join
+tokens and API keys.
 
 URL and API key: --coordinator and --key, or $RAVNEST_COORDINATOR and $RAVNEST_KEY.
 
@@ -6,6 +7,7 @@ Exit codes: 0 done, 1 refused (the reason is printed), 2 wrong usage, 3 coordina
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -66,10 +68,12 @@ def when(seconds: Optional[float]) -> str:
 
 
 def table(*columns: str) -> Table:
-    """Ids and times are never wrapped or cut (people copy ids into the next command); names may wrap."""
+    """Ids and times are never wrapped or cut (people copy ids into the next command); names and
+    reasons may wrap."""
     grid = Table()
     for column in columns:
-        grid.add_column(column, no_wrap=column != "name", min_width={"id": 16, "name": 10}.get(column))
+        grid.add_column(column, no_wrap=column not in ("name", "reason"),
+                        min_width={"id": 16, "name": 10, "reason": 30}.get(column))
     return grid
 
 
@@ -150,9 +154,12 @@ def node_revoke(ctx: typer.Context, node_id: str) -> None:
     err.print(f"node {node_id} revoked", highlight=False)
 
 
+importlib.import_module("ravnest.client.jobs")  # the job commands, in their own module, register on `app`
+
+
 def main() -> None:
     app(prog_name="ravnest")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m ravnest.client.cli`: the module the job commands registered on
+    importlib.import_module("ravnest.client.cli").main()

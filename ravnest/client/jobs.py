@@ -1,0 +1,140 @@
+"""The `ravnest` commands for jobs: submit, status, watch, cancel, resume, download; and `nodes`.
+
+`watch` (and `submit --watch`) polls the job every `--every` seconds until it ends and exits 0 when it
+completed, 1 when it failed or was cancelled: a script can chain `ravnest submit job.json --watch &&
+ravnest download ...`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ravnest.client.api import ApiError
+from ravnest.client.cli import app, call, err, node_list, out, table, when
+
+ENDED = ("completed", "failed", "cancelled")
+
+
+@app.command()
+def submit(ctx: typer.Context, spec: Path = typer.Argument(..., help="a job file, e.g. examples/jobs/digits-cnn.json"),
+           watch_it: bool = typer.Option(False, "--watch", help="then follow it to the end")) -> None:
+    """Submit a job; prints its id (alone on stdout)."""
+    try:
+        body = json.loads(spec.read_text())
+    except OSError as e:
+        err.print(f"ravnest: cannot read {spec}: {e.strerror}", highlight=False)
+        raise typer.Exit(2) from None
+    except json.JSONDecodeError as e:
+        err.print(f"ravnest: {spec} is not JSON: {e}", highlight=False)
+        raise typer.Exit(2) from None
+    created = call(ctx, "POST", "/v1/jobs", json=body)
+    print(created["id"])
+    err.print(f"job {created['id']}: {created['state']} {created['reason']}".rstrip(), highlight=False)
+    if watch_it:
+        _follow(ctx, created["id"], every=2.0)
+
+
+@app.command()
+def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help="one job (default: list them all)")
+           ) -> None:
+    """Jobs you may see, or one job's state, progress, figures and plan."""
+    if job_id is None:
+        jobs = table("id", "name", "state", "model", "created", "reason")
+        for job in call(ctx, "GET", "/v1/jobs"):
+            jobs.add_row(job["id"], job["name"], job["state"], job["model"], when(job["created_at"]), job["reason"])
+        out.print(jobs)
+        return
+    job = call(ctx, "GET", f"/v1/jobs/{job_id}")
+    out.print(f"[bold]{job['id']}[/bold] {job['name']}: {job['state']} ({job['reason']})", highlight=False)
+    out.print(f"progress {job['progress']['fraction']:.0%} of {job['progress']['steps_total']} steps; "
+              f"{_figures(job['metrics'])}", highlight=False)
+    plan = job.get("plan")
+    if plan:
+        out.print(f"plan: {plan['reason']}", highlight=False)
+        for cluster in plan["clusters"]:
+            stages = ", ".join(f"blocks {s['blocks'][0]}-{s['blocks'][1] - 1} on {s['node_id']}" for s in cluster["stages"])
+            out.print(f"  cluster {cluster['cluster']}: {stages}", highlight=False)
+    for recovery in job.get("recoveries") or []:
+        out.print(f"recovery ({recovery['kind']}): {recovery['reason']}", highlight=False)
+    if job.get("model_url"):
+        out.print(f"model: ravnest download {job['id']} -o model.safetensors", highlight=False)
+
+
+@app.command()
+def watch(ctx: typer.Context, job_id: str,
+          every: float = typer.Option(2.0, min=0.2, help="seconds between polls")) -> None:
+    """Follow a job to its end: a progress bar with loss, accuracy and throughput."""
+    _follow(ctx, job_id, every)
+
+
+def _follow(ctx: typer.Context, job_id: str, every: float) -> None:
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+               TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[figures]}")]
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task(job_id, total=1.0, figures="")
+        while True:
+            try:
+                job = ctx.obj.call("GET", f"/v1/jobs/{job_id}")
+            except ApiError as e:
+                if e.status:  # refused (unknown id, wrong key): say so and stop
+                    err.print(f"ravnest: {e}", highlight=False)
+                    raise typer.Exit(1) from None
+                bar.update(task, description=f"{job_id} (coordinator unreachable, retrying)")
+                time.sleep(every)  # the coordinator restarting: keep watching
+                continue
+            bar.update(task, completed=job["progress"]["fraction"], description=f"{job_id} {job['state']}",
+                       figures=_figures(job["metrics"]))
+            if job["state"] in ENDED:
+                break
+            time.sleep(every)
+    err.print(f"{job_id} {job['state']}: {job['reason']}", highlight=False)  # stdout keeps the id alone
+    if job["state"] != "completed":
+        raise typer.Exit(1)
+
+
+@app.command()
+def cancel(ctx: typer.Context, job_id: str) -> None:
+    """Stop a job; its last checkpoint stays (continue it with `ravnest resume`)."""
+    job = call(ctx, "POST", f"/v1/jobs/{job_id}/cancel")
+    err.print(f"job {job_id}: {job['state']}", highlight=False)
+
+
+@app.command()
+def resume(ctx: typer.Context, job_id: str) -> None:
+    """Continue a failed or cancelled job from its last checkpoint, on the nodes there are now."""
+    job = call(ctx, "POST", f"/v1/jobs/{job_id}/resume")
+    err.print(f"job {job_id}: {job['state']} ({job['reason']})", highlight=False)
+
+
+@app.command()
+def download(ctx: typer.Context, job_id: str,
+             output: Path = typer.Option(Path("model.safetensors"), "-o", "--output", help="where to write it")) -> None:
+    """The trained model of a completed job, as safetensors (load it with ravnest.load_model)."""
+    try:
+        size = ctx.obj.download(f"/v1/jobs/{job_id}/model", output)
+    except ApiError as e:
+        err.print(f"ravnest: {e}", highlight=False)
+        raise typer.Exit(1 if e.status else 3) from None
+    err.print(f"wrote {output} ({size / 2**20:.1f} MiB)", highlight=False)
+
+
+@app.command("nodes")
+def nodes_(ctx: typer.Context) -> None:
+    """Nodes that joined (as `ravnest node list`)."""
+    node_list(ctx)
+
+
+def _figures(metrics: dict) -> str:
+    parts = []
+    if metrics.get("loss") is not None:
+        parts.append(f"loss {metrics['loss']:.3f}")
+    if metrics.get("test_accuracy") is not None:
+        parts.append(f"accuracy {metrics['test_accuracy']:.4f}")
+    if metrics.get("samples_per_s") is not None:
+        parts.append(f"{metrics['samples_per_s']:,.0f} samples/s")
+    return ", ".join(parts)
