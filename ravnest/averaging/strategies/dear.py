@@ -216,7 +216,7 @@ class DecoupledAllReduce(GroupStrategy):
                 return
             earlier = self._params[key].grad  # the step's other micro-batches
             view = group.views[key]
-            view.copy_(grad) if earlier is None else torch.add(earlier, grad, out=view)
+            view.copy_(grad if earlier is None else earlier + grad)  # on the parameters' device, then to the CPU
             group.filled.add(key)
             self._submit_ready(self._segment_of_key[key])
         return hook
