@@ -151,8 +151,10 @@ def test_nodes_serve_three_jobs_back_to_back_and_release_everything(tmp_path):
 
             def released():  # a job's threads and streams end a moment after its node reports idle
                 counts = [_resources(p.pid) for p in nodes]
-                # a socket leaked per job would pass the margin of 2 by the third job
-                return counts if all(t <= t0 and f <= f0 and s <= s0 + 2
+                # a thread or socket leaked per job would pass its margin (1, 2) by the third job; the
+                # thread margin is for an unnamed native one (torch's or gRPC's, no Python frames) that
+                # comes and goes on idle nodes: CI saw 5 vs 6 on nodes whose Python threads were the same
+                return counts if all(t <= t0 + 1 and f <= f0 and s <= s0 + 2
                                      for (t, f, s), (t0, f0, s0) in zip(counts, baseline)) else None
             try:
                 cluster.wait_for(released, 30, "thread, file and socket counts to return to their idle level")
