@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.resources
+import json
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -19,7 +20,9 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import (FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response,
+                               StreamingResponse)
+from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,11 +33,13 @@ from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, Jo
 
 from .auth import COOKIE, Authentication, required
 from .config import Settings
-from .dashboard import render_dashboard, render_login
+from .dashboard import ASSETS as DASHBOARD_ASSETS, render_dashboard, render_login
 from .errors import CoordinatorError, TooLarge
 from .limits import BodyLimit
-from .schemas import (CredentialCreated, CredentialView, ErrorBody, Health, JobCreated, JobSummary, JobView,
-                      JoinTokenRequest, KeyRequest, NodeView)
+from .jobs import TERMINAL
+from .metrics import scrape
+from .schemas import (CredentialCreated, CredentialView, CurvePoint, ErrorBody, Health, JobCreated, JobSummary,
+                      JobView, JoinTokenRequest, KeyRequest, NodeView)
 from .service import Coordinator, Principal
 
 MAX_PROBE_BYTES = 64 << 20
@@ -47,6 +52,8 @@ OCTET_STREAM_BODY = {"requestBody": {"required": True, "content": {"application/
 LIMIT = Query(100, ge=1, le=1000, description="most items in this page")
 OFFSET = Query(0, ge=0, le=1 << 31, description="items to skip (the page starts after them)")
 DASHBOARD_ROWS = 200
+KEEPALIVE_S = 15.0  # an event stream with nothing new sends a comment this often
+MIN_EVENT_INTERVAL_S = 1.0  # a live view is sent at most this often, however often the store changes
 
 
 def paged(response: Response, items: list, total: int) -> list:
@@ -140,6 +147,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # the API docs work on an offline cluster: Swagger UI's and ReDoc's assets come from an installed package
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")),
               name="docs-assets")
+    app.mount(DASHBOARD_ASSETS, StaticFiles(directory=str(importlib.resources.files("coordinator") / "static")),
+              name="dashboard-assets")
 
     @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
     def docs() -> HTMLResponse:
@@ -174,6 +183,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def dashboard(request: Request) -> str:
         return render_dashboard(service.list_nodes(DASHBOARD_ROWS)[0],
                                 service.list_jobs(own_jobs(request), DASHBOARD_ROWS)[0])
+
+    @app.get("/metrics", tags=["service"], response_class=PlainTextResponse,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    def prometheus_metrics(request: Request) -> Response:
+        """Prometheus text format (coordinator/metrics.py): nodes, jobs and every active job's stages.
+        Scrape it with an API key (`authorization: {credentials: <key>}` in the scrape config)."""
+        return Response(scrape(service, own_jobs(request)), media_type=CONTENT_TYPE_LATEST)
 
     # --- nodes ---------------------------------------------------------------------------------------
 
@@ -248,6 +264,43 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/jobs/{job_id}", response_model=JobView, tags=["jobs"])
     def get_job(job_id: str, request: Request) -> JobView:
         return service.get_job(job_id, own_jobs(request))
+
+    @app.get("/v1/jobs/{job_id}/curve", response_model=list[CurvePoint], tags=["jobs"])
+    def curve(job_id: str, request: Request, after: int = Query(0, ge=0, le=1 << 62, description=(
+            "only points with a larger id: the last id seen"))) -> list[CurvePoint]:
+        """The job's training curve: each last stage's loss and, at evaluations, test accuracy, by step."""
+        return service.curve(job_id, own_jobs(request), after)
+
+    @app.get("/v1/jobs/{job_id}/events", tags=["jobs"], response_class=StreamingResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
+    async def events(job_id: str, request: Request) -> StreamingResponse:
+        """Server-sent events: `job` (the job view) whenever it changes, at most once a second, and
+        `curve` (new curve points); the stream ends after the job stops. What the dashboard draws."""
+        owner = own_jobs(request)
+        await run_in_threadpool(service.get_job, job_id, owner)  # 404 / 403 now, not inside the stream
+        return StreamingResponse(_job_events(job_id, owner, request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _job_events(job_id: str, owner: str | None, request: Request) -> AsyncIterator[str]:
+        seen, sent, last_point = -1, "", 0
+        while not await request.is_disconnected():
+            version = await service.store.changes.wait(seen, KEEPALIVE_S)
+            if version == seen:
+                yield ": keep-alive\n\n"  # proxies and browsers keep an idle stream open
+                continue
+            seen = version
+            view = await run_in_threadpool(service.get_job, job_id, owner)
+            points = await run_in_threadpool(service.curve, job_id, owner, last_point)
+            if points:
+                last_point = points[-1].id
+                yield "event: curve\ndata: " + json.dumps([p.model_dump() for p in points]) + "\n\n"
+            body = view.model_dump_json()
+            if body != sent:
+                sent = body
+                yield "event: job\ndata: " + body + "\n\n"
+            if view.state in TERMINAL:
+                return
+            await asyncio.sleep(MIN_EVENT_INTERVAL_S)
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, tags=["jobs"])
     def cancel(job_id: str, request: Request) -> JobView:

@@ -4,8 +4,8 @@
     join       POST /v1/nodes (joining), GET /v1/probe (bandwidth, before joining): a join token
     node       a node's own calls: heartbeat and leave (/v1/nodes/{id}/...), its job reports and
                uploads (/v1/jobs/{id}/metrics|fail|weights|checkpoint|state): that node's credential
-    reader     seeing jobs and nodes (GET /v1/jobs[/{id}], GET /v1/nodes, the dashboard): any API key;
-               a submitter's key sees its own jobs only
+    reader     seeing jobs and nodes (GET /v1/jobs[/{id}[/curve|/events]], GET /v1/nodes, the dashboard,
+               /metrics): any API key; a submitter's key sees its own jobs only
     submitter  submitting, and cancelling, resuming and downloading a job: a submitter key (its own
                jobs, checked by the service) or an operator key
     operator   everything else (join tokens, keys, revoking nodes): an operator key
@@ -29,6 +29,7 @@ OPEN_PATHS = {"/healthz", "/docs", "/redoc", "/openapi.json", "/login"}
 OPEN_PREFIXES = ("/static/",)  # the docs' assets
 NODE_REPORTS = {"metrics", "fail", "weights", "checkpoint", "state"}
 SUBMITTER_ACTIONS = {"cancel", "resume", "model"}
+JOB_VIEWS = {"curve", "events"}  # GET /v1/jobs/{id}/curve|events: what the job view shows, live
 COOKIE = "ravnest_key"
 
 
@@ -37,7 +38,7 @@ def required(method: str, path: str) -> str:
     if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
         return "open"
     parts = path.strip("/").split("/")
-    if path == "/" and method == "GET":
+    if path in ("/", "/metrics") and method == "GET":
         return "reader"
     if parts == ["v1", "probe"]:
         return "join"
@@ -51,7 +52,7 @@ def required(method: str, path: str) -> str:
             return "node"
         if len(parts) == 2:
             return "submitter" if method == "POST" else "reader"
-        if len(parts) == 3 and method == "GET":
+        if method == "GET" and (len(parts) == 3 or (len(parts) == 4 and parts[3] in JOB_VIEWS)):
             return "reader"
         if len(parts) == 4 and parts[3] in SUBMITTER_ACTIONS:
             return "submitter"

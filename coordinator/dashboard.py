@@ -1,30 +1,49 @@
-"""A one-page HTML view of nodes and jobs (read-only, no scripts), served at /."""
+"""The dashboard at /: a page that works without scripts (tables of jobs and nodes, rendered here)
+and, with the script that ships beside it (coordinator/static/, nothing from the internet), comes
+alive: lists refresh, and the selected job's pipelines are drawn and its curves grow from its
+server-sent events (GET /v1/jobs/{id}/events)."""
 from __future__ import annotations
 
 from html import escape
 
 from .schemas import JobSummary, NodeView
 
+ASSETS = "/static/dashboard"
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+
+def _table(table_id: str, headers: list[str], rows: list[list[str]]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def render_dashboard(nodes: list[NodeView], jobs: list[JobSummary]) -> str:
-    node_rows = [[n.id, n.name, n.address, n.state, f"{n.profile.flops / 1e9:.1f}",
+    node_rows = [[n.name or n.id, n.address, n.state, f"{n.profile.flops / 1e9:.1f}",
                   f"{n.profile.memory_bytes / 2**30:.1f}", f"{n.profile.bandwidth_bytes_per_s / 1e6:.1f}",
-                  n.job_id or "", "" if n.cluster is None else f"{n.cluster}/{n.stage}"] for n in nodes]
-    job_rows = [[j.id, j.name, j.model, j.state, j.reason] for j in jobs]
-    return ("<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='5'>"
-            "<title>Ravnest coordinator</title><style>body{font-family:sans-serif}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:2px 6px}</style></head><body><h1>Ravnest coordinator</h1>"
-            f"<h2>Jobs ({len(jobs)})</h2>"
-            + _table(["id", "name", "model", "state", "reason"], job_rows)
-            + f"<h2>Nodes ({len(nodes)})</h2>"
-            + _table(["id", "name", "address", "state", "GFLOP/s", "GiB", "MB/s", "job", "cluster/stage"], node_rows)
-            + "<p>API: <a href='/docs'>/docs</a></p></body></html>")
+                  n.job_id or "", "" if n.cluster is None else f"cluster {n.cluster} stage {n.stage}"] for n in nodes]
+    job_rows = [[j.id, j.name, j.model, j.state, j.reason, ""] for j in reversed(jobs)]
+    return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>Ravnest coordinator</title>
+<link rel="stylesheet" href="{ASSETS}/dashboard.css"></head><body>
+<header><h1>Ravnest coordinator</h1><span id="status" role="status"></span>
+<nav><a href="/docs">API</a> <a href="/metrics">metrics</a></nav></header>
+<main>
+<section id="job" hidden><h2 id="job-title"></h2><p id="job-state"></p>
+<div class="bar"><div id="job-progress"></div></div><p id="job-figures"></p>
+<h3>Pipelines</h3><p class="hint">Each row is a cluster: a pipeline whose stages (boxes: the node, the blocks
+[first, end) it holds, its utilization) pass activations to the right and gradients back. Dashed lines join
+the stages that average the same blocks across clusters.</p><svg id="pipelines" role="img" preserveAspectRatio="xMinYMin meet"></svg>
+<div class="charts"><figure><figcaption>training loss by step</figcaption><svg id="loss-chart"></svg></figure>
+<figure><figcaption>test accuracy by step</figcaption><svg id="accuracy-chart"></svg></figure></div>
+</section>
+<section><h2>Jobs <span id="job-count">({len(jobs)})</span></h2>
+{_table("jobs", ["id", "name", "model", "state", "reason", ""], job_rows)}
+<details id="submit"><summary>Submit a job</summary><p class="hint">A job spec (see docs/jobs.md); a submitter or
+operator key may submit.</p><textarea id="spec" rows="14" spellcheck="false"></textarea><br>
+<button id="submit-button" type="button">Submit</button></details></section>
+<section><h2>Nodes <span id="node-count">({len(nodes)})</span></h2>
+{_table("nodes", ["name", "address", "state", "GFLOP/s", "memory GiB", "MB/s", "job", "place"], node_rows)}
+</section></main><script src="{ASSETS}/dashboard.js"></script></body></html>"""
 
 
 def render_login(error: str = "") -> str:

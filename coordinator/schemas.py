@@ -133,6 +133,16 @@ class JobMetrics(BaseModel):
     stages: list[StageMetrics] = Field(default_factory=list)
 
 
+class CurvePoint(BaseModel):
+    id: int = Field(description="increasing: ask for the points after the last one seen")
+    cluster: int
+    step: int
+    at: float
+    loss: float | None = None
+    test_accuracy: float | None = Field(None, description="set where the stage had just evaluated")
+    samples_per_s: float | None = None
+
+
 class JobSummary(BaseModel):
     id: str
     name: str

@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, create_engine, func, inspect,
-                        select)
+from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, create_engine, event, func,
+                        inspect, select)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from .changes import Changes
 
 ID = String(32)
 
@@ -101,6 +103,20 @@ class CredentialRow(Base):
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+class CurvePointRow(Base):
+    """A point of a job's training curve: what a last stage reported at a step (its training loss,
+    and its test accuracy when it had just evaluated)."""
+    __tablename__ = "curve_points"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ID, ForeignKey("jobs.id"), index=True)
+    cluster: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    at: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    test_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    samples_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class LinkRow(Base):
     """A link one node measured to another (directional: latency and upload bandwidth from `node_id`)."""
     __tablename__ = "links"
@@ -120,12 +136,16 @@ class Store:
         if self.engine.url.get_backend_name() == "sqlite" and self.engine.url.database not in (None, "", ":memory:"):
             os.chmod(self.engine.url.database, 0o600)  # node records and job specs: the owner's only
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.changes = Changes()  # what live views wait on: bumped by transactions that wrote
+        event.listen(self._sessions, "after_flush", lambda session, _: session.info.__setitem__("wrote", True))
 
     @contextmanager
     def session(self) -> Iterator[Session]:
         """A transaction: committed when the block ends normally, rolled back on any exception."""
         with self._sessions.begin() as session:
             yield session
+        if session.info.get("wrote"):
+            self.changes.bump()
 
     def count(self, model: type[Base]) -> int:
         with self._sessions() as session:

@@ -14,6 +14,7 @@ import httpx
 import torch
 
 from node.client import CoordinatorClient, CoordinatorError
+from node import metrics
 from node.daemon import NodeDaemon
 from node.profiler import parse_size, pick_device
 from node.progress import Progress
@@ -78,7 +79,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="verify peers' gRPC servers and an https:// coordinator against this CA certificate; "
                            "peers are then dialled over TLS only")
     join.add_argument("--wait", type=float, default=60.0,
-                      help="seconds to keep trying while the coordinator is not reachable yet")
+                      help="seconds to keep trying while the coordinator is not reachable yet (default: 60)")
+    join.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                      help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: any free port, "
+                           "printed at start; default: off)")
+    join.add_argument("--metrics-host", default="127.0.0.1",
+                      help="address the metrics server binds to (default: 127.0.0.1, this machine only)")
     return parser
 
 
@@ -98,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.inject_fault:
         faults.inject(args.inject_fault)
         progress.log(f"injecting faults into this node's outbound streams: {args.inject_fault}")
+    if args.metrics_port is not None:
+        port = metrics.serve(args.metrics_host, args.metrics_port)
+        progress.log(f"metrics at http://{args.metrics_host}:{port}/metrics")
     stop = threading.Event()
     # Ctrl-C and SIGTERM end the node gracefully: stop the stage, tell the coordinator, exit.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,6 +16,7 @@ import torch
 
 from node.client import CoordinatorClient, CoordinatorError
 from node.links import LinkProber
+from node.metrics import STAGES
 from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import ring
@@ -205,6 +206,7 @@ class NodeDaemon:
         def on_metrics(metrics: dict[str, float]) -> None:
             reporter.put(MetricsReport(node_id=self.client.node_id, cluster=a.cluster, stage=a.stage,
                                        step=int(metrics.get("step", 0)), metrics=metrics))
+            STAGES.update(a.job_id, a.cluster, a.stage, metrics)
             self.progress.update(prefix, metrics)
 
         def on_checkpoint(step: int) -> None:  # on the worker thread, between two steps
@@ -256,6 +258,7 @@ class NodeDaemon:
             if runner is not None and runner.averager is not None:
                 runner.averager.close()  # leave the job's rings: the next job joins its own
             self._finished.add(job.key)
+            STAGES.forget(a.job_id, a.cluster, a.stage)
             self.gate.dismiss(f"{a.job_id}/{a.generation}")
             self.router.clear()
             runner = job.runner = None

@@ -8,10 +8,12 @@ from ravnest.spec import FailureReport, JobSpec, MetricsReport
 from .. import jobs
 from ..errors import Conflict, Forbidden, InvalidRequest
 from ..jobs import JobState
-from ..schemas import JobCreated, JobSummary, JobView, Recovery
+from ..schemas import CurvePoint, JobCreated, JobSummary, JobView, Recovery
 from ..security import new_id
-from ..store import JobRow, stages_of
+from ..store import CurvePointRow, JobRow, stages_of
 from .base import RESUME, ServiceBase, costs_of
+
+CURVE_POINTS = 5000  # most points of a curve sent at once: the newest
 
 
 class JobLifecycle(ServiceBase):
@@ -102,6 +104,23 @@ class JobLifecycle(ServiceBase):
             stage.step = max(stage.step, report.step)
             stage.metrics = {**stage.metrics, **report.metrics}  # keeps e.g. test_accuracy between evaluations
             stage.updated_at = self.clock()
+            figures = report.metrics
+            if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
+                session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.clock(),
+                                          loss=figures.get("loss"), test_accuracy=figures.get("test_accuracy"),
+                                          samples_per_s=figures.get("samples_per_s")))
+
+    def curve(self, job_id: str, owner: str | None = None, after: int = 0,
+              limit: int = CURVE_POINTS) -> list[CurvePoint]:
+        """The job's curve points with ids above `after`, oldest first (at most `limit`, the newest)."""
+        with self.store.session() as session:
+            self._job(session, job_id, owner)
+            rows = session.scalars(select(CurvePointRow).where(CurvePointRow.job_id == job_id,
+                                                               CurvePointRow.id > after)
+                                   .order_by(CurvePointRow.id.desc()).limit(limit))
+            return [CurvePoint(id=row.id, cluster=row.cluster, step=row.step, at=row.at, loss=row.loss,
+                               test_accuracy=row.test_accuracy, samples_per_s=row.samples_per_s)
+                    for row in reversed(list(rows))]
 
     def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:
         with self._lock, self.store.session() as session:

@@ -49,6 +49,8 @@ class StageClock:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         figures = {"step": float(len(self.steps)), "elapsed_s": elapsed, "utilization": self.busy_s / elapsed,
                    "samples_per_s": len(self.steps) * self.samples_per_step / elapsed}
+        if self.steps:
+            figures["step_s"] = elapsed / len(self.steps)
         if self._losses:
             figures["loss"] = sum(self._losses) / len(self._losses)
         return figures

@@ -23,7 +23,7 @@ from typing import Callable, Collection, Iterator, Union
 import grpc
 
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
-from ravnest.wire import faults
+from ravnest.wire import faults, traffic
 from ravnest.wire.codec import ByteBudget, WireError, WireLimits
 from ravnest.wire.gate import PeerGate, Refusal
 from ravnest.wire.messages import (DEFAULT_CHUNK_BYTES, Message, MessageAssembler, chunked_frames,
@@ -211,8 +211,9 @@ class _PeerService:
                  offered: str) -> peer_pb2.StreamSummary:
         count = nbytes = 0
         peer = context.peer()
+        frames = traffic.counted(request_iterator, traffic.RECEIVED.labels(traffic.remote_host(peer)))
         try:
-            for msg in MessageAssembler(self._limits, self._zero_copy, self.receiving).messages(request_iterator):
+            for msg in MessageAssembler(self._limits, self._zero_copy, self.receiving).messages(frames):
                 if self._refusal is not None and self._refusal(offered) is not None:
                     # a stream outlives nothing: what an ended job's peer still sends never reaches the next job
                     raise WireError("this stream's credential is no longer accepted (its job has ended)",
@@ -388,7 +389,8 @@ class OutboundStream:
             raise PeerError(f"peer {address} not reachable within {wait_ready:.0f}s") from None
         call = channel.stream_unary(STREAM_METHOD, request_serializer=None,
                                     response_deserializer=peer_pb2.StreamSummary.FromString)
-        self._future = call.future(self._frames(), metadata=_metadata(token))
+        self._future = call.future(traffic.counted(self._frames(), traffic.SENT.labels(address)),
+                                   metadata=_metadata(token))
         self._future.add_done_callback(self._on_done)
 
     @property

@@ -1,0 +1,28 @@
+"""The figures a stage reports (to the coordinator, and as Prometheus gauges on /metrics): their
+meanings and their metric names. The node exports its stages' figures (node/metrics.py), the
+coordinator every stage's latest report (coordinator/metrics.py); both name them the same way."""
+from __future__ import annotations
+
+import re
+
+STAGE_FIGURES = {
+    "step": "optimizer steps taken",
+    "samples_per_s": "training samples per second since the stage started",
+    "step_s": "mean seconds per optimizer step",
+    "utilization": "share of wall time spent computing",
+    "bubble": "share of wall time spent waiting",
+    "staleness": "mean optimizer steps between a micro-batch's forward and its weight gradient",
+    "in_flight": "micro-batches between forward and weight gradient (queue depth)",
+    "memory_peak_bytes": "peak memory above idle",
+    "loss": "training loss (last stage)",
+    "test_accuracy": "test accuracy at the last evaluation (last stage)",
+    "avg_rounds": "averaging rounds applied",
+    "avg_round_s": "mean seconds per averaging round",
+    "avg_stall_s": "seconds the training thread waited for averaging",
+}
+
+
+def stage_metric(figure: str) -> tuple[str, str]:
+    """(Prometheus name, help text) of a stage figure; figures without a description still export."""
+    return ("ravnest_stage_" + re.sub(r"[^a-zA-Z0-9_]", "_", figure),
+            STAGE_FIGURES.get(figure, f"the stage's {figure.replace('_', ' ')}"))
