@@ -1,45 +1,71 @@
-"""`ravnest-coordinator`: run the coordinator service."""
+"""`ravnest-coordinator`: run the coordinator service (REST API, dashboard, Prometheus metrics)."""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
-import uvicorn
+from ravnest import __version__
 
-from .app import create_app
-from .config import Settings
-from .store import SchemaError
+QUIET_PATHS = ("/heartbeat ", "/metrics ", "/events ", "/healthz ")  # path ends: access lines only at --log-level debug
+
+
+class QuietRoutine(logging.Filter):
+    """Drops uvicorn's access lines for heartbeats, metric reports and scrapes, and event streams unless
+    the coordinator logs at DEBUG: with many nodes they are most of the log and say nothing new."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        line = record.getMessage()
+        return not any(part in line for part in QUIET_PATHS) or logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ravnest-coordinator", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8470, help="port to listen on (default: 8470)")
     parser.add_argument("--data-dir", type=Path, default=Path("ravnest-data"),
-                        help="database (by default), uploaded weights and trained models")
+                        help="database (by default), tokens, uploaded weights and trained models "
+                             "(default: ./ravnest-data)")
     parser.add_argument("--db", default=None, help="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/ravnest "
-                                                   "(default: sqlite file in --data-dir)")
-    parser.add_argument("--token", default=None, help="join token; nodes must send 'Authorization: Bearer <token>'")
-    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between node heartbeats")
+                                                   "(default: a SQLite file in --data-dir)")
+    parser.add_argument("--token", default=None, help="join token; nodes must send 'Authorization: Bearer <token>' "
+                                                      "(default: one made once and kept in DATA_DIR/join_token)")
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0,
+                        help="seconds between node heartbeats (default: 2)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None,
                         help="seconds without a heartbeat before a node is declared lost and its job re-planned "
                              "(default: 3 intervals)")
     parser.add_argument("--recovery-wait", type=float, default=120.0,
-                        help="most seconds a re-planned job waits for its live nodes to hand in their state")
+                        help="most seconds a re-planned job waits for its live nodes to hand in their state "
+                             "(default: 120)")
     parser.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
-                        help="serve HTTPS with this certificate (with --tls-key; see docs/security.md)")
+                        help="serve HTTPS with this certificate (with --tls-key; see docs/security.md; default: "
+                             "plain HTTP)")
     parser.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the certificate's private key")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="job and node events at info, every request at debug (default: info)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_args(argv)  # before the heavy imports: --help and --version answer at once
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("ravnest-coordinator: --tls-cert and --tls-key go together")
     timeout = args.heartbeat_timeout or 3 * args.heartbeat_interval
     if args.heartbeat_interval <= 0 or timeout <= args.heartbeat_interval:
         raise SystemExit("ravnest-coordinator: --heartbeat-timeout must exceed --heartbeat-interval (> 0)")
+    import uvicorn
+    from sqlalchemy.engine import make_url
+
+    from .app import create_app
+    from .config import Settings
+    from .store import SchemaError
+
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("uvicorn.access").addFilter(QuietRoutine())
     settings = Settings(data_dir=args.data_dir, db_url=args.db, join_token=args.token,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait)
@@ -48,9 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     except SchemaError as e:
         raise SystemExit(f"ravnest-coordinator: {e}") from None
     data = settings.data_dir.resolve()
-    print(f"ravnest-coordinator: data in {data}; operator token in {data / 'operator_token'} (jobs, nodes, "
-          f"dashboard); join token " + ("given with --token" if args.token else f"in {data / 'join_token'}")
-          + " (ravnest-node join --token ...)", flush=True)
+    database = make_url(settings.database_url).render_as_string(hide_password=True)
+    print(f"ravnest-coordinator {__version__}: data in {data}; database {database}\n"
+          f"  authentication is on: every call but /healthz needs a token. Operator key in {data / 'operator_token'} "
+          f"(jobs, nodes, dashboard, metrics); join token " +
+          ("given with --token" if args.token else f"in {data / 'join_token'}") + " (ravnest-node join --token ...)\n"
+          f"  dashboard at {'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
                 ssl_keyfile=str(args.tls_key) if args.tls_key else None)

@@ -15,6 +15,7 @@ is kept in the job's history with its time and reason.
 """
 from __future__ import annotations
 
+import logging
 import math
 from enum import Enum
 
@@ -29,6 +30,8 @@ from ravnest.spec import AveragingSettings, JobSpec, Ring, StageAssignment, Stag
 from .errors import Conflict, InvalidRequest
 from .schemas import ClusterProgress, JobMetrics, Plan, Progress, StageMetrics
 from .store import JobRow, StageRow
+
+log = logging.getLogger(__name__)
 
 
 class JobState(str, Enum):
@@ -62,6 +65,7 @@ def transition(job: JobRow, state: JobState, reason: str, now: float) -> None:
         raise Conflict(f"job {job.id} is {current.value}; it cannot become {state.value}")
     job.state, job.reason, job.updated_at = state.value, reason, now
     job.history = [*job.history, {"state": state.value, "at": now, "reason": reason}]
+    log.info("job %s (%s): %s -> %s: %s", job.id, job.name, current.value, state.value, reason)
 
 
 def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:

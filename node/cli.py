@@ -10,21 +10,14 @@ import sys
 import threading
 from pathlib import Path
 
-import httpx
-import torch
-
-from node.client import CoordinatorClient, CoordinatorError
-from node import metrics
-from node.daemon import NodeDaemon
-from node.profiler import parse_size, pick_device
-from node.progress import Progress
+from ravnest import __version__
 from ravnest.spec import DATASET_NAME
-from ravnest import wire
-from ravnest.wire import faults
-from ravnest.wire.faults import LinkFaults
+
+# torch, gRPC and the daemon are imported once the arguments are parsed: --help and --version at once
 
 
 def _size(text: str) -> int:
+    from node.profiler import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -41,7 +34,8 @@ def _offered(text: str) -> tuple[str, Path]:
     return name, file
 
 
-def _faults(text: str) -> LinkFaults:
+def _faults(text: str):
+    from ravnest.wire.faults import LinkFaults
     try:
         return LinkFaults.parse(text)
     except ValueError as e:
@@ -50,6 +44,7 @@ def _faults(text: str) -> LinkFaults:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ravnest-node", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     join = commands.add_parser("join", help="join a coordinator and train what it assigns")
     join.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://127.0.0.1:8470")
@@ -57,27 +52,28 @@ def _parser() -> argparse.ArgumentParser:
                       help="the coordinator's join token (default: $RAVNEST_JOIN_TOKEN); its operator finds it "
                            "in the coordinator's data directory, file join_token")
     join.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    join.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds to")
+    join.add_argument("--host", default="127.0.0.1",
+                      help="address the gRPC server binds to (default: 127.0.0.1, reachable from this machine only)")
     join.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
     join.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
-    join.add_argument("--name", default="", help="a name shown in the coordinator's node list")
+    join.add_argument("--name", default="", help="a name shown in the coordinator's node list (default: none)")
     join.add_argument("--max-memory", type=_size, default=None, metavar="SIZE",
                       help="most memory this node offers for training, e.g. 6GiB (default: 80%% of what is "
                            "free now); no stage that needs more is assigned here")
-    join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     join.add_argument("--dataset", action="append", type=_offered, default=[], metavar="NAME=PATH",
                       help="offer a file to jobs under NAME (repeatable): jobs name datasets, never paths, so "
-                           "nothing else on this machine can be read")
+                           "nothing else on this machine can be read (default: only the built-in datasets)")
     join.add_argument("--inject-fault", type=_faults, default=None, metavar="SPEC",
                       help="for fault tests: 'delay=SECONDS,sever_after=N,to=HOST:PORT' slows this node's "
-                           "outbound messages and cuts one stream off (see ravnest/wire/faults.py)")
+                           "outbound messages and cuts one stream off (see ravnest/wire/faults.py; default: off)")
     join.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
                       help="serve gRPC over TLS with this certificate (with --tls-key; make them with "
-                           "scripts/make_certs.py, see docs/security.md)")
+                           "scripts/make_certs.py, see docs/security.md; default: plaintext)")
     join.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the certificate's private key")
     join.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
                       help="verify peers' gRPC servers and an https:// coordinator against this CA certificate; "
-                           "peers are then dialled over TLS only")
+                           "peers are then dialled over TLS only (default: none)")
     join.add_argument("--wait", type=float, default=60.0,
                       help="seconds to keep trying while the coordinator is not reachable yet (default: 60)")
     join.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
@@ -96,6 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     for path in (args.tls_cert, args.tls_key, args.tls_ca):
         if path is not None and not path.is_file():
             parser.error(f"{path}: no such file")
+    import httpx
+    import torch
+
+    from node import metrics
+    from node.client import CoordinatorClient, CoordinatorError
+    from node.daemon import NodeDaemon
+    from node.profiler import pick_device
+    from node.progress import Progress
+    from ravnest import wire
+    from ravnest.wire import faults
+
     if args.tls_ca:
         wire.use_tls(args.tls_ca.read_bytes())
     if args.threads:

@@ -190,10 +190,10 @@ class NodeDaemon:
 
     def _run_job(self, job: _Job) -> None:
         a = job.assignment
-        prefix = f"job {a.job_id[:8]} cluster {a.cluster} stage {a.stage + 1}/{a.num_stages}"
+        prefix = f"job {a.job_id[:8]} cluster {a.cluster} stage {a.stage} (of {a.num_stages})"  # as the API counts
         predicted = f", predicted memory {a.predicted_memory_bytes / 2**20:.0f} MiB" if a.predicted_memory_bytes else ""
         resumed = f", continuing from step {a.resume_step}" if a.resume_step else ""
-        self.progress.log(f"{prefix}: blocks {a.blocks[0]}..{a.blocks[1] - 1}{predicted}{resumed}")
+        self.progress.log(f"{prefix}: blocks [{a.blocks[0]}, {a.blocks[1]}){predicted}{resumed}")
         self.gate.admit(f"{a.job_id}/{a.generation}", a.peer_credentials, a.planned_peers())
         scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))  # checkpoints on their way out
         reporter = BackgroundSender(lambda report: self.client.report_metrics(a.job_id, report), capacity=64,

@@ -35,12 +35,13 @@ def evaluate_model_file(path: Path, spec: JobSpec, offered: dict[str, str]) -> f
 def describe_plan(job: dict) -> str:
     lines = [f"  why: {job['plan']['reason']}"]
     for cluster in job["plan"]["clusters"]:
-        stages = " -> ".join(f"node {s['node_id'][:8]} (blocks {s['blocks'][0]}-{s['blocks'][1] - 1}, "
+        stages = " -> ".join(f"node {s['node_id'][:8]} (blocks [{s['blocks'][0]}, {s['blocks'][1]}), "
                              f"~{s['predicted_memory_bytes'] / 2**20:.0f} MiB)" for s in cluster["stages"])
         lines.append(f"  cluster {cluster['cluster']}: {stages}")
     for ring in job["plan"]["rings"]:
-        lines.append(f"  ring {ring['segment']}: blocks {ring['blocks'][0]}-{ring['blocks'][1] - 1} "
-                     f"averaged across stages {ring['stages']}")
+        where = ", ".join(f"cluster {c} stage {s}" for c, s in enumerate(ring["stages"]))
+        lines.append(f"  blocks [{ring['blocks'][0]}, {ring['blocks'][1]}) are averaged across clusters by "
+                     f"{where}")
     return "\n".join(lines)
 
 

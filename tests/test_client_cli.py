@@ -3,8 +3,12 @@ a job, list it, download the model, load it with `ravnest.load_model`, and the e
 from __future__ import annotations
 
 import os
+import pty
+import re
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +36,7 @@ def test_submit_watch_download_and_load_a_model_with_the_ravnest_command(tmp_pat
         listed = ravnest_cli("status")
         assert listed.returncode == 0 and job_id in listed.stdout and "completed" in listed.stdout
         one = ravnest_cli("status", job_id)
-        assert one.returncode == 0 and "cluster 0: blocks" in one.stdout and f"ravnest download {job_id}" in one.stdout
+        assert one.returncode == 0 and "cluster 0: stage 0 blocks [0, " in one.stdout and f"ravnest download {job_id}" in one.stdout
         assert ravnest_cli("download", job_id, "-o", "model.safetensors").returncode == 0
         reported = cluster.job(job_id)["metrics"]["test_accuracy"]
 
@@ -51,3 +55,77 @@ def test_submit_watch_download_and_load_a_model_with_the_ravnest_command(tmp_pat
         (tmp_path / "bad.json").write_text('{"model": {"name": "mlp"}}')
         refused = ravnest_cli("submit", "bad.json")
         assert refused.returncode == 1 and "dataset" in refused.stderr
+
+
+def run_in_terminal(args: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """Run a command with a pseudo-terminal as its stdout and stderr (as in an interactive shell);
+    its exit status and everything it wrote."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(args, stdout=follower, stderr=follower, stdin=subprocess.DEVNULL, env=env)
+    os.close(follower)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if ready:
+                try:
+                    data = os.read(leader, 65536)
+                except OSError:  # the command exited and closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic())), b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_log(tmp_path: Path) -> None:
+    config = tmp_path / "client.toml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")}
+    env["RAVNEST_CONFIG"] = str(config)
+
+    def ravnest_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ravnest.client.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=120, cwd=tmp_path)
+
+    for module in ("ravnest.client.cli", "node.cli", "coordinator.cli"):
+        shown = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, env=env)
+        assert shown.returncode == 0 and shown.stdout.strip().endswith(ravnest.__version__), module
+
+    with LocalCluster(tmp_path, nodes=2) as cluster:
+        config.write_text(f'coordinator = "{cluster.url}"\nkey = "{cluster.operator_token}"\n')
+        created = ravnest_cli("token", "create", "--name", "lab machines", "--uses", "3")
+        assert created.returncode == 0, created.stderr
+        token_id = re.search(r"created join token (\w+)", created.stderr)[1]
+        assert len(created.stdout.strip()) >= 32  # the token alone on stdout, once
+        listed = ravnest_cli("token", "list")
+        assert "lab machines" in listed.stdout and token_id in listed.stdout
+        assert ravnest_cli("token", "revoke", token_id).returncode == 0
+        assert re.search(rf"{token_id}.*lab machines.*\d\d-\d\d \d\d:\d\d\s*│\s*$", ravnest_cli("token", "list").stdout,
+                         re.MULTILINE)  # its revoked column is filled
+        assert "node-0" in ravnest_cli("nodes").stdout
+
+        job_id = ravnest_cli("submit", str(ROOT / "examples/jobs/digits-mlp.json")).stdout.strip()
+        code, screen = run_in_terminal([sys.executable, "-m", "ravnest.client.cli", "watch", job_id, "--every", "0.5"],
+                                       env, timeout=300)
+        assert code == 0, screen
+        assert "\x1b[" in screen and "━" in screen  # drawn live: escape codes and a bar, not log lines
+        assert "100%" in screen and f"{job_id} completed" in screen and "samples/s" in screen
+
+        config.write_text("coordinator = [")
+        broken = ravnest_cli("status")
+        assert broken.returncode == 2 and "client.toml" in broken.stderr
+
+        log = (cluster.data_dir / "logs" / "coordinator.log").read_text()
+    assert "authentication is on" in log and "database sqlite:" in log
+    assert re.search(r"node \w+ \(node-0\) joined from 127\.0\.0\.1:\d+", log)
+    assert re.search(rf"job {job_id} \(digits-mlp\) submitted by key operator", log)
+    for change in ("pending -> placing", "placing -> running", "running -> completed"):
+        assert f"job {job_id} (digits-mlp): {change}" in log
+    assert '"POST /v1/jobs HTTP' in log and "/heartbeat" not in log  # heartbeats' access lines only at debug

@@ -1,6 +1,8 @@
 """Jobs as users and nodes see them: submit, view, cancel, resume; metrics and failure reports."""
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy import func, select
 
 from ravnest.spec import FailureReport, JobSpec, MetricsReport
@@ -13,6 +15,7 @@ from ..security import new_id
 from ..store import CurvePointRow, JobRow, stages_of
 from .base import RESUME, ServiceBase, costs_of
 
+log = logging.getLogger(__name__)
 CURVE_POINTS = 5000  # most points of a curve sent at once: the newest
 
 
@@ -33,6 +36,8 @@ class JobLifecycle(ServiceBase):
                              updated_at=now, history=[{"state": "pending", "at": now, "reason": "submitted"}],
                              plan=None, final_metrics=None)
                 session.add(job)
+            log.info("job %s (%s) submitted by key %s: model %s, %d steps", job.id, spec.name, owner,
+                     spec.model.name, spec.training.steps)
             self.place_pending()
             with self.store.session() as session:
                 job = session.get(JobRow, job.id)

@@ -1,6 +1,8 @@
 """Membership: nodes join, beat, measure links on request, and leave or are lost."""
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
@@ -15,6 +17,8 @@ from ..schemas import Health, NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stage_of_node
 from .base import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, ServiceBase, node_refusal, undelivered
+
+log = logging.getLogger(__name__)
 
 
 class Membership(ServiceBase):
@@ -38,6 +42,9 @@ class Membership(ServiceBase):
                                token_expires_at=now + self.settings.node_credential_ttl_s,
                                state=IDLE, joined_at=now, last_seen=now, job_id=None)
                 session.add(node)
+            log.info("node %s (%s) joined from %s: %.1f GFLOP/s, %.1f GiB, %.0f MB/s", node.id, node.name or "unnamed",
+                     node.address, request.profile.flops / 1e9, request.profile.memory_bytes / 2**30,
+                     request.profile.bandwidth_bytes_per_s / 1e6)
             self.place_pending()
         return JoinResponse(node_id=node.id, node_token=token, heartbeat_interval_s=self.settings.heartbeat_interval_s,
                             probe_token=self.probe_token)
@@ -197,3 +204,4 @@ class Membership(ServiceBase):
         if job is not None and job.state in jobs.ACTIVE and stage is not None and not stage.weights_uploaded:
             self._recover(session, job, f"{reason} while holding cluster {stage.cluster} stage {stage.stage}")
         node.state, node.job_id = GONE, None
+        log.info("node %s: %s", node.id, reason)

@@ -193,7 +193,8 @@ function drawPipelines(job) {
                       `stage ${stage.stage} · blocks [${stage.blocks[0]}, ${stage.blocks[1]})`),
                    el("svg:text", {x: x + 8, y: y + 31}, node ? (node.name || node.id) : stage.node_id),
                    el("svg:text", {x: x + 8, y: y + 46},
-                      figures ? `step ${figures.step} · utilization ${fixed(utilization, 2)}` : "starting"));
+                      figures ? `step ${figures.step} · utilization ${fixed(utilization, 2)} · ` +
+                                `${fixed(figures.metrics.samples_per_s, 0)} samples/s` : "starting"));
       svg.append(group);
       if (column > 0) {
         const x0 = x - gapX;

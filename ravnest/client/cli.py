@@ -1,7 +1,8 @@
 """Talk to a Ravnest coordinator: jobs (submit, status, watch, cancel, resume, download), nodes, join
 tokens and API keys.
 
-URL and API key: --coordinator and --key, or $RAVNEST_COORDINATOR and $RAVNEST_KEY.
+URL and API key: --coordinator and --key, else $RAVNEST_COORDINATOR and $RAVNEST_KEY, else the file
+$RAVNEST_CONFIG (default ~/.config/ravnest/client.toml) with `coordinator = "..."` and `key = "..."`.
 
 Exit codes: 0 done, 1 refused (the reason is printed), 2 wrong usage, 3 coordinator unreachable.
 """
@@ -11,13 +12,16 @@ import importlib
 import os
 import re
 import sys
+import tomllib
 from datetime import datetime
+from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from ravnest import __version__
 from ravnest.client.api import Api, ApiError
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
@@ -35,13 +39,51 @@ err = Console(stderr=True)
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+def config_file() -> Path:
+    return Path(os.environ.get("RAVNEST_CONFIG") or Path.home() / ".config" / "ravnest" / "client.toml")
+
+
+def configured() -> dict:
+    """The config file's settings ({} without one); a broken file is an error, not silently ignored."""
+    path = config_file()
+    try:
+        settings = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        err.print(f"ravnest: cannot read {path}: {e}", highlight=False)
+        raise typer.Exit(2) from None
+    unknown = set(settings) - {"coordinator", "key"}
+    if unknown:
+        err.print(f"ravnest: {path}: unknown setting(s) {', '.join(sorted(unknown))} (known: coordinator, key)",
+                  highlight=False)
+        raise typer.Exit(2)
+    return settings
+
+
+def show_version(value: bool) -> None:
+    if value:
+        print(f"ravnest {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def connect(ctx: typer.Context,
-            coordinator: str = typer.Option("http://127.0.0.1:8470", envvar="RAVNEST_COORDINATOR",
-                                            help="the coordinator's URL"),
+            coordinator: Optional[str] = typer.Option(None, envvar="RAVNEST_COORDINATOR", show_default=False,
+                                                      help=f"the coordinator's URL (default: the config file's, "
+                                                           f"else {DEFAULT_URL})"),
             key: Optional[str] = typer.Option(None, envvar="RAVNEST_KEY", show_default=False,
-                                              help="your API key (an operator's for tokens, keys and nodes)")) -> None:
-    ctx.obj = Api(coordinator, key)
+                                              help="your API key (an operator's for tokens, keys and nodes; "
+                                                   "default: the config file's)"),
+            version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                         help="print the version and exit")) -> None:
+    if ctx.invoked_subcommand == "demo":
+        return  # the demo starts its own coordinator
+    settings = configured() if coordinator is None or key is None else {}
+    ctx.obj = Api(coordinator or settings.get("coordinator") or DEFAULT_URL, key or settings.get("key"))
     ctx.call_on_close(ctx.obj.close)
 
 
@@ -88,7 +130,8 @@ def show_credentials(rows: list[dict], with_role: bool) -> None:
 
 
 def show_created(created: dict) -> None:
-    err.print(f"created {created['kind']} {created['id']}; it is shown only now:", highlight=False)
+    kind = {"join": "join token", "key": "API key"}.get(created["kind"], created["kind"])
+    err.print(f"created {kind} {created['id']}; it is shown only now:", highlight=False)
     print(created["token"])  # alone on stdout, so scripts can capture it
 
 

@@ -7,6 +7,8 @@ ravnest download ...`.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -57,7 +59,8 @@ def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help
     if plan:
         out.print(f"plan: {plan['reason']}", highlight=False)
         for cluster in plan["clusters"]:
-            stages = ", ".join(f"blocks {s['blocks'][0]}-{s['blocks'][1] - 1} on {s['node_id']}" for s in cluster["stages"])
+            stages = ", ".join(f"stage {s['stage']} blocks [{s['blocks'][0]}, {s['blocks'][1]}) on {s['node_id']}"
+                               for s in cluster["stages"])
             out.print(f"  cluster {cluster['cluster']}: {stages}", highlight=False)
     for recovery in job.get("recoveries") or []:
         out.print(f"recovery ({recovery['kind']}): {recovery['reason']}", highlight=False)
@@ -121,6 +124,18 @@ def download(ctx: typer.Context, job_id: str,
         err.print(f"ravnest: {e}", highlight=False)
         raise typer.Exit(1 if e.status else 3) from None
     err.print(f"wrote {output} ({size / 2**20:.1f} MiB)", highlight=False)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def demo(ctx: typer.Context) -> None:
+    """What `make demo` runs: a coordinator and 4 local nodes train digits end to end (options after
+    `demo` go to scripts/demo.py, e.g. `ravnest demo --job examples/jobs/digits-mlp.json`)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "demo.py"
+    if not script.is_file():
+        err.print("ravnest: the demo runs from a source checkout (scripts/demo.py), which this install lacks",
+                  highlight=False)
+        raise typer.Exit(2)
+    raise typer.Exit(subprocess.call([sys.executable, str(script), *ctx.args], cwd=script.parents[1]))
 
 
 @app.command("nodes")
