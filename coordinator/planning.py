@@ -1,6 +1,6 @@
 """Turn clusters of nodes into pipelines: chain order, block ranges per stage, averaging rings.
 
-Rules (see also docs in examples/jobs/README.md):
+Rules (see also docs/jobs.md):
 - The shape is chosen by predicted throughput within memory. For each pipeline depth d a group of
   m nodes can take (up to min(blocks, `pipeline_cap`); deeper only when shallower ones lack memory;
   exactly `placement.stages_per_cluster` when given, or deeper if that lacks memory), the planner

@@ -1,0 +1,45 @@
+"""The docs stay true to the code: every job spec field is described in its section of docs/jobs.md,
+and every relative link in the README and docs/ points at a file that exists."""
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from ravnest.spec import JobSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spec_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    names = []
+    for name, field in model.model_fields.items():
+        names.append(prefix + name)
+        for inner in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                names += spec_fields(inner, f"{prefix}{name}.")
+    return names
+
+
+def test_every_job_spec_field_is_described_in_its_section_of_the_job_reference():
+    text = (ROOT / "docs" / "jobs.md").read_text()
+    sections = dict(re.findall(r"\*\*`(\w+)`\*\*(.*?)(?=\n\*\*`|\n## )", text, re.DOTALL))
+    missing = []
+    for path in spec_fields(JobSpec):
+        top, _, rest = path.partition(".")
+        if top not in sections:
+            missing.append(top)
+        elif rest and f"`{rest.rsplit('.', 1)[-1]}`" not in sections[top]:
+            missing.append(path)
+    assert not missing, f"docs/jobs.md does not describe {missing}"
+
+
+def test_relative_links_in_the_readme_and_docs_point_at_files_that_exist():
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples/jobs/README.md"]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not re.match(r"[a-z]+://", target) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
