@@ -53,8 +53,9 @@ def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help
         return
     job = call(ctx, "GET", f"/v1/jobs/{job_id}")
     out.print(f"[bold]{job['id']}[/bold] {job['name']}: {job['state']} ({job['reason']})", highlight=False)
-    out.print(f"progress {job['progress']['fraction']:.0%} of {job['progress']['steps_total']} steps; "
-              f"{_figures(job['metrics'])}", highlight=False)
+    figures = _figures(job["metrics"])
+    out.print(f"progress {job['progress']['fraction']:.0%} of {job['progress']['steps_total']} steps"
+              + (f"; {figures}" if figures else ""), highlight=False)
     plan = job.get("plan")
     if plan:
         out.print(f"plan: {plan['reason']}", highlight=False)
