@@ -91,7 +91,7 @@ class Shape:
 
     def describe(self) -> str:
         plain = "" if self.load.split_backward else " (backward not split, to fit memory)"
-        return f"{len(self.replicas)} x {len(self.ranges)} stage(s){plain}: {_rate(self.samples_per_s)}"
+        return f"{_n(len(self.replicas), 'replica')} x {_n(len(self.ranges), 'stage')}{plain}: {_rate(self.samples_per_s)}"
 
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
@@ -130,7 +130,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         unused.update({n.node_id: "spare: the chosen shape leaves it over" for n in chain if n.node_id not in used})
         shapes.append(shape)
         asked = f" (stages_per_cluster = {placement.stages_per_cluster})" if placement.stages_per_cluster else ""
-        why.append(f"{len(chain)} node(s) -> {shape.describe()}{asked}"
+        why.append(f"{_n(len(chain), 'node')} -> {shape.describe()}{asked}"
                    + (f" (considered {'; '.join(considered)})" if len(considered) > 1 else ""))
 
     # model_construct: these values are computed here, validating 10,000 of them again costs ~0.5 s
@@ -160,8 +160,9 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     ring_groups = [_ring_group(ring, pipelines, costs, links) for ring in rings]
     averaging_plan = _planned_averaging(averaging, training, max(step_s), ring_groups) if len(clusters) > 1 else None
     throughput = sum(shape.samples_per_s for shape in shapes)
-    reason = f"{len(clusters)} cluster(s) x {'/'.join(str(len(s.ranges)) for s in shapes)} stage(s), predicted " \
-             f"{_rate(throughput)}; " + "; ".join(why)
+    depths = sorted({len(s.ranges) for s in shapes})
+    reason = (f"{_n(len(clusters), 'cluster')} x {'/'.join(map(str, depths))} stage{'s' if depths != [1] else ''}, "
+              f"predicted {_rate(throughput)}; " + "; ".join(why))
     if averaging_plan is not None and averaging.strategy == "auto":
         reason += f"; averaging: {averaging_plan.strategy}" + (f" ({averaging_plan.topology})" if
                                                                averaging_plan.topology else "") + \
@@ -184,13 +185,18 @@ def _ring_group(ring: PlannedRing, pipelines: list[tuple[list[NodeInfo], Shape]]
                          fine_overlap=all(len(shape.ranges) == 1 for _, shape in pipelines))
 
 
+def _n(count: int, thing: str) -> str:
+    """'1 stage', '2 stages'."""
+    return f"{count} {thing}{'' if count == 1 else 's'}"
+
+
 def _rate(samples_per_s: float) -> str:
     return f"{samples_per_s:,.0f} samples/s" if samples_per_s >= 100 else f"{samples_per_s:.3g} samples/s"
 
 
 def _offers(nodes: Sequence[NodeInfo]) -> str:
     listed = ", ".join(f"{n.node_id[:8]} {_mib(n.memory_bytes)}" for n in nodes[:8])
-    return f"the {len(nodes)} node(s) offer {listed}{', ...' if len(nodes) > 8 else ''}"
+    return f"the {_n(len(nodes), 'node')} offer {listed}{', ...' if len(nodes) > 8 else ''}"
 
 
 def _mib(count: float) -> str:
@@ -230,7 +236,7 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
                 fit = _fitting_partition(costs, weakest, load)
             except PartitionError as e:
                 last_error = str(e)
-                considered.append(f"{count} x {depth} stage(s): does not fit")
+                considered.append(f"{_n(count, 'replica')} x {_n(depth, 'stage')}: does not fit")
                 continue
             load, ranges = fit.load, fit.ranges
             shape = Shape(dealt, ranges, load, _samples_per_s(costs, dealt, weakest, ranges, load, training, averaging))

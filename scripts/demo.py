@@ -83,6 +83,8 @@ def main() -> int:
         def show(job: dict) -> None:
             if job.get("plan") and not shown["plan"]:
                 print("plan:\n" + describe_plan(job), flush=True)
+                print("progress (utilization: the share of time the stages compute; the rest they wait for their "
+                      "neighbours):", flush=True)
                 shown["plan"] = True
             m, p = job.get("metrics") or {}, job.get("progress") or {}
             parts = [f"[{time.monotonic() - start:5.0f}s] {job['state']:<9}"]

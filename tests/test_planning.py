@@ -132,8 +132,8 @@ def test_ring_shares_are_balanced_against_the_members_bandwidth() -> None:
 def test_a_small_model_goes_data_parallel_and_says_why() -> None:
     plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)], Placement())
     assert [len(c.stages) for c in plan.clusters] == [1, 1, 1, 1]
-    assert plan.reason.startswith("4 cluster(s) x 1 stage(s), predicted")
-    assert "2 x 2 stage(s)" in plan.reason  # a deeper alternative was considered and lost
+    assert plan.reason.startswith("4 clusters x 1 stage, predicted")
+    assert "2 replicas x 2 stages" in plan.reason  # a deeper alternative was considered and lost
     one = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)], Placement(clusters=1))
     assert len(one.clusters) == 1 and len(one.clusters[0].stages) == 1 and len(one.unused) == 3
 
@@ -148,7 +148,7 @@ def test_a_big_model_gets_as_many_stages_as_its_memory_needs() -> None:
     nodes = [node(f"n{i}", memory=offer) for i in range(4)]
     plan = plan_job(costs, nodes, Placement(), training=training)
     assert len(plan.clusters) == 1 and len(plan.clusters[0].stages) in (3, 4)
-    assert "2 x 2 stage(s): does not fit" in plan.reason
+    assert "2 replicas x 2 stages: does not fit" in plan.reason
     for stage in plan.clusters[0].stages:
         assert 0 < stage.predicted_memory_bytes <= offer
     assert [s.input_shape for s in plan.clusters[0].stages][1] == [8, 64, 256]
