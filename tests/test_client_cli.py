@@ -2,6 +2,7 @@
 a job, list it, download the model, load it with `ravnest.load_model`, and the errors scripts see."""
 from __future__ import annotations
 
+import json
 import os
 import pty
 import re
@@ -118,6 +119,35 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
         assert "\x1b[" in screen and "━" in screen  # drawn live: escape codes and a bar, not log lines
         assert "100%" in screen and f"{job_id} completed" in screen and "samples/s" in screen
 
+        spec = json.loads((ROOT / "examples/jobs/digits-mlp.json").read_text())
+        spec["training"]["steps"] = 100_000
+        spec["checkpoints"] = {"every": 20}
+        (tmp_path / "long.json").write_text(json.dumps(spec))
+        long_id = ravnest_cli("submit", "long.json").stdout.strip()
+        early = ravnest_cli("resume", long_id)  # it is not stopped: refused, the reason on one line for scripts
+        assert early.returncode == 1 and early.stderr.count("\n") == 1 and "only failed or cancelled" in early.stderr
+        cluster.wait_for(lambda: cluster.job(long_id)["checkpoint_step"], 120, "a checkpoint to resume from")
+        cancelled = ravnest_cli("cancel", long_id)
+        assert cancelled.returncode == 0 and "cancelled" in cancelled.stderr
+        resumed = ravnest_cli("resume", long_id)
+        assert resumed.returncode == 0 and re.search(r"pending|placing|running", resumed.stderr), resumed.stderr
+
+        reader = ravnest_cli("key", "create", "--role", "reader", "--name", "grafana")
+        key_id, reader_key = re.search(r"created API key (\w+)", reader.stderr)[1], reader.stdout.strip()
+        assert "grafana" in ravnest_cli("key", "list").stdout
+        as_reader = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--key", reader_key, "cancel", long_id],
+                                   capture_output=True, text=True, env=env, timeout=60)
+        assert as_reader.returncode == 1 and "submitter or operator key" in as_reader.stderr  # the flag beats the file
+        assert ravnest_cli("key", "revoke", key_id).returncode == 0
+        revoked = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--key", reader_key, "status"],
+                                 capture_output=True, text=True, env=env, timeout=60)
+        assert revoked.returncode == 1 and "401" in revoked.stderr
+        assert ravnest_cli("cancel", long_id).returncode == 0
+
+        node_id = next(n["id"] for n in cluster.alive_nodes() if n["name"] == "node-1")
+        assert ravnest_cli("node", "revoke", node_id).returncode == 0
+        cluster.wait_for(lambda: all(n["id"] != node_id for n in cluster.alive_nodes()), 30, "the revoked node to go")
+
         config.write_text("coordinator = [")
         broken = ravnest_cli("status")
         assert broken.returncode == 2 and "client.toml" in broken.stderr
@@ -129,3 +159,16 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
     for change in ("pending -> placing", "placing -> running", "running -> completed"):
         assert f"job {job_id} (digits-mlp): {change}" in log
     assert '"POST /v1/jobs HTTP' in log and "/heartbeat" not in log  # heartbeats' access lines only at debug
+
+
+@pytest.mark.slow
+def test_ravnest_demo_runs_the_newcomers_job_end_to_end(tmp_path: Path) -> None:
+    """`ravnest demo` (what `make demo` runs): a coordinator and 4 nodes train the digits CNN; the
+    downloaded model, reloaded in one process, scores what the pipeline reported."""
+    demo = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "demo", "--data-dir", str(tmp_path / "demo")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    reported = float(re.search(r"final test accuracy \(reported by the pipeline\): ([\d.]+)", demo.stdout)[1])
+    reloaded = float(re.search(r"reloaded in one process: ([\d.]+)", demo.stdout)[1])
+    assert reported == reloaded >= 0.95
+    assert "are averaged across clusters by cluster 0 stage" in demo.stdout  # the plan, in words

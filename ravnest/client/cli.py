@@ -35,7 +35,7 @@ app.add_typer(keys, name="key")
 app.add_typer(nodes, name="node")
 # piped into a file or another program: wide enough that no row is cut (a terminal's width otherwise)
 out = Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # a message is one line, whatever the width: scripts grep it
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
