@@ -84,4 +84,4 @@ class Recoveries(ServiceBase):
 
 
 def _blocks(blocks: list[int]) -> str:
-    return f"block {blocks[0]}" if blocks[1] - blocks[0] == 1 else f"blocks {blocks[0]}-{blocks[1] - 1}"
+    return f"block {blocks[0]}" if blocks[1] - blocks[0] == 1 else f"blocks [{blocks[0]}, {blocks[1]})"

@@ -284,7 +284,7 @@ class StageRunner:
     def _check_activation(self, msg: Message) -> None:
         """Reject activations this stage's first block cannot take, before they reach the worker."""
         x, y, expected = msg.tensors.get("x"), msg.tensors.get("y"), self.assignment.input_shape
-        where = f"stage {self.assignment.stage} (blocks {self.assignment.blocks[0]}-{self.assignment.blocks[1] - 1})"
+        where = f"stage {self.assignment.stage} (blocks [{self.assignment.blocks[0]}, {self.assignment.blocks[1]}))"
         if x is None or y is None:
             raise WireError(f"{where}: {msg.kind} message {msg.id} needs tensors 'x' and 'y'")
         free = 2 if self.task == "lm" else 1  # batch (and sequence) dimensions may be smaller
