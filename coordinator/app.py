@@ -22,10 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import (FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response,
                                StreamingResponse)
-from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.staticfiles import StaticFiles
 
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JobSpec, JoinRequest, JoinResponse,

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ravnest.telemetry import stage_metric
+from ravnest.telemetry import stage_gauges
 
 JOB_FIGURES = {
     "loss": "mean of the clusters' last-stage training loss",
@@ -48,7 +48,7 @@ class CoordinatorFigures(Collector):
         job_families = {name: GaugeMetricFamily(f"ravnest_job_{name}", text, labels=["job"])
                         for name, text in {**JOB_FIGURES, "progress_ratio": "share of the steps done",
                                            "generation": "re-plans so far"}.items()}
-        stage_families: dict[str, GaugeMetricFamily] = {}
+        stages = []
         for summary in summaries:
             if summary.state not in ("running", "recovering"):
                 continue
@@ -59,17 +59,10 @@ class CoordinatorFigures(Collector):
                 value = getattr(view.metrics, name)
                 if value is not None:
                     job_families[name].add_metric([view.id], value)
-            for stage in view.metrics.stages:
-                for figure, value in sorted(stage.metrics.items()):
-                    if figure == "stage":
-                        continue  # a label already
-                    family = stage_families.get(figure)
-                    if family is None:
-                        family = stage_families[figure] = GaugeMetricFamily(
-                        *stage_metric(figure), labels=["job", "cluster", "stage", "node"])
-                    family.add_metric([view.id, str(stage.cluster), str(stage.stage), stage.node_id], value)
+            stages += [((view.id, str(stage.cluster), str(stage.stage), stage.node_id), stage.metrics)
+                       for stage in view.metrics.stages]
         yield from job_families.values()
-        yield from stage_families.values()
+        yield from stage_gauges(["job", "cluster", "stage", "node"], stages)
 
 
 PROCESS = ProcessCollector(registry=None)  # this process's memory, CPU and files, in every scrape

@@ -13,10 +13,9 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ravnest.telemetry import stage_metric
+from ravnest.telemetry import stage_gauges
 
 LABELS = ["job", "cluster", "stage"]
 
@@ -38,17 +37,9 @@ class StageFigures(Collector):
 
     def collect(self):
         with self._lock:
-            stages = {key: dict(figures) for key, figures in self._stages.items()}
-        families: dict[str, GaugeMetricFamily] = {}
-        for (job, cluster, stage), figures in sorted(stages.items()):
-            for figure, value in sorted(figures.items()):
-                if figure == "stage":
-                    continue  # a label already
-                family = families.get(figure)
-                if family is None:
-                    family = families[figure] = GaugeMetricFamily(*stage_metric(figure), labels=LABELS)
-                family.add_metric([job, str(cluster), str(stage)], float(value))
-        yield from families.values()
+            stages = sorted(self._stages.items())
+        yield from stage_gauges(LABELS, (((job, str(cluster), str(stage)), figures)
+                                         for (job, cluster, stage), figures in stages))
 
 
 STAGES = StageFigures()  # one per process: several daemons in one process (tests) share it by their labels

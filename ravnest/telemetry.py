@@ -4,6 +4,9 @@ coordinator every stage's latest report (coordinator/metrics.py); both name them
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
+
+from prometheus_client.core import GaugeMetricFamily
 
 STAGE_FIGURES = {
     "step": "optimizer steps taken",
@@ -26,3 +29,17 @@ def stage_metric(figure: str) -> tuple[str, str]:
     """(Prometheus name, help text) of a stage figure; figures without a description still export."""
     return ("ravnest_stage_" + re.sub(r"[^a-zA-Z0-9_]", "_", figure),
             STAGE_FIGURES.get(figure, f"the stage's {figure.replace('_', ' ')}"))
+
+
+def stage_gauges(labels: Sequence[str], stages: Iterable[tuple[Sequence[str], dict[str, float]]]
+                 ) -> list[GaugeMetricFamily]:
+    """One gauge family per figure over `stages`, pairs of (label values, the stage's figures)."""
+    families: dict[str, GaugeMetricFamily] = {}
+    for values, figures in stages:
+        for figure, value in sorted(figures.items()):
+            if figure == "stage":
+                continue  # a label already
+            if figure not in families:
+                families[figure] = GaugeMetricFamily(*stage_metric(figure), labels=list(labels))
+            families[figure].add_metric(list(values), float(value))
+    return list(families.values())
