@@ -38,8 +38,8 @@ from .errors import CoordinatorError, TooLarge
 from .limits import BodyLimit
 from .jobs import TERMINAL
 from .metrics import scrape
-from .schemas import (CredentialCreated, CredentialView, CurvePoint, ErrorBody, Health, JobCreated, JobSummary,
-                      JobView, JoinTokenRequest, KeyRequest, NodeView)
+from .schemas import (CredentialCreated, CredentialView, CurvePoint, ErrorBody, Health, Identity, JobCreated,
+                      JobSummary, JobView, JoinTokenRequest, KeyRequest, NodeView)
 from .service import Coordinator, Principal
 
 MAX_PROBE_BYTES = 64 << 20
@@ -179,6 +179,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
         return response
 
+    @app.get("/logout", include_in_schema=False)
+    def logout() -> Response:
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(COOKIE)
+        return response
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def dashboard(request: Request) -> str:
         return render_dashboard(service.list_nodes(DASHBOARD_ROWS)[0],
@@ -219,6 +225,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(status_code=204)
 
     # --- credentials (operator) ----------------------------------------------------------------------
+
+    @app.get("/v1/whoami", response_model=Identity, tags=["credentials"])
+    def whoami(request: Request) -> Identity:
+        """The API key this call was made with: its role and what it may do."""
+        who = principal(request)
+        return Identity(id=who.id, role=who.role or "", name=who.name, sees_every_job=who.reads_every_job,
+                        may_submit=who.role in ("submitter", "operator"))
 
     @app.post("/v1/join-tokens", response_model=CredentialCreated, status_code=201, tags=["credentials"])
     def create_join_token(body: JoinTokenRequest) -> CredentialCreated:

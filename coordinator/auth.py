@@ -1,11 +1,11 @@
 """Who may call what, decided from the request line and headers alone, before any body is read.
 
-    open       /healthz, the API docs and their assets, /login
+    open       /healthz, the API docs and their assets, /login, /logout
     join       POST /v1/nodes (joining), GET /v1/probe (bandwidth, before joining): a join token
     node       a node's own calls: heartbeat and leave (/v1/nodes/{id}/...), its job reports and
                uploads (/v1/jobs/{id}/metrics|fail|weights|checkpoint|state): that node's credential
     reader     seeing jobs and nodes (GET /v1/jobs[/{id}[/curve|/events]], GET /v1/nodes, the dashboard,
-               /metrics): any API key; a submitter's key sees its own jobs only
+               /metrics, GET /v1/whoami): any API key; a submitter's key sees its own jobs only
     submitter  submitting, and cancelling, resuming and downloading a job: a submitter key (its own
                jobs, checked by the service) or an operator key
     operator   everything else (join tokens, keys, revoking nodes): an operator key
@@ -25,7 +25,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-OPEN_PATHS = {"/healthz", "/docs", "/redoc", "/openapi.json", "/login"}
+OPEN_PATHS = {"/healthz", "/docs", "/redoc", "/openapi.json", "/login", "/logout"}
 OPEN_PREFIXES = ("/static/",)  # the docs' assets
 NODE_REPORTS = {"metrics", "fail", "weights", "checkpoint", "state"}
 SUBMITTER_ACTIONS = {"cancel", "resume", "model"}
@@ -38,7 +38,7 @@ def required(method: str, path: str) -> str:
     if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
         return "open"
     parts = path.strip("/").split("/")
-    if path in ("/", "/metrics") and method == "GET":
+    if path in ("/", "/metrics", "/v1/whoami") and method == "GET":
         return "reader"
     if parts == ["v1", "probe"]:
         return "join"

@@ -206,6 +206,15 @@ class KeyRequest(BaseModel):
     expires_in_s: float | None = Field(None, gt=0, le=MAX_LIFETIME_S)
 
 
+class Identity(BaseModel):
+    """Who the caller's API key is, and what it may do (the dashboard shows only what works)."""
+    id: str
+    role: str = Field(description="operator | submitter | reader")
+    name: str
+    sees_every_job: bool
+    may_submit: bool
+
+
 class CredentialView(BaseModel):
     id: str
     kind: str = Field(description="join | key")

@@ -101,6 +101,7 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
 
     with LocalCluster(tmp_path, nodes=2) as cluster:
         config.write_text(f'coordinator = "{cluster.url}"\nkey = "{cluster.operator_token}"\n')
+        assert ravnest_cli("whoami").stdout.startswith(f"operator key operator token (data directory) at {cluster.url}")
         created = ravnest_cli("token", "create", "--name", "lab machines", "--uses", "3")
         assert created.returncode == 0, created.stderr
         token_id = re.search(r"created join token (\w+)", created.stderr)[1]

@@ -472,7 +472,7 @@ def test_a_model_that_cannot_fit_the_joined_nodes_fails_with_the_figures(client:
     assert response.status_code == 201, response.text
     job = client.get(f"/v1/jobs/{response.json()['id']}").json()
     assert job["state"] == "failed"
-    assert re.search(r"cannot place the job: .*the model needs [\d,]+ MiB.*the 2 node\(s\) offer \w+ 64 MiB, "
+    assert re.search(r"cannot place the job: .*the model needs [\d,]+ MiB.*the 2 nodes offer \w+ 64 MiB, "
                      r"\w+ 64 MiB", job["reason"]), job["reason"]
     assert all(n["state"] == "idle" for n in client.get("/v1/nodes").json())  # nothing was reserved
 

@@ -124,6 +124,16 @@ def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_cur
                 page.click(f"#jobs tr[data-job='{job_id}'] button")  # cancel, as an operator may
                 page.wait_for_function(f"document.querySelector(\"#jobs tr[data-job='{job_id}']\")"
                                        ".innerText.includes('cancelled')", timeout=60_000)
+                assert cluster.job(job_id)["state"] == "cancelled"
+                assert page.locator(f"#jobs tr[data-job='{job_id}'] button").inner_text() == "resume"
+
+                reader = cluster.http.post("/v1/keys", json={"role": "reader", "name": "viewer"}).json()["token"]
+                page.goto(f"{cluster.url}/logout")
+                page.fill("input[name=token]", reader)
+                page.click("button")
+                page.wait_for_function("document.querySelector('#who').textContent === 'reader key viewer'")
+                page.wait_for_function(f"document.querySelector(\"#jobs tr[data-job='{job_id}']\")")
+                assert page.locator("#submit").is_hidden()  # a reader sees everything and changes nothing
+                assert page.locator("#jobs button").count() == 0
             finally:
                 browser.close()
-        assert cluster.job(job_id)["state"] == "cancelled"

@@ -108,7 +108,7 @@ def test_a_node_credential_expires_without_heartbeats_and_can_be_revoked(client:
 def test_roles_submitters_own_their_jobs_readers_only_read(client: TestClient) -> None:
     _, alice = key(client, "submitter", "alice")
     _, bob = key(client, "submitter", "bob")
-    _, reader = key(client, "reader", "grafana")
+    reader_id, reader = key(client, "reader", "grafana")
     node_id, node = join(client, "n")
     job = digits_job()
     alices = client.post("/v1/jobs", json=job, headers=alice).json()["id"]
@@ -139,6 +139,14 @@ def test_roles_submitters_own_their_jobs_readers_only_read(client: TestClient) -
     assert len(client.get("/v1/jobs").json()) == 2
     r = client.post("/v1/keys", json={"role": "admin"})
     assert r.status_code == 422 and "role" in r.json()["detail"]
+
+    # what each may do, as the dashboard asks before it shows buttons and the submit form
+    assert client.get("/v1/whoami", headers=reader).json() == {
+        "id": reader_id, "role": "reader", "name": "grafana", "sees_every_job": True, "may_submit": False}
+    assert client.get("/v1/whoami", headers=alice).json()["may_submit"] is True
+    assert client.get("/v1/whoami", headers=alice).json()["sees_every_job"] is False
+    assert client.get("/v1/whoami").json()["role"] == "operator"
+    assert client.get("/v1/whoami", headers=node).status_code == 403
 
 
 def test_a_revoked_or_expired_key_is_refused_and_an_operator_cannot_lock_itself_out(client: TestClient,

@@ -16,6 +16,7 @@ const EXAMPLE_SPEC = {
 };
 
 let nodesById = {};
+let mayAct = false;  // a reader key sees everything and changes nothing: no buttons, no form
 let selected = null;  // {id, source, view, points}
 
 function el(tag, attrs = {}, text = "") {
@@ -68,7 +69,7 @@ function jobRow(job) {
   link.addEventListener("click", (event) => { event.preventDefault(); select(job.id); });
   const actions = el("td");
   const action = ACTIVE.has(job.state) ? "cancel" : (job.state === "failed" || job.state === "cancelled") ? "resume" : null;
-  if (action) {
+  if (action && mayAct) {
     const button = el("button", {type: "button"}, action);
     button.addEventListener("click", () => act(job.id, action));
     actions.append(button);
@@ -261,8 +262,19 @@ function drawCharts() {
   drawChart("accuracy-chart", "test_accuracy");
 }
 
+async function identify() {
+  try {
+    const me = await api("/v1/whoami");
+    mayAct = me.may_submit;
+    document.getElementById("who").textContent = `${me.role} key ${me.name || me.id}`;
+    document.getElementById("submit").hidden = !mayAct;
+  } catch (error) {
+    say(`cannot reach the coordinator: ${error.message}`, true);
+  }
+}
+
 document.getElementById("spec").value = JSON.stringify(EXAMPLE_SPEC, null, 2);
 document.getElementById("submit-button").addEventListener("click", submit);
 if (window.location.hash.length > 1) select(window.location.hash.slice(1));
-refresh();
+identify().then(refresh);
 setInterval(refresh, REFRESH_MS);

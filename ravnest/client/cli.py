@@ -179,6 +179,14 @@ def key_revoke(ctx: typer.Context, key_id: str) -> None:
     err.print(f"key {key_id} revoked", highlight=False)
 
 
+@app.command()
+def whoami(ctx: typer.Context) -> None:
+    """The key you are using: its role and name (checks the URL and key work)."""
+    me = call(ctx, "GET", "/v1/whoami")
+    out.print(f"{me['role']} key {me['name'] or me['id']} at {ctx.obj.url}"
+              + ("" if me["may_submit"] else " (reads only)"), highlight=False)
+
+
 @nodes.command("list")
 def node_list(ctx: typer.Context) -> None:
     """Nodes that joined, their state and what they offer."""
