@@ -2,15 +2,19 @@
 
 Only portable SQLAlchemy types (String, Integer, Float, Boolean, Text, JSON), so the same models run
 on SQLite (the default, a file in the data directory) and on PostgreSQL given its URL. JSON columns
-are always replaced, never mutated in place, so SQLAlchemy notices the change.
+are always replaced, never mutated in place, so SQLAlchemy notices the change. The schema changes only
+through a migration (coordinator/migrations/versions/), which every start applies.
 """
 from __future__ import annotations
 
+import importlib.resources
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from alembic import command
+from alembic.config import Config
 from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, create_engine, event, func,
                         inspect, select)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -18,6 +22,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from .changes import Changes
 
 ID = String(32)
+FIRST_REVISION = "0001"  # the schema as it was before migrations (create_all), with these tables:
+FIRST_TABLES = ("credentials", "jobs", "links", "nodes", "checkpoints", "stages")
 
 
 class Base(DeclarativeBase):
@@ -131,7 +137,7 @@ class Store:
     def __init__(self, url: str) -> None:
         connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
         self.engine = create_engine(url, connect_args=connect_args)
-        Base.metadata.create_all(self.engine)
+        upgrade(self.engine)
         _check_columns(self.engine)
         if self.engine.url.get_backend_name() == "sqlite" and self.engine.url.database not in (None, "", ":memory:"):
             os.chmod(self.engine.url.database, 0o600)  # node records and job specs: the owner's only
@@ -155,21 +161,37 @@ class Store:
         self.engine.dispose()
 
 
+def upgrade(engine, revision: str = "head") -> None:
+    """Bring the database to `revision` with Alembic's migrations (coordinator/migrations/versions): a
+    new database is created, an older one upgraded in place. One made before Ravnest had migrations
+    (tables but no alembic_version) is completed as Ravnest then did (create_all of the first
+    revision's tables) and stamped with the first revision; columns it lacks are _check_columns' to find."""
+    config = Config()
+    config.set_main_option("script_location", str(importlib.resources.files("coordinator") / "migrations"))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        tables = set(inspect(connection).get_table_names())
+        if tables and "alembic_version" not in tables:
+            Base.metadata.create_all(connection, tables=[Base.metadata.tables[name] for name in FIRST_TABLES])
+            command.stamp(config, FIRST_REVISION)
+        command.upgrade(config, revision)
+
+
 class SchemaError(RuntimeError):
     """The database was created by an older Ravnest and lacks columns this one needs."""
 
 
 def _check_columns(engine) -> None:
-    """create_all adds missing tables but never columns: say so plainly instead of failing on the
-    first query that needs one."""
+    """A database older than the first migration may lack columns: say so plainly instead of failing
+    on the first query that needs one."""
     inspector = inspect(engine)
     missing = [f"{table.name}.{column.name}" for table in Base.metadata.sorted_tables
                for column in table.columns
                if column.name not in {c["name"] for c in inspector.get_columns(table.name)}]
     if missing:
         raise SchemaError(f"the database at {engine.url!r} was created by an older Ravnest and lacks "
-                          f"{', '.join(missing)}; this version cannot upgrade it in place yet: keep it aside "
-                          f"and start with a new --data-dir (or --db)")
+                          f"{', '.join(missing)}; it predates the migrations this version upgrades with: keep it "
+                          f"aside and start with a new --data-dir (or --db)")
 
 
 def stages_of(session: Session, job_id: str) -> list[StageRow]:
