@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from ravnest import __version__
@@ -28,10 +29,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=Path, default=Path("ravnest-data"),
                         help="database (by default), tokens, uploaded weights and trained models "
                              "(default: ./ravnest-data)")
-    parser.add_argument("--db", default=None, help="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/ravnest "
-                                                   "(default: a SQLite file in --data-dir)")
-    parser.add_argument("--token", default=None, help="join token; nodes must send 'Authorization: Bearer <token>' "
-                                                      "(default: one made once and kept in DATA_DIR/join_token)")
+    parser.add_argument("--db", default=os.environ.get("RAVNEST_DB"),
+                        help="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/ravnest (default: $RAVNEST_DB, "
+                             "else a SQLite file in --data-dir)")
+    parser.add_argument("--token", default=os.environ.get("RAVNEST_JOIN_TOKEN"),
+                        help="join token; nodes must send 'Authorization: Bearer <token>' (default: "
+                             "$RAVNEST_JOIN_TOKEN, else one made once and kept in DATA_DIR/join_token)")
+    parser.add_argument("--operator-token", default=os.environ.get("RAVNEST_OPERATOR_TOKEN"),
+                        help="the operator's API key (default: $RAVNEST_OPERATOR_TOKEN, else one made once and kept "
+                             "in DATA_DIR/operator_token); prefer the variable: other users can read command lines")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0,
                         help="seconds between node heartbeats (default: 2)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None,
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.access").addFilter(QuietRoutine())
     settings = Settings(data_dir=args.data_dir, db_url=args.db, join_token=args.token,
+                        operator_token=args.operator_token,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait)
     try:
@@ -75,10 +82,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"ravnest-coordinator: {e}") from None
     data = settings.data_dir.resolve()
     database = make_url(settings.database_url).render_as_string(hide_password=True)
+    operator = "given (--operator-token)" if args.operator_token else f"in {data / 'operator_token'}"
+    join = "given (--token)" if args.token else f"in {data / 'join_token'}"
     print(f"ravnest-coordinator {__version__}: data in {data}; database {database}\n"
-          f"  authentication is on: every call but /healthz needs a token. Operator key in {data / 'operator_token'} "
-          f"(jobs, nodes, dashboard, metrics); join token " +
-          ("given with --token" if args.token else f"in {data / 'join_token'}") + " (ravnest-node join --token ...)\n"
+          f"  authentication is on: every call but /healthz needs a token. Operator key {operator} (jobs, nodes, "
+          f"dashboard, metrics); join token {join} (ravnest-node join --token ...)\n"
           f"  dashboard at {'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
