@@ -131,7 +131,7 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
     stages = plan.clusters[cluster].stages
     peer = lambda s: StagePeer(node_id=stages[s].node_id, address=stages[s].address)  # noqa: E731
     rings = [] if spec.averaging.strategy == "none" else [
-        Ring(segment=ring.segment, blocks=ring.blocks, weights=ring.weights,
+        Ring(segment=ring.segment, blocks=ring.blocks, weights=ring.weights, order=ring.order,
              members=[StagePeer(node_id=plan.clusters[c].stages[s].node_id, address=plan.clusters[c].stages[s].address)
                       for c, s in enumerate(ring.stages)])
         for ring in plan.rings if ring.stages[cluster] == stage]

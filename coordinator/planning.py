@@ -43,6 +43,7 @@ from ravnest.pipeline.memory import training_load
 from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
+from .ring_order import best_ring
 from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, PlannedStage
 
 
@@ -153,9 +154,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                 predicted_memory_bytes=memory[s], split_backward=shape.load.split_backward,
                 input_shape=inputs[s][0], input_dtype=inputs[s][1])
                 for s, (node, blocks, seconds) in enumerate(zip(replica, shape.ranges, stage_times))]))
-    rings = [PlannedRing.model_construct(segment=i, blocks=blocks, stages=stages,
-                                         members=[clusters[c].stages[s].node_id for c, s in enumerate(stages)],
-                                         weights=ring_weights([pipelines[c][0][s] for c, s in enumerate(stages)], links))
+    rings = [_planned_ring(i, blocks, stages, [pipelines[c][0][s] for c, s in enumerate(stages)], links)
              for i, (blocks, stages) in enumerate(segment_rings([shape.ranges for _, shape in pipelines]))]
     ring_groups = [_ring_group(ring, pipelines, costs, links) for ring in rings]
     averaging_plan = _planned_averaging(averaging, training, max(step_s), ring_groups) if len(clusters) > 1 else None
@@ -175,10 +174,21 @@ def _table_key(planned: PlannedAveraging) -> str:
     return f"{planned.strategy}:{planned.topology}" if planned.topology else planned.strategy
 
 
+def _planned_ring(segment: int, blocks: tuple[int, int], stages: list[int], members: list[NodeInfo],
+                  links: Links | None) -> PlannedRing:
+    """The ring of one segment (`members`: its node in each cluster), ordered for its widest slowest link."""
+    order = best_ring(len(members), lambda i, j: link(members[i], members[j], links)[0])
+    return PlannedRing.model_construct(segment=segment, blocks=blocks, stages=stages,
+                                       members=[m.node_id for m in members],
+                                       weights=ring_weights([members[c] for c in order], links),
+                                       order=None if order == sorted(order) else order)
+
+
 def _ring_group(ring: PlannedRing, pipelines: list[tuple[list[NodeInfo], Shape]], costs: list[BlockCost],
                 links: Links | None) -> runtime.Group:
     """A planned ring as the runtime model sees it: its members, its segment's bytes, its slowest link."""
     members = [pipelines[c][0][s] for c, s in enumerate(ring.stages)]
+    members = [members[c] for c in ring.order] if ring.order else members
     around = [link(here, after, links) for here, after in zip(members, [*members[1:], members[0]])]
     return runtime.Group(len(members), sum(c.param_bytes for c in costs[ring.blocks[0]:ring.blocks[1]]),
                          min(b for b, _ in around), max(lat for _, lat in around),

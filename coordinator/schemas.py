@@ -57,8 +57,10 @@ class PlannedRing(BaseModel):
     blocks: tuple[int, int]
     stages: list[int] = Field(description="the stage holding this segment, per cluster")
     members: list[str] = Field(description="node ids holding this segment, per cluster")
-    weights: list[float] | None = Field(None, description="share of the segment each member reduces "
-                                                          "(balanced against bandwidth); None: equal")
+    weights: list[float] | None = Field(None, description="share of the segment each member reduces, in ring "
+                                                          "order (balanced against bandwidth); None: equal")
+    order: list[int] | None = Field(None, description="clusters in the order the all-reduce passes shares around, "
+                                                      "chosen for the widest slowest measured link; None: 0..n-1")
 
 
 class PlannedAveraging(BaseModel):

@@ -216,8 +216,17 @@ class Ring(_Strict):
     blocks: BlockRange
     members: list[StagePeer]
     weights: list[float] | None = Field(
-        None, description="share of the vector each member reduces, per member (default equal); "
+        None, description="share of the vector each member reduces, in ring order (default equal); "
                           "balanced against the members' bandwidth")
+    order: list[int] | None = Field(
+        None, description="member indices (clusters) in the order the all-reduce passes shares around; "
+                          "None: 0, 1, ..., n-1. Chosen for the widest slowest link")
+
+    @model_validator(mode="after")
+    def _order_is_a_permutation(self) -> "Ring":
+        if self.order is not None and sorted(self.order) != list(range(len(self.members))):
+            raise ValueError(f"ring order {self.order} is not an order of its {len(self.members)} members")
+        return self
 
 
 class StageAssignment(_Strict):

@@ -558,3 +558,21 @@ def test_a_ring_chunk_holding_nan_is_refused_and_never_averaged_in(nodes) -> Non
     results = run_all([lambda: members[0].allreduce(torch.ones(1000), 0),
                        lambda: members[1].allreduce(poisoned, 0)])
     assert isinstance(results[0], RingError), results[0]
+
+
+@pytest.mark.parametrize("order", [[0, 2, 1, 3], [3, 1, 0, 2]])
+def test_a_ring_in_another_order_gives_the_same_mean_and_shares_that_partition_the_vector(nodes, order):
+    """Members pass shares around `order` (the planner's widest-slowest-link ring), not by index."""
+    group = nodes(4)
+    weights = [1.0, 2.0, 3.0, 4.0]  # in ring order
+    members = group.ring(chunk_bytes=4096, weights=weights, order=order)
+    assert [m.addresses.index(m._next) for m in members] == [order[(order.index(i) + 1) % 4] for i in range(4)]
+    tensors = [torch.randn(30_001) * (i + 1) for i in range(4)]
+    for result in allreduce_all(members, tensors):
+        torch.testing.assert_close(result, reference_mean(tensors), rtol=1e-6, atol=1e-6)
+    scattered = run_all([lambda m=m, t=t: m.reduce_scatter(t, 1) for m, t in zip(members, tensors)])
+    owned = sorted(bounds for _, bounds in scattered)
+    assert owned[0][0] == 0 and owned[-1][1] == 30_001 and all(a[1] == b[0] for a, b in zip(owned, owned[1:]))
+    run_all([lambda m=m, buf=buf: m.all_gather(buf, 1) for m, (buf, _) in zip(members, scattered)])
+    with pytest.raises(ValueError, match="not an order"):
+        RingMember(0, group.addresses, group.routers[0], TOKEN, order=[0, 1, 1, 2])

@@ -192,3 +192,20 @@ def test_where_the_split_backward_does_not_fit_the_plan_runs_the_plain_backward(
     roomy = plan_job(costs, [node(f"n{i}", memory=2 * high) for i in range(4)], Placement(stages_per_cluster=4),
                      training=training)
     assert all(s.split_backward for s in roomy.clusters[0].stages)
+
+
+def test_rings_are_ordered_for_their_widest_slowest_measured_link() -> None:
+    """Six replicas from two sites that joined alternately: within a site links are fast, across slow.
+    The plan's ring visits each site's members in a row (two slow links, not six), and its shares
+    are balanced over the links of that order."""
+    nodes = [node(f"{'ab'[i % 2]}{i}") for i in range(6)]
+    links = {(x.node_id, y.node_id): ((1e9 if x.node_id[0] == y.node_id[0] else 5e7), 0.001)
+             for x in nodes for y in nodes if x is not y}
+    plan = plan_job(mlp_costs(), nodes, Placement(clusters=6, min_nodes=6), links=links)
+    [ring] = plan.rings
+    members = [ring.members[c] for c in (ring.order or range(6))]
+    crossings = sum(a[0] != b[0] for a, b in zip(members, [*members[1:], members[0]]))
+    by_cluster = [plan.clusters[c].stages[0].node_id for c in range(6)]
+    joined_order = sum(a[0] != b[0] for a, b in zip(by_cluster, [*by_cluster[1:], by_cluster[0]]))
+    assert crossings == 2 < joined_order, (members, by_cluster)
+    assert ring.members == by_cluster  # members stay indexed by cluster; `order` says how shares travel

@@ -189,15 +189,22 @@ class RingHub:
 class RingMember:
     """This node's place in the ring of one segment.
 
-    `addresses[i]` is member i's gRPC address (i = its cluster index); this node is `rank`.
-    Every member must use the same `weights` (share sizes; default equal) and vector length.
+    `addresses[i]` is member i's gRPC address (i = its cluster index); this node is `rank`. The
+    all-reduce passes shares around the ring `order` (member indices; default 0, 1, ..., n-1): the
+    planner orders members so the slowest link is as fast as it can be (coordinator/ring_order.py).
+    Every member must use the same `order`, `weights` (share sizes in ring order; default equal) and
+    vector length. Gossip (`exchange`) addresses members by index, whatever the order.
     """
 
     def __init__(self, rank: int, addresses: list[str], router: Router, token: str | None = None, *,
                  segment: int = 0, weights: list[float] | None = None, codec: str = "",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, step_timeout: float = 60.0, lanes: int = 1):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, step_timeout: float = 60.0, lanes: int = 1,
+                 order: list[int] | None = None):
         if not 0 <= rank < len(addresses):
             raise ValueError(f"rank {rank} outside a ring of {len(addresses)} members")
+        order = list(range(len(addresses))) if order is None else list(order)
+        if sorted(order) != list(range(len(addresses))):
+            raise ValueError(f"ring order {order} is not an order of the {len(addresses)} members")
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
         if chunk_bytes < 4:
@@ -210,8 +217,9 @@ class RingMember:
         self.chunk_elems = chunk_bytes // 4
         self.hub = RingHub.for_router(router, token, lanes)
         self.hub.join(segment)
-        self._next = self.addresses[(rank + 1) % self.size]
-        self._prev = (rank - 1) % self.size
+        self.order, self.position = order, order.index(rank)  # where this member sits in the ring
+        self._next = self.addresses[order[(self.position + 1) % self.size]]
+        self._prev = order[(self.position - 1) % self.size]
         self._closed = threading.Event()
 
     def allreduce(self, flat: torch.Tensor, round: int, *, codec: str | None = None,
@@ -230,7 +238,8 @@ class RingMember:
                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
         """The first half of `allreduce`: (the work buffer, the bounds [a, b) of the share whose mean
         this member now holds; elsewhere the buffer holds partial sums). Member r holds share
-        (r + 1) mod n (`owned_share`). Every member must follow with `all_gather` of the same round."""
+        (r + 1) mod n (`owned_share`), r its position in the ring order. Every member must follow with
+        `all_gather` of the same round."""
         buf = self._steps(_work_buffer(flat, out), round, range(self.size - 1), codec, ends_round=False)
         return buf, self.owned_share(buf.numel())
 
@@ -272,7 +281,7 @@ class RingMember:
 
     def owned_share(self, numel: int) -> tuple[int, int]:
         """Bounds of the share of a `numel`-element vector that this member reduces and gathers from."""
-        return share_bounds(numel, self.weights)[(self.rank + 1) % self.size]
+        return share_bounds(numel, self.weights)[(self.position + 1) % self.size]
 
     def close(self) -> None:
         """Leave the ring; a round still running here fails at once with RingError."""
@@ -287,7 +296,7 @@ class RingMember:
         """Run ring steps `steps` on `buf` (see the module docstring): at step L send share (r - L)
         and receive share (r - 1 - L); reduce below n - 1, copy from there on."""
         codec = self.codec if codec is None else codec
-        n, r = self.size, self.rank
+        n, r = self.size, self.position
         if n == 1:
             return buf
         chunks = [self._chunk_bounds(a, b) for a, b in share_bounds(buf.numel(), self.weights)]

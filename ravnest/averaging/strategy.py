@@ -88,7 +88,7 @@ def group_member(context: StageContext, ring: Ring, *, step_timeout: float, code
     if a.averaging.backend == "torch":
         from ravnest.averaging.torch_group import TorchMember as member  # torch.distributed loads on demand
     return member(a.cluster, [m.address for m in ring.members], context.router, a.token, segment=ring.segment,
-                  weights=ring.weights, codec=codec, step_timeout=step_timeout)
+                  weights=ring.weights, order=ring.order, codec=codec, step_timeout=step_timeout)
 
 
 class AveragingStrategy:

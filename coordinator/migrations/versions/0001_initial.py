@@ -1,5 +1,4 @@
-"""The schema as Ravnest created it before it had migrations (create_all): nodes, links, jobs, stages,
-checkpoints, credentials.
+"""The schema as Ravnest created it before it had migrations (create_all).
 
 Revision ID: 0001
 Revises: (none)
