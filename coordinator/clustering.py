@@ -40,8 +40,11 @@ def log_features(nodes: Sequence[NodeInfo]) -> np.ndarray:
 
 
 def standardise(raw: np.ndarray) -> np.ndarray:
+    """Each log feature centred and scaled by its spread, but never by less than SIMILAR_LOG_SPREAD: a
+    measure on which the nodes differ by less than 2x (free memory that differs by a few MiB, compute
+    measured a little apart) must not be blown up into a difference k-means would split on."""
     std = raw.std(axis=0)
-    return (raw - raw.mean(axis=0)) / np.where(std > 1e-12, std, 1.0)
+    return (raw - raw.mean(axis=0)) / np.maximum(std, SIMILAR_LOG_SPREAD)
 
 
 def _kmeans(x: np.ndarray, k: int, seed: int, n_init: int = 3) -> KMeans:

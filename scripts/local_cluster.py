@@ -38,6 +38,7 @@ class LocalCluster:
             self.coordinator_args = ["--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])]
             self.node_args += [*self.coordinator_args, "--tls-ca", str(certs["ca"])]
             verify = ssl.create_default_context(cafile=certs["ca"])
+        self.host = "127.0.0.1"  # where the coordinator listens and the nodes serve
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen] = []
         self.http = httpx.Client(base_url=self.url, timeout=30, verify=verify)
@@ -47,10 +48,17 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / log_name, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node)}
-        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen([*self._launcher(log_name), sys.executable, "-m", *args], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
+
+    def _launcher(self, log_name: str) -> list[str]:
+        """What runs a process (before `python -m ...`): nothing here; a testbed enters a namespace."""
+        return []
+
+    def _node_args(self, index: int) -> list[str]:
+        return []
 
     def start(self, timeout: float = 60.0) -> None:
         self._start_coordinator(timeout)
@@ -61,8 +69,8 @@ class LocalCluster:
     def _spawn_node(self, extra_args: list[str] = ()) -> subprocess.Popen:
         i = len(self.procs) - 1  # node i is procs[1 + i]
         return self._spawn(["node.cli", "join", "--coordinator", self.url, f"--token={self.join_token}",
-                            "--name", f"node-{i}", "--threads", str(self.threads_per_node), *self.node_args,
-                            *extra_args], f"node-{i}.log")
+                            "--name", f"node-{i}", "--threads", str(self.threads_per_node), *self._node_args(i),
+                            *self.node_args, *extra_args], f"node-{i}.log")
 
     def add_nodes(self, count: int, extra_args: list[str] = (), timeout: float = 60.0) -> set[str]:
         """Start `count` more nodes at once (e.g. mid-job), wait until they joined; returns their ids."""
@@ -76,7 +84,7 @@ class LocalCluster:
 
     def _start_coordinator(self, timeout: float, log_name: str = "coordinator.log") -> None:
         port = self.url.rsplit(":", 1)[1]
-        proc = self._spawn(["coordinator.cli", "--host", "127.0.0.1", "--port", port,
+        proc = self._spawn(["coordinator.cli", "--host", self.host, "--port", port,
                             "--data-dir", str(self.data_dir), *self.coordinator_args], log_name)
         self.procs.remove(proc)
         self.procs.insert(0, proc)  # procs[0] is the coordinator, procs[1 + i] node i

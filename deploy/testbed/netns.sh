@@ -2,7 +2,8 @@
 # A bandwidth-shaped testbed on one machine: member i lives in network namespace rvn-m<i> with the
 # address 10.77.0.<i+1>/24 on its eth0, a veth whose other end is plugged into a bridge in namespace
 # rvn-hub. Each member's link is shaped with tbf in both directions: its upload on its own eth0, its
-# download on the hub end (netem is not available everywhere; tbf is). Needs root, ip and tc.
+# download on the hub end (netem is not available everywhere; tbf is). The hub itself is 10.77.0.254
+# (scripts/testbed.py runs the coordinator there). Needs root, ip and tc.
 # Only touches namespaces named rvn-*; nothing in the host's own network namespace changes.
 #
 #   deploy/testbed/netns.sh up 50 200 200 200    # 4 members, member 0 at 50 Mbit/s, the rest at 200
@@ -30,8 +31,10 @@ up() {
   down
   trap 'down; exit 1' ERR
   ip netns add "$HUB"
+  ip -n "$HUB" link set lo up  # a process here reaching the hub's own address goes through lo
   ip -n "$HUB" link add br0 type bridge
   ip -n "$HUB" link set br0 up
+  ip -n "$HUB" addr add "$SUBNET.254/24" dev br0  # the hub's own address, unshaped: a coordinator's
   local i=0
   for rate in "$@"; do
     local ns=${PREFIX}m$i

@@ -1,0 +1,118 @@
+"""A bandwidth-shaped testbed of real processes (deploy/testbed/netns.sh): the coordinator in
+namespace rvn-hub at 10.77.0.254 on the bridge, node i in namespace rvn-m<i> at 10.77.0.<i+1>, each
+node's link shaped to its tier (Mbit/s) with tbf both ways. The coordinator profiles the nodes and
+measures their links itself, as it would on the internet. Needs root, ip and tc; only rvn-*
+namespaces are touched, and they are deleted on exit.
+
+    python -m scripts.testbed 400 400 100 100 25 25     # up, print what the coordinator sees, down
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from ravnest.pipeline.local import enter_network_namespace
+from scripts.local_cluster import ROOT, LocalCluster
+
+NETNS = ROOT / "deploy" / "testbed" / "netns.sh"
+HUB, SUBNET = "rvn-hub", "10.77.0"
+HUB_ADDRESS = f"{SUBNET}.254"
+
+
+def unavailable() -> str | None:
+    """Why no testbed can run here, or None."""
+    if os.geteuid() != 0:
+        return "the testbed needs root (network namespaces, tc)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    return f"the testbed needs {', '.join(missing)} (Debian: iproute2)" if missing else None
+
+
+class NamespacedClient:
+    """An httpx client whose sockets live in a network namespace: every call runs on one thread that
+    entered it (a namespace is per thread), so the test process itself stays where it is."""
+
+    def __init__(self, namespace: str, base_url: str, timeout: float = 30.0):
+        self._thread = ThreadPoolExecutor(1, initializer=enter_network_namespace, initargs=(namespace,))
+        self._client: httpx.Client = self._thread.submit(httpx.Client, base_url=base_url, timeout=timeout).result()
+        self.headers = self._client.headers
+
+    def request(self, method: str, url: str, **kwargs) -> httpx.Response:
+        return self._thread.submit(self._client.request, method, url, **kwargs).result()
+
+    def get(self, url: str, **kwargs) -> httpx.Response:
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url: str, **kwargs) -> httpx.Response:
+        return self.request("POST", url, **kwargs)
+
+    def close(self) -> None:
+        self._thread.submit(self._client.close).result()
+        self._thread.shutdown()
+
+
+class ShapedTestbed(LocalCluster):
+    def __init__(self, data_dir: Path, tiers_mbit: list[float], threads_per_node: int = 1,
+                 node_args: list[str] = ()):
+        super().__init__(data_dir, nodes=len(tiers_mbit), threads_per_node=threads_per_node, node_args=node_args)
+        self.tiers = list(tiers_mbit)
+        self.host, self.url = HUB_ADDRESS, f"http://{HUB_ADDRESS}:8470"
+        self.http.close()
+        self.http = None
+
+    def _launcher(self, log_name: str) -> list[str]:
+        namespace = HUB if log_name.startswith("coordinator") else f"rvn-m{log_name.split('-')[1].split('.')[0]}"
+        return ["ip", "netns", "exec", namespace]
+
+    def _node_args(self, index: int) -> list[str]:
+        return ["--host", f"{SUBNET}.{index + 1}"]
+
+    def start(self, timeout: float = 120.0) -> None:
+        subprocess.run(["bash", str(NETNS), "up", *map(str, self.tiers)], check=True, timeout=60)
+        try:
+            self.http = NamespacedClient(HUB, self.url)
+            self._start_coordinator(timeout)
+            for count in range(1, self.nodes + 1):  # one at a time: hosts that would each have their own
+                self._spawn_node()                  # CPU do not slow each other's profiling down here
+                self.wait_for(lambda: len(self.alive_nodes()) >= count, timeout, f"node {count - 1} to join")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 20.0) -> None:
+        try:
+            if self.http is not None:
+                super().stop(timeout)
+            else:
+                for proc in self.procs:
+                    proc.kill()
+        finally:
+            subprocess.run(["bash", str(NETNS), "down"], check=False, timeout=60)
+
+    def tier_of(self, node: dict) -> float:
+        """The tier (Mbit/s) of a node from the coordinator's list, by its address."""
+        return self.tiers[int(node["address"].split(":")[0].rsplit(".", 1)[1]) - 1]
+
+
+def main() -> int:
+    reason = unavailable()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    tiers = [float(t) for t in sys.argv[1:]] or [400, 400, 100, 100, 25, 25]
+    with tempfile.TemporaryDirectory() as scratch, ShapedTestbed(Path(scratch), tiers) as testbed:
+        for node in sorted(testbed.alive_nodes(), key=lambda n: n["name"]):
+            print(f"{node['name']} {node['address']} tier {testbed.tier_of(node):g} Mbit/s: measured "
+                  f"{node['profile']['bandwidth_bytes_per_s'] * 8 / 1e6:.0f} Mbit/s to the coordinator, "
+                  f"{node['profile']['flops'] / 1e9:.0f} GFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
