@@ -14,7 +14,7 @@ demo: install
 	$(PY) scripts/demo.py
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
