@@ -20,5 +20,5 @@ fi
 # about "folders with the same name as your package" that its default editable mode prints
 pip install -q -e ".[dev]" --config-settings editable_mode=compat
 # the example model plug-in (docs/models.md), which the tests use as a third party would
-pip install -q --no-deps -e examples/model-plugin
+pip install -q --no-deps -e examples/model-plugin --config-settings editable_mode=compat
 echo "ravnest installed in $VENV (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
