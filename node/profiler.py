@@ -82,18 +82,17 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20, probe_s: float = 0.25,
                      max_probe_bytes: int = 16 << 20) -> tuple[float, float]:
-    """(round-trip seconds, bytes/s) to the coordinator, from /healthz pings and probe downloads: a
-    probe 4x larger while the last took under `probe_s` (a fast link needs more bytes than a slow one
-    to be measured beyond the request's own overhead), the fastest counting (a busy machine only
-    slows a probe down)."""
+    """(round-trip seconds, bytes/s) to the coordinator, from /healthz pings and probe downloads, each
+    4x larger than the last while it took under `probe_s`: a fast link needs more bytes than a slow
+    one to be measured beyond the request's own overhead. The last, longest probe counts (a short one
+    on a fast link is all overhead: subtracting the ping from it gave 1 TB/s on loopback)."""
     client.get("/healthz")  # opens the connection
     latency = min(_timed(lambda: client.get("/healthz")) for _ in range(3))
-    best, size = 0.0, probe_bytes
+    size = probe_bytes
     while True:
         elapsed = _timed(lambda: _probe(client, size))
-        best = max(best, size / max(elapsed - latency, 1e-6))
         if elapsed >= probe_s or size * 4 > max_probe_bytes:
-            return latency, best
+            return latency, size / max(elapsed - latency, elapsed / 2)
         size *= 4
 
 

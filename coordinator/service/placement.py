@@ -109,7 +109,8 @@ class Placing(ServiceBase):
             except PlanningError:
                 baseline = current.predicted_samples_per_s
             if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * baseline:
-                self._recover(session, job, f"{len(newcomers)} idle node(s) can speed it up: predicted "
+                some = f"{len(newcomers)} idle node{'s' if len(newcomers) > 1 else ''}"
+                self._recover(session, job, f"{some} can speed it up: predicted "
                                             f"{baseline:,.0f} -> {plan.predicted_samples_per_s:,.0f} samples/s",
                               kind=GROW)
                 return  # the idle nodes wait for its re-plan
