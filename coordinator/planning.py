@@ -92,7 +92,8 @@ class Shape:
 
     def describe(self) -> str:
         plain = "" if self.load.split_backward else " (backward not split, to fit memory)"
-        return f"{_n(len(self.replicas), 'replica')} x {_n(len(self.ranges), 'stage')}{plain}: {_rate(self.samples_per_s)}"
+        shape = f"{_n(len(self.replicas), 'replica')} x {_n(len(self.ranges), 'stage')}"
+        return f"{shape}{plain}: {_rate(self.samples_per_s)}"
 
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
