@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -98,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
              + "\n".join(rows))
     print(table)
     if not args.no_docs:
-        from bench.common import write_section
-        command = "python -m bench.async " + " ".join(sys.argv[1:] if argv is None else argv)
+        from bench.common import command_line, write_section
+        command = command_line("bench.async", argv)
         write_section("Asynchronous and communication-light averaging", (
             f"`{command.strip()}`\n\n"
             f"Digits CNN, batch 32 per replica, {args.steps} Adam steps (lr 1e-3); every stage a thread of one "

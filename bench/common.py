@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nFigures from `python -m bench.<name>`; each section is rewritten by its own benchmark.\n"
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How to run this benchmark again, as docs/benchmarks.md quotes it: `python -m bench.<module> ARGS`."""
+    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_section(title: str, text: str, path: Path = BENCHMARKS_MD) -> None:

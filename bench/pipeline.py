@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import typing
 
 import torch
@@ -104,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     gap = max(single_accuracy - median(first, stages, "test_accuracy") for stages in CUTS)
     print(f"single process test accuracy {single_accuracy:.4f} (median)\n{table}")
     if not args.no_docs:
-        from bench.common import write_section
-        command = "python -m bench.pipeline " + " ".join(sys.argv[1:] if argv is None else argv)
+        from bench.common import command_line, write_section
+        command = command_line("bench.pipeline", argv)
         write_section("Pipeline", (
             f"`{command.strip()}`\n\n"
             f"MLP {MODEL['config']} on digits, batch {args.batch_size}, {steps} Adam steps (lr 1e-4), cuts "

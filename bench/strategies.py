@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 
 import torch
 
@@ -159,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"each strategy all its communication (`spare_core=False`)"
                   if not all(spare_core(n) for n in args.replicas) else "every replica has a core to spare")
     if not args.no_docs:
-        from bench.common import write_section
-        command = "python -m bench.strategies " + " ".join(sys.argv[1:] if argv is None else argv)
+        from bench.common import command_line, write_section
+        command = command_line("bench.strategies", argv)
         where = (f"in its own network namespace, links tbf-shaped to {args.shaped:g} Mbit/s each way "
                  f"(deploy/testbed/netns.sh)" if args.shaped else "on loopback gRPC")
         write_section("Averaging strategies" + (" on shaped links" if args.shaped else ""), (

@@ -17,14 +17,13 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from concurrent import futures
 
 import grpc
 import torch
 
-from bench.common import write_section
+from bench.common import command_line, write_section
 from ravnest.wire import ChannelPool, Message, OutboundStream, PeerServer
 from ravnest.wire.codec import byte_view
 from ravnest.wire.messages import DEFAULT_CHUNK_BYTES
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                f"cores (load average {load:.1f} at the start: other work shares the machine):\n\n{figures}")
     print(summary)
     if not args.no_docs:
-        command = "python -m bench.wire " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = command_line("bench.wire", argv)
         write_section("Wire", f"Command: `{command.strip()}`\n\n{summary}\n")
     print(f"wire throughput={median['wire']:.3f} raw_grpc={median['raw']:.3f}")
 
