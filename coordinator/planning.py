@@ -13,6 +13,10 @@ Rules (see also docs/jobs.md):
 - A replica's samples/s is batch x min(1 / slowest stage, K / round trip), capped by averaging: a
   ring all-reduce of its stage's parameters every `averaging.every` steps (bandwidth and latency
   terms) that takes longer than those steps stalls training.
+- Averaging makes the fast clusters wait for the slowest (every strategy but the asynchronous ones),
+  so with `placement.clusters = "auto"` a group whose pace would cost the others more than it adds
+  is left out as spares: the plan keeps the fastest groups whose number of replicas times the
+  slowest kept pace is largest (the most groups within 10% of the best).
 - Chain order: bandwidth descending (then compute), so the slowest node goes last, where it bounds
   one link, not two, and the last stage sends no activations forward at all. A peer link is what
   the nodes measured between themselves (link probes, the slower direction) when they did, else it
@@ -47,7 +51,7 @@ from .ring_order import best_ring
 from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, PlannedStage
 
 
-PREFER_SHALLOW = 0.9  # a shallower pipeline within this share of the best throughput is preferred
+NEAR_BEST = 0.9  # within this share of the best predicted throughput the simpler plan wins (shallower, more groups)
 
 
 class PlanningError(ValueError):
@@ -134,7 +138,24 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         asked = f" (stages_per_cluster = {placement.stages_per_cluster})" if placement.stages_per_cluster else ""
         why.append(f"{_n(len(chain), 'node')} -> {shape.describe()}{asked}"
                    + (f" (considered {'; '.join(considered)})" if len(considered) > 1 else ""))
+    if exact is None and _paced_by_slowest(averaging):
+        kept = _without_laggards(shapes)
+        for index, shape in enumerate(shapes):
+            if index not in kept:
+                why[index] += " -> left out: it would pace the others"
+                unused.update({n.node_id: f"spare: its group ({shape.describe()}) would set the pace of the "
+                                          f"faster ones, averaging waits for the slowest"
+                               for replica in shape.replicas for n in replica})
+        shapes = [shapes[i] for i in kept]
+    return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links)
 
+
+def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused: dict[str, str], *,
+             training: TrainingSettings, averaging: AveragingSettings, links: Links | None,
+             order_rings: bool = True) -> Plan:
+    """The plan of these shapes: a cluster per replica, predicted stage times and memory, the rings of
+    every segment (ordered by measured links unless `order_rings` is off: then in cluster order with equal
+    shares), the averaging the clusters run and the throughput of all of them together."""
     # model_construct: these values are computed here, validating 10,000 of them again costs ~0.5 s
     clusters: list[PlannedCluster] = []
     pipelines = [(replica, shape) for shape in shapes for replica in shape.replicas]
@@ -155,11 +176,11 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                 predicted_memory_bytes=memory[s], split_backward=shape.load.split_backward,
                 input_shape=inputs[s][0], input_dtype=inputs[s][1])
                 for s, (node, blocks, seconds) in enumerate(zip(replica, shape.ranges, stage_times))]))
-    rings = [_planned_ring(i, blocks, stages, [pipelines[c][0][s] for c, s in enumerate(stages)], links)
+    rings = [_planned_ring(i, blocks, stages, [pipelines[c][0][s] for c, s in enumerate(stages)], links, order_rings)
              for i, (blocks, stages) in enumerate(segment_rings([shape.ranges for _, shape in pipelines]))]
     ring_groups = [_ring_group(ring, pipelines, costs, links) for ring in rings]
     averaging_plan = _planned_averaging(averaging, training, max(step_s), ring_groups) if len(clusters) > 1 else None
-    throughput = sum(shape.samples_per_s for shape in shapes)
+    throughput = _throughput(shapes, averaging)
     depths = sorted({len(s.ranges) for s in shapes})
     reason = (f"{_n(len(clusters), 'cluster')} x {'/'.join(map(str, depths))} stage{'s' if depths != [1] else ''}, "
               f"predicted {_rate(throughput)}; " + "; ".join(why))
@@ -171,13 +192,45 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                                 predicted_samples_per_s=throughput, reason=reason)
 
 
+def _paced_by_slowest(averaging: AveragingSettings) -> bool:
+    """Whether the clusters' averaging makes the fast ones wait for the slowest (all but the asynchronous)."""
+    return averaging.strategy not in runtime.UNPACED
+
+
+def _pace(shape: Shape) -> float:
+    """Samples/s of one of the shape's replicas."""
+    return shape.samples_per_s / len(shape.replicas)
+
+
+def _throughput(shapes: list[Shape], averaging: AveragingSettings) -> float:
+    """Samples/s of all replicas: at the slowest one's pace where averaging waits for it."""
+    if _paced_by_slowest(averaging):
+        return sum(len(shape.replicas) for shape in shapes) * min(_pace(shape) for shape in shapes)
+    return sum(shape.samples_per_s for shape in shapes)
+
+
+def _without_laggards(shapes: list[Shape]) -> set[int]:
+    """The groups to keep when the slowest sets everyone's pace: the fastest m groups for the m whose
+    replicas x slowest pace is largest, taking the most groups within NEAR_BEST of the best (more
+    replicas average away more noise). A group 4x slower than two others costs them 3/4 of their pace."""
+    by_pace = sorted(range(len(shapes)), key=lambda i: -_pace(shapes[i]))
+    totals = [sum(len(shapes[i].replicas) for i in by_pace[:m]) * _pace(shapes[by_pace[m - 1]])
+              for m in range(1, len(shapes) + 1)]
+    keep = max(m for m in range(1, len(shapes) + 1) if totals[m - 1] >= NEAR_BEST * max(totals))
+    return set(by_pace[:keep])
+
+
 def _table_key(planned: PlannedAveraging) -> str:
     return f"{planned.strategy}:{planned.topology}" if planned.topology else planned.strategy
 
 
 def _planned_ring(segment: int, blocks: tuple[int, int], stages: list[int], members: list[NodeInfo],
-                  links: Links | None) -> PlannedRing:
-    """The ring of one segment (`members`: its node in each cluster), ordered for its widest slowest link."""
+                  links: Links | None, ordered: bool = True) -> PlannedRing:
+    """The ring of one segment (`members`: its node in each cluster), ordered for its widest slowest link
+    with shares balanced over its links; `ordered` off: in cluster order with equal shares."""
+    if not ordered:
+        return PlannedRing.model_construct(segment=segment, blocks=blocks, stages=stages,
+                                           members=[m.node_id for m in members], weights=None, order=None)
     order = best_ring(len(members), lambda i, j: link(members[i], members[j], links)[0])
     return PlannedRing.model_construct(segment=segment, blocks=blocks, stages=stages,
                                        members=[m.node_id for m in members],
@@ -259,7 +312,7 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
     if not shapes:
         raise PlanningError(f"a group of {len(chain)} nodes cannot hold the model: {last_error}")
     best = max(shape.samples_per_s for shape in shapes)
-    return min((s for s in shapes if s.samples_per_s >= PREFER_SHALLOW * best), key=lambda s: len(s.ranges)), considered
+    return min((s for s in shapes if s.samples_per_s >= NEAR_BEST * best), key=lambda s: len(s.ranges)), considered
 
 
 @dataclass

@@ -185,6 +185,11 @@ class Placement(_Strict):
     max_nodes: PositiveInt | None = Field(None, le=100_000,
                                           description="use at most this many nodes (default: all idle ones)")
     stages_per_cluster: int | None = Field(None, ge=1, le=4096, description="default: every node in the cluster")
+    policy: Literal["measured", "equal-split"] = Field(
+        "measured", description="measured: clusters by measured bandwidth and compute, cuts by predicted time; "
+                                "equal-split: Ravnest's original policy, the baseline bench.testbed measures "
+                                "against (clusters by memory in join order, equal parameters per stage, rings "
+                                "in join order)")
 
 
 class CheckpointSettings(_Strict):

@@ -22,41 +22,47 @@ from scripts.local_cluster import LocalCluster
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One coordinator and two nodes for the tests below (the last of them revokes a node)."""
+    with LocalCluster(tmp_path_factory.mktemp("cli-cluster"), nodes=2) as cluster:
+        yield cluster
+
+
 @pytest.mark.slow
-def test_submit_watch_download_and_load_a_model_with_the_ravnest_command(tmp_path: Path) -> None:
+def test_submit_watch_download_and_load_a_model_with_the_ravnest_command(cluster, tmp_path: Path) -> None:
     def ravnest_cli(*args: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token}
         return subprocess.run([sys.executable, "-m", "ravnest.client.cli", *args], capture_output=True, text=True,
                               env=env, timeout=300, cwd=tmp_path)
 
-    with LocalCluster(tmp_path, nodes=2) as cluster:
-        submitted = ravnest_cli("submit", str(ROOT / "examples/jobs/digits-mlp.json"), "--watch")
-        assert submitted.returncode == 0, submitted.stderr
-        job_id = submitted.stdout.strip()  # the id alone on stdout, for scripts
-        assert len(job_id) == 16 and "completed" in submitted.stderr
-        listed = ravnest_cli("status")
-        assert listed.returncode == 0 and job_id in listed.stdout and "completed" in listed.stdout
-        one = ravnest_cli("status", job_id)
-        assert one.returncode == 0 and "cluster 0: stage 0 blocks [0, " in one.stdout
-        assert f"ravnest download {job_id}" in one.stdout
-        assert ravnest_cli("download", job_id, "-o", "model.safetensors").returncode == 0
-        reported = cluster.job(job_id)["metrics"]["test_accuracy"]
+    submitted = ravnest_cli("submit", str(ROOT / "examples/jobs/digits-mlp.json"), "--watch")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()  # the id alone on stdout, for scripts
+    assert len(job_id) == 16 and "completed" in submitted.stderr
+    listed = ravnest_cli("status")
+    assert listed.returncode == 0 and job_id in listed.stdout and "completed" in listed.stdout
+    one = ravnest_cli("status", job_id)
+    assert one.returncode == 0 and "cluster 0: stage 0 blocks [0, " in one.stdout
+    assert f"ravnest download {job_id}" in one.stdout
+    assert ravnest_cli("download", job_id, "-o", "model.safetensors").returncode == 0
+    reported = cluster.job(job_id)["metrics"]["test_accuracy"]
 
-        model = ravnest.load_model(tmp_path / "model.safetensors")
-        correct = total = 0
-        with torch.no_grad():
-            for x, y in load_dataset({"name": "digits"}).test_batches(64):
-                correct += int((model(x).argmax(dim=1) == y).sum())
-                total += len(y)
-        assert correct / total == pytest.approx(reported, abs=1e-9)  # the model the job evaluated
+    model = ravnest.load_model(tmp_path / "model.safetensors")
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in load_dataset({"name": "digits"}).test_batches(64):
+            correct += int((model(x).argmax(dim=1) == y).sum())
+            total += len(y)
+    assert correct / total == pytest.approx(reported, abs=1e-9)  # the model the job evaluated
 
-        unknown = ravnest_cli("status", "0123456789abcdef")
-        assert unknown.returncode == 1 and "no job" in unknown.stderr
-        missing = ravnest_cli("submit", "no-such-file.json")
-        assert missing.returncode == 2 and "cannot read" in missing.stderr
-        (tmp_path / "bad.json").write_text('{"model": {"name": "mlp"}}')
-        refused = ravnest_cli("submit", "bad.json")
-        assert refused.returncode == 1 and "dataset" in refused.stderr
+    unknown = ravnest_cli("status", "0123456789abcdef")
+    assert unknown.returncode == 1 and "no job" in unknown.stderr
+    missing = ravnest_cli("submit", "no-such-file.json")
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    (tmp_path / "bad.json").write_text('{"model": {"name": "mlp"}}')
+    refused = ravnest_cli("submit", "bad.json")
+    assert refused.returncode == 1 and "dataset" in refused.stderr
 
 
 def run_in_terminal(args: list[str], env: dict, timeout: float) -> tuple[int, str]:
@@ -87,7 +93,7 @@ def run_in_terminal(args: list[str], env: dict, timeout: float) -> tuple[int, st
 
 
 @pytest.mark.slow
-def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_log(tmp_path: Path) -> None:
+def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_log(cluster, tmp_path: Path) -> None:
     config = tmp_path / "client.toml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")}
     env["RAVNEST_CONFIG"] = str(config)
@@ -100,61 +106,60 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
         shown = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, env=env)
         assert shown.returncode == 0 and shown.stdout.strip().endswith(ravnest.__version__), module
 
-    with LocalCluster(tmp_path, nodes=2) as cluster:
-        config.write_text(f'coordinator = "{cluster.url}"\nkey = "{cluster.operator_token}"\n')
-        assert ravnest_cli("whoami").stdout.startswith(f"operator key operator token (data directory) at {cluster.url}")
-        created = ravnest_cli("token", "create", "--name", "lab machines", "--uses", "3")
-        assert created.returncode == 0, created.stderr
-        token_id = re.search(r"created join token (\w+)", created.stderr)[1]
-        assert len(created.stdout.strip()) >= 32  # the token alone on stdout, once
-        listed = ravnest_cli("token", "list")
-        assert "lab machines" in listed.stdout and token_id in listed.stdout
-        assert ravnest_cli("token", "revoke", token_id).returncode == 0
-        assert re.search(rf"{token_id}.*lab machines.*\d\d-\d\d \d\d:\d\d\s*│\s*$", ravnest_cli("token", "list").stdout,
-                         re.MULTILINE)  # its revoked column is filled
-        assert "node-0" in ravnest_cli("nodes").stdout
+    config.write_text(f'coordinator = "{cluster.url}"\nkey = "{cluster.operator_token}"\n')
+    assert ravnest_cli("whoami").stdout.startswith(f"operator key operator token (data directory) at {cluster.url}")
+    created = ravnest_cli("token", "create", "--name", "lab machines", "--uses", "3")
+    assert created.returncode == 0, created.stderr
+    token_id = re.search(r"created join token (\w+)", created.stderr)[1]
+    assert len(created.stdout.strip()) >= 32  # the token alone on stdout, once
+    listed = ravnest_cli("token", "list")
+    assert "lab machines" in listed.stdout and token_id in listed.stdout
+    assert ravnest_cli("token", "revoke", token_id).returncode == 0
+    assert re.search(rf"{token_id}.*lab machines.*\d\d-\d\d \d\d:\d\d\s*│\s*$", ravnest_cli("token", "list").stdout,
+                     re.MULTILINE)  # its revoked column is filled
+    assert "node-0" in ravnest_cli("nodes").stdout
 
-        job_id = ravnest_cli("submit", str(ROOT / "examples/jobs/digits-mlp.json")).stdout.strip()
-        code, screen = run_in_terminal([sys.executable, "-m", "ravnest.client.cli", "watch", job_id, "--every", "0.5"],
-                                       env, timeout=300)
-        assert code == 0, screen
-        assert "\x1b[" in screen and "━" in screen  # drawn live: escape codes and a bar, not log lines
-        assert "100%" in screen and f"{job_id} completed" in screen and "samples/s" in screen
+    job_id = ravnest_cli("submit", str(ROOT / "examples/jobs/digits-mlp.json")).stdout.strip()
+    code, screen = run_in_terminal([sys.executable, "-m", "ravnest.client.cli", "watch", job_id, "--every", "0.5"],
+                                   env, timeout=300)
+    assert code == 0, screen
+    assert "\x1b[" in screen and "━" in screen  # drawn live: escape codes and a bar, not log lines
+    assert "100%" in screen and f"{job_id} completed" in screen and "samples/s" in screen
 
-        spec = json.loads((ROOT / "examples/jobs/digits-mlp.json").read_text())
-        spec["training"]["steps"] = 100_000
-        spec["checkpoints"] = {"every": 20}
-        (tmp_path / "long.json").write_text(json.dumps(spec))
-        long_id = ravnest_cli("submit", "long.json").stdout.strip()
-        early = ravnest_cli("resume", long_id)  # it is not stopped: refused, the reason on one line for scripts
-        assert early.returncode == 1 and early.stderr.count("\n") == 1 and "only failed or cancelled" in early.stderr
-        cluster.wait_for(lambda: cluster.job(long_id)["checkpoint_step"], 120, "a checkpoint to resume from")
-        cancelled = ravnest_cli("cancel", long_id)
-        assert cancelled.returncode == 0 and "cancelled" in cancelled.stderr
-        resumed = ravnest_cli("resume", long_id)
-        assert resumed.returncode == 0 and re.search(r"pending|placing|running", resumed.stderr), resumed.stderr
+    spec = json.loads((ROOT / "examples/jobs/digits-mlp.json").read_text())
+    spec["training"]["steps"] = 100_000
+    spec["checkpoints"] = {"every": 20}
+    (tmp_path / "long.json").write_text(json.dumps(spec))
+    long_id = ravnest_cli("submit", "long.json").stdout.strip()
+    early = ravnest_cli("resume", long_id)  # it is not stopped: refused, the reason on one line for scripts
+    assert early.returncode == 1 and early.stderr.count("\n") == 1 and "only failed or cancelled" in early.stderr
+    cluster.wait_for(lambda: cluster.job(long_id)["checkpoint_step"], 120, "a checkpoint to resume from")
+    cancelled = ravnest_cli("cancel", long_id)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stderr
+    resumed = ravnest_cli("resume", long_id)
+    assert resumed.returncode == 0 and re.search(r"pending|placing|running", resumed.stderr), resumed.stderr
 
-        reader = ravnest_cli("key", "create", "--role", "reader", "--name", "grafana")
-        key_id, reader_key = re.search(r"created API key (\w+)", reader.stderr)[1], reader.stdout.strip()
-        assert "grafana" in ravnest_cli("key", "list").stdout
-        as_reader = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--key", reader_key, "cancel", long_id],
-                                   capture_output=True, text=True, env=env, timeout=60)
-        assert as_reader.returncode == 1 and "submitter or operator key" in as_reader.stderr  # the flag beats the file
-        assert ravnest_cli("key", "revoke", key_id).returncode == 0
-        revoked = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--key", reader_key, "status"],
-                                 capture_output=True, text=True, env=env, timeout=60)
-        assert revoked.returncode == 1 and "401" in revoked.stderr
-        assert ravnest_cli("cancel", long_id).returncode == 0
+    reader = ravnest_cli("key", "create", "--role", "reader", "--name", "grafana")
+    key_id, reader_key = re.search(r"created API key (\w+)", reader.stderr)[1], reader.stdout.strip()
+    assert "grafana" in ravnest_cli("key", "list").stdout
+    as_reader = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--key", reader_key, "cancel", long_id],
+                               capture_output=True, text=True, env=env, timeout=60)
+    assert as_reader.returncode == 1 and "submitter or operator key" in as_reader.stderr  # the flag beats the file
+    assert ravnest_cli("key", "revoke", key_id).returncode == 0
+    revoked = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--key", reader_key, "status"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert revoked.returncode == 1 and "401" in revoked.stderr
+    assert ravnest_cli("cancel", long_id).returncode == 0
 
-        node_id = next(n["id"] for n in cluster.alive_nodes() if n["name"] == "node-1")
-        assert ravnest_cli("node", "revoke", node_id).returncode == 0
-        cluster.wait_for(lambda: all(n["id"] != node_id for n in cluster.alive_nodes()), 30, "the revoked node to go")
+    node_id = next(n["id"] for n in cluster.alive_nodes() if n["name"] == "node-1")
+    assert ravnest_cli("node", "revoke", node_id).returncode == 0
+    cluster.wait_for(lambda: all(n["id"] != node_id for n in cluster.alive_nodes()), 30, "the revoked node to go")
 
-        config.write_text("coordinator = [")
-        broken = ravnest_cli("status")
-        assert broken.returncode == 2 and "client.toml" in broken.stderr
+    config.write_text("coordinator = [")
+    broken = ravnest_cli("status")
+    assert broken.returncode == 2 and "client.toml" in broken.stderr
 
-        log = (cluster.data_dir / "logs" / "coordinator.log").read_text()
+    log = (cluster.data_dir / "logs" / "coordinator.log").read_text()
     assert "authentication is on" in log and "database sqlite:" in log
     assert re.search(r"node \w+ \(node-0\) joined from 127\.0\.0\.1:\d+", log)
     assert re.search(rf"job {job_id} \(digits-mlp\) submitted by key operator", log)

@@ -34,41 +34,52 @@ def node_metrics_url(cluster: LocalCluster, index: int) -> str:
     return found.group(1)
 
 
-def test_prometheus_scrapes_of_the_coordinator_and_a_node_during_a_job(tmp_path):
-    with LocalCluster(tmp_path, nodes=4, node_args=["--metrics-port", "0"]) as cluster:
-        assert httpx.get(f"{cluster.url}/metrics").status_code == 401  # an API key, like every view
-        job_id = cluster.submit(cnn_job(steps=3000, clusters=2, stages_per_cluster=2, min_nodes=4))
-        wait_progress(cluster, job_id, 0.05)
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One coordinator and four nodes (serving metrics) for both tests; each starts on idle nodes."""
+    with LocalCluster(tmp_path_factory.mktemp("dashboard"), nodes=4, node_args=["--metrics-port", "0"]) as cluster:
+        yield cluster
 
-        def averaged():  # every stage reported at least one averaging round
-            found = samples(cluster.http.get("/metrics").text)
-            rounds = [v for labels, v in found.get("ravnest_stage_avg_rounds", []) if labels["job"] == job_id]
-            return found if len(rounds) == 4 and min(rounds) > 0 else None
-        coordinator = cluster.wait_for(averaged, 120, "every stage to report an averaging round")
-        assert dict(((labels["state"], v) for labels, v in coordinator["ravnest_nodes"]))["busy"] == 4
-        assert dict(((labels["state"], v) for labels, v in coordinator["ravnest_jobs"]))["running"] == 1
-        for name in ("ravnest_job_samples_per_s", "ravnest_job_loss", "ravnest_job_progress_ratio",
-                     "ravnest_job_step_s", "ravnest_job_utilization", "ravnest_job_averaging_round_s"):
-            [(labels, value)] = coordinator[name]
-            assert labels == {"job": job_id} and value > 0, name
-        for name in ("ravnest_stage_utilization", "ravnest_stage_samples_per_s", "ravnest_stage_step_s",
-                     "ravnest_stage_avg_round_s", "ravnest_stage_memory_peak_bytes"):
-            assert len(coordinator[name]) == 4 and all(v > 0 for _, v in coordinator[name]), name
-        assert coordinator["process_resident_memory_bytes"][0][1] > 0
 
-        node = samples(httpx.get(node_metrics_url(cluster, 0)).text)
-        assert [labels["job"] for labels, _ in node["ravnest_stage_step"]] == [job_id]
-        for name in ("ravnest_stage_step", "ravnest_stage_samples_per_s", "ravnest_stage_utilization",
-                     "ravnest_stage_avg_round_s", "ravnest_peer_sent_bytes_total",
-                     "ravnest_peer_received_bytes_total", "process_resident_memory_bytes"):
-            assert sum(v for _, v in node[name]) > 0, name
-        assert "ravnest_stage_in_flight" in node and "ravnest_stage_staleness" in node
-        cluster.http.post(f"/v1/jobs/{job_id}/cancel")
-        cluster.wait_job(job_id, timeout=120)
+def idle(cluster: LocalCluster) -> None:
+    cluster.wait_for(lambda: sum(n["state"] == "idle" for n in cluster.alive_nodes()) == 4, 60, "4 idle nodes")
 
-        def forgotten():  # a stage's series go away with its job
-            return "ravnest_stage_step" not in samples(httpx.get(node_metrics_url(cluster, 0)).text)
-        cluster.wait_for(forgotten, 60, "the node to drop the ended job's series")
+
+def test_prometheus_scrapes_of_the_coordinator_and_a_node_during_a_job(cluster):
+    idle(cluster)
+    assert httpx.get(f"{cluster.url}/metrics").status_code == 401  # an API key, like every view
+    job_id = cluster.submit(cnn_job(steps=3000, clusters=2, stages_per_cluster=2, min_nodes=4))
+    wait_progress(cluster, job_id, 0.05)
+
+    def averaged():  # every stage reported at least one averaging round
+        found = samples(cluster.http.get("/metrics").text)
+        rounds = [v for labels, v in found.get("ravnest_stage_avg_rounds", []) if labels["job"] == job_id]
+        return found if len(rounds) == 4 and min(rounds) > 0 else None
+    coordinator = cluster.wait_for(averaged, 120, "every stage to report an averaging round")
+    assert dict(((labels["state"], v) for labels, v in coordinator["ravnest_nodes"]))["busy"] == 4
+    assert dict(((labels["state"], v) for labels, v in coordinator["ravnest_jobs"]))["running"] == 1
+    for name in ("ravnest_job_samples_per_s", "ravnest_job_loss", "ravnest_job_progress_ratio",
+                 "ravnest_job_step_s", "ravnest_job_utilization", "ravnest_job_averaging_round_s"):
+        [(labels, value)] = coordinator[name]
+        assert labels == {"job": job_id} and value > 0, name
+    for name in ("ravnest_stage_utilization", "ravnest_stage_samples_per_s", "ravnest_stage_step_s",
+                 "ravnest_stage_avg_round_s", "ravnest_stage_memory_peak_bytes"):
+        assert len(coordinator[name]) == 4 and all(v > 0 for _, v in coordinator[name]), name
+    assert coordinator["process_resident_memory_bytes"][0][1] > 0
+
+    node = samples(httpx.get(node_metrics_url(cluster, 0)).text)
+    assert [labels["job"] for labels, _ in node["ravnest_stage_step"]] == [job_id]
+    for name in ("ravnest_stage_step", "ravnest_stage_samples_per_s", "ravnest_stage_utilization",
+                 "ravnest_stage_avg_round_s", "ravnest_peer_sent_bytes_total",
+                 "ravnest_peer_received_bytes_total", "process_resident_memory_bytes"):
+        assert sum(v for _, v in node[name]) > 0, name
+    assert "ravnest_stage_in_flight" in node and "ravnest_stage_staleness" in node
+    cluster.http.post(f"/v1/jobs/{job_id}/cancel")
+    cluster.wait_job(job_id, timeout=120)
+
+    def forgotten():  # a stage's series go away with its job
+        return "ravnest_stage_step" not in samples(httpx.get(node_metrics_url(cluster, 0)).text)
+    cluster.wait_for(forgotten, 60, "the node to drop the ended job's series")
 
 
 def chromium() -> str:
@@ -78,62 +89,62 @@ def chromium() -> str:
     return found
 
 
-def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_curve(tmp_path):
+def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_curve(cluster):
     playwright = pytest.importorskip("playwright.sync_api")
     executable = chromium()
-    with LocalCluster(tmp_path, nodes=4) as cluster:
-        spec = cnn_job(steps=3000, clusters=2, stages_per_cluster=2, min_nodes=4)
-        spec["training"]["eval_every"] = 100
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
-            try:
-                page = browser.new_page(viewport={"width": 1280, "height": 1000})
-                page.goto(f"{cluster.url}/")
-                assert page.url.endswith("/login")  # nobody sees anything without a key
-                page.fill("input[name=token]", cluster.operator_token)
-                page.click("button")
-                page.wait_for_url(f"{cluster.url}/")
-                page.wait_for_function("document.querySelectorAll('#nodes tbody tr').length === 4")
-                assert page.locator("#nodes tbody").inner_text().count("idle") == 4
+    idle(cluster)
+    spec = cnn_job(steps=3000, clusters=2, stages_per_cluster=2, min_nodes=4)
+    spec["training"]["eval_every"] = 100
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(f"{cluster.url}/")
+            assert page.url.endswith("/login")  # nobody sees anything without a key
+            page.fill("input[name=token]", cluster.operator_token)
+            page.click("button")
+            page.wait_for_url(f"{cluster.url}/")
+            page.wait_for_function("document.querySelectorAll('#nodes tbody tr').length === 4")
+            assert page.locator("#nodes tbody").inner_text().count("idle") == 4
 
-                page.click("#submit summary")  # submit the job through the page's form
-                page.fill("#spec", "{not json")
-                page.click("#submit-button")
-                page.wait_for_function("document.querySelector('#status').textContent.includes('not JSON')")
-                page.fill("#spec", json.dumps(spec))
-                page.click("#submit-button")
-                page.wait_for_function("document.querySelector('#status').textContent.startsWith('submitted job')")
-                job_id = page.locator("#status").inner_text().split()[2].rstrip(":")
-                wait_progress(cluster, job_id, 0.02)
-                page.click("#submit summary")  # fold the form away again
-                page.wait_for_function("document.querySelector('#nodes tbody').innerText.split('busy').length === 5")
-                page.wait_for_function("document.querySelectorAll('#pipelines g.stage').length === 4")
-                rings = cluster.job(job_id)["plan"]["rings"]  # a ring per segment (clusters may cut differently)
-                assert page.locator("#pipelines line.ring").count() == len(rings) >= 2  # each joins 2 clusters
-                assert "blocks [0," in page.locator("#pipelines").inner_html()
-                page.wait_for_function("document.querySelector('#loss-chart polyline.series')")
-                first = int(page.locator("#loss-chart polyline.series").first.get_attribute("data-points"))
-                page.wait_for_function(  # the curve grows from the job's server-sent events, no reload
-                    f"Number(document.querySelector('#loss-chart polyline.series').dataset.points) > {first}",
-                    timeout=60_000)
-                page.wait_for_function("Number((document.querySelector('#accuracy-chart polyline.series') || "
-                                       "{dataset: {points: 0}}).dataset.points) >= 4", timeout=120_000)
-                page.screenshot(path=str(SCREENSHOT), full_page=True)
+            page.click("#submit summary")  # submit the job through the page's form
+            page.fill("#spec", "{not json")
+            page.click("#submit-button")
+            page.wait_for_function("document.querySelector('#status').textContent.includes('not JSON')")
+            page.fill("#spec", json.dumps(spec))
+            page.click("#submit-button")
+            page.wait_for_function("document.querySelector('#status').textContent.startsWith('submitted job')")
+            job_id = page.locator("#status").inner_text().split()[2].rstrip(":")
+            wait_progress(cluster, job_id, 0.02)
+            page.click("#submit summary")  # fold the form away again
+            page.wait_for_function("document.querySelector('#nodes tbody').innerText.split('busy').length === 5")
+            page.wait_for_function("document.querySelectorAll('#pipelines g.stage').length === 4")
+            rings = cluster.job(job_id)["plan"]["rings"]  # a ring per segment (clusters may cut differently)
+            assert page.locator("#pipelines line.ring").count() == len(rings) >= 2  # each joins 2 clusters
+            assert "blocks [0," in page.locator("#pipelines").inner_html()
+            page.wait_for_function("document.querySelector('#loss-chart polyline.series')")
+            first = int(page.locator("#loss-chart polyline.series").first.get_attribute("data-points"))
+            page.wait_for_function(  # the curve grows from the job's server-sent events, no reload
+                f"Number(document.querySelector('#loss-chart polyline.series').dataset.points) > {first}",
+                timeout=60_000)
+            page.wait_for_function("Number((document.querySelector('#accuracy-chart polyline.series') || "
+                                   "{dataset: {points: 0}}).dataset.points) >= 4", timeout=120_000)
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
 
-                page.once("dialog", lambda dialog: dialog.accept())
-                page.click(f"#jobs tr[data-job='{job_id}'] button")  # cancel, as an operator may
-                page.wait_for_function(f"document.querySelector(\"#jobs tr[data-job='{job_id}']\")"
-                                       ".innerText.includes('cancelled')", timeout=60_000)
-                assert cluster.job(job_id)["state"] == "cancelled"
-                assert page.locator(f"#jobs tr[data-job='{job_id}'] button").inner_text() == "resume"
+            page.once("dialog", lambda dialog: dialog.accept())
+            page.click(f"#jobs tr[data-job='{job_id}'] button")  # cancel, as an operator may
+            page.wait_for_function(f"document.querySelector(\"#jobs tr[data-job='{job_id}']\")"
+                                   ".innerText.includes('cancelled')", timeout=60_000)
+            assert cluster.job(job_id)["state"] == "cancelled"
+            assert page.locator(f"#jobs tr[data-job='{job_id}'] button").inner_text() == "resume"
 
-                reader = cluster.http.post("/v1/keys", json={"role": "reader", "name": "viewer"}).json()["token"]
-                page.goto(f"{cluster.url}/logout")
-                page.fill("input[name=token]", reader)
-                page.click("button")
-                page.wait_for_function("document.querySelector('#who').textContent === 'reader key viewer'")
-                page.wait_for_function(f"document.querySelector(\"#jobs tr[data-job='{job_id}']\")")
-                assert page.locator("#submit").is_hidden()  # a reader sees everything and changes nothing
-                assert page.locator("#jobs button").count() == 0
-            finally:
-                browser.close()
+            reader = cluster.http.post("/v1/keys", json={"role": "reader", "name": "viewer"}).json()["token"]
+            page.goto(f"{cluster.url}/logout")
+            page.fill("input[name=token]", reader)
+            page.click("button")
+            page.wait_for_function("document.querySelector('#who').textContent === 'reader key viewer'")
+            page.wait_for_function(f"document.querySelector(\"#jobs tr[data-job='{job_id}']\")")
+            assert page.locator("#submit").is_hidden()  # a reader sees everything and changes nothing
+            assert page.locator("#jobs button").count() == 0
+        finally:
+            browser.close()

@@ -168,7 +168,7 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
     throughput with a second replica, so the job is re-planned onto all four and continues from the
     state its stages hand in."""
     with LocalCluster(tmp_path, nodes=2) as cluster:
-        job_id = cluster.submit(cnn_job(steps=6000, clusters="auto", min_nodes=2))  # long enough to grow under load
+        job_id = cluster.submit(cnn_job(steps=4000, clusters="auto", min_nodes=2))  # long enough to grow under load
         wait_progress(cluster, job_id, 0.01)
         assert len(cluster.job(job_id)["plan"]["clusters"]) == 1
         newcomers = cluster.add_nodes(2)

@@ -13,7 +13,7 @@ from ravnest.models import build_model, profile_blocks
 from ravnest.models.profile import BlockCost
 from ravnest.partition import NodeCapacity, PartitionError, partition, stage_memory_bytes
 from ravnest.pipeline.memory import training_load
-from ravnest.spec import OptimizerRef, Placement, TrainingSettings
+from ravnest.spec import AveragingSettings, OptimizerRef, Placement, TrainingSettings
 
 GIB = 1 << 30
 
@@ -102,13 +102,21 @@ def test_nodes_too_small_for_any_block_are_left_out_with_a_reason() -> None:
 def test_ten_thousand_nodes_for_a_48_block_model_plan_fast() -> None:
     costs = [BlockCost(params=10**6, param_bytes=4 * 10**6, flops=2e9, activation_bytes=2**20) for _ in range(48)]
     nodes = synthetic_nodes(10_000)
-    start = time.perf_counter()
-    plan = plan_job(costs, nodes, Placement(), training=TrainingSettings(batch_size=8))
+    start = time.perf_counter()  # acid: replicas never wait for each other, so every tier is worth using
+    plan = plan_job(costs, nodes, Placement(), training=TrainingSettings(batch_size=8),
+                    averaging=AveragingSettings(strategy="acid"))
     elapsed = time.perf_counter() - start
     placed = sum(len(c.stages) for c in plan.clusters)
     assert placed + len(plan.unused) == 10_000 and placed > 9_900
     assert all(len(c.stages) <= 16 for c in plan.clusters)
     assert elapsed < 5.0  # about 0.3 s on an idle core (bench/planner.py); loose for a shared machine
+
+    # with the ring the slowest cluster sets everyone's pace: the laptop tier (50-200x slower) stays out
+    paced = plan_job(costs, nodes, Placement(), training=TrainingSettings(batch_size=8))
+    laptops = {n.node_id for n in nodes if n.flops < 1e12}
+    placed = {s.node_id for c in paced.clusters for s in c.stages}
+    assert not placed & laptops and all("set the pace" in paced.unused[n] for n in laptops)
+    assert "left out" in paced.reason
 
 
 def test_ring_shares_are_balanced_against_the_members_bandwidth() -> None:
@@ -209,3 +217,42 @@ def test_rings_are_ordered_for_their_widest_slowest_measured_link() -> None:
     joined_order = sum(a[0] != b[0] for a, b in zip(by_cluster, [*by_cluster[1:], by_cluster[0]]))
     assert crossings == 2 < joined_order, (members, by_cluster)
     assert ring.members == by_cluster  # members stay indexed by cluster; `order` says how shares travel
+
+
+def test_equal_parameter_cuts_minimise_the_largest_stage() -> None:
+    import itertools
+    from coordinator.equal_split import equal_parameter_cuts
+    for params in ([5, 1, 1, 1, 5], [352, 18560, 32896, 1290], [1, 2, 3, 4, 5, 6, 7], [10]):
+        for stages in range(1, len(params) + 1):
+            ranges = equal_parameter_cuts(params, stages)
+            assert len(ranges) == stages and covers(ranges, len(params)) and all(a < b for a, b in ranges)
+            brute = min(max(sum(params[a:b]) for a, b in zip((0, *cuts), (*cuts, len(params))))
+                        for cuts in itertools.combinations(range(1, len(params)), stages - 1))
+            assert max(sum(params[a:b]) for a, b in ranges) == brute
+    with pytest.raises(ValueError):
+        equal_parameter_cuts([1, 2], 3)
+
+
+def test_equal_split_clusters_by_memory_in_join_order_and_ignores_links() -> None:
+    from coordinator.equal_split import plan_equal_split
+    costs = mlp_costs()
+    # join order interleaves three bandwidth tiers; memory is all the policy looks at
+    joined = [node(f"n{i}", bandwidth=bw, memory=mem) for i, (bw, mem) in
+              enumerate([(5e7, GIB), (1.25e7, GIB), (3e6, 2 * GIB), (3e6, GIB), (1.25e7, GIB), (5e7, GIB), (5e7, GIB)])]
+    training, averaging = TrainingSettings(), AveragingSettings(strategy="ring")
+    plan = plan_equal_split(costs, joined, Placement(stages_per_cluster=2), training=training, averaging=averaging)
+    # by memory (n2 first), ties in join order, dealt round-robin into 3 clusters; n6 left over
+    chains = [[s.node_id for s in c.stages] for c in plan.clusters]
+    assert chains == [["n2", "n3"], ["n0", "n4"], ["n1", "n5"]]
+    assert list(plan.unused) == ["n6"] and "equal-split" in plan.reason
+    params = [sum(c.params for c in costs[a:b]) for a, b in (s.blocks for s in plan.clusters[0].stages)]
+    assert max(params) / min(params) < 1.3  # about equal parameters, whatever the compute or links
+    assert all(r.order is None and r.weights is None for r in plan.rings)
+    # the measured planner keeps the tiers apart instead
+    measured = plan_job(costs, joined, Placement(clusters=3, stages_per_cluster=2), training=training,
+                        averaging=averaging)
+    tiers = {n.node_id: n.bandwidth for n in joined}
+    assert all(len({tiers[s.node_id] for s in c.stages}) == 1 for c in measured.clusters)
+    with pytest.raises(PlanningError, match="equal-split"):
+        plan_equal_split(costs, joined[:3], Placement(clusters=2, stages_per_cluster=2), training=training,
+                         averaging=averaging)

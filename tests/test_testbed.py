@@ -1,5 +1,6 @@
 """The bandwidth-shaped testbed (scripts/testbed.py): six real nodes in network namespaces whose links
-are shaped to three tiers; the coordinator measures them itself and k-means groups them by tier."""
+are shaped to three tiers; the coordinator measures them itself, k-means groups them by tier and the
+ring passes shares along the fastest links."""
 from __future__ import annotations
 
 import json
@@ -12,11 +13,11 @@ from tests.test_faults import CNN_JOB
 pytestmark = pytest.mark.slow
 # Mbit/s: 4x apart. A probe through Python on a shared 2-core machine measures up to a few hundred
 # Mbit/s reliably, so the tiers stay below that (1 Gbit/s measured anywhere from 300 to 1000 here)
-TIERS = [400, 400, 100, 100, 25, 25]
+TIERS = [400, 100, 25, 25, 100, 400]  # in join order: interleaved, as volunteers arrive
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
-def test_the_coordinator_measures_the_tiers_and_clusters_them(tmp_path):
+def test_the_coordinator_measures_the_tiers_clusters_them_and_orders_the_ring(tmp_path):
     with ShapedTestbed(tmp_path, TIERS) as testbed:
         nodes = testbed.alive_nodes()
         measured = {testbed.tier_of(n): [] for n in nodes}
@@ -26,12 +27,27 @@ def test_the_coordinator_measures_the_tiers_and_clusters_them(tmp_path):
         assert max(measured[25]) < min(measured[100]) <= max(measured[100]) < min(measured[400])
         assert all(0.6 * tier <= m <= 1.4 * tier for tier in TIERS for m in measured[tier])  # a shared machine
 
+        tier = {n["id"]: testbed.tier_of(n) for n in nodes}
         spec = json.loads(CNN_JOB.read_text())
         spec["training"].update(steps=60, eval_every=0)
         spec["placement"] = {"clusters": "auto", "stages_per_cluster": 2, "min_nodes": 6}
         job = testbed.wait_job(testbed.submit(spec), timeout=600)
         assert job["state"] == "completed", job["reason"]
-        by_id = {n["id"]: testbed.tier_of(n) for n in nodes}
-        groups = [sorted(by_id[s["node_id"]] for s in cluster["stages"]) for cluster in job["plan"]["clusters"]]
-        print("tiers per planned cluster:", groups, "|", job["plan"]["reason"])
-        assert sorted(groups) == [[25, 25], [100, 100], [400, 400]]  # each pipeline on one tier
+        plan = job["plan"]
+        groups = [sorted(tier[s["node_id"]] for s in cluster["stages"]) for cluster in plan["clusters"]]
+        print("tiers per planned cluster:", groups, "|", plan["reason"])
+        # each pipeline on one tier; a tier left out (too slow: it would pace the others) goes out whole
+        assert all(len(set(group)) == 1 for group in groups)
+        left_out = {tier[n] for n, why in plan["unused"].items() if "pace" in why}
+        assert sorted({g[0] for g in groups} | left_out) == [25, 100, 400] and 400 not in left_out
+        assert {tier[n] for n in plan["unused"]} == left_out and len(plan["unused"]) == 2 * len(left_out)
+
+        # six data-parallel replicas: the ring passes shares around so that each tier's pair is adjacent
+        testbed.wait_for(lambda: all(n["state"] == "idle" for n in testbed.alive_nodes()), 60, "idle nodes")
+        spec["placement"] = {"clusters": 6, "min_nodes": 6}
+        job = testbed.wait_job(testbed.submit(spec), timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        [ring] = job["plan"]["rings"]
+        around = [tier[ring["members"][c]] for c in (ring["order"] or range(6))]
+        print("ring order by tier:", around)
+        assert all(around[i] == around[(i + 1) % 6] or around[i] == around[i - 1] for i in range(6))

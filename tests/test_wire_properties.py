@@ -100,7 +100,7 @@ peer_messages = st.builds(
     note=st.text(max_size=64))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a stage per case
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a stage per case
 @given(message=peer_messages)
 def test_a_stage_answers_any_message_with_a_wire_error_or_takes_it(message: Message) -> None:
     """What a neighbour sends reaches the stage's handlers: they refuse it with a reason the stream

@@ -10,6 +10,7 @@ from ravnest.spec import JobSpec
 from .. import jobs
 from ..clustering import NodeInfo
 from ..jobs import JobState
+from ..equal_split import plan_equal_split
 from ..planning import PlanningError, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
@@ -123,6 +124,10 @@ class Placing(ServiceBase):
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))
                  if row.node_id in ids and row.peer_id in ids}
+        if spec.placement.policy == "equal-split":
+            joined = {node.id: (node.joined_at, node.id) for node in nodes}
+            return plan_equal_split(costs, sorted(infos, key=lambda n: joined[n.node_id]), spec.placement,
+                                    training=spec.training, averaging=spec.averaging, links=links)
         return plan_job(costs, infos, spec.placement, training=spec.training, averaging=spec.averaging,
                         pipeline_cap=self.settings.pipeline_cap, links=links)
 

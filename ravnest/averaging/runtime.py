@@ -45,6 +45,7 @@ BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward costs about twice th
 AUTO_TOLERANCE = 1.05
 GOSSIP = ("dsgd", "dadam")
 MODELLED = ("none", "ring", "diloco", "dear", *GOSSIP)  # job strategies with a figure here
+UNPACED = ("none", "acid")  # strategies whose replicas never wait for each other
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,129 @@
+"""Whole jobs on bandwidth-shaped hosts: our planner against Ravnest's own equal-split policy.
+
+Six nodes in network namespaces (scripts/testbed.py, needs root), links shaped with tbf to three
+tiers of home upload speeds, joining in an interleaved order as volunteers would (default
+40 10 2.5 2.5 10 40 Mbit/s). The coordinator measures them itself. The same job (the README's digits CNN as 2-stage pipelines:
+a model cut in two as one too big for a node would be) runs under `placement.policy` "measured"
+(clusters by measured bandwidth and compute, cuts by predicted time, slow clusters left out where
+they would pace the others, rings ordered by measured links) and "equal-split" (clusters by memory
+in join order, equal parameters per stage, rings in join order), alternating, `--repeat` times.
+
+Throughput is what the job trained: samples of every cluster over the time until the last cluster
+finished, from the stages' own reports (startup and the final upload not counted).
+
+    python -m bench.testbed [--repeat 3] [--steps 400] [--tiers 40 10 2.5 2.5 10 40] [--no-docs]
+
+Prints last `testbed tiers_clustered=<true|false> samples_per_s=<x> vs_equal_split=<r>` (medians);
+tiers_clustered: in every run of ours, each tier's hosts are one cluster of their own or left out
+together (a slower group that would pace the others).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import command_line, write_section
+from scripts.testbed import ShapedTestbed, unavailable
+
+JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json"
+POLICIES = ("measured", "equal-split")
+
+
+def job_spec(policy: str, steps: int) -> dict:
+    spec = json.loads(JOB.read_text())
+    spec["name"] = f"testbed-{policy}"
+    spec["training"].update(steps=steps, eval_every=0)
+    spec["averaging"] = {"strategy": "ring", "every": 10}
+    spec["placement"] = {"clusters": "auto", "stages_per_cluster": 2, "min_nodes": 6, "policy": policy}
+    return spec
+
+
+def trained_samples_per_s(job: dict, batch_size: int) -> float:
+    """Samples of all clusters over the longest cluster's training time (its last stage's report)."""
+    last = {}
+    for stage in job["metrics"]["stages"]:
+        if stage["stage"] == len(job["plan"]["clusters"][stage["cluster"]]["stages"]) - 1:
+            last[stage["cluster"]] = stage["metrics"]
+    return sum(m["step"] * batch_size for m in last.values()) / max(m["elapsed_s"] for m in last.values())
+
+
+def run(testbed: ShapedTestbed, policy: str, steps: int) -> dict:
+    spec = job_spec(policy, steps)
+    job = testbed.wait_job(testbed.submit(spec), timeout=1200)
+    if job["state"] != "completed":
+        raise RuntimeError(f"{policy} job {job['state']}: {job['reason']}")
+    tier = {n["id"]: testbed.tier_of(n) for n in testbed.alive_nodes()}
+    clusters = [[tier[s["node_id"]] for s in c["stages"]] for c in job["plan"]["clusters"]]
+    # where each host went: its cluster, or the reason it was left out (which names its group)
+    placed = {s["node_id"]: f"cluster {c['cluster']}" for c in job["plan"]["clusters"] for s in c["stages"]}
+    where = {node: placed.get(node, job["plan"]["unused"].get(node)) for node in tier}
+    testbed.wait_for(lambda: sum(n["state"] == "idle" for n in testbed.alive_nodes()) == len(tier), 120,
+                     "every node idle again")
+    return {"policy": policy, "samples_per_s": trained_samples_per_s(job, spec["training"]["batch_size"]),
+            "predicted": job["plan"]["predicted_samples_per_s"], "accuracy": job["metrics"]["test_accuracy"],
+            "clusters": clusters, "spares": len(job["plan"]["unused"]), "reason": job["plan"]["reason"],
+            "tiers_apart": tiers_apart(tier, where)}
+
+
+def tiers_apart(tier: dict[str, float], where: dict[str, str]) -> bool:
+    """Whether each tier's hosts went to one place (a cluster, or out as one group) of their own."""
+    places = {t: {where[node] for node in tier if tier[node] == t} for t in set(tier.values())}
+    return all(len(p) == 1 for p in places.values()) and len({p.pop() for p in places.values()}) == len(places)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--tiers", type=float, nargs="+", default=[40, 10, 2.5, 2.5, 10, 40],
+                        help="Mbit/s of each host, in the order they join")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    reason = unavailable()
+    if reason:
+        print(f"bench.testbed: {reason}", file=sys.stderr)
+        return 2
+
+    runs: list[dict] = []
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory() as scratch, ShapedTestbed(Path(scratch), args.tiers) as testbed:
+        measured = {testbed.tier_of(n): [] for n in testbed.alive_nodes()}
+        for node in testbed.alive_nodes():
+            measured[testbed.tier_of(node)].append(round(node["profile"]["bandwidth_bytes_per_s"] * 8 / 1e6))
+        lines.append(f"hosts (Mbit/s, join order): {' '.join(f'{t:g}' for t in args.tiers)}; the coordinator "
+                     f"measured {dict(sorted(measured.items()))}")
+        for repeat in range(args.repeat):
+            for policy in POLICIES if repeat % 2 == 0 else POLICIES[::-1]:  # alternate who goes first
+                figures = run(testbed, policy, args.steps)
+                runs.append(figures)
+                line = (f"run {repeat + 1} {policy:<11}: {figures['samples_per_s']:7.0f} samples/s trained "
+                        f"(predicted {figures['predicted']:,.0f}), accuracy {figures['accuracy']:.4f}, tiers per "
+                        f"cluster {figures['clusters']}, {figures['spares']} spare")
+                print(line, flush=True)
+                lines.append(line)
+    ours = [r for r in runs if r["policy"] == "measured"]
+    baseline = [r for r in runs if r["policy"] == "equal-split"]
+    ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, baseline)]
+    clustered = all(r["tiers_apart"] for r in ours)
+    median = statistics.median(r["samples_per_s"] for r in ours)
+    lines += [f"plans: measured: {ours[0]['reason']}", f"       equal-split: {baseline[0]['reason']}",
+              f"measured / equal-split per run: {', '.join(f'{r:.2f}' for r in ratios)}; accuracy measured "
+              f"{statistics.median(r['accuracy'] for r in ours):.4f}, equal-split "
+              f"{statistics.median(r['accuracy'] for r in baseline):.4f} (medians)"]
+    summary = (f"testbed tiers_clustered={str(clustered).lower()} samples_per_s={median:.0f} "
+               f"vs_equal_split={statistics.median(ratios):.2f}")
+    print("\n".join(lines[-3:]))
+    if not args.no_docs:
+        write_section("Shaped testbed: our plan against equal split", (
+            f"Command (as root): `{command_line('bench.testbed', argv)}`\n\n```\n" + "\n".join(lines)
+            + f"\n{summary}\n```\n"))
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
