@@ -6,7 +6,9 @@ tiers of home upload speeds, joining in an interleaved order as volunteers would
 a model cut in two as one too big for a node would be) runs under `placement.policy` "measured"
 (clusters by measured bandwidth and compute, cuts by predicted time, slow clusters left out where
 they would pace the others, rings ordered by measured links) and "equal-split" (clusters by memory
-in join order, equal parameters per stage, rings in join order), alternating, `--repeat` times.
+in join order, equal parameters per stage, rings in join order), alternating, `--repeat` times. A
+third run per repeat, "measured, every group" (`placement.clusters` = the number of tiers), keeps
+the slow groups in, to show what clustering by tier gives without leaving anyone out.
 
 Throughput is what the job trained: samples of every cluster over the time until the last cluster
 finished, from the stages' own reports (startup and the final upload not counted).
@@ -30,15 +32,17 @@ from bench.common import command_line, write_section
 from scripts.testbed import ShapedTestbed, unavailable
 
 JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json"
-POLICIES = ("measured", "equal-split")
+# name -> placement; the first is ours, the second the baseline
+VARIANTS = {"measured": {"policy": "measured"}, "equal-split": {"policy": "equal-split"},
+            "every group": {"policy": "measured", "clusters": 3}}
 
 
-def job_spec(policy: str, steps: int) -> dict:
+def job_spec(variant: str, steps: int) -> dict:
     spec = json.loads(JOB.read_text())
-    spec["name"] = f"testbed-{policy}"
+    spec["name"] = f"testbed-{variant.replace(' ', '-')}"
     spec["training"].update(steps=steps, eval_every=0)
     spec["averaging"] = {"strategy": "ring", "every": 10}
-    spec["placement"] = {"clusters": "auto", "stages_per_cluster": 2, "min_nodes": 6, "policy": policy}
+    spec["placement"] = {"clusters": "auto", "stages_per_cluster": 2, "min_nodes": 6, **VARIANTS[variant]}
     return spec
 
 
@@ -51,11 +55,11 @@ def trained_samples_per_s(job: dict, batch_size: int) -> float:
     return sum(m["step"] * batch_size for m in last.values()) / max(m["elapsed_s"] for m in last.values())
 
 
-def run(testbed: ShapedTestbed, policy: str, steps: int) -> dict:
-    spec = job_spec(policy, steps)
+def run(testbed: ShapedTestbed, variant: str, steps: int) -> dict:
+    spec = job_spec(variant, steps)
     job = testbed.wait_job(testbed.submit(spec), timeout=1200)
     if job["state"] != "completed":
-        raise RuntimeError(f"{policy} job {job['state']}: {job['reason']}")
+        raise RuntimeError(f"{variant} job {job['state']}: {job['reason']}")
     tier = {n["id"]: testbed.tier_of(n) for n in testbed.alive_nodes()}
     clusters = [[tier[s["node_id"]] for s in c["stages"]] for c in job["plan"]["clusters"]]
     # where each host went: its cluster, or the reason it was left out (which names its group)
@@ -63,7 +67,7 @@ def run(testbed: ShapedTestbed, policy: str, steps: int) -> dict:
     where = {node: placed.get(node, job["plan"]["unused"].get(node)) for node in tier}
     testbed.wait_for(lambda: sum(n["state"] == "idle" for n in testbed.alive_nodes()) == len(tier), 120,
                      "every node idle again")
-    return {"policy": policy, "samples_per_s": trained_samples_per_s(job, spec["training"]["batch_size"]),
+    return {"variant": variant, "samples_per_s": trained_samples_per_s(job, spec["training"]["batch_size"]),
             "predicted": job["plan"]["predicted_samples_per_s"], "accuracy": job["metrics"]["test_accuracy"],
             "clusters": clusters, "spares": len(job["plan"]["unused"]), "reason": job["plan"]["reason"],
             "tiers_apart": tiers_apart(tier, where)}
@@ -97,26 +101,26 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"hosts (Mbit/s, join order): {' '.join(f'{t:g}' for t in args.tiers)}; the coordinator "
                      f"measured {dict(sorted(measured.items()))}")
         for repeat in range(args.repeat):
-            for policy in POLICIES if repeat % 2 == 0 else POLICIES[::-1]:  # alternate who goes first
-                figures = run(testbed, policy, args.steps)
+            for variant in list(VARIANTS)[::1 if repeat % 2 == 0 else -1]:  # alternate who goes first
+                figures = run(testbed, variant, args.steps)
                 runs.append(figures)
-                line = (f"run {repeat + 1} {policy:<11}: {figures['samples_per_s']:7.0f} samples/s trained "
+                line = (f"run {repeat + 1} {variant:<11}: {figures['samples_per_s']:7.0f} samples/s trained "
                         f"(predicted {figures['predicted']:,.0f}), accuracy {figures['accuracy']:.4f}, tiers per "
                         f"cluster {figures['clusters']}, {figures['spares']} spare")
                 print(line, flush=True)
                 lines.append(line)
-    ours = [r for r in runs if r["policy"] == "measured"]
-    baseline = [r for r in runs if r["policy"] == "equal-split"]
+    ours, baseline, every = ([r for r in runs if r["variant"] == v] for v in VARIANTS)
     ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, baseline)]
     clustered = all(r["tiers_apart"] for r in ours)
     median = statistics.median(r["samples_per_s"] for r in ours)
-    lines += [f"plans: measured: {ours[0]['reason']}", f"       equal-split: {baseline[0]['reason']}",
-              f"measured / equal-split per run: {', '.join(f'{r:.2f}' for r in ratios)}; accuracy measured "
-              f"{statistics.median(r['accuracy'] for r in ours):.4f}, equal-split "
-              f"{statistics.median(r['accuracy'] for r in baseline):.4f} (medians)"]
+    lines += [*(f"plan, {r['variant']}: {r['reason']}" for r in (ours[0], baseline[0], every[0])),
+              f"measured / equal-split per run: {', '.join(f'{r:.2f}' for r in ratios)}; every group / equal-split: "
+              f"{statistics.median(a['samples_per_s'] / b['samples_per_s'] for a, b in zip(every, baseline)):.2f}",
+              "accuracy (medians): " + ", ".join(f"{name} {statistics.median(r['accuracy'] for r in rs):.4f}"
+                                                 for name, rs in zip(VARIANTS, (ours, baseline, every)))]
     summary = (f"testbed tiers_clustered={str(clustered).lower()} samples_per_s={median:.0f} "
                f"vs_equal_split={statistics.median(ratios):.2f}")
-    print("\n".join(lines[-3:]))
+    print("\n".join(lines[-5:]))
     if not args.no_docs:
         write_section("Shaped testbed: our plan against equal split", (
             f"Command (as root): `{command_line('bench.testbed', argv)}`\n\n```\n" + "\n".join(lines)

@@ -28,7 +28,7 @@ class Settings:
     max_blocks: int = 4096  # blocks in a model
     max_parameters: float = 20e9  # parameters in a model (from the meta-device profile)
     pipeline_cap: int = 16  # most stages in one pipeline; bigger groups become several replicas
-    probe_peers: int = 2  # links an idle node is asked to measure per heartbeat (0: never ask)
+    probe_peers: int = 2  # links an idle node is asked to measure at a time (0: never ask)
     probe_retry_s: float = 30.0  # ask again for a link that was asked for but not reported by then
     background: bool = True  # run the periodic reaper/placer task (tests drive `tick` themselves)
     clock: Callable[[], float] = field(default=time.time, repr=False)

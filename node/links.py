@@ -12,7 +12,7 @@ from ravnest.spec import LATENCY, LinkReport, PeerProbe, plausible_bandwidth
 from ravnest.wire import measure_link
 
 log = logging.getLogger(__name__)
-PROBE_BYTES = 1 << 20  # enough to leave slow start behind on a LAN, about a second at 10 Mbit/s
+PROBE_BYTES = 1 << 20  # the first probe (about a second at 10 Mbit/s); 4x larger ones follow on fast links
 PROBE_TIMEOUT_S = 10.0
 MAX_QUEUED = 16
 

@@ -123,6 +123,7 @@ def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: Te
     addresses = {n["id"]: n["address"] for n in client.get("/v1/nodes").json()}
     assert {(p["node_id"], p["address"]) for p in asked} == {(b[0], addresses[b[0]]), (c[0], addresses[c[0]])}
     assert beat(client, *a)["probe"] == []  # asked already: not again before probe_retry_s
+    assert beat(client, *b)["probe"] == []  # a target now: two probes through one link would halve both
     links = [{"peer_id": b[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02},
              {"peer_id": "no-such-node", "bandwidth_bytes_per_s": 1e9, "latency_s": 0.0},
              {"peer_id": a[0], "bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}]
@@ -137,6 +138,9 @@ def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: Te
     views = {n["id"]: n for n in client.get("/v1/nodes").json()}
     assert views[a[0]]["links"][0]["bandwidth_bytes_per_s"] == 5e6  # nothing written
     assert beat(client, *a, job_id="some-job")["probe"] == []  # a node that trains is never asked
+    done = [{"peer_id": c[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02}]
+    assert client.post(f"/v1/nodes/{a[0]}/heartbeat", json={"links": done}, headers=a[1]).status_code == 200
+    assert {p["node_id"] for p in beat(client, *b)["probe"]} == {a[0], c[0]}  # a's probes reported: b's turn
 
 
 def test_join_token_is_required_when_set(tmp_path: Path, clock: FakeClock) -> None:
