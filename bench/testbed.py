@@ -32,6 +32,14 @@ from bench.common import command_line, write_section
 from scripts.testbed import ShapedTestbed, unavailable
 
 JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json"
+READING = ("The digits CNN as 2-stage pipelines, ring averaging every 10 steps, on six network namespaces "
+           "whose links tbf shapes both ways; one 2-core machine runs all six nodes. Averaging makes every "
+           "cluster wait for the slowest, and equal split puts a slow host in most clusters. The planner "
+           "clusters hosts by tier, cuts each pipeline where its link costs least (\"every group\": that alone) "
+           "and leaves a tier out where its pace would cost the others more than it adds (\"measured\", the "
+           "default): which tiers it keeps depends on how fast it measured the nodes' compute in that run. "
+           "Throughput: samples of all clusters over the time until the last finished (startup and upload "
+           "not counted); test accuracy of the merged model.")
 # name -> placement; the first is ours, the second the baseline
 VARIANTS = {"measured": {"policy": "measured"}, "equal-split": {"policy": "equal-split"},
             "every group": {"policy": "measured", "clusters": 3}}
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines[-5:]))
     if not args.no_docs:
         write_section("Shaped testbed: our plan against equal split", (
-            f"Command (as root): `{command_line('bench.testbed', argv)}`\n\n```\n" + "\n".join(lines)
+            f"Command (as root): `{command_line('bench.testbed', argv)}`\n\n{READING}\n\n```\n" + "\n".join(lines)
             + f"\n{summary}\n```\n"))
     print(summary)
     return 0

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from coordinator.ring_order import EXACT_UP_TO, best_ring, bottleneck, links
+from coordinator.ring_order import EXACT_UP_TO, SAME_WITHIN, best_ring, better, bottleneck, links
 
 
 def matrix(n: int, seed: int) -> list[list[float]]:
@@ -23,8 +23,10 @@ def test_small_rings_are_exact(n):
         m = matrix(n, seed)
         order = best_ring(n, lambda i, j: m[i][j])
         assert sorted(order) == list(range(n))
-        best = max(links(p, lambda i, j: m[i][j]) for p in itertools.permutations(range(n)))
-        assert links(order, lambda i, j: m[i][j]) == best
+        chosen = links(order, lambda i, j: m[i][j])
+        assert not any(better(links(p, lambda i, j: m[i][j]), chosen) for p in itertools.permutations(range(n)))
+        exact = max(links(p, lambda i, j: m[i][j]) for p in itertools.permutations(range(n)))
+        assert chosen[0] * SAME_WITHIN >= exact[0]  # the slowest link as fast as measurements can tell
 
 
 def test_the_given_order_is_kept_unless_another_is_strictly_better():
@@ -43,6 +45,24 @@ def test_tiers_interleaved_by_join_order_are_regrouped():
     order = best_ring(6, speed)
     crossings = sum(site[a] != site[b] for a, b in zip(order, [*order[1:], order[0]]))
     assert crossings == 2 and bottleneck(order, speed) == 50.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_noisy_measurements_do_not_split_a_tier(seed):
+    """As measured on the testbed: hosts of three tiers joined interleaved, each link as fast as its
+    slower end, measured +-10%. Every ring has a 25 Mbit/s bottleneck; the best keeps each tier's pair
+    adjacent, so three links are slow rather than four (and balanced shares gain from the rest). Compared
+    exactly, a 25-25 link measured 24 against 27 for the others was enough to split the slow pair."""
+    rng = random.Random(seed)
+    tier = [400, 100, 25, 25, 100, 400][::1 if seed % 2 else -1]
+    m = {(i, j): min(tier[i], tier[j]) * rng.uniform(0.9, 1.1) for i in range(6) for j in range(6)}
+    order = best_ring(6, lambda i, j: min(m[i, j], m[j, i]))
+    assert tier_links([tier[i] for i in order]) == tier_links(sorted(tier))  # as good as tiers in a row
+
+
+def tier_links(around: list[float]) -> list[float]:
+    """A ring's links by the tiers of the hosts (in ring order), each as fast as its slower end."""
+    return sorted(min(a, b) for a, b in zip(around, [*around[1:], around[0]]))
 
 
 @pytest.mark.parametrize("n", [12, 20])

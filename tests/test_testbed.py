@@ -9,6 +9,7 @@ import pytest
 
 from scripts.testbed import ShapedTestbed, unavailable
 from tests.test_faults import CNN_JOB
+from tests.test_ring_order import tier_links
 
 pytestmark = pytest.mark.slow
 # Mbit/s: 4x apart. A probe through Python on a shared 2-core machine measures up to a few hundred
@@ -42,7 +43,7 @@ def test_the_coordinator_measures_the_tiers_clusters_them_and_orders_the_ring(tm
         assert sorted({g[0] for g in groups} | left_out) == [25, 100, 400] and 400 not in left_out
         assert {tier[n] for n in plan["unused"]} == left_out and len(plan["unused"]) == 2 * len(left_out)
 
-        # six data-parallel replicas: the ring passes shares around so that each tier's pair is adjacent
+        # six data-parallel replicas: every ring has a 25 Mbit/s bottleneck, the best as few slow links as can be
         testbed.wait_for(lambda: all(n["state"] == "idle" for n in testbed.alive_nodes()), 60, "idle nodes")
         spec["placement"] = {"clusters": 6, "min_nodes": 6}
         job = testbed.wait_job(testbed.submit(spec), timeout=600)
@@ -50,4 +51,4 @@ def test_the_coordinator_measures_the_tiers_clusters_them_and_orders_the_ring(tm
         [ring] = job["plan"]["rings"]
         around = [tier[ring["members"][c]] for c in (ring["order"] or range(6))]
         print("ring order by tier:", around)
-        assert all(around[i] == around[(i + 1) % 6] or around[i] == around[i - 1] for i in range(6))
+        assert tier_links(around) == tier_links(sorted(TIERS))  # the slow pair adjacent: 3 slow links, not 4
