@@ -77,9 +77,10 @@ def choose_k(raw: np.ndarray, x: np.ndarray, seed: int = 0) -> int:
 
 
 def cluster_nodes(nodes: Sequence[NodeInfo], memory_need: int, clusters: int | None = None,
-                  seed: int = 0) -> list[list[int]]:
+                  seed: int = 0, min_size: int = 1) -> list[list[int]]:
     """Indices of `nodes` per cluster. `clusters=None` picks the number (and merges clusters that
-    cannot hold `memory_need` bytes into their nearest neighbour); an int gives exactly that many,
+    cannot hold `memory_need` bytes, or have fewer than `min_size` nodes, into their nearest
+    neighbour); an int gives exactly that many,
     from k-means unless its groups are lopsided (largest > 2x smallest), then by dealing the nodes
     out by compute so replicas run at similar speeds; nodes then move until each holds the model."""
     n = len(nodes)
@@ -94,7 +95,7 @@ def cluster_nodes(nodes: Sequence[NodeInfo], memory_need: int, clusters: int | N
     if clusters is None:
         k = choose_k(raw, x, seed)
         labels = _kmeans(x, k, seed).labels_ if k > 1 else np.zeros(n, dtype=int)
-        return _merge_small(x, labels, memory, memory_need)
+        return _merge_small(x, labels, memory, memory_need, min_size)
     if clusters < 1 or clusters > n:
         raise ClusteringError(f"{clusters} clusters asked for, but only {n} usable nodes")
     if memory.sum() < clusters * memory_need:
@@ -123,13 +124,15 @@ def _groups(labels: np.ndarray) -> list[list[int]]:
     return [np.flatnonzero(labels == label).tolist() for label in np.unique(labels)]
 
 
-def _merge_small(x: np.ndarray, labels: np.ndarray, memory: np.ndarray, need: float) -> list[list[int]]:
-    """Merge every cluster too small for the model into the cluster with the nearest centroid."""
+def _merge_small(x: np.ndarray, labels: np.ndarray, memory: np.ndarray, need: float,
+                 min_size: int = 1) -> list[list[int]]:
+    """Merge every cluster too small for the model, or with fewer than `min_size` nodes (the stages a
+    job asked for), into the cluster with the nearest centroid."""
     groups = _groups(labels)
     while len(groups) > 1:
         totals = [memory[g].sum() for g in groups]
-        small = min(range(len(groups)), key=lambda i: totals[i])
-        if totals[small] >= need:
+        small = min(range(len(groups)), key=lambda i: (len(groups[i]) >= min_size, totals[i]))
+        if totals[small] >= need and len(groups[small]) >= min_size:
             break
         centroids = np.array([x[g].mean(axis=0) for g in groups])
         distance = np.linalg.norm(centroids - centroids[small], axis=1)

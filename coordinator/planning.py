@@ -121,7 +121,8 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                             f"{_mib(smallest)}; {_offers(nodes)}")
     exact = placement.clusters if isinstance(placement.clusters, int) else None
     try:
-        groups = cluster_nodes(usable, stage_memory_bytes(costs, 0, len(costs), single_load), exact, training.seed)
+        groups = cluster_nodes(usable, stage_memory_bytes(costs, 0, len(costs), single_load), exact, training.seed,
+                               min_size=placement.stages_per_cluster or 1)
     except ClusteringError as e:
         raise PlanningError(f"{e}; {_offers(usable)}") from e
 

@@ -142,6 +142,8 @@ class NodeDaemon:
                 self._heartbeat()
                 if self._running_job_id() is None:
                     trim_heap()  # what peers' probes made the wire buffer (kept for speed) goes back
+                if self._prober and self._prober.settle(joined.heartbeat_interval_s):
+                    continue  # report the links measured now rather than an interval later
                 stop.wait(joined.heartbeat_interval_s)
         finally:
             self._stop_job(timeout=30.0)

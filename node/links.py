@@ -64,7 +64,17 @@ class LinkProber:
                 self._queued.discard(probe.node_id)
                 if report is not None:
                     self._done.append(report)
-                    self._measured.notify_all()
+                self._measured.notify_all()
+
+    def settle(self, timeout: float) -> bool:
+        """With probes under way, wait up to `timeout` seconds for them to finish and say True: the
+        next heartbeat should go now, with what they measured (their targets are probed by nobody
+        else until it is reported). False at once when none are under way."""
+        with self._measured:
+            if not self._queued:
+                return False
+            self._measured.wait_for(lambda: not self._queued, timeout=timeout)
+            return True
 
     def close(self, timeout: float = 5.0) -> None:
         try:

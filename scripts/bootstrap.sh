@@ -16,9 +16,10 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086
   pip install -q $TORCH_SPEC
 fi
-# compat: the checkout's root goes on sys.path (as the tests expect), without setuptools' banner
-# about "folders with the same name as your package" that its default editable mode prints
-pip install -q -e ".[dev]" --config-settings editable_mode=compat
+# -qq: setuptools' editable installs print a banner in every mode (default: "folders with the same
+# name as your package"; compat: "transitional, will be removed"), which is no news to a newcomer;
+# errors still show
+pip install -qq -e ".[dev]"
 # the example model plug-in (docs/models.md), which the tests use as a third party would
-pip install -q --no-deps -e examples/model-plugin --config-settings editable_mode=compat
+pip install -qq --no-deps -e examples/model-plugin
 echo "ravnest installed in $VENV (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"

@@ -39,3 +39,16 @@ def test_a_wrong_probe_token_reports_nothing() -> None:
         assert prober.take() == []
     finally:
         peer.stop(0)
+
+
+def test_settle_waits_for_the_probes_under_way_only() -> None:
+    peer = PeerServer(Router(), token="job-token", ping_token="probe-token")
+    prober = LinkProber("probe-token", probe_bytes=1 << 16)
+    try:
+        assert prober.settle(5.0) is False  # nothing asked: no waiting
+        prober.ask([PeerProbe(node_id="peer", address=peer.address)])
+        assert prober.settle(30.0) is True and [r.peer_id for r in prober.take()] == ["peer"]
+        assert prober.settle(5.0) is False
+    finally:
+        prober.close(timeout=20)
+        peer.stop(0)

@@ -256,3 +256,14 @@ def test_equal_split_clusters_by_memory_in_join_order_and_ignores_links() -> Non
     with pytest.raises(PlanningError, match="equal-split"):
         plan_equal_split(costs, joined[:3], Placement(clusters=2, stages_per_cluster=2), training=training,
                          averaging=averaging)
+
+
+def test_a_group_smaller_than_the_stages_asked_for_joins_another() -> None:
+    """Seen in CI: four loopback nodes, one of which measured half the others' bandwidth, made a group
+    of one; with 2 stages per cluster asked for it ran alone as a whole model, and the laggard rule
+    then left the other three out as slower. A group too small for the asked stages merges instead."""
+    costs = profile_blocks(build_model("cnn", {"channels": [32, 64]}), 32)
+    nodes = [NodeInfo(f"n{i}", flops * 1e9, 17 * GIB, bandwidth * 1e6, 0.0005, f"n{i}:1")
+             for i, (flops, bandwidth) in enumerate([(100.2, 396), (97.1, 328), (92.2, 374), (99.8, 161)])]
+    plan = plan_job(costs, nodes, Placement(stages_per_cluster=2))
+    assert not plan.unused and all(len(c.stages) == 2 for c in plan.clusters), plan.reason
