@@ -13,11 +13,14 @@ $(VENV)/.installed: pyproject.toml scripts/bootstrap.sh
 demo: install
 	$(PY) scripts/demo.py
 
+# the fast tests in two processes (one process each, no shared state), then the slow end-to-end ones
+# one at a time: they start real coordinators and nodes, and time what they do
 test: install
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -m slow --durations=25
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 protos: install
 	$(PY) -m grpc_tools.protoc --version >/dev/null && bash scripts/gen_protos.sh
