@@ -22,7 +22,7 @@ from ravnest.pipeline.memory import training_load
 from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 
 from .clustering import NodeInfo
-from .planning import Links, PlanningError, Shape, _mib, _n, _samples_per_s, assemble, capacities
+from .planning import Links, PlanningError, _mib, _n, assemble, capacities, make_shape
 from .schemas import Plan
 
 
@@ -86,8 +86,7 @@ def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placemen
             if need > node.memory_bytes:
                 raise PlanningError(f"equal-split: blocks [{a}, {b}) need {_mib(need)}; node {node.node_id[:8]} "
                                     f"offers {_mib(node.memory_bytes)}")
-        shape = Shape([chain], ranges, load, _samples_per_s(costs, [chain], capacities(chain, links), ranges, load,
-                                                           training, averaging))
+        shape = make_shape(costs, [chain], capacities(chain, links), ranges, load, training, averaging)
         shapes.append(shape)
         why.append(f"{_n(len(chain), 'node')} in join order -> {shape.describe()}")
     why.insert(0, f"equal-split: {_n(k, 'cluster')} by memory, equal parameters per stage, rings in join order")

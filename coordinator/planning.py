@@ -88,11 +88,14 @@ def capacities(chain: Sequence[NodeInfo], links: Links | None = None) -> list[No
 
 @dataclass
 class Shape:
-    """One way to use a group of nodes: replicas of one pipeline, its cuts, and what it predicts."""
+    """One way to use a group of nodes: replicas of one pipeline, its cuts, and what it predicts:
+    samples/s of all its replicas averaging among themselves, and `pace`, samples/s of one replica
+    from its stages alone (what decides who waits for whom once groups average together)."""
     replicas: list[list[NodeInfo]]
     ranges: list[tuple[int, int]]
     load: Load
     samples_per_s: float
+    pace: float
 
     def describe(self) -> str:
         plain = "" if self.load.split_backward else " (backward not split, to fit memory)"
@@ -147,7 +150,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                 unused.update({n.node_id: f"spare: its group ({shape.describe()}) would set the pace of the "
                                           f"faster ones, averaging waits for the slowest"
                                for replica in shape.replicas for n in replica})
-        shapes = [shapes[i] for i in kept]
+        shapes = [shapes[i] for i in sorted(kept)]
     return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links)
 
 
@@ -198,24 +201,22 @@ def _paced_by_slowest(averaging: AveragingSettings) -> bool:
     return averaging.strategy not in runtime.UNPACED
 
 
-def _pace(shape: Shape) -> float:
-    """Samples/s of one of the shape's replicas."""
-    return shape.samples_per_s / len(shape.replicas)
-
-
 def _throughput(shapes: list[Shape], averaging: AveragingSettings) -> float:
-    """Samples/s of all replicas: at the slowest one's pace where averaging waits for it."""
+    """Samples/s of all replicas: where averaging waits for the slowest, all at the slowest rate
+    (averaging included) of one replica."""
     if _paced_by_slowest(averaging):
-        return sum(len(shape.replicas) for shape in shapes) * min(_pace(shape) for shape in shapes)
+        return sum(len(shape.replicas) for shape in shapes) * min(shape.samples_per_s / len(shape.replicas)
+                                                                  for shape in shapes)
     return sum(shape.samples_per_s for shape in shapes)
 
 
 def _without_laggards(shapes: list[Shape]) -> set[int]:
-    """The groups to keep when the slowest sets everyone's pace: the fastest m groups for the m whose
-    replicas x slowest pace is largest, taking the most groups within NEAR_BEST of the best (more
-    replicas average away more noise). A group 4x slower than two others costs them 3/4 of their pace."""
-    by_pace = sorted(range(len(shapes)), key=lambda i: -_pace(shapes[i]))
-    totals = [sum(len(shapes[i].replicas) for i in by_pace[:m]) * _pace(shapes[by_pace[m - 1]])
+    """The groups to keep when the slowest sets everyone's pace: the fastest m groups (by `pace`, before
+    averaging, which every kept group then shares) for the m whose replicas x slowest pace is largest,
+    taking the most groups within NEAR_BEST of the best (more replicas average away more noise). A
+    group 4x slower than two others costs them 3/4 of their pace."""
+    by_pace = sorted(range(len(shapes)), key=lambda i: -shapes[i].pace)
+    totals = [sum(len(shapes[i].replicas) for i in by_pace[:m]) * shapes[by_pace[m - 1]].pace
               for m in range(1, len(shapes) + 1)]
     keep = max(m for m in range(1, len(shapes) + 1) if totals[m - 1] >= NEAR_BEST * max(totals))
     return set(by_pace[:keep])
@@ -304,7 +305,7 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
                 considered.append(f"{_n(count, 'replica')} x {_n(depth, 'stage')}: does not fit")
                 continue
             load, ranges = fit.load, fit.ranges
-            shape = Shape(dealt, ranges, load, _samples_per_s(costs, dealt, weakest, ranges, load, training, averaging))
+            shape = make_shape(costs, dealt, weakest, ranges, load, training, averaging)
             falling = falling + 1 if shapes and shape.samples_per_s < max(s.samples_per_s for s in shapes) else 0
             shapes.append(shape)
             considered.append(shape.describe())
@@ -335,19 +336,21 @@ def _fitting_partition(costs: list[BlockCost], weakest: list[NodeCapacity], load
     return _Fit(partition(costs, weakest, load=plain).ranges, plain)
 
 
-def _samples_per_s(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: list[NodeCapacity],
-                   ranges: list[tuple[int, int]], load: Load, training: TrainingSettings,
-                   averaging: AveragingSettings) -> float:
-    """Predicted samples/s of these replicas together: the pace of `weakest` (stage by stage the
-    weakest capacity over the replicas) with averaging among them (the runtime model), times their
-    number."""
+def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: list[NodeCapacity],
+               ranges: list[tuple[int, int]], load: Load, training: TrainingSettings,
+               averaging: AveragingSettings) -> Shape:
+    """These replicas cut at `ranges`, with what they predict: the pace of `weakest` (stage by stage
+    the weakest capacity over the replicas), and with averaging among them (the runtime model) times
+    their number."""
     merged = _merge_stages(costs, ranges)
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
     groups = [runtime.Group(len(replicas), merged[s].param_bytes, min(r[s].bandwidth for r in replicas),
                             max(r[s].latency for r in replicas), fine_overlap=len(ranges) == 1)
               for s in range(len(ranges))]
-    step = _averaged_step_s(averaging, training, _compute_step_s(times, load, training), groups)
-    return len(replicas) * training.batch_size * training.accumulation / step
+    compute_step = _compute_step_s(times, load, training)
+    samples = training.batch_size * training.accumulation
+    step = _averaged_step_s(averaging, training, compute_step, groups)
+    return Shape(replicas, ranges, load, len(replicas) * samples / step, samples / compute_step)
 
 
 def _compute_step_s(stage_times: list[float], load: Load, training: TrainingSettings) -> float:

@@ -267,3 +267,14 @@ def test_a_group_smaller_than_the_stages_asked_for_joins_another() -> None:
              for i, (flops, bandwidth) in enumerate([(100.2, 396), (97.1, 328), (92.2, 374), (99.8, 161)])]
     plan = plan_job(costs, nodes, Placement(stages_per_cluster=2))
     assert not plan.unused and all(len(c.stages) == 2 for c in plan.clusters), plan.reason
+
+
+def test_a_lone_node_without_averaging_of_its_own_does_not_leave_the_others_out() -> None:
+    """Seen in CI: k-means put one of four alike loopback nodes (it measured 359 MB/s, the others
+    119-171) in a group of its own; that group averages with nobody, so its rate with averaging
+    looked 9x the others' and the laggard rule kept it alone. Groups are compared before averaging."""
+    costs = mlp_costs(4)
+    nodes = [NodeInfo(f"n{i}", flops * 1e9, 17 * GIB, bandwidth * 1e6, 0.0005, f"n{i}:1")
+             for i, (flops, bandwidth) in enumerate([(97.0, 119), (92.3, 168), (91.6, 171), (97.2, 359)])]
+    plan = plan_job(costs, nodes, Placement(), averaging=AveragingSettings(strategy="ring", every=1))
+    assert not plan.unused and len(plan.clusters) == 4, plan.reason
