@@ -12,6 +12,7 @@ import torch
 from node.client import CoordinatorError
 from ravnest.client.api import refusal_reason
 from ravnest.spec import LATENCY, NodeProfile, plausible_bandwidth
+from ravnest.wire.transport import growing_probe
 
 
 def pick_device(choice: str = "auto") -> torch.device:
@@ -83,18 +84,12 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20, probe_s: float = 0.25,
                      max_probe_bytes: int = 16 << 20) -> tuple[float, float]:
-    """(round-trip seconds, bytes/s) to the coordinator, from /healthz pings and probe downloads, each
-    4x larger than the last while it took under `probe_s`: a fast link needs more bytes than a slow
-    one to be measured beyond the request's own overhead. The last, longest probe counts (a short one
-    on a fast link is all overhead: subtracting the ping from it gave 1 TB/s on loopback)."""
+    """(round-trip seconds, bytes/s) to the coordinator, from /healthz pings and probe downloads that
+    grow while they are short (`growing_probe`)."""
     client.get("/healthz")  # opens the connection
     latency = min(_timed(lambda: client.get("/healthz")) for _ in range(3))
-    size = probe_bytes
-    while True:
-        elapsed = _timed(lambda: _probe(client, size))
-        if elapsed >= probe_s or size * 4 > max_probe_bytes:
-            return latency, size / max(elapsed - latency, elapsed / 2)
-        size *= 4
+    return latency, growing_probe(lambda size: _timed(lambda: _probe(client, size)), latency, probe_bytes,
+                                  max_probe_bytes, probe_s)
 
 
 def _probe(client: httpx.Client, size: int) -> None:

@@ -11,7 +11,7 @@ from .. import jobs
 from ..clustering import NodeInfo
 from ..jobs import JobState
 from ..equal_split import plan_equal_split
-from ..planning import PlanningError, plan_job
+from ..planning import PlanningError, _n, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
 from .base import BUSY, GONE, GROW, IDLE, ServiceBase, costs_of
@@ -110,8 +110,7 @@ class Placing(ServiceBase):
             except PlanningError:
                 baseline = current.predicted_samples_per_s
             if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * baseline:
-                some = f"{len(newcomers)} idle node{'s' if len(newcomers) > 1 else ''}"
-                self._recover(session, job, f"{some} can speed it up: predicted "
+                self._recover(session, job, f"{_n(len(newcomers), 'idle node')} can speed it up: predicted "
                                             f"{baseline:,.0f} -> {plan.predicted_samples_per_s:,.0f} samples/s",
                               kind=GROW)
                 return  # the idle nodes wait for its re-plan
