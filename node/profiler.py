@@ -25,25 +25,28 @@ def pick_device(choice: str = "auto") -> torch.device:
 
 
 def matmul_flops(device: torch.device, size: int = 512, seconds: float = 0.3, window: float = 0.008) -> float:
-    """Peak fp32 matmul FLOP/s: the figure the planner divides block FLOPs by. The best of short
-    windows, not the mean over `seconds`: load that comes and goes on the machine (its owner's,
-    another node's profiling or training beside it) takes whole windows, so the best one measures the
-    hardware and the same machine measures the same on a busy day (single-threaded on 2 busy cores:
-    peak 101-102 GFLOP/s against 104 idle; the mean dropped to 56)."""
+    """Peak fp32 matmul FLOP/s: the figure the planner divides block FLOPs by, measuring the hardware,
+    not the moment: load that comes and goes on the machine (its owner's, other nodes profiling or
+    training beside it) must not mark a node slow for good. So the best of short windows, not the mean;
+    and a single-threaded node on a CPU times them by its CPU time, which is the time it computed
+    whatever else runs (3 busy loops on 2 cores: 96 GFLOP/s against 101 idle; the best wall-clock
+    window said 63, and a node joining a busy host was left out of a job as a laggard). With several
+    threads, wall time: a descheduled thread stalls the rest, which CPU time would not see."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     torch.mm(a, b)  # warm-up (kernel selection, lazy init)
     _sync(device)
+    clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline or best == 0.0:
-        runs, start = 0, time.perf_counter()
+        runs, start, computing = 0, time.perf_counter(), clock()
         while time.perf_counter() - start < window or runs < 1:
             torch.mm(a, b)
             runs += 1
             if runs % 8 == 0:  # a GPU queues work: bound what the window's end leaves unfinished
                 _sync(device)
         _sync(device)
-        best = max(best, 2 * size**3 * runs / (time.perf_counter() - start))
+        best = max(best, 2 * size**3 * runs / max(clock() - computing, 1e-9))
     return best
 
 

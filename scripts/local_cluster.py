@@ -31,6 +31,7 @@ class LocalCluster:
         self.node_args = list(node_args)  # extra `ravnest-node join` flags, e.g. ["--max-memory", "1GiB"]
         self.threads_per_node = threads_per_node
         self.coordinator_args: list[str] = []
+        self.coordinator_log = "coordinator.log"  # the current coordinator's log (another after a restart)
         verify: ssl.SSLContext | bool = True
         if tls:  # HTTPS to the coordinator, TLS between nodes, all checked against a CA made here
             from scripts.make_certs import make_certificates
@@ -88,6 +89,7 @@ class LocalCluster:
                             "--data-dir", str(self.data_dir), *self.coordinator_args], log_name)
         self.procs.remove(proc)
         self.procs.insert(0, proc)  # procs[0] is the coordinator, procs[1 + i] node i
+        self.coordinator_log = log_name
         self.wait_for(lambda: self._healthy(), timeout, "coordinator to answer /healthz")
         # secure by default: the coordinator made its tokens; this client acts as the operator
         self.operator_token = (self.data_dir / "operator_token").read_text().strip()
@@ -128,7 +130,15 @@ class LocalCluster:
             if result:
                 return result
             time.sleep(interval)  # polling a remote HTTP API: there is nothing local to wait on
-        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; the coordinator's log ends:\n"
+                           + self.log_tail(self.coordinator_log))
+
+    def log_tail(self, log_name: str, lines: int = 20) -> str:
+        """The last lines of a process's log: what a failed wait shows of why (CI keeps no files)."""
+        try:
+            return "\n".join((self.data_dir / "logs" / log_name).read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"({e})"
 
     def submit(self, job: dict) -> str:
         response = self.http.post("/v1/jobs", json=job)
@@ -136,7 +146,11 @@ class LocalCluster:
         return response.json()["id"]
 
     def job(self, job_id: str) -> dict:
-        return self.http.get(f"/v1/jobs/{job_id}").json()
+        response = self.http.get(f"/v1/jobs/{job_id}")
+        if response.status_code != 200:  # a body without "state" would fail later with a bare KeyError
+            raise RuntimeError(f"GET /v1/jobs/{job_id}: {response.status_code} {response.text[:500]}; "
+                               f"the coordinator's log ends:\n{self.log_tail(self.coordinator_log)}")
+        return response.json()
 
     def wait_job(self, job_id: str, timeout: float, on_update=None) -> dict:
         def finished():

@@ -2,6 +2,8 @@
 places pending ones; idle nodes may grow a running job."""
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -15,6 +17,8 @@ from ..planning import PlanningError, _n, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
 from .base import BUSY, GONE, GROW, IDLE, ServiceBase, costs_of
+
+log = logging.getLogger(__name__)
 
 
 class Placing(ServiceBase):
@@ -103,7 +107,9 @@ class Placing(ServiceBase):
             self._grow_considered[job.id] = considered
             try:
                 plan = self._plan_on(session, spec, members + newcomers)
-            except PlanningError:
+            except PlanningError as e:
+                log.info("job %s stays on its nodes: with %s it cannot be planned: %s", job.id,
+                         _n(len(newcomers), "idle node"), e)
                 continue
             try:  # like with like: its own nodes planned again with the links measured since it was placed
                 baseline = self._plan_on(session, spec, members).predicted_samples_per_s
@@ -114,6 +120,9 @@ class Placing(ServiceBase):
                                             f"{baseline:,.0f} -> {plan.predicted_samples_per_s:,.0f} samples/s",
                               kind=GROW)
                 return  # the idle nodes wait for its re-plan
+            log.info("job %s stays on its nodes: with %s the planner predicts %.0f -> %.0f samples/s "
+                     "(%s; it grows at +%.0f%%)", job.id, _n(len(newcomers), "idle node"), baseline,
+                     plan.predicted_samples_per_s, plan.reason, 100 * self.settings.grow_gain)
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
