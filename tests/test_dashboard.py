@@ -111,6 +111,9 @@ def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_cur
             page.fill("#spec", "{not json")
             page.click("#submit-button")
             page.wait_for_function("document.querySelector('#status').textContent.includes('not JSON')")
+            shown = page.locator("#updated").inner_text()  # the error outlives the page's next refresh
+            page.wait_for_function(f"document.querySelector('#updated').textContent !== {json.dumps(shown)}")
+            assert "not JSON" in page.locator("#status").inner_text()
             page.fill("#spec", json.dumps(spec))
             page.click("#submit-button")
             page.wait_for_function("document.querySelector('#status').textContent.startsWith('submitted job')")

@@ -26,6 +26,10 @@ function el(tag, attrs = {}, text = "") {
   return node;
 }
 
+// #status answers what the person did (submit, cancel, resume) and stays until the next action;
+// the periodic refresh writes only #updated, and clears #status only where it said the coordinator was gone
+const UNREACHABLE = "cannot reach the coordinator";
+
 function say(text, error = false) {
   const status = document.getElementById("status");
   status.textContent = text;
@@ -93,9 +97,10 @@ async function refresh() {
       const running = jobs.filter((job) => ACTIVE.has(job.state));
       select((running.length ? running : jobs)[running.length ? 0 : jobs.length - 1].id);
     }
-    say(`updated ${new Date().toLocaleTimeString()}`);
+    document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    if (document.getElementById("status").textContent.startsWith(UNREACHABLE)) say("");
   } catch (error) {
-    say(`cannot reach the coordinator: ${error.message}`, true);
+    say(`${UNREACHABLE}: ${error.message}`, true);
   }
 }
 
@@ -269,7 +274,7 @@ async function identify() {
     document.getElementById("who").textContent = `${me.role} key ${me.name || me.id}`;
     document.getElementById("submit").hidden = !mayAct;
   } catch (error) {
-    say(`cannot reach the coordinator: ${error.message}`, true);
+    say(`${UNREACHABLE}: ${error.message}`, true);
   }
 }
 
