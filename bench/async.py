@@ -1,18 +1,20 @@
 """Asynchronous and communication-light averaging: a slow replica, and 8 replicas on a cycle.
 
-    python -m bench.async [--steps 200] [--no-docs]
+    python -m bench.async [--steps 200] [--cycle-steps 1000] [--repeat 3] [--no-docs]
 
-Part 1: 4 replicas of the digits CNN, one of them 3x slower (it sleeps twice its own step time
-after every step). Utilization of the three fast ones (steady state: the share of their wall time
-spent computing) with `acid`, which never makes a step wait, against `dear`, synchronous
-all-reduce, where every step waits for the slow one.
+Part 1: 4 replicas of the digits CNN, each its own process (one torch thread, loopback gRPC), one
+of them 3x slower (it sleeps twice its own step time after every step). Utilization of the three
+fast ones (steady state: the share of their wall time spent computing) with `acid`, which never
+makes a step wait, against `dear`, synchronous all-reduce, where every step waits for the slow one;
+medians of `--repeat` runs.
 
-Part 2: 8 replicas on a cycle (`topology: ring`), each on its eighth of digits, against `dear`
-(the synchronous all-reduce reference): `acid` and its eta = 0 baseline (steps, hence pairwise
-averagings, until the local replica first evaluates at or above the target accuracy), `ada`, and
-`diloco` with H = 50 and int8 on the wire (final accuracy, and bytes each member sends: a ring
-all-reduce sends 2 (n-1)/n of the vector per round). Every stage is a thread of this process on
-loopback gRPC, one torch thread each.
+Part 2: 8 replicas on a cycle (`topology: ring`), each on its eighth of digits, every replica a
+thread of this process (so one thread can watch them all): `dear` (the synchronous all-reduce
+reference), `acid` against its eta = 0 baseline at the same number of pairwise averagings (1 and
+1/4 per step) and at twice as many, `ada`, and `diloco` with H = 50 and int8 on the wire. For each:
+the final test accuracy, the first step at which replica 0 evaluates at or above the target, the
+replicas' median relative consensus distance while training, and the model copies each member
+sends per step (a ring all-reduce sends 2 (n-1)/n of the vector per round).
 
 Last line: `async fast_replica_utilization=<u> allreduce_utilization=<v>` (target u >= 0.9).
 """
@@ -21,11 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 
 import torch
 
-from ravnest.pipeline.local import run_threaded_clusters
+from ravnest.pipeline.local import run_local_clusters, run_threaded_clusters
 from ravnest.spec import JobSpec
 
 TARGET_ACCURACY = 0.95
@@ -39,8 +42,15 @@ def job(averaging: dict, steps: int, eval_every: int = 0, seed: int = 0) -> JobS
         "averaging": averaging})
 
 
-def three_times_slower(runners) -> None:
-    optimizer = runners[-1][0].optimizer
+SLOW_CLUSTER = 3  # the last of the 4 replicas
+
+
+def three_times_slower(cluster: int, stage: int, runner) -> None:
+    """Run in the slow replica's own process (pickled there by name): every optimizer step is
+    followed by a sleep of twice the time since the previous one ended."""
+    if cluster != SLOW_CLUSTER:
+        return
+    optimizer = runner.optimizer
     step, last = optimizer.step, [time.perf_counter()]
 
     def slow(*args, **kwargs):
@@ -51,65 +61,113 @@ def three_times_slower(runners) -> None:
 
 
 def fast_utilization(strategy: str, steps: int) -> float:
-    clusters = run_threaded_clusters(job({"strategy": strategy, "every": 1, "topology": "ring"}, steps),
-                                     [[(0, 4)]] * 4, timeout=600, setup=three_times_slower)
-    return statistics.mean(c["stages"][0]["steady_utilization"] for c in clusters[:-1])
+    clusters = run_local_clusters(job({"strategy": strategy, "every": 1, "topology": "ring"}, steps),
+                                  [[(0, 4)]] * (SLOW_CLUSTER + 1), timeout=600, setup=three_times_slower)
+    return statistics.mean(c["stages"][0]["steady_utilization"] for c in clusters[:SLOW_CLUSTER])
+
+
+class Consensus:
+    """Samples, from a thread, how far apart the replicas are: the mean over replicas of
+    ||x_i - mean x||^2 / ||mean x||^2 (relative consensus distance, what gossip keeps small and
+    A2CiD2's momentum is built to shrink), every `every` seconds while they train."""
+
+    def __init__(self, every: float = 0.05):
+        self.every, self.samples = every, []
+        self._stop = threading.Event()
+
+    def attach(self, runners) -> None:
+        live = [cluster[0].live_tensors() for cluster in runners]
+        keys = sorted(k for k, t in live[0].items() if t.is_floating_point())
+
+        def sample() -> None:
+            while not self._stop.wait(self.every):
+                stacked = torch.stack([torch.cat([tensors[k].flatten() for k in keys]) for tensors in live])
+                mean = stacked.mean(0)
+                self.samples.append(float((stacked - mean).pow(2).sum(1).mean() / mean.pow(2).sum()))
+        threading.Thread(target=sample, daemon=True, name="consensus").start()
+
+    def stop(self) -> float:
+        self._stop.set()
+        return statistics.median(self.samples) if self.samples else float("nan")
 
 
 def cycle_run(averaging: dict, steps: int) -> dict:
+    consensus = Consensus()
     clusters = run_threaded_clusters(job({"topology": "ring", **averaging}, steps, eval_every=10), [[(0, 4)]] * 8,
-                                     timeout=900)
+                                     timeout=1800, setup=consensus.attach)
     history = clusters[0]["history"][0]
     evaluations = [(h["step"], h["test_accuracy"]) for h in history if "test_accuracy" in h]
     reached = next((int(step) for step, accuracy in evaluations if accuracy >= TARGET_ACCURACY), None)
     return {"accuracy": clusters[0]["metrics"]["test_accuracy"], "reached": reached,
-            "rounds": clusters[0]["stages"][0]["avg_rounds"],
+            "rounds": clusters[0]["stages"][0]["avg_rounds"], "consensus": consensus.stop(),
             "losses": [round(h["loss"], 3) for h in history if "loss" in h][:: max(1, len(history) // 8)]}
+
+
+RUNS = {  # name: (averaging, model copies each member sends per step; None where it varies)
+    "dear (all-reduce)": ({"strategy": "dear"}, 2 * 7 / 8),
+    "acid": ({"strategy": "acid"}, 1.0),
+    "acid eta=0": ({"strategy": "acid", "acid_eta": 0.0}, 1.0),
+    "acid rate 1/4": ({"strategy": "acid", "acid_rate": 0.25}, 0.25),
+    "acid eta=0 rate 1/4": ({"strategy": "acid", "acid_rate": 0.25, "acid_eta": 0.0}, 0.25),
+    "acid eta=0 rate 1/2": ({"strategy": "acid", "acid_rate": 0.5, "acid_eta": 0.0}, 0.5),
+    "ada": ({"strategy": "ada", "every": 1}, None),  # 1 to 7 copies per step, as its graph moves
+    "diloco H=50 int8": ({"strategy": "diloco", "every": 50, "codec": "int8"}, 2 * 7 / 8 / 4 / 50),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="part 1's steps")
+    parser.add_argument("--cycle-steps", type=int, default=1000, help="part 2's steps (diloco H=50: 20 rounds)")
+    parser.add_argument("--repeat", type=int, default=3, help="part 1's runs per strategy (medians)")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
     torch.set_num_threads(1)
-    utilization = {strategy: fast_utilization(strategy, args.steps) for strategy in ("acid", "dear")}
-    print(f"one replica 3x slower: fast replicas' utilization acid {utilization['acid']:.2f}, "
-          f"dear {utilization['dear']:.2f}", flush=True)
+    measured: dict[str, list[float]] = {"acid": [], "dear": []}
+    for _ in range(args.repeat):
+        for strategy, runs in measured.items():
+            runs.append(fast_utilization(strategy, args.steps))
+    utilization = {strategy: statistics.median(runs) for strategy, runs in measured.items()}
+    part1 = ", ".join(f"{strategy} {utilization[strategy]:.2f} ({', '.join(f'{u:.2f}' for u in runs)})"
+                      for strategy, runs in measured.items())
+    print(f"one replica 3x slower: fast replicas' utilization {part1}", flush=True)
 
-    runs = {
-        "dear (all-reduce)": ({"strategy": "dear"}, 2 * 7 / 8),
-        "acid": ({"strategy": "acid"}, 1.0),
-        "acid eta=0": ({"strategy": "acid", "acid_eta": 0.0}, 1.0),
-        "ada": ({"strategy": "ada", "every": 1}, None),  # 1 to 7 copies per step, as its graph moves
-        "diloco H=50 int8": ({"strategy": "diloco", "every": 50, "codec": "int8"}, 2 * 7 / 8 / 4 / 50),
-    }
     rows, results = [], {}
-    for name, (averaging, vectors_per_step) in runs.items():
-        result = results[name] = cycle_run(averaging, args.steps)
+    for name, (averaging, vectors_per_step) in RUNS.items():
+        result = results[name] = cycle_run(averaging, args.cycle_steps)
         sent = "-" if vectors_per_step is None else f"{vectors_per_step:.4f}"
         rows.append(f"| {name} | {result['accuracy']:.4f} | {result['reached'] or '-'} | {result['rounds']:.0f} "
-                    f"| {sent} | {result['losses']} |")
+                    f"| {sent} | {result['consensus']:.2e} | {result['losses']} |")
         print(rows[-1], flush=True)
     table = ("| strategy | test accuracy | first step at >= %.2f | averaging rounds | model copies sent per step "
-             "per member | training loss (every few reports) |\n|---|---|---|---|---|---|\n" % TARGET_ACCURACY
-             + "\n".join(rows))
+             "per member | consensus distance (median) | training loss (every few reports) |\n"
+             "|---|---|---|---|---|---|---|\n" % TARGET_ACCURACY + "\n".join(rows))
     print(table)
+    closer = {rate: results[f"acid eta=0{rate}"]["consensus"] / results[f"acid{rate}"]["consensus"]
+              for rate in ("", " rate 1/4")}
+    diloco_gap = results["dear (all-reduce)"]["accuracy"] - results["diloco H=50 int8"]["accuracy"]
+    print(f"acid keeps the replicas {closer['']:.2f}x closer than eta=0 at 1 averaging per step, "
+          f"{closer[' rate 1/4']:.2f}x at 1/4; diloco H=50 int8 is {100 * diloco_gap:.2f} points below all-reduce")
     if not args.no_docs:
         from bench.common import command_line, write_section
         command = command_line("bench.async", argv)
         write_section("Asynchronous and communication-light averaging", (
             f"`{command.strip()}`\n\n"
-            f"Digits CNN, batch 32 per replica, {args.steps} Adam steps (lr 1e-3); every stage a thread of one "
-            f"process on loopback gRPC, one torch thread each.\n\n"
-            f"One of 4 replicas 3x slower (it sleeps twice its step time after each step): the fast replicas' "
-            f"steady utilization is {utilization['acid']:.2f} with acid and {utilization['dear']:.2f} with dear "
-            f"(synchronous all-reduce: every step waits for the slow one).\n\n"
-            f"8 replicas on a cycle; the first step at which cluster 0's replica evaluates at or above "
-            f"{TARGET_ACCURACY} (every 10 steps) counts the pairwise averagings acid needed (one per step per "
-            f"member at acid_rate 1); model copies sent per step per member: a ring all-reduce sends 2 (n-1)/n "
-            f"per round, diloco one round every 50 steps at a quarter of the bytes (int8).\n\n{table}\n\n"
+            f"Digits CNN, batch 32 per replica, Adam (lr 1e-3), one torch thread per replica, loopback gRPC.\n\n"
+            f"**One of 4 replicas 3x slower** (it sleeps twice its step time after each step; {args.steps} steps; "
+            f"each replica its own process): the fast replicas' steady utilization is {utilization['acid']:.2f} "
+            f"with acid and {utilization['dear']:.2f} with dear (synchronous all-reduce: every step waits for the "
+            f"slow one); medians of {args.repeat} runs: {part1}.\n\n"
+            f"**8 replicas on a cycle**, {args.cycle_steps} steps, each replica a thread of one process; the first "
+            f"step at which replica 0 evaluates at or above {TARGET_ACCURACY} (every 10 steps); consensus distance: "
+            f"the median, over samples every 50 ms while training, of the mean over replicas of "
+            f"||x_i - x||^2 / ||x||^2 (x the replicas' mean); model copies sent per step per member: a ring "
+            f"all-reduce sends 2 (n-1)/n per round, diloco one round every 50 steps at a quarter of the bytes "
+            f"(int8). acid keeps the replicas {closer['']:.2f}x closer than its eta = 0 baseline with the same "
+            f"averagings at one per step and {closer[' rate 1/4']:.2f}x at one per 4 steps; diloco is "
+            f"{100 * diloco_gap:.2f} points below all-reduce while sending {2 * 7 / 8 / (2 * 7 / 8 / 4 / 50):.0f}x "
+            f"fewer bytes.\n\n{table}\n\n"
             f"Machine: {os.cpu_count()} cores, load average {load:.1f} at the start.\n"))
     print(f"async fast_replica_utilization={utilization['acid']:.2f} allreduce_utilization={utilization['dear']:.2f}")
 

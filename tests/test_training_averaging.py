@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from ravnest.averaging.strategies.acid import acid_constants, mix, neighbours, partner
+from ravnest.averaging.strategies.acid import acid_constants, gap_averaging, gap_mixing, mix, neighbours, partner
 from ravnest.averaging.strategies.ada import consensus_distance
 from ravnest.averaging.strategies.diloco import outer_step
 from ravnest.data import load_dataset
@@ -237,6 +237,24 @@ def test_acid_mixing_keeps_the_sum_and_matches_the_closed_form() -> None:
     assert torch.allclose(x, (1 + e) / 2 * torch.tensor([1.0, -2.0]) + (1 - e) / 2 * torch.tensor([3.0, 4.0]))
     assert torch.allclose(tilde, (1 - e) / 2 * torch.tensor([1.0, -2.0]) + (1 + e) / 2 * torch.tensor([3.0, 4.0]))
     assert torch.allclose(x + tilde, torch.tensor([4.0, 2.0]))  # the mean of x and x~ is kept
+
+
+def test_acid_on_the_gap_gives_what_the_closed_forms_give() -> None:
+    """The strategy keeps d = x~ - x (one pass per event): mixing and a pairwise averaging on (x, d)
+    land where `mix` and x~ += alpha~ (x_j - x), x <- (x + x_j) / 2 land."""
+    x, tilde, theirs, alpha = torch.tensor([1.0, -2.0]), torch.tensor([3.0, 4.0]), torch.tensor([0.5, 7.0]), 0.8
+    reference_x, reference_tilde = x.clone(), tilde.clone()
+    mix(reference_x, reference_tilde, eta=0.3, tau=2.0)
+    shift, decay = gap_mixing(0.3, tau=2.0)
+    gap = tilde - x
+    mixed = x + shift * gap
+    gap = gap * decay
+    assert torch.allclose(mixed, reference_x) and torch.allclose(mixed + gap, reference_tilde)
+
+    dx, dgap = gap_averaging(theirs - mixed, alpha)
+    averaged, gap = mixed + dx, gap + dgap
+    assert torch.allclose(averaged, (reference_x + theirs) / 2)
+    assert torch.allclose(averaged + gap, reference_tilde + alpha * (theirs - reference_x))
 
 
 @pytest.mark.parametrize("n", [4, 6, 9])

@@ -59,12 +59,12 @@ class FlatLayout:
         return {k: flat[a:b].view(shape) for k, shape, a, b
                 in zip(self.keys, self.shapes, self.offsets, self.offsets[1:])}
 
-    def add_into(self, delta: torch.Tensor, *states: Mapping[str, torch.Tensor]) -> None:
-        """Add each tensor's part of `delta` to the tensor of the same key in every state that has
-        one (a correction to the live weights and to what must move with them), in place."""
+    def add_into(self, delta: torch.Tensor, *states: Mapping[str, torch.Tensor], alpha: float = 1.0) -> None:
+        """Add each tensor's part of `alpha` x `delta` to the tensor of the same key in every state that
+        has one (a correction to the live weights and to what must move with them), in place."""
         with torch.no_grad():
             for key, value in self.views(delta).items():
                 for state in states:
                     target = state.get(key)
                     if target is not None:
-                        target.add_(value.to(device=target.device, dtype=target.dtype))
+                        target.add_(value.to(device=target.device, dtype=target.dtype), alpha=alpha)

@@ -85,8 +85,11 @@ def _result(stage_results: list[dict[str, Any]], states: list[dict[str, torch.Te
 
 # --- one process per stage ---------------------------------------------------------------------------
 
+StageSetup = Callable[[int, int, StageRunner], None]  # (cluster, stage, runner): e.g. slow one replica down
+
+
 def _stage_process(conn: Connection, token: str, threads: int, device: str, datasets: dict[str, str],
-                   place: tuple[str, str] | None = None) -> None:
+                   place: tuple[str, str] | None = None, setup: StageSetup | None = None) -> None:
     """Child: serve gRPC, tell the parent the address, run the assigned stage, send back the results.
     With `place` = (network namespace, address), it first moves into that namespace (the pipe to the
     parent is a socket pair, which crosses namespaces) and serves on that address."""
@@ -101,6 +104,8 @@ def _stage_process(conn: Connection, token: str, threads: int, device: str, data
         history: list[dict[str, float]] = []
         runner = StageRunner(assignment, router, device=device, on_metrics=history.append, datasets=datasets)
         averager = runner.attach_averaging()
+        if setup is not None:
+            setup(assignment.cluster, assignment.stage, runner)
         try:
             metrics = runner.run()
         finally:
@@ -170,11 +175,13 @@ def run_local_pipeline(job: JobSpec, ranges: Ranges, *, timeout: float = 600, th
 def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeout: float = 600,
                        threads_per_stage: int = 1, device: str | torch.device = "cpu",
                        datasets: dict[str, str] | None = None,
-                       places: Sequence[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+                       places: Sequence[tuple[str, str]] | None = None,
+                       setup: StageSetup | None = None) -> list[dict[str, Any]]:
     """Train `job` as several clusters (cluster c cut as cluster_ranges[c]) averaging over rings,
     one process per stage on 127.0.0.1, or, with `places`, the i-th stage process (clusters in order,
     stages in order) in network namespace places[i][0] on address places[i][1] (a bandwidth-shaped
-    testbed: deploy/testbed/netns.sh; needs root); one run_local_pipeline-like result per cluster."""
+    testbed: deploy/testbed/netns.sh; needs root); one run_local_pipeline-like result per cluster.
+    `setup` (a module-level function: it is pickled to the children) runs on each stage before it trains."""
     flat = [(c, s) for c, ranges in enumerate(cluster_ranges) for s in range(len(ranges))]
     context = mp.get_context("spawn")
     token = secrets.token_hex(16)
@@ -186,7 +193,7 @@ def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeou
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_stage_process, daemon=True,
                                       args=(child_end, token, threads_per_stage, str(device), dict(datasets or {}),
-                                            tuple(places[i]) if places else None))
+                                            tuple(places[i]) if places else None, setup))
             process.start()
             child_end.close()
             pipes.append(parent_end)

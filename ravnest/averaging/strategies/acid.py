@@ -9,6 +9,10 @@ Each replica keeps its weights x and a second copy x~. Three kinds of events cha
   x, x~ <- ((1+e)/2) x + ((1-e)/2) x~, ((1-e)/2) x + ((1+e)/2) x~, e = exp(-2 eta tau) (`mix`; it
   keeps x + x~). Here it is applied once per gradient step with tau = 1 (mixing is a semigroup in tau).
 
+A replica keeps the gap d = x~ - x rather than x~ itself, which makes each event one pass over the
+weights: a gradient step leaves d as it is (nothing to do), mixing is x += ((1-e)/2) d, d *= e, and an
+averaging with g = x_j - x is x += g / 2, d += (alpha~ - 1/2) g (`gap_mixing`, `gap_averaging`).
+
 eta and alpha~ come from the graph's Laplacian L = rate (I - W), W the random walk on the graph and
 `rate` the averagings per gradient step: chi1 = 1 / lambda_2(L), chi2 = max over edges of
 (1/2) (e_i - e_j)^T L^+ (e_i - e_j), eta = 1 / (2 sqrt(chi1 chi2)), alpha~ = (1/2) sqrt(chi1 / chi2)
@@ -91,16 +95,26 @@ def mix(x: torch.Tensor, tilde: torch.Tensor, eta: float, tau: float = 1.0) -> N
     torch.sub(total, difference, out=tilde).mul_(0.5)
 
 
+def gap_mixing(eta: float, tau: float = 1.0) -> tuple[float, float]:
+    """`mix` on (x, d = x~ - x): x += shift d, d *= decay; returns (shift, decay)."""
+    e = math.exp(-2 * eta * tau)
+    return (1 - e) / 2, e
+
+
+def gap_averaging(gap: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pairwise averaging on (x, d) with g = x_j - x (consumed): the changes (dx, dd) to add."""
+    return gap * 0.5, gap.mul_(alpha - 0.5)
+
+
 @dataclass
 class _Segment:
     member: object
     layout: FlatLayout
-    tilde: torch.Tensor
-    before: torch.Tensor      # x before the step being taken
+    gap: torch.Tensor         # x~ - x
     published: torch.Tensor   # the latest x the training thread published
     pending: torch.Tensor     # the sum of the finished averagings' dx it has not taken yet
     lock: threading.Lock = field(default_factory=threading.Lock)
-    finished: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dx, dx~) to add
+    finished: list[torch.Tensor] = field(default_factory=list)  # their dd to add
     events: int = 0
     thread: threading.Thread | None = None
 
@@ -142,7 +156,7 @@ class AsyncPairwiseMomentum(GroupStrategy):
             layout = FlatLayout(self.live, canonical_keys(self.live, tuple(ring.blocks)))
             x = layout.flatten(self.live)
             self._segments.append(_Segment(group_member(context, ring, step_timeout=step_timeout), layout,
-                                           x.clone(), x.clone(), x.clone(), torch.zeros_like(x)))
+                                           torch.zeros_like(x), x, torch.zeros_like(x)))
         self.comm_s = 0.0
         self._failure: BaseException | None = None  # a communication thread's, raised on the training thread
         for segment in self._segments:
@@ -152,26 +166,24 @@ class AsyncPairwiseMomentum(GroupStrategy):
 
     # --- the training thread ------------------------------------------------------------------------
 
-    def gradients_ready(self, step: int) -> None:
-        for segment in self._segments:
-            segment.layout.flatten(self.live, out=segment.before)
-
     def after_step(self, step: int) -> None:
-        """The step moved x: move x~ alike; add the finished averagings; mix for one step; publish x."""
+        """The step moved x and x~ alike (d unchanged); add the finished averagings; mix for one step;
+        publish x."""
         self._raise_failure()
+        shift, decay = gap_mixing(self.eta)
         for segment in self._segments:
-            x = segment.layout.flatten(self.live)
-            segment.tilde.add_(x - segment.before)
             with segment.lock:  # taken and published at once: an averaging sees every earlier one
-                for dx, dtilde in segment.finished:
-                    x.add_(dx)
-                    segment.tilde.add_(dtilde)
-                segment.finished = []
+                if segment.finished:
+                    moved = segment.pending
+                    for dgap in segment.finished:
+                        segment.gap.add_(dgap)
+                    segment.layout.add_into(moved, self.live, self._companions())
+                    segment.finished = []
+                    moved.zero_()
                 if self.eta:
-                    mix(x, segment.tilde, self.eta)
-                segment.published.copy_(x)
-                segment.pending.zero_()
-            self._write(segment, x)
+                    segment.layout.add_into(segment.gap, self.live, self._companions(), alpha=shift)
+                    segment.gap.mul_(decay)
+                segment.layout.flatten(self.live, out=segment.published)
         with self._progress:
             self._steps_done += 1
             self._progress.notify_all()
@@ -187,9 +199,9 @@ class AsyncPairwiseMomentum(GroupStrategy):
         for segment in self._segments:
             x = segment.layout.flatten(self.live)
             with segment.lock:
-                finished, segment.finished = segment.finished, []
-            for dx, _ in finished:
-                x.add_(dx)
+                x.add_(segment.pending)
+                segment.finished = []
+                segment.pending.zero_()
             average = segment.member.allreduce(x, FINAL_ROUND, codec="")
             with torch.no_grad():  # copied, not added: every replica ends with exactly the same bits
                 for key, value in segment.layout.views(average).items():
@@ -234,10 +246,9 @@ class AsyncPairwiseMomentum(GroupStrategy):
                 started = time.perf_counter()
                 theirs = segment.member.exchange(snapshot, event, [other], [other], codec="")[other]
                 self.comm_s += time.perf_counter() - started
-                gap = theirs.sub_(snapshot)  # x_j - x
+                dx, dgap = gap_averaging(theirs.sub_(snapshot), self.alpha)  # x_j - x
                 with segment.lock:
-                    dx = gap * 0.5
-                    segment.finished.append((dx, gap.mul_(self.alpha)))
+                    segment.finished.append(dgap)
                     segment.pending.add_(dx)
                     segment.events += 1
         except BaseException as exc:  # the training thread raises it at its next step
@@ -247,8 +258,3 @@ class AsyncPairwiseMomentum(GroupStrategy):
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise RingError(f"acid averaging failed: {self._failure}") from self._failure
-
-    def _write(self, segment: _Segment, x: torch.Tensor) -> None:
-        """Set the segment to `x` (consumed), moving what must move with the weights (weight
-        prediction's base) alike."""
-        segment.layout.add_into(x.sub_(segment.layout.flatten(self.live)), self.live, self._companions())
