@@ -25,19 +25,22 @@ def free_port() -> int:
 
 class LocalCluster:
     def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = (),
-                 tls: bool = False):
+                 tls: bool = False, heartbeat_timeout: float | None = None):
         self.data_dir = Path(data_dir)
         self.nodes = nodes
         self.node_args = list(node_args)  # extra `ravnest-node join` flags, e.g. ["--max-memory", "1GiB"]
         self.threads_per_node = threads_per_node
-        self.coordinator_args: list[str] = []
+        # nodes a test joins over REST beat only when it says so: a long timeout keeps them alive on a slow machine
+        self.coordinator_args: list[str] = [] if heartbeat_timeout is None else [
+            "--heartbeat-timeout", str(heartbeat_timeout)]
         self.coordinator_log = "coordinator.log"  # the current coordinator's log (another after a restart)
         verify: ssl.SSLContext | bool = True
         if tls:  # HTTPS to the coordinator, TLS between nodes, all checked against a CA made here
             from scripts.make_certs import make_certificates
             certs = make_certificates(self.data_dir / "certs", ["127.0.0.1", "localhost"])
-            self.coordinator_args = ["--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])]
-            self.node_args += [*self.coordinator_args, "--tls-ca", str(certs["ca"])]
+            served = ["--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])]
+            self.coordinator_args += served
+            self.node_args += [*served, "--tls-ca", str(certs["ca"])]
             verify = ssl.create_default_context(cafile=certs["ca"])
         self.host = "127.0.0.1"  # where the coordinator listens and the nodes serve
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{free_port()}"

@@ -27,7 +27,7 @@ def peak_rss_bytes(pid: int) -> int:
 def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp_path: Path) -> None:
     config = {"vocab_size": 50_000, "seq_len": 1024, "d_model": 4096, "n_layers": 48, "n_heads": 32}
     assert sum(c.params for c in profile_blocks(build_model("gpt", config), 4)) > 10**10
-    with LocalCluster(tmp_path, nodes=0) as cluster:
+    with LocalCluster(tmp_path, nodes=0, heartbeat_timeout=120) as cluster:  # REST-only nodes
         for i in range(8):  # volunteers that joined over REST and offer 64 GiB each
             response = cluster.http.post("/v1/nodes", json={
                 "name": f"big{i}", "address": f"127.0.0.{i + 1}:7000",

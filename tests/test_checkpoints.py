@@ -35,7 +35,7 @@ def cut_off_upload(url: str, path: str, token: str, body: bytes) -> None:
 
 
 def test_a_torn_checkpoint_upload_changes_nothing_and_resume_uses_the_last_complete_one(tmp_path):
-    with LocalCluster(tmp_path, nodes=0) as cluster:
+    with LocalCluster(tmp_path, nodes=0, heartbeat_timeout=120) as cluster:  # REST-only nodes
         http = cluster.http
         nodes = []
         for i in range(2):
