@@ -1,6 +1,6 @@
 """Asynchronous and communication-light averaging: a slow replica, and 8 replicas on a cycle.
 
-    python -m bench.async [--steps 200] [--cycle-steps 1000] [--repeat 3] [--no-docs]
+    python -m bench.async [--steps 200] [--cycle-steps 1000] [--repeat 3] [--shards by-label] [--no-docs]
 
 Part 1: 4 replicas of the digits CNN, each its own process (one torch thread, loopback gRPC), one
 of them 3x slower (it sleeps twice its own step time after every step). Utilization of the three
@@ -34,9 +34,9 @@ from ravnest.spec import JobSpec
 TARGET_ACCURACY = 0.95
 
 
-def job(averaging: dict, steps: int, eval_every: int = 0, seed: int = 0) -> JobSpec:
+def job(averaging: dict, steps: int, eval_every: int = 0, seed: int = 0, shards: str = "interleaved") -> JobSpec:
     return JobSpec.model_validate({
-        "model": {"name": "cnn"}, "dataset": {"name": "digits"},
+        "model": {"name": "cnn"}, "dataset": {"name": "digits", "shards": shards},
         "training": {"steps": steps, "batch_size": 32, "seed": seed, "staleness": "none", "eval_every": eval_every,
                      "optimizer": {"name": "Adam", "kwargs": {"lr": 1e-3}}},
         "averaging": averaging})
@@ -105,10 +105,10 @@ class Consensus:
         return statistics.median(distances) if distances else None
 
 
-def cycle_run(averaging: dict, steps: int) -> dict:
+def cycle_run(averaging: dict, steps: int, shards: str = "interleaved") -> dict:
     consensus = Consensus()
-    clusters = run_threaded_clusters(job({"topology": "ring", **averaging}, steps, eval_every=10), [[(0, 4)]] * 8,
-                                     timeout=1800, setup=consensus.attach)
+    clusters = run_threaded_clusters(job({"topology": "ring", **averaging}, steps, eval_every=10, shards=shards),
+                                     [[(0, 4)]] * 8, timeout=1800, setup=consensus.attach)
     history = clusters[0]["history"][0]
     evaluations = [(h["step"], h["test_accuracy"]) for h in history if "test_accuracy" in h]
     reached = next((int(step) for step, accuracy in evaluations if accuracy >= TARGET_ACCURACY), None)
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200, help="part 1's steps")
     parser.add_argument("--cycle-steps", type=int, default=1000, help="part 2's steps (diloco H=50: 20 rounds)")
     parser.add_argument("--repeat", type=int, default=3, help="part 1's runs per strategy (medians)")
+    parser.add_argument("--shards", choices=("interleaved", "by-label"), default="interleaved",
+                        help="part 2's data split (by-label: each replica sees a few classes)")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows, results = [], {}
     for name, (averaging, vectors_per_step) in RUNS.items():
-        result = results[name] = cycle_run(averaging, args.cycle_steps)
+        result = results[name] = cycle_run(averaging, args.cycle_steps, args.shards)
         sent = "-" if vectors_per_step is None else f"{vectors_per_step:.4f}"
         rows.append(f"| {name} | {result['accuracy']:.4f} | {result['reached'] or '-'} | {result['rounds']:.0f} "
                     f"| {sent} | {'-' if result['consensus'] is None else format(result['consensus'], '.2e')} "
@@ -174,11 +176,12 @@ def main(argv: list[str] | None = None) -> None:
             f"each replica its own process): the fast replicas' steady utilization is {utilization['acid']:.2f} "
             f"with acid and {utilization['dear']:.2f} with dear (synchronous all-reduce: every step waits for the "
             f"slow one); medians of {args.repeat} runs: {part1}.\n\n"
-            f"**8 replicas on a cycle**, {args.cycle_steps} steps, each replica a thread of one process; the first "
-            f"step at which replica 0 evaluates at or above {TARGET_ACCURACY} (every 10 steps); consensus distance: "
-            f"the median over every 10th step of the mean over replicas of ||x_i - x||^2 / ||x||^2 (each replica's "
-            f"weights as the step and its averaging left them, x their mean; none for dear, whose replicas "
-            f"are equal whenever they compute); model copies sent per step per member: a ring "
+            f"**8 replicas on a cycle**, {args.cycle_steps} steps, shards {args.shards}, each replica a thread of "
+            f"one process; the first step at which replica 0 evaluates at or above {TARGET_ACCURACY} (every 10 "
+            f"steps); consensus distance: the median over every 10th step of the mean over replicas of "
+            f"||x_i - x||^2 / ||x||^2 (each replica's weights as the step and its averaging left them, x their "
+            f"mean; none for dear, whose replicas are equal whenever they compute); model copies sent per step "
+            f"per member: a ring "
             f"all-reduce sends 2 (n-1)/n per round, diloco one round every 50 steps at a quarter of the bytes "
             f"(int8). The consensus distance of acid's eta = 0 baseline over acid's, with the same averagings: "
             f"{closer['']:.2f} at one per step, {closer[' rate 1/4']:.2f} at one per 4 steps; diloco is "

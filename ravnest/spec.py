@@ -58,6 +58,10 @@ class DatasetRef(_Strict):
         "NAME=PATH`); the job runs only on nodes offering it. Never a path: a volunteer's files are theirs"))
     seq_len: PositiveInt = Field(64, le=1 << 16, description="'text': characters per training sequence")
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+    shards: Literal["interleaved", "by-label"] = Field("interleaved", description=(
+        "how data-parallel replicas split the training data: 'interleaved' (every k-th example, so each "
+        "sees every class) or 'by-label' (sorted by label, then cut in contiguous parts, so each sees a few "
+        "classes: the heterogeneous-data setting of decentralized training; classification only)"))
 
     @model_validator(mode="before")
     @classmethod
@@ -66,6 +70,12 @@ class DatasetRef(_Strict):
             raise ValueError("a job never names a file on a volunteer's machine: name a dataset the nodes offer "
                              "(dataset.source; volunteers offer files with `ravnest-node join --dataset NAME=PATH`)")
         return data
+
+    @model_validator(mode="after")
+    def _labels_to_shard_by(self) -> DatasetRef:
+        if self.shards == "by-label" and self.name == "text":
+            raise ValueError("shards 'by-label' needs a classification dataset; 'text' has no labels")
+        return self
 
 
 class OptimizerRef(_Strict):

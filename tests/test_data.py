@@ -35,6 +35,21 @@ def test_digits_split_is_deterministic() -> None:
     assert torch.equal(first.train_x, second.train_x) and torch.equal(first.test_y, second.test_y)
 
 
+def test_shards_by_label_are_disjoint_cover_the_set_and_hold_few_classes() -> None:
+    data = load_dataset(DatasetRef(name="digits"))
+    shards = [data.shard(i, 8, by_label=True) for i in range(8)]
+    assert sum(len(s.train_y) for s in shards) == len(data.train_y)
+    assert sorted(torch.cat([s.train_y for s in shards]).tolist()) == sorted(data.train_y.tolist())
+    assert all(len(s.train_y.unique()) <= 3 for s in shards)  # interleaved shards hold all 10
+    assert len(data.shard(0, 8).train_y.unique()) == 10
+    text = Dataset("lm", torch.zeros(8, 4), torch.zeros(8, 4, dtype=torch.long), torch.zeros(2, 4),
+                   torch.zeros(2, 4, dtype=torch.long), vocab_size=256)
+    with pytest.raises(DatasetError, match="classification"):
+        text.shard(0, 2, by_label=True)
+    with pytest.raises(ValueError, match="classification"):  # a job asking for it is refused at submit
+        DatasetRef(name="text", source="books", shards="by-label")
+
+
 def test_shards_are_disjoint_and_cover_the_training_set() -> None:
     data = numbered(103)
     shards = [data.shard(i, 4) for i in range(4)]

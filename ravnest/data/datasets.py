@@ -35,13 +35,21 @@ class Dataset:
     num_classes: int | None = None  # classification
     vocab_size: int | None = None   # language modelling
 
-    def shard(self, index: int, count: int) -> Dataset:
-        """Training examples index, index+count, ...: disjoint across shards; the test set is shared."""
+    def shard(self, index: int, count: int, by_label: bool = False) -> Dataset:
+        """Shard `index` of `count`, disjoint across shards; the test set is shared. Interleaved: training
+        examples index, index+count, ...; `by_label`: the examples in label order (stable), cut into
+        `count` contiguous parts, so a shard holds few classes."""
         if count < 1 or not 0 <= index < count:
             raise DatasetError(f"shard index {index} is outside 0..{count - 1}")
         if len(self.train_x) < count:
             raise DatasetError(f"{self.name}: {len(self.train_x)} training examples cannot make {count} shards")
-        return replace(self, train_x=self.train_x[index::count], train_y=self.train_y[index::count])
+        if not by_label:
+            return replace(self, train_x=self.train_x[index::count], train_y=self.train_y[index::count])
+        if self.num_classes is None:
+            raise DatasetError(f"{self.name}: shards 'by-label' need a classification dataset")
+        order = torch.sort(self.train_y, stable=True).indices
+        part = order[index * len(order) // count:(index + 1) * len(order) // count]
+        return replace(self, train_x=self.train_x[part], train_y=self.train_y[part])
 
     def batches(self, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless full training batches, reshuffled every epoch by a generator seeded with (seed, epoch).

@@ -111,7 +111,8 @@ class StageRunner:
         if self.is_first:  # clusters train on disjoint shards, each in its own order
             self._dataset = load_dataset(a.dataset, datasets)  # only files the volunteer offers
             self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = self._dataset.shard(
-                a.cluster, a.num_clusters).batches(training.batch_size, seed=data_seed(training.seed, a))
+                a.cluster, a.num_clusters, by_label=a.dataset.shards == "by-label").batches(
+                training.batch_size, seed=data_seed(training.seed, a))
 
         self.inbox = Inbox(forward_capacity=self.window + RECEIVE_SLACK)  # bounds what the planner counts
         self._streams: dict[str, OutboundStream] = {}
