@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from sqlalchemy import func, select
 
@@ -12,7 +13,7 @@ from ..errors import Conflict, Forbidden, InvalidRequest
 from ..jobs import JobState
 from ..schemas import CurvePoint, JobCreated, JobSummary, JobView, Recovery
 from ..security import new_id
-from ..store import CurvePointRow, JobRow, stages_of
+from ..store import CurvePointRow, JobRow, NodeRow, StageRow, stages_of
 from .base import RESUME, ServiceBase, costs_of
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,14 @@ class JobLifecycle(ServiceBase):
             job, stage = self._job_member(session, job_id, authorization, report.node_id)
             if job.state not in jobs.ACTIVE:
                 return  # the job already ended or is being re-planned; a late report changes nothing
-            reason = f"node {report.node_id} (cluster {stage.cluster} stage {stage.stage}) failed: {report.reason}"
+            reporter = session.get(NodeRow, report.node_id)
+            reason = (f"cluster {stage.cluster} stage {stage.stage} on node {report.node_id} "
+                      f"({reporter.name or reporter.address}) failed: {report.reason}")
+            named = [node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(
+                         select(StageRow.node_id).where(StageRow.job_id == job.id)), NodeRow.id != reporter.id))
+                     if re.search(re.escape(node.address) + r"(?!\d)", report.reason)]
+            if named:  # the reporter is often the survivor: say whom it could not reach
+                reason += "; it names " + ", ".join(f"node {node.id} ({node.name or node.address})" for node in named)
             if report.recoverable:
                 self._recover(session, job, reason)
             else:
