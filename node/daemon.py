@@ -244,9 +244,9 @@ class NodeDaemon:
             self.progress.log(f"{prefix}: done, weights uploaded")
         except Exception as e:  # report any failure to the coordinator, which re-plans or fails the job
             reporter.close()
-            reason = f"node {self.client.node_id} ({prefix}): {type(e).__name__}: {e}"
+            reason = f"{type(e).__name__}: {e}"  # the coordinator says which node, job and stage
             if not job.stopped_for:
-                self.progress.log(reason + "\n" + traceback.format_exc())
+                self.progress.log(f"node {self.client.node_id} ({prefix}): {reason}\n{traceback.format_exc()}")
             if runner is not None and job.stopped_for != "cancel":
                 self._hand_in_state(runner, a, scratch / "snapshot.safetensors", prefix)
             if not job.stopped_for:

@@ -30,7 +30,7 @@ def matmul_flops(device: torch.device, size: int = 512, seconds: float = 0.3, wi
     training beside it) must not mark a node slow for good. So the best of short windows, not the mean;
     and a single-threaded node on a CPU times them by its CPU time, which is the time it computed
     whatever else runs (3 busy loops on 2 cores: 96 GFLOP/s against 101 idle; the best wall-clock
-    window said 63, and a node joining a busy host was left out of a job as a laggard). With several
+    window said 63, and nodes joining beside training ones looked too slow to grow a job onto). With several
     threads, wall time: a descheduled thread stalls the rest, which CPU time would not see."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
