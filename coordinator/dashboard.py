@@ -26,7 +26,8 @@ def render_dashboard(nodes: list[NodeView], jobs: list[JobSummary]) -> str:
 <meta name="viewport" content="width=device-width, initial-scale=1"><title>Ravnest coordinator</title>
 <link rel="stylesheet" href="{ASSETS}/dashboard.css"></head><body>
 <header><h1>Ravnest coordinator</h1><span id="status" role="status"></span>
-<nav><span id="updated"></span> <span id="who"></span> <a href="/docs">API</a> <a href="/metrics">metrics</a> <a href="/logout">log out</a></nav>
+<nav><span id="updated"></span> <span id="who"></span>
+<a href="/docs">API</a> <a href="/metrics">metrics</a> <a href="/logout">log out</a></nav>
 </header>
 <main>
 <section id="job" hidden><h2 id="job-title"></h2><p id="job-state"></p>

@@ -105,23 +105,23 @@ class Placing(ServiceBase):
             if jobs.progress(job, stages_of(session, job.id)).fraction > 0.75:
                 continue  # too little left to be worth a re-plan
             self._grow_considered[job.id] = considered
+            some = _n(len(newcomers), "idle node")
             try:
                 plan = self._plan_on(session, spec, members + newcomers)
             except PlanningError as e:
-                log.info("job %s stays on its nodes: with %s it cannot be planned: %s", job.id,
-                         _n(len(newcomers), "idle node"), e)
+                log.info("job %s stays on its nodes: with %s it cannot be planned: %s", job.id, some, e)
                 continue
             try:  # like with like: its own nodes planned again with the links measured since it was placed
                 baseline = self._plan_on(session, spec, members).predicted_samples_per_s
             except PlanningError:
                 baseline = current.predicted_samples_per_s
             if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * baseline:
-                self._recover(session, job, f"{_n(len(newcomers), 'idle node')} can speed it up: predicted "
+                self._recover(session, job, f"{some} can speed it up: predicted "
                                             f"{baseline:,.0f} -> {plan.predicted_samples_per_s:,.0f} samples/s",
                               kind=GROW)
                 return  # the idle nodes wait for its re-plan
             log.info("job %s stays on its nodes: with %s the planner predicts %.0f -> %.0f samples/s "
-                     "(%s; it grows at +%.0f%%)", job.id, _n(len(newcomers), "idle node"), baseline,
+                     "(%s; it grows at +%.0f%%)", job.id, some, baseline,
                      plan.predicted_samples_per_s, plan.reason, 100 * self.settings.grow_gain)
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:

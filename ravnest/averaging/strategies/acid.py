@@ -113,8 +113,9 @@ class _Segment:
     gap: torch.Tensor         # x~ - x
     published: torch.Tensor   # the latest x the training thread published
     pending: torch.Tensor     # the sum of the finished averagings' dx it has not taken yet
+    pending_gap: torch.Tensor  # ... and of their dd
     lock: threading.Lock = field(default_factory=threading.Lock)
-    finished: list[torch.Tensor] = field(default_factory=list)  # their dd to add
+    untaken: int = 0          # how many finished averagings those sums hold
     events: int = 0
     thread: threading.Thread | None = None
 
@@ -156,7 +157,7 @@ class AsyncPairwiseMomentum(GroupStrategy):
             layout = FlatLayout(self.live, canonical_keys(self.live, tuple(ring.blocks)))
             x = layout.flatten(self.live)
             self._segments.append(_Segment(group_member(context, ring, step_timeout=step_timeout), layout,
-                                           torch.zeros_like(x), x, torch.zeros_like(x)))
+                                           torch.zeros_like(x), x, torch.zeros_like(x), torch.zeros_like(x)))
         self.comm_s = 0.0
         self._failure: BaseException | None = None  # a communication thread's, raised on the training thread
         for segment in self._segments:
@@ -173,13 +174,12 @@ class AsyncPairwiseMomentum(GroupStrategy):
         shift, decay = gap_mixing(self.eta)
         for segment in self._segments:
             with segment.lock:  # taken and published at once: an averaging sees every earlier one
-                if segment.finished:
-                    moved = segment.pending
-                    for dgap in segment.finished:
-                        segment.gap.add_(dgap)
-                    segment.layout.add_into(moved, self.live, self._companions())
-                    segment.finished = []
-                    moved.zero_()
+                if segment.untaken:
+                    segment.gap.add_(segment.pending_gap)
+                    segment.layout.add_into(segment.pending, self.live, self._companions())
+                    segment.pending.zero_()
+                    segment.pending_gap.zero_()
+                    segment.untaken = 0
                 if self.eta:
                     segment.layout.add_into(segment.gap, self.live, self._companions(), alpha=shift)
                     segment.gap.mul_(decay)
@@ -200,8 +200,9 @@ class AsyncPairwiseMomentum(GroupStrategy):
             x = segment.layout.flatten(self.live)
             with segment.lock:
                 x.add_(segment.pending)
-                segment.finished = []
                 segment.pending.zero_()
+                segment.pending_gap.zero_()
+                segment.untaken = 0
             average = segment.member.allreduce(x, FINAL_ROUND, codec="")
             with torch.no_grad():  # copied, not added: every replica ends with exactly the same bits
                 for key, value in segment.layout.views(average).items():
@@ -248,8 +249,9 @@ class AsyncPairwiseMomentum(GroupStrategy):
                 self.comm_s += time.perf_counter() - started
                 dx, dgap = gap_averaging(theirs.sub_(snapshot), self.alpha)  # x_j - x
                 with segment.lock:
-                    segment.finished.append(dgap)
                     segment.pending.add_(dx)
+                    segment.pending_gap.add_(dgap)
+                    segment.untaken += 1
                     segment.events += 1
         except BaseException as exc:  # the training thread raises it at its next step
             if not self._stopping.is_set():
