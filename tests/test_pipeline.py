@@ -54,6 +54,16 @@ def test_optimizer_is_chosen_by_name_and_bad_names_are_refused() -> None:
         build_optimizer(params, OptimizerRef(name="SGD", kwargs={"lr": 0.1, "bogus": 1}))
 
 
+def test_torch_optimizers_run_fused_unless_the_job_chooses() -> None:
+    params = [nn.Parameter(torch.zeros(3))]
+    for name in ("Adam", "AdamW", "SGD"):
+        assert build_optimizer(params, OptimizerRef(name=name, kwargs={"lr": 0.1})).defaults["fused"] is True
+    assert not build_optimizer(params, OptimizerRef(name="Adam", kwargs={"foreach": False})).defaults["fused"]
+    # no fused kernel for these options or optimizers: the plain one, no error
+    assert not build_optimizer(params, OptimizerRef(name="Adam", kwargs={"differentiable": True})).defaults["fused"]
+    assert "fused" not in build_optimizer(params, OptimizerRef(name="RMSprop")).defaults
+
+
 def test_stage_optimizer_steps_once_per_accumulation() -> None:
     weight = nn.Parameter(torch.zeros(2))
     optimizer = StageOptimizer([weight], TrainingSettings(

@@ -14,13 +14,26 @@ from ravnest.spec import OptimizerRef, TrainingSettings
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], ref: OptimizerRef) -> torch.optim.Optimizer:
     """`torch.optim.<ref.name>(params, **ref.kwargs)`, or one of ours (AccumAdam, AccumAdamW); any other
-    name or bad kwargs is a ValueError."""
+    name or bad kwargs is a ValueError.
+
+    A torch optimizer that has a fused implementation (Adam, AdamW, SGD, Adagrad) gets it unless the
+    kwargs choose (`fused` or `foreach`): one kernel per step instead of one per operation and
+    tensor. On CPU, Adam's default loop over 7M parameters takes 16 ms a step, the fused one 4.7 ms:
+    a quarter of a pipeline stage's time went to the optimizer. Where the fused kernel does not apply
+    (a dtype, device or option it lacks) the default implementation is used."""
     cls = OPTIMIZERS.get(ref.name) or getattr(torch.optim, ref.name, None)
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
         raise ValueError(f"unknown optimizer {ref.name!r}: expected a torch.optim class such as Adam or SGD, "
                          f"or {', '.join(OPTIMIZERS)}")
+    params = list(params)
+    if cls not in OPTIMIZERS.values() and "fused" in inspect.signature(cls).parameters \
+            and not {"fused", "foreach"} & ref.kwargs.keys():
+        try:
+            return cls(params, **ref.kwargs, fused=True)
+        except (TypeError, ValueError, RuntimeError):
+            pass  # bad kwargs are reported by the plain construction below
     try:
-        return cls(list(params), **ref.kwargs)
+        return cls(params, **ref.kwargs)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"optimizer {ref.name} rejected kwargs {ref.kwargs}: {exc}") from exc
 

@@ -217,13 +217,16 @@ class StageRunner:
         self.module.load_state_dict(model, strict=True)  # names any missing or unexpected key
         params = dict(self.module.named_parameters())
         by_param: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        # Adam and friends keep `step` on the CPU unless fused or capturable
+        defaults = self.optimizer.optimizer.defaults if self.optimizer.optimizer is not None else {}
+        scalars_on_cpu = not (defaults.get("fused") or defaults.get("capturable"))
         for key, value in state.items():
             if ":" in key:
                 name, entry = key.split(":", 1)
                 if name not in params:
                     raise ValueError(f"optimizer state for {name}, which is not a parameter of this stage")
-                # Adam and friends keep `step` on the CPU unless capturable
-                by_param.setdefault(params[name], {})[entry] = value.cpu() if value.dim() == 0 else value
+                by_param.setdefault(params[name], {})[entry] = value.cpu() if value.dim() == 0 and scalars_on_cpu \
+                    else value
         self.optimizer.resume(step, by_param)
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
