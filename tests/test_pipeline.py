@@ -118,6 +118,29 @@ def test_weight_prediction_extrapolates_the_last_update_only() -> None:
     assert torch.allclose(versions.acquire(2)[1]["weight"], w0 + 0.5 - 2.0)
 
 
+def test_the_pre_step_copy_may_be_taken_early_once() -> None:
+    """A stage takes prediction's copy of the weights while it waits for the step's last gradient: the
+    step then copies nothing more (it would cost the pass the early copy saves), a correction in
+    between moves both alike, and the prediction extrapolates the optimizer's update alone."""
+    module = nn.Linear(2, 2)
+    versions = WeightVersions(module, predict=True)
+    w0 = module.weight.detach().clone()
+    versions.save_previous()
+    with torch.no_grad():
+        versions.previous["weight"].add_(7.0)  # marks the copy: a second one at the step would undo it
+    versions.before_step()
+    assert torch.equal(versions.previous["weight"], w0 + 7.0)
+    versions.previous["weight"].copy_(w0)
+    with torch.no_grad():
+        for tensor in (module.weight, versions.previous["weight"]):  # an averaging correction
+            tensor.add_(1.0)
+        module.weight.add_(0.5)  # the optimizer's update
+    versions.advance()
+    assert torch.allclose(versions.acquire(1)[1]["weight"], w0 + 1.0 + 0.5 * 2)
+    versions.save_previous()  # the next step's copy is taken afresh
+    assert torch.equal(versions.previous["weight"], module.weight.detach())
+
+
 def test_recompute_replays_dropout_and_matches_stash() -> None:
     torch.manual_seed(1)
     x, grad_out = torch.randn(8, 6), torch.randn(8, 4)

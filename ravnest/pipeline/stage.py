@@ -336,6 +336,12 @@ class StageRunner:
             self._send("next", Message(FORWARD, m, {"x": self._output, "y": self._pending[1]}, tags=tags))
             self._output = self._pending = None
         elif kind == RECV_B:
+            # the step's last gradient: no forward comes before the step now, so weight prediction's copy
+            # of the weights can be taken before the wait (the gradient is often not here yet) rather
+            # than at the step; not where a strategy defers the update (it lands later, in parts)
+            if (m + 1) % self.per_step == 0 and (self.averager is None or not self.averager.defers_update):
+                with self.clock.busy():
+                    self.compute.versions.save_previous()
             msg = self.inbox.next_backward(self.peer_timeout)
             if msg.id != m:
                 raise PipelineError(f"stage {self.assignment.stage} expected the gradient of micro-batch {m}, "

@@ -41,7 +41,9 @@ class WeightVersions:
     as SpecTrain and XPipe: the gradient is then taken near the weights it will be applied to).
     `previous` is a copy taken before each optimizer step; the prediction is one fused pass,
     lerp(w_previous, w, 1 + lookahead), so predicting costs one parameter copy per step over plain
-    snapshots. Whatever else moves the live weights (an averaging correction) must move `previous`
+    snapshots. The copy may be taken early (`save_previous`), anywhere after the version's forwards
+    have acquired their weights: a stage takes it while it waits for a gradient, where it costs
+    nothing. Whatever else moves the live weights (an averaging correction) must move `previous`
     alike: a correction is not an update to extrapolate."""
 
     def __init__(self, module: nn.Module, snapshots: bool = True, predict: bool = False):
@@ -54,6 +56,7 @@ class WeightVersions:
         # the weights before the last optimizer step; none before the first (nothing to extrapolate:
         # a stage resuming from a checkpoint loads its weights after this is built)
         self.previous: Tensors | None = None
+        self._previous_saved = False  # `previous` holds the weights the next step starts from
         self.current = 0
 
     @torch.no_grad()
@@ -91,11 +94,20 @@ class WeightVersions:
         return version, (lookahead if self.predict else 0)  # no prediction: one per version
 
     @torch.no_grad()
-    def before_step(self) -> None:
+    def save_previous(self) -> None:
+        """Copy the live weights into `previous` now, for the coming step, unless done already; the
+        live weights must change only by corrections (which move `previous` too) until that step."""
+        if not self.predict or self._previous_saved:
+            return
         if self.previous is not None:
             torch._foreach_copy_(list(self.previous.values()), [p.detach() for p in self._live.values()])
-        elif self.predict:
+        else:
             self.previous = {name: p.detach().clone() for name, p in self._live.items()}
+        self._previous_saved = True
+
+    def before_step(self) -> None:
+        self.save_previous()
+        self._previous_saved = False  # the step changes the weights: the next one copies again
 
     def advance(self) -> None:
         """The optimizer stepped: later forwards use a new version; retire the old ones if unused."""
