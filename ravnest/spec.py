@@ -185,8 +185,10 @@ class AveragingSettings(_Strict):
 
 class Placement(_Strict):
     clusters: Annotated[int, Field(ge=1, le=10_000)] | Literal["auto"] = "auto"
-    min_nodes: PositiveInt = Field(1, le=100_000,
-                                   description="wait in 'pending' until at least this many idle nodes joined")
+    min_nodes: PositiveInt | None = Field(None, le=100_000,
+                                          description="wait in 'pending' until at least this many idle nodes "
+                                                      "joined (default: what clusters x stages_per_cluster asks "
+                                                      "for, as far as they are given; else 1)")
     timeout_s: float | None = Field(None, gt=0, le=366 * 86400,
                                     description="fail a job still pending after this many seconds "
                                                 "(default: wait as long as it takes)")
@@ -200,6 +202,17 @@ class Placement(_Strict):
                                 "equal-split: Ravnest's original policy, the baseline bench.testbed measures "
                                 "against (clusters by memory in join order, equal parameters per stage, rings "
                                 "in join order)")
+
+
+    @model_validator(mode="after")
+    def _nodes_the_shape_needs(self) -> "Placement":
+        """A job that asks for 2 clusters of 2 stages waits for 4 nodes without saying so twice."""
+        if self.min_nodes is None:
+            clusters = self.clusters if isinstance(self.clusters, int) else 1
+            self.min_nodes = min(clusters * (self.stages_per_cluster or 1), 100_000)
+            if self.max_nodes is not None:
+                self.min_nodes = min(self.min_nodes, self.max_nodes)
+        return self
 
 
 class CheckpointSettings(_Strict):

@@ -486,6 +486,18 @@ def test_placement_max_nodes_must_not_be_below_min_nodes(client: TestClient) -> 
     assert response.status_code == 422 and "max_nodes" in response.text
 
 
+def test_a_job_waits_for_the_nodes_its_shape_asks_for_without_min_nodes(client: TestClient) -> None:
+    spec = digits_job()
+    del spec["placement"]["min_nodes"]  # 2 clusters x 2 stages: 4 nodes, unsaid
+    for i in range(3):
+        join(client, f"n{i}")
+    response = client.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    job = client.get(f"/v1/jobs/{response.json()['id']}").json()
+    assert job["spec"]["placement"]["min_nodes"] == 4
+    assert job["state"] == "pending" and "waiting for 4 idle nodes (3 available)" in job["reason"]
+
+
 def test_a_pending_job_fails_once_its_placement_timeout_passes(client: TestClient, clock: FakeClock) -> None:
     join(client, "lonely")
     job_id = client.post("/v1/jobs", json=digits_job(timeout_s=30)).json()["id"]
