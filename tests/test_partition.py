@@ -8,7 +8,7 @@ import time
 import pytest
 
 from ravnest.models import BlockCost, build_model, profile_blocks
-from ravnest.partition import (Load, NodeCapacity, Partition, PartitionError, brute_force_partition, partition,
+from ravnest.partition import (STAGE_OVERHEAD_S, Load, NodeCapacity, Partition, PartitionError, brute_force_partition, partition,
                                stage_memory_bytes)
 
 MB = 1 << 20
@@ -37,11 +37,12 @@ def test_stage_time_formula_by_hand() -> None:
     costs = [block(6e9, activation=100 * MB), block(3e9, activation=7 * MB), block(3e9)]
     nodes = [node(flops=2e9, bandwidth=100 * MB, latency=0.5), node(flops=1e9)]
     result = partition(costs, nodes)
-    # [0,1): 3*6e9/2e9 = 9 s + 2*100MB/100MB/s + 0.5 + 2 messages = 11.502 s; [1,3): 3*6e9/1e9 = 18 s
-    # [0,2): 3*9e9/2e9 = 13.5 s + 2*7/100 + 0.5 + 0.002 = 14.142 s; [2,3): 9 s  -> the better split
+    # each stage also costs STAGE_OVERHEAD_S (2 ms) per micro-batch:
+    # [0,1): 3*6e9/2e9 = 9 s + 2*100MB/100MB/s + 0.5 + 2 messages = 11.504 s; [1,3): 3*6e9/1e9 = 18.002 s
+    # [0,2): 3*9e9/2e9 = 13.5 s + 2*7/100 + 0.5 + 0.002 = 14.144 s; [2,3): 9.002 s  -> the better split
     assert result.ranges == [(0, 2), (2, 3)]
-    assert result.stage_seconds == pytest.approx([14.142, 9.0])
-    assert result.bottleneck_seconds == pytest.approx(14.142)
+    assert result.stage_seconds == pytest.approx([14.144, 9.002])
+    assert result.bottleneck_seconds == pytest.approx(14.144)
 
 
 def test_stage_memory_formula() -> None:
@@ -109,7 +110,7 @@ def test_prefix_of_nodes_when_links_are_slow() -> None:
     nodes = [node(flops=1e9, bandwidth=1 * MB) for _ in range(3)]
     assert len(partition(costs, nodes).ranges) == 3
     alone = partition(costs, nodes, use_all_nodes=False)
-    assert alone.ranges == [(0, 4)] and alone.stage_seconds == [pytest.approx(4 * 3e6 / 1e9)]
+    assert alone.ranges == [(0, 4)] and alone.stage_seconds == [pytest.approx(4 * 3e6 / 1e9 + STAGE_OVERHEAD_S)]
 
 
 def test_in_flight_defaults_to_the_node_count() -> None:
