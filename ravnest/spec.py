@@ -203,15 +203,12 @@ class Placement(_Strict):
                                 "against (clusters by memory in join order, equal parameters per stage, rings "
                                 "in join order)")
 
-
     @model_validator(mode="after")
-    def _nodes_the_shape_needs(self) -> "Placement":
+    def _nodes_the_shape_needs(self) -> Placement:
         """A job that asks for 2 clusters of 2 stages waits for 4 nodes without saying so twice."""
         if self.min_nodes is None:
             clusters = self.clusters if isinstance(self.clusters, int) else 1
-            self.min_nodes = min(clusters * (self.stages_per_cluster or 1), 100_000)
-            if self.max_nodes is not None:
-                self.min_nodes = min(self.min_nodes, self.max_nodes)
+            self.min_nodes = min(clusters * (self.stages_per_cluster or 1), self.max_nodes or 100_000)
         return self
 
 

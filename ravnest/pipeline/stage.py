@@ -339,7 +339,7 @@ class StageRunner:
             # the step's last gradient: no forward comes before the step now, so weight prediction's copy
             # of the weights can be taken before the wait (the gradient is often not here yet) rather
             # than at the step; not where a strategy defers the update (it lands later, in parts)
-            if (m + 1) % self.per_step == 0 and (self.averager is None or not self.averager.defers_update):
+            if (m + 1) % self.per_step == 0 and self._optimizer_updates:
                 with self.clock.busy():
                     self.compute.versions.save_previous()
             msg = self.inbox.next_backward(self.peer_timeout)
@@ -371,10 +371,15 @@ class StageRunner:
                 self.averager.gradients_ready(self.optimizer.steps + 1)
             with self.clock.busy():
                 self.compute.before_step()
-                self.optimizer.step(update=self.averager is None or not self.averager.defers_update)
+                self.optimizer.step(update=self._optimizer_updates)
             self._step_done()
         else:
             raise PipelineError(f"unknown action {action}")
+
+    @property
+    def _optimizer_updates(self) -> bool:
+        """Whether the optimizer's step applies the update (not a strategy later, in parts: DeAR)."""
+        return self.averager is None or not self.averager.defers_update
 
     def _flush_averaging(self) -> None:
         """Whatever the averaging strategy has under way lands in the weights now (before they are

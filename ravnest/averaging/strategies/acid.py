@@ -174,12 +174,7 @@ class AsyncPairwiseMomentum(GroupStrategy):
         shift, decay = gap_mixing(self.eta)
         for segment in self._segments:
             with segment.lock:  # taken and published at once: an averaging sees every earlier one
-                if segment.untaken:
-                    segment.gap.add_(segment.pending_gap)
-                    segment.layout.add_into(segment.pending, self.live, self._companions())
-                    segment.pending.zero_()
-                    segment.pending_gap.zero_()
-                    segment.untaken = 0
+                self._take_finished(segment)
                 if self.eta:
                     segment.layout.add_into(segment.gap, self.live, self._companions(), alpha=shift)
                     segment.gap.mul_(decay)
@@ -197,13 +192,9 @@ class AsyncPairwiseMomentum(GroupStrategy):
             segment.thread.join()
         self._raise_failure()
         for segment in self._segments:
-            x = segment.layout.flatten(self.live)
             with segment.lock:
-                x.add_(segment.pending)
-                segment.pending.zero_()
-                segment.pending_gap.zero_()
-                segment.untaken = 0
-            average = segment.member.allreduce(x, FINAL_ROUND, codec="")
+                self._take_finished(segment)
+            average = segment.member.allreduce(segment.layout.flatten(self.live), FINAL_ROUND, codec="")
             with torch.no_grad():  # copied, not added: every replica ends with exactly the same bits
                 for key, value in segment.layout.views(average).items():
                     self.live[key].copy_(value)
@@ -256,6 +247,15 @@ class AsyncPairwiseMomentum(GroupStrategy):
         except BaseException as exc:  # the training thread raises it at its next step
             if not self._stopping.is_set():
                 self._failure = exc
+
+    def _take_finished(self, segment: _Segment) -> None:
+        """Add the finished averagings' sums to x and d (holding the segment's lock)."""
+        if segment.untaken:
+            segment.gap.add_(segment.pending_gap)
+            segment.layout.add_into(segment.pending, self.live, self._companions())
+            segment.pending.zero_()
+            segment.pending_gap.zero_()
+            segment.untaken = 0
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
