@@ -62,7 +62,7 @@ class Placing(ServiceBase):
                 candidates = offering(idle, spec)  # a job reads only files volunteers offer
                 if len(candidates) < needed:
                     source = f" offering dataset {spec.dataset.source!r}" if spec.dataset.source else ""
-                    reason = f"waiting for {needed} idle nodes{source} ({len(candidates)} available)"
+                    reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available)"
                     if job.reason != reason:
                         job.reason = reason
                     continue
@@ -74,7 +74,7 @@ class Placing(ServiceBase):
                     else:
                         jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
                     continue
-                jobs.transition(job, JobState.PLACING, f"placing on {len(candidates)} idle nodes", now)
+                jobs.transition(job, JobState.PLACING, f"placing on {_n(len(candidates), 'idle node')}", now)
                 used = self._reserve(session, job, plan, candidates)
                 idle = [node for node in idle if node.id not in used]
             if idle:
