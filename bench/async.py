@@ -1,6 +1,7 @@
 """Asynchronous and communication-light averaging: a slow replica, and 8 replicas on a cycle.
 
     python -m bench.async [--steps 200] [--cycle-steps 1000] [--repeat 3] [--shards by-label] [--no-docs]
+    python -m bench.async --communications [--seeds 3] [--no-docs]
 
 Part 1: 4 replicas of the digits CNN, each its own process (one torch thread, loopback gRPC), one
 of them 3x slower (it sleeps twice its own step time after every step). Utilization of the three
@@ -17,6 +18,15 @@ replicas' median relative consensus distance while training, and the model copie
 sends per step (a ring all-reduce sends 2 (n-1)/n of the vector per round).
 
 Last line: `async fast_replica_utilization=<u> allreduce_utilization=<v>` (target u >= 0.9).
+
+`--communications` (instead): averagings for a given accuracy. 8 replicas on a cycle, shards by label
+(each replica sees a few classes, so a replica's own model is only as good as what gossip brings it),
+300 steps, acid and its eta = 0 baseline at 1, 1/2, 1/4 and 1/8 averagings per step, seeds 0..n-1.
+Measured: each replica's own model (acid evaluates its local weights), the test accuracy averaged over
+the 8 replicas and over the evaluations of the second half of training; medians over seeds. For each
+accuracy the baseline reaches, the fewest averagings per member with which each reaches it. Last line:
+`acid fewer_communications=<true|false>`: true when acid never needs more averagings than eta = 0 for
+any of those accuracies, and fewer for at least one.
 """
 from __future__ import annotations
 
@@ -129,6 +139,65 @@ RUNS = {  # name: (averaging, model copies each member sends per step; None wher
 }
 
 
+RATES = (1.0, 0.5, 0.25, 0.125)
+COMMUNICATION_STEPS = 300
+
+
+def replicas_accuracy(averaging: dict, seed: int) -> float:
+    """The mean over replicas and over the second half's evaluations of each replica's own accuracy."""
+    spec = job({"topology": "ring", **averaging}, COMMUNICATION_STEPS, eval_every=10, seed=seed, shards="by-label")
+    by_step: dict[int, list[float]] = {}
+    for cluster in run_threaded_clusters(spec, [[(0, 4)]] * 8, timeout=1800):
+        for report in cluster["history"][0]:
+            if "test_accuracy" in report and COMMUNICATION_STEPS // 2 <= report["step"] < COMMUNICATION_STEPS:
+                by_step.setdefault(int(report["step"]), []).append(report["test_accuracy"])
+    return statistics.mean(statistics.mean(accuracies) for accuracies in by_step.values())
+
+
+def communications(seeds: int, docs: bool, argv: list[str] | None) -> None:
+    load = os.getloadavg()[0]
+    measured: dict[tuple[str, float], list[float]] = {}
+    for seed in range(seeds):
+        for rate in RATES:
+            for name, eta in (("acid", {}), ("acid eta=0", {"acid_eta": 0.0})):
+                runs = measured.setdefault((name, rate), [])
+                runs.append(replicas_accuracy({"strategy": "acid", "acid_rate": rate, **eta}, seed))
+                print(f"seed {seed} {name} rate {rate:g}: {runs[-1]:.4f}", flush=True)
+    median = {key: statistics.median(runs) for key, runs in measured.items()}
+    rows = [f"| {rate:g} | {rate * COMMUNICATION_STEPS:.0f} | {median['acid', rate]:.4f} "
+            f"({', '.join(f'{a:.3f}' for a in measured['acid', rate])}) | {median['acid eta=0', rate]:.4f} "
+            f"({', '.join(f'{a:.3f}' for a in measured['acid eta=0', rate])}) |" for rate in RATES]
+
+    def fewest(name: str, accuracy: float) -> float | None:  # averagings per member to reach `accuracy`
+        rates = [rate for rate in RATES if median[name, rate] >= accuracy]
+        return min(rates) * COMMUNICATION_STEPS if rates else None
+    targets = [(median["acid eta=0", rate], fewest("acid", median["acid eta=0", rate]), rate * COMMUNICATION_STEPS)
+               for rate in RATES]
+    never_more = all(a is not None and a <= e for _, a, e in targets)
+    fewer = never_more and any(a < e for _, a, e in targets)
+    reach = "; ".join(f"{accuracy:.4f}: acid {a:.0f}, eta=0 {e:.0f}" for accuracy, a, e in targets)
+    table = ("| averagings per step | averagings per member | acid: replicas' accuracy (median; runs) | "
+             "eta=0: replicas' accuracy (median; runs) |\n|---|---|---|---|\n" + "\n".join(rows))
+    print(table)
+    print(f"averagings per member to reach each accuracy eta=0 reaches: {reach}")
+    if docs:
+        from bench.common import command_line, write_section
+        write_section("A2CiD2: averagings for a given accuracy", (
+            f"`{command_line('bench.async', argv).strip()}`\n\n"
+            f"8 replicas of the digits CNN on a cycle (`topology: ring`), shards by label (each replica sees a "
+            f"few classes), {COMMUNICATION_STEPS} steps, batch 32, Adam (lr 1e-3), each replica a thread of one "
+            f"process. Accuracy: each replica's own model on the test set (what acid evaluates: its local "
+            f"weights), the mean over the 8 replicas and over the evaluations (every 10 steps) of the second "
+            f"half of training; medians over seeds 0-{seeds - 1}. acid's momentum keeps each replica closer to "
+            f"the others, which is what a replica's own model shows; the final model (the exact average "
+            f"`finish` takes) varies too much from seed to seed on this split to compare (0.50-0.94 in a "
+            f"sweep of ours).\n\n{table}\n\n"
+            f"Averagings per member each needs to reach each accuracy the eta = 0 baseline reaches: {reach}. "
+            f"acid never needs more, and fewer for at least one: {str(fewer).lower()}.\n\n"
+            f"Machine: {os.cpu_count()} cores, load average {load:.1f} at the start.\n"))
+    print(f"acid fewer_communications={str(fewer).lower()}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="part 1's steps")
@@ -136,10 +205,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="part 1's runs per strategy (medians)")
     parser.add_argument("--shards", choices=("interleaved", "by-label"), default="interleaved",
                         help="part 2's data split (by-label: each replica sees a few classes)")
+    parser.add_argument("--communications", action="store_true",
+                        help="instead: averagings for a given accuracy, acid against eta = 0 (by-label shards)")
+    parser.add_argument("--seeds", type=int, default=3, help="--communications: seeds per setting (medians)")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
     torch.set_num_threads(1)
+    if args.communications:
+        communications(args.seeds, not args.no_docs, argv)
+        return
     measured: dict[str, list[float]] = {"acid": [], "dear": []}
     for _ in range(args.repeat):
         for strategy, runs in measured.items():

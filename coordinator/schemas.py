@@ -166,6 +166,12 @@ class Recovery(BaseModel):
     steps_redone: int | None = Field(None, description="steps between resume_step and reached_step, trained again")
     sources: list[str] = Field(default_factory=list, description="where each block range's state came from")
     recovery_s: float | None = Field(None, description="seconds from the loss to training again")
+    kept_training: list[int] = Field(default_factory=list, description="clusters that lost nothing and trained on "
+                                                                    "(alone) while the job was re-planned")
+    steps_trained_on: int | None = Field(None, description="steps the furthest state handed in is beyond the step "
+                                                           "reached when the loss was noticed")
+    hand_in_at: float | None = Field(None, description="when the nodes still training were told to stop and hand in "
+                                                       "(after a loss: once the lost cluster was done)")
 
 
 class JobView(JobSummary):

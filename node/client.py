@@ -81,9 +81,11 @@ class CoordinatorClient:
         self.node_id, self._node_token = joined.node_id, joined.node_token
         return joined
 
-    def heartbeat(self, job_id: str | None, links: list[LinkReport] = ()) -> HeartbeatResponse:
+    def heartbeat(self, job_id: str | None, links: list[LinkReport] = (),
+                  training_alone: bool = False) -> HeartbeatResponse:
+        request = HeartbeatRequest(job_id=job_id, links=list(links), training_alone=training_alone)
         body = self._call("POST", f"/v1/nodes/{self.node_id}/heartbeat", token=self._node_token,
-                          json=HeartbeatRequest(job_id=job_id, links=list(links)).model_dump())
+                          json=request.model_dump())
         return HeartbeatResponse.model_validate(body.json())
 
     def report_metrics(self, job_id: str, report: MetricsReport) -> None:
@@ -92,8 +94,9 @@ class CoordinatorClient:
     report_final_metrics = must_arrive(report_metrics)  # the job's result: retried, never dropped
 
     @must_arrive
-    def report_failure(self, job_id: str, reason: str, recoverable: bool) -> None:
-        report = FailureReport(node_id=self.node_id, reason=reason[:2000], recoverable=recoverable)
+    def report_failure(self, job_id: str, reason: str, recoverable: bool, still_training: bool = False) -> None:
+        report = FailureReport(node_id=self.node_id, reason=reason[:2000], recoverable=recoverable,
+                               still_training=still_training)
         self._call("POST", f"/v1/jobs/{job_id}/fail", token=self._node_token, json=report.model_dump())
 
     @must_arrive

@@ -21,6 +21,7 @@ from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import ring
 from ravnest.pipeline import stage
+from ravnest.pipeline.inbox import TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
@@ -93,6 +94,7 @@ class _Job:
     thread: threading.Thread
     stop: threading.Event = field(default_factory=threading.Event)
     stopped_for: str = ""  # "" | "cancel" | "recover" | "leave"
+    told_alone: bool = False  # the coordinator said `train_alone` (so it knows)
     runner: StageRunner | None = None  # once built
 
     def stop_for(self, why: str) -> None:
@@ -163,8 +165,9 @@ class NodeDaemon:
 
     def _heartbeat(self) -> None:
         links = self._prober.take() if self._prober else []
+        runner = self._job.runner if self._running_job_id() else None
         try:
-            reply = self.client.heartbeat(self._running_job_id(), links)
+            reply = self.client.heartbeat(self._running_job_id(), links, bool(runner and runner.alone))
         except CoordinatorError as e:
             if e.status == 401:  # revoked, expired or forgotten: retrying cannot help; stop and say why
                 raise
@@ -179,6 +182,10 @@ class NodeDaemon:
             self.progress.log(f"coordinator: {reply.note}")
         self._note = reply.note
         job = self._job if self._running_job_id() else None
+        if job and reply.train_alone == job.assignment.job_id and not job.stop.is_set():
+            runner, job.told_alone = job.runner, True
+            if runner is None or not runner.alone and not runner.train_alone("the job is being re-planned"):
+                reply.recover_job = reply.train_alone  # it cannot train without its averaging: hand in now
         for told, why, words in ((reply.cancel_job, "cancel", "was cancelled"),
                                  (reply.recover_job, "recover", "is being re-planned; handing in this stage's state")):
             if job and told == job.assignment.job_id and not job.stop.is_set():
@@ -222,9 +229,15 @@ class NodeDaemon:
             if a.resume_step:
                 state = scratch / "resume.safetensors"
                 self.client.download_state(a.job_id, a.cluster, a.stage, state)
+            def on_alone(reason: str) -> None:  # on the worker thread: tell the coordinator from another
+                self.progress.log(f"{prefix}: trains alone: {reason}")
+                if not job.stopped_for and not job.told_alone:
+                    threading.Thread(target=self._report, args=(a.job_id, f"training alone: {reason}", True, True),
+                                     name="failure-report", daemon=True).start()
+
             runner = job.runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics,
                                               initial_state=state, on_checkpoint=on_checkpoint,
-                                              datasets=self.datasets)
+                                              on_alone=on_alone, datasets=self.datasets)
             if state is not None:
                 state.unlink()
             runner.attach_averaging()  # it works on the runner's live tensors, which exist now
@@ -245,16 +258,16 @@ class NodeDaemon:
         except Exception as e:  # report any failure to the coordinator, which re-plans or fails the job
             reporter.close()
             reason = f"{type(e).__name__}: {e}"  # the coordinator says which node, job and stage
+            if isinstance(e, TrainedAlone):  # as if told to stop: the job is being re-planned already
+                self.progress.log(f"{prefix}: {e}")
+                job.stopped_for = "recover"
             if not job.stopped_for:
                 self.progress.log(f"node {self.client.node_id} ({prefix}): {reason}\n{traceback.format_exc()}")
             if runner is not None and job.stopped_for != "cancel":
                 self._hand_in_state(runner, a, scratch / "snapshot.safetensors", prefix)
             if not job.stopped_for:
                 # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
-                try:
-                    self.client.report_failure(a.job_id, reason, recoverable=runner is not None)
-                except (httpx.HTTPError, CoordinatorError):
-                    pass
+                self._report(a.job_id, reason, recoverable=runner is not None)
         finally:
             uploader.close()
             if runner is not None and runner.averager is not None:
@@ -266,6 +279,12 @@ class NodeDaemon:
             runner = job.runner = None
             shutil.rmtree(scratch, ignore_errors=True)
             release_free_memory()  # an idle volunteer gets its memory back
+
+    def _report(self, job_id: str, reason: str, recoverable: bool = True, still_training: bool = False) -> None:
+        try:
+            self.client.report_failure(job_id, reason, recoverable, still_training)
+        except (httpx.HTTPError, CoordinatorError):
+            pass
 
     def _hand_in_state(self, runner: StageRunner, a: StageAssignment, path: Path, prefix: str) -> None:
         """The job is re-planned: upload this stage's state so its blocks continue from here."""

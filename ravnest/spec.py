@@ -366,6 +366,8 @@ class HeartbeatRequest(_Strict):
     job_id: str | None = Field(None, description="the job this node is running, if any")
     links: list[LinkReport] = Field(default_factory=list, max_length=64,
                                     description="links measured since the last heartbeat")
+    training_alone: bool = Field(False, description="the job's stage trains on without its averaging (the "
+                                                    "averaging failed, or the coordinator said `train_alone`)")
 
 
 class HeartbeatResponse(_Strict):
@@ -373,6 +375,8 @@ class HeartbeatResponse(_Strict):
     cancel_job: str | None = Field(None, description="stop working on this job")
     recover_job: str | None = Field(None, description="stop this job's current run and hand in the stage's "
                                                       "state: the job is being re-planned")
+    train_alone: str | None = Field(None, description="this job is being re-planned around a loss elsewhere: "
+                                                      "leave its averaging and keep training until `recover_job`")
     probe: list[PeerProbe] = Field(default_factory=list, description="measure the link to these peers and "
                                                                      "report it with a later heartbeat")
     note: str = Field("", description="why this idle node got no stage when a job was last placed")
@@ -391,3 +395,4 @@ class FailureReport(_Strict):
     reason: str = Field(max_length=2000)
     recoverable: bool = Field(False, description="the stage failed while training (e.g. it lost a peer), so "
                                                  "a re-plan may fix it; False: it could not start at all")
+    still_training: bool = Field(False, description="the stage trains on alone: its averaging failed")

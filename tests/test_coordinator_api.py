@@ -83,8 +83,8 @@ def join(client: TestClient, name: str = "n", headers: dict | None = None, **kw)
     return body["node_id"], {"Authorization": f"Bearer {body['node_token']}"}
 
 
-def beat(client: TestClient, node_id: str, auth: dict, job_id: str | None = None) -> dict:
-    r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={"job_id": job_id}, headers=auth)
+def beat(client: TestClient, node_id: str, auth: dict, job_id: str | None = None, alone: bool = False) -> dict:
+    r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={"job_id": job_id, "training_alone": alone}, headers=auth)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -103,8 +103,8 @@ def placed_job(client: TestClient, nodes: int = 4, **placement) -> tuple[str, li
 
 def test_join_heartbeat_list_leave(client: TestClient) -> None:
     node_id, auth = join(client, "alpha")
-    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None, "recover_job": None, "probe": [],
-                                         "note": ""}
+    assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None, "recover_job": None,
+                                          "train_alone": None, "probe": [], "note": ""}
     nodes = client.get("/v1/nodes").json()
     assert [(n["id"], n["name"], n["state"]) for n in nodes] == [(node_id, "alpha", "idle")]
     assert nodes[0]["profile"]["flops"] == 1e10
@@ -365,6 +365,28 @@ def test_failure_report_fails_the_job_and_cancels_the_others(client: TestClient)
     assert {n["id"]: n["state"] for n in client.get("/v1/nodes").json()}[node_id] == "idle"
 
 
+def test_a_stage_whose_averaging_failed_trains_on_and_reports_while_the_job_is_replanned(client: TestClient) -> None:
+    job_id, members = placed_job(client)
+    assignments = {node_id: beat(client, node_id, auth)["assignment"] for node_id, auth in members}
+    node_id, auth = next((n, h) for n, h in members if assignments[n]["cluster"] == 1 and assignments[n]["stage"] == 1)
+    r = client.post(f"/v1/jobs/{job_id}/fail", headers=auth, json={
+        "node_id": node_id, "reason": "training alone: averaging failed: a peer is gone", "recoverable": True,
+        "still_training": True})
+    assert r.status_code == 204
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "recovering" and job["recoveries"][0]["kept_training"] == [1]
+    # it trains on and reports: its figures reach the job's curve, and nobody counts it as recovered
+    report = {"node_id": node_id, "cluster": 1, "stage": 1, "step": 30, "metrics": {"loss": 0.25}}
+    assert client.post(f"/v1/jobs/{job_id}/metrics", json=report, headers=auth).status_code == 204
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["recoveries"][0]["recovery_s"] is None and job["metrics"]["loss"] == 0.25
+    assert [(p["cluster"], p["step"], p["loss"]) for p in client.get(f"/v1/jobs/{job_id}/curve").json()] == [
+        (1, 30, 0.25)]
+    # it goes on training alone until the others are done: told `train_alone`, not `recover_job`
+    reply = beat(client, node_id, auth, job_id=job_id, alone=True)
+    assert reply["train_alone"] == job_id and reply["recover_job"] is None
+
+
 def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestClient, clock: FakeClock) -> None:
     job_id, members = placed_job(client)
     first_token = beat(client, *members[1], job_id=None)["assignment"]["token"]
@@ -379,10 +401,20 @@ def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestCli
     assert job["state"] == "recovering" and members[0][0] in job["reason"] and "heartbeats" in job["reason"]
     states = {n["id"]: n["state"] for n in client.get("/v1/nodes").json()}
     assert states[members[0][0]] == "gone" and states[members[1][0]] == "busy"
-    # the survivors are told to stop and hand in their state; once they stopped, they are released
-    for node_id, auth in members[1:]:
-        assert beat(client, node_id, auth, job_id=job_id)["recover_job"] == job_id
+    # the survivors are told to train alone (those of intact clusters train on meanwhile) ...
+    survivors = members[1:]
+    for node_id, auth in survivors:
+        reply = beat(client, node_id, auth, job_id=job_id)
+        assert reply["train_alone"] == job_id and reply["recover_job"] is None
+    for node_id, auth in survivors[:-1]:
+        assert beat(client, node_id, auth, job_id=job_id, alone=True)["train_alone"] == job_id
+    # ... and once every one of them trains alone, to stop and hand in; once stopped, they are released
+    assert beat(client, *survivors[-1], job_id=job_id, alone=True)["recover_job"] == job_id
+    for node_id, auth in survivors:
+        assert beat(client, node_id, auth, job_id=job_id, alone=True)["recover_job"] == job_id
         assert beat(client, node_id, auth)["recover_job"] == job_id
+    [recovery] = client.get(f"/v1/jobs/{job_id}").json()["recoveries"]
+    assert recovery["kept_training"] == [0, 1] and recovery["hand_in_at"] == clock.now
     client.app.state.service.tick()
     job = client.get(f"/v1/jobs/{job_id}").json()
     # nobody handed in state and there was no checkpoint: it starts over, planned on the 3 survivors

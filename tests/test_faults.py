@@ -35,8 +35,9 @@ def all_idle(cluster: LocalCluster, count: int):
 
 
 def test_a_killed_node_is_replaced_by_a_spare_and_the_job_completes(tmp_path):
-    """2 clusters x 2 stages + 1 spare: kill -9 a working node at ~30%; the survivors hand in their
-    state, the job is planned again with the spare and completes as well as without the fault."""
+    """2 clusters x 2 stages + 1 spare: kill -9 a working node at ~30%; the intact cluster trains on
+    alone while the lost one hands in what it has, then the intact one hands in its fresher state; the
+    job is planned again with the spare, from that state, and completes as well as without the fault."""
     with LocalCluster(tmp_path, nodes=5) as cluster:
         job_id = cluster.submit(cnn_job(max_nodes=4))
         job = wait_progress(cluster, job_id, 0.3)
@@ -46,9 +47,12 @@ def test_a_killed_node_is_replaced_by_a_spare_and_the_job_completes(tmp_path):
         assert job["state"] == "completed", job["reason"]
         [recovery] = job["recoveries"]
         print(f"kill at step {recovery['reached_step']}: training again after {recovery['recovery_s']:.1f} s from "
-              f"step {recovery['resume_step']} ({recovery['steps_redone']} steps redone); "
-              f"test accuracy {job['metrics']['test_accuracy']:.4f}; state from {recovery['sources']}")
+              f"step {recovery['resume_step']} ({recovery['steps_redone']} steps redone); cluster 0 trained on "
+              f"{recovery['steps_trained_on']} steps; test accuracy {job['metrics']['test_accuracy']:.4f}; "
+              f"state from {recovery['sources']}")
         assert recovery["recovery_s"] < 30
+        assert recovery["kept_training"] == [0] and recovery["steps_trained_on"] > 0
+        assert all("-c0-" in source for source in recovery["sources"])  # the intact cluster's state, the freshest
         assert job["generation"] == 1 and recovery["resume_step"] > 0
         placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
         assert victim not in placed and len(placed) == 4  # the spare took its place

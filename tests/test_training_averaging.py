@@ -20,6 +20,7 @@ from ravnest.averaging.strategies.ada import consensus_distance
 from ravnest.averaging.strategies.diloco import outer_step
 from ravnest.data import load_dataset
 from ravnest.models import build_model
+from ravnest.pipeline.inbox import TrainedAlone
 from ravnest.pipeline.local import run_single_process, run_threaded_clusters
 from ravnest.pipeline.stage import data_seed
 from ravnest.spec import JobSpec
@@ -303,4 +304,48 @@ def test_acid_keeps_fast_replicas_busy_beside_a_3x_slower_one(reference, strateg
     else:
         assert elapsed[3] <= 1.3 * fast  # synchronous rounds: everyone at the slow one's pace
     assert min(c["metrics"]["test_accuracy"] for c in clusters) >= reference["test_accuracy"] - 0.03
+    assert_identical(clusters)
+
+
+def test_stages_train_alone_when_averaging_fails_or_they_are_told_to() -> None:
+    """A job being re-planned around a loss elsewhere: at step 50 replica 1's averaging fails under it
+    (its group member is closed) and replica 0 is told to train alone (the coordinator's `train_alone`).
+    Both leave their averaging and train on instead of failing, each telling its node why once, for as
+    many steps as the averaging lets replicas drift apart (`every`: 20), then stop to hand in."""
+    spec = job({"every": 20}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
+    told: dict[int, list[str]] = {0: [], 1: []}
+    kept = []
+
+    def fail_at_step_50(runners) -> None:
+        kept.extend(runner for (runner,) in runners)
+        for cluster, runner in enumerate(kept):
+            runner.on_alone = told[cluster].append
+        optimizer = kept[1].optimizer
+        step = optimizer.step
+
+        def step_and_fail(*args, **kwargs):
+            step(*args, **kwargs)
+            if optimizer.steps == 50:
+                kept[1].averager.abort()  # what a peer that vanished leaves behind
+                assert kept[0].train_alone("the job is being re-planned")
+        optimizer.step = step_and_fail
+    with pytest.raises(RuntimeError) as stopped:
+        train(spec, [[(0, 4)]] * 2, setup=fail_at_step_50)
+    assert isinstance(stopped.value.__cause__, TrainedAlone), stopped.value
+    assert told[0] == ["the job is being re-planned"] and kept[0].alone == told[0][0]
+    assert len(told[1]) == 1 and told[1][0].startswith("averaging failed: ") and "closed" in told[1][0]
+    for runner in kept:  # each stopped 20 steps after it left (replica 1 at its next round), long before the end
+        assert runner.averager is None and runner._metrics()["training_alone"] == 1.0
+        assert runner.optimizer.steps == runner._alone_until and 20 + 20 < runner.optimizer.steps <= 70 + 20
+
+
+def test_a_strategy_that_applies_the_update_cannot_be_left() -> None:
+    """DeAR's all-gather lands the optimizer's update: leaving it would lose updates, so the stage
+    refuses to train alone (its node hands in its state instead)."""
+    spec = job({"strategy": "dear"})
+    answers = []
+    clusters = train(spec, [[(0, 4)]] * 2,
+                     setup=lambda runners: answers.extend(r.train_alone("re-planned") for (r,) in runners))
+    assert answers == [False, False]
+    assert all(not c["runners"][0].alone for c in clusters)
     assert_identical(clusters)

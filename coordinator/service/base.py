@@ -68,6 +68,7 @@ class ServiceBase:
         self._install_root_credentials()
         self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
         self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
+        self._training_alone: dict[str, str] = {}  # node id -> the job it trains alone (its last heartbeat)
         # job -> (generation, idle node ids, links measured among them) it was last weighed with, to grow it
         self._grow_considered: dict[str, tuple[int, frozenset[str], int]] = {}
 

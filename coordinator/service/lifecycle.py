@@ -102,9 +102,10 @@ class JobLifecycle(ServiceBase):
             if (report.cluster, report.stage) != (stage.cluster, stage.stage):
                 raise Forbidden(f"node {report.node_id} holds cluster {stage.cluster} stage {stage.stage}, "
                                 f"not cluster {report.cluster} stage {report.stage}")
-            if job.state in jobs.STOPPED | {JobState.RECOVERING.value}:
+            if job.state in jobs.STOPPED:  # while recovering, intact clusters train on and report
                 raise Conflict(f"job {job_id} is {job.state}")
-            if job.faults and "recovery_s" not in job.faults[-1] and report.step > (job.resume or {}).get("step", 0):
+            if job.state != JobState.RECOVERING.value and job.faults and "recovery_s" not in job.faults[-1] \
+                    and report.step > (job.resume or {}).get("step", 0):
                 fault = job.faults[-1]  # the first step after a re-plan: training again
                 job.faults = [*job.faults[:-1], {**fault, "recovery_s": self.clock() - fault["at"]}]
             stage.step = max(stage.step, report.step)
@@ -131,9 +132,11 @@ class JobLifecycle(ServiceBase):
     def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:
         with self._lock, self.store.session() as session:
             job, stage = self._job_member(session, job_id, authorization, report.node_id)
-            if job.state not in jobs.ACTIVE:
-                return  # the job already ended or is being re-planned; a late report changes nothing
             reporter = session.get(NodeRow, report.node_id)
+            if job.state not in jobs.ACTIVE:  # the job already ended or is being re-planned
+                if report.still_training:
+                    self._kept_training(session, reporter)
+                return
             reason = (f"cluster {stage.cluster} stage {stage.stage} on node {report.node_id} "
                       f"({reporter.name or reporter.address}) failed: {report.reason}")
             named = [node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(
@@ -143,6 +146,8 @@ class JobLifecycle(ServiceBase):
                 reason += "; it names " + ", ".join(f"node {node.id} ({node.name or node.address})" for node in named)
             if report.recoverable:
                 self._recover(session, job, reason)
+                if report.still_training:
+                    self._kept_training(session, reporter)
             else:
                 jobs.transition(job, JobState.FAILED, reason, self.clock())
 

@@ -56,6 +56,12 @@ class Membership(ServiceBase):
                 node.last_seen = self.clock()
                 node.token_expires_at = node.last_seen + self.settings.node_credential_ttl_s
                 self._record_links(session, node, request.links)
+                if request.training_alone and request.job_id:
+                    self._training_alone[node.id] = request.job_id
+                    self._kept_training(session, node)
+                    self._replan_recovered(session)  # it may be the last one the hand-in waited for
+                else:
+                    self._training_alone.pop(node.id, None)
                 freed = node.state == GONE
                 if freed:  # missed heartbeats, but it is back
                     node.state = BUSY if node.job_id else IDLE
@@ -100,8 +106,10 @@ class Membership(ServiceBase):
         else:
             if job.state in jobs.STOPPED:
                 response.cancel_job = job.id
-            elif job.state == JobState.RECOVERING.value:
+            elif job.state == JobState.RECOVERING.value and "hand_in_at" in job.faults[-1]:
                 response.recover_job = job.id  # stop, hand in the stage's state, then be placed anew
+            elif job.state == JobState.RECOVERING.value:
+                response.train_alone = job.id  # a loss elsewhere, maybe: train on until the others are done
             done = True
         if done and request.job_id != node.job_id:
             node.job_id, node.state = None, IDLE

@@ -1,6 +1,15 @@
 """Re-planning a job after a lost node or stage, onto new nodes, or on request: its nodes hand in
 their state, then it is placed again one generation later (where each block continues from:
-coordinator/recovery.py)."""
+coordinator/recovery.py).
+
+After a loss, the clusters that lost nothing keep training while the job is re-planned: first every
+node is told `train_alone` (a stage that can leaves its averaging and trains on; the lost cluster's
+stages have failed, or fail at their broken pipeline, and hand in their state), and only once every
+member has stopped, gone silent or trains alone are those told `recover_job`: stop and hand in
+(`hand_in_at` in the recovery record). A stage also stops and hands in by itself once it trained
+alone as many steps as its averaging lets replicas drift apart (ravnest/pipeline/stage.py). Either
+way its state is the freshest there is. Growing onto new nodes loses nothing, so there every node
+hands in at once."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +22,7 @@ from ravnest.spec import JobSpec
 from .. import jobs
 from ..jobs import JobState
 from ..recovery import StoredState, resume_point
-from ..store import CheckpointRow, JobRow, NodeRow, StageRow, stages_of
+from ..store import CheckpointRow, JobRow, NodeRow, StageRow, stage_of_node, stages_of
 from .base import GONE, IDLE, LOST, RESUME, ServiceBase, costs_of
 
 
@@ -29,13 +38,15 @@ class Recoveries(ServiceBase):
                                                   f"{spec.placement.max_recoveries})", self.clock())
             return
         self._open_recovery(session, job, kind, reason)
-        jobs.transition(job, JobState.RECOVERING, f"{reason}; its nodes hand in their state, then it is "
-                                                  f"planned again", self.clock())
+        words = "intact clusters train on, then its nodes hand in their state" if kind == LOST else \
+            "its nodes hand in their state"
+        jobs.transition(job, JobState.RECOVERING, f"{reason}; {words}, then it is planned again", self.clock())
 
     def _open_recovery(self, session: Session, job: JobRow, kind: str, reason: str) -> None:
         reached = max((row.step for row in stages_of(session, job.id)), default=0)
-        job.faults = [*(job.faults or []), {"kind": kind, "at": self.clock(), "reason": reason,
-                                            "generation": job.generation, "reached_step": reached}]
+        now = self.clock()
+        job.faults = [*(job.faults or []), {"kind": kind, "at": now, "reason": reason, "generation": job.generation,
+                                            "reached_step": reached, **({} if kind == LOST else {"hand_in_at": now})}]
 
     def _replan_recovered(self, session: Session) -> None:
         """Recovering jobs whose nodes all stopped (or went silent, or overran the wait) go back to
@@ -47,7 +58,10 @@ class Recoveries(ServiceBase):
         for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RECOVERING.value)):
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id, NodeRow.state != GONE)))
             waited_out = now - job.updated_at >= self.settings.recovery_wait_s
-            if any(node.last_seen >= silent_since for node in members) and not waited_out:
+            live = [node for node in members if node.last_seen >= silent_since]
+            if live and not waited_out:
+                if all(self._training_alone.get(node.id) == job.id for node in live):
+                    self._hand_in_now(job)
                 continue
             for node in members:  # whatever it still runs is ignored from now on; a silent one is not placed
                 node.job_id, node.state = None, IDLE if node.last_seen >= silent_since else GONE
@@ -57,6 +71,21 @@ class Recoveries(ServiceBase):
                            else f"continuing from step {job.resume['step']}")
             jobs.transition(job, JobState.PENDING, f"re-planning after: {job.faults[-1]['reason']}; {resume_note}",
                             now)
+
+    def _kept_training(self, session: Session, node: NodeRow) -> None:
+        """The node's cluster trains on while its recovering job is re-planned: say so in the record."""
+        job = session.get(JobRow, node.job_id) if node.job_id else None
+        stage = stage_of_node(session, job.id, node.id) if job is not None else None
+        if stage is not None and job.state == JobState.RECOVERING.value:
+            fault = job.faults[-1]
+            if stage.cluster not in fault.get("kept_training", []):
+                kept = sorted({*fault.get("kept_training", []), stage.cluster})
+                job.faults = [*job.faults[:-1], {**fault, "kept_training": kept}]
+
+    def _hand_in_now(self, job: JobRow) -> None:
+        """Every live member trains alone: the lost cluster is done, so they stop and hand in now."""
+        if "hand_in_at" not in job.faults[-1]:
+            job.faults = [*job.faults[:-1], {**job.faults[-1], "hand_in_at": self.clock()}]
 
     def _resume_point(self, session: Session, job: JobRow) -> dict | None:
         stored = [StoredState(row.file, row.generation, (row.block_start, row.block_end), row.step)
@@ -74,7 +103,8 @@ class Recoveries(ServiceBase):
             reached = max([fault["reached_step"], *(row.step for row in session.scalars(select(CheckpointRow).where(
                 CheckpointRow.job_id == job.id, CheckpointRow.generation == fault["generation"])))])
             job.faults = [*job.faults[:-1], {
-                **fault, "reached_step": reached, "resume_step": resume["step"],
+                **fault, "reached_step": reached, "steps_trained_on": max(0, reached - fault["reached_step"]),
+                "resume_step": resume["step"],
                 "steps_redone": max(0, reached - resume["step"]),
                 "sources": [f"{_blocks(s['blocks'])}: {s['file']} (step {s['step']})" for s in resume["sources"]]}]
         session.execute(delete(StageRow).where(StageRow.job_id == job.id))

@@ -64,7 +64,10 @@ def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help
                                for s in cluster["stages"])
             out.print(f"  cluster {cluster['cluster']}: {stages}", highlight=False)
     for recovery in job.get("recoveries") or []:
-        out.print(f"recovery ({recovery['kind']}): {recovery['reason']}", highlight=False)
+        kept = recovery.get("kept_training")
+        trained_on = f"; clusters {kept} trained on ({recovery.get('steps_trained_on') or 0} steps)" if kept else ""
+        back = f"; training again after {recovery['recovery_s']:.1f} s" if recovery.get("recovery_s") else ""
+        out.print(f"recovery ({recovery['kind']}): {recovery['reason']}{trained_on}{back}", highlight=False)
     if job.get("model_url"):
         out.print(f"model: ravnest download {job['id']} -o model.safetensors", highlight=False)
 

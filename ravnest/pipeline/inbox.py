@@ -22,6 +22,11 @@ class PipelineError(RuntimeError):
     """The pipeline cannot go on: a peer failed, the run was stopped, or peers went silent."""
 
 
+class TrainedAlone(PipelineError):
+    """A stage trained alone (its averaging left: the job is being re-planned) as far as replicas may
+    drift apart, and stops to hand in its state."""
+
+
 class Inbox:
     def __init__(self, forward_capacity: int):
         lock = threading.Lock()

@@ -29,7 +29,7 @@ from ravnest.averaging.strategy import AveragingStrategy, StageContext, make_str
 from ravnest.data import load_dataset
 from ravnest.models import build_model
 from ravnest.partition import RECEIVE_SLACK, SEND_QUEUE
-from ravnest.pipeline.inbox import Inbox, PipelineError
+from ravnest.pipeline.inbox import Inbox, PipelineError, TrainedAlone
 from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
 from ravnest.pipeline.optim import StageOptimizer
@@ -43,12 +43,23 @@ FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_
 MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
 log = logging.getLogger(__name__)
 METRICS_EVERY = 10  # optimizer steps between on_metrics reports
+ALONE_STEPS = 10  # the fewest steps a stage trains alone before it stops to hand in its state
 
 
 class StageRunner:
     """Runs one stage of one cluster's pipeline. `averager`, the averaging strategy (usually built by
     `attach_averaging` once the live tensors exist), is called at the points `AveragingStrategy`
-    names, on the worker thread."""
+    names, on the worker thread.
+
+    Training alone: when averaging fails (a member of another cluster is gone) or the node is told to
+    (`train_alone`: the job is being re-planned around a loss elsewhere), a stage whose optimizer applies
+    its own updates leaves its averaging and trains on: its cluster is intact, and it keeps training
+    while the job is re-planned, until the node stops it to hand in its state. `on_alone(reason)` tells
+    the node. Replicas are kept close by averaging, and a replica that trains alone too long drifts from
+    the others (whose blocks may continue from its state): after as many steps as the averaging lets
+    replicas train between rounds (`averaging.every`, at least ALONE_STEPS) it stops by itself,
+    raising TrainedAlone, and its node hands in its state. A strategy that applies the update itself
+    (DeAR) cannot be left: the stage fails instead."""
 
     def __init__(self, assignment: StageAssignment, router: Router, *,
                  device: str | torch.device = "cpu",
@@ -57,6 +68,7 @@ class StageRunner:
                  peer_timeout: float = 300.0,
                  initial_state: str | Path | None = None,
                  on_checkpoint: Callable[[int], None] = lambda step: None,
+                 on_alone: Callable[[str], None] = lambda reason: None,
                  datasets: Mapping[str, str | Path] | None = None):
         a, training = assignment, assignment.training
         if not 0 <= a.stage < a.num_stages:
@@ -97,6 +109,11 @@ class StageRunner:
                 raise ValueError(f"resume step {a.resume_step} is outside 1..{training.steps - 1}")
             self._load_state(initial_state, a.resume_step)
         self.on_checkpoint = on_checkpoint  # called on the worker thread at each checkpoint step
+        self.on_alone = on_alone
+        self.alone = ""  # why this stage trains without its averaging, once it does
+        self._alone_until = 0  # then: the step at which it stops to hand in its state
+        self._alone_asked = ""  # `train_alone` was called (from another thread) with this reason
+        self._stopping = False
         # by seconds: stage 0 picks the step and tags forwards with it (see `_plan_timed_checkpoint`)
         self._checkpoint_at = 0
         self._last_checkpoint = time.monotonic()
@@ -179,9 +196,21 @@ class StageRunner:
 
     def stop(self, reason: str = "stopped") -> None:
         """Make `run` raise PipelineError(reason) promptly, from any thread (also out of a ring round)."""
+        self._stopping = True
         self.inbox.fail(reason)
         if self.averager is not None:
             self.averager.abort()
+
+    def train_alone(self, reason: str) -> bool:
+        """From any thread: leave the averaging and train on (see the class docstring); False where the
+        strategy applies the update itself and cannot be left."""
+        averager = self.averager
+        if averager is not None and averager.defers_update:
+            return False
+        self._alone_asked = reason
+        if averager is not None:
+            averager.abort()  # out of any round it waits in; the worker then leaves it
+        return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers on the CPU, keyed "{global block index}.<name>"."""
@@ -244,6 +273,31 @@ class StageRunner:
             forward_reads_live=not self.compute.versions.snapshots, per_step=self.per_step,
             waiting=lambda: self.clock.waiting()))
         return self.averager
+
+    def _average(self, hook: str, *args: int) -> None:
+        """Call the averaging strategy's `hook` (worker thread); leave it to train alone where it fails
+        or `train_alone` asked, unless the stage is stopping or the strategy cannot be left."""
+        averager = self.averager
+        if averager is None:
+            return
+        try:
+            if not self._alone_asked:
+                getattr(averager, hook)(*args)
+                return
+            reason = self._alone_asked
+        except Exception as exc:
+            if self._stopping or averager.defers_update:
+                raise
+            reason = self._alone_asked or f"averaging failed: {exc}"  # the first: our own abort failed it
+        self.averager, self.alone = None, reason
+        self._alone_until = self.optimizer.steps + max(ALONE_STEPS, self.assignment.averaging.every)
+        try:
+            averager.close()
+        except Exception:  # noqa: BLE001 -- it failed already; training goes on without it
+            log.exception("closing the averaging strategy after it failed")
+        log.warning("stage %d of cluster %d trains alone from step %d: %s", self.assignment.stage,
+                    self.assignment.cluster, self.optimizer.steps, reason)
+        self.on_alone(reason)
 
     def _apply_update(self, grads: dict[str, torch.Tensor], last: bool) -> None:
         params = self.compute.params
@@ -328,8 +382,7 @@ class StageRunner:
                 self._checkpoint_at = max(self._checkpoint_at, msg.tags.get("checkpoint_at", 0))
                 self._pending = msg.tensors["x"], msg.tensors["y"]
         elif kind == F:
-            if self.averager is not None:
-                self.averager.before_forward(m)
+            self._average("before_forward", m)
             self._forward(m, *(t.to(self.device) for t in self._pending))
         elif kind == SEND_F:
             tags = {"checkpoint_at": self._checkpoint_at} if self._checkpoint_at > self.optimizer.steps else {}
@@ -355,8 +408,7 @@ class StageRunner:
             self._send("prev", Message(BACKWARD, m, {"grad": self._input_grad}))
             self._input_grad = None
         elif kind == W:
-            if self.averager is not None:
-                self.averager.weight_gradients(m)
+            self._average("weight_gradients", m)
             if self.is_first:  # no B here: W is the whole backward, from the gradient just received
                 self.compute.backward_input(m, self._grad)
                 self._grad = None
@@ -367,8 +419,7 @@ class StageRunner:
             self._staleness_sum += self.optimizer.steps - forward_version
             self._completed += 1
         elif kind == STEP:
-            if self.averager is not None:
-                self.averager.gradients_ready(self.optimizer.steps + 1)
+            self._average("gradients_ready", self.optimizer.steps + 1)
             with self.clock.busy():
                 self.compute.before_step()
                 self.optimizer.step(update=self._optimizer_updates)
@@ -384,8 +435,7 @@ class StageRunner:
     def _flush_averaging(self) -> None:
         """Whatever the averaging strategy has under way lands in the weights now (before they are
         evaluated or saved)."""
-        if self.averager is not None:
-            self.averager.flush()
+        self._average("flush")
 
     def _handle_forward_lane(self, msg: Message) -> None:
         """An evaluation message between forwards: evaluated once this stage has reached the step stage 0
@@ -416,8 +466,7 @@ class StageRunner:
     def _begin_evaluation(self, round_: int) -> None:
         self._flush_averaging()
         self._evaluating = round_
-        if self.averager is not None:
-            self.averager.begin_evaluation(round_)
+        self._average("begin_evaluation", round_)
 
     def _forward(self, micro_batch: int, x: torch.Tensor, y: torch.Tensor) -> None:
         self._forward_versions[micro_batch] = self.optimizer.steps
@@ -447,8 +496,11 @@ class StageRunner:
         self.compute.step_done()
         self.clock.step_done()
         step = self.optimizer.steps
-        if self.averager is not None:
-            self.averager.after_step(step)
+        self._average("after_step", step)
+        if self.alone and step >= self._alone_until and step < self.training.steps:
+            raise TrainedAlone(f"stage {self.assignment.stage} trained alone for "
+                               f"{max(ALONE_STEPS, self.assignment.averaging.every)} steps, as far as replicas "
+                               f"may drift apart; it stops to hand in its state")
         every = self.assignment.checkpoint_every
         if ((every and step % every == 0) or step == self._checkpoint_at) and step < self.training.steps:
             self._flush_averaging()
@@ -458,8 +510,7 @@ class StageRunner:
         if step % METRICS_EVERY == 0 or step == self.training.steps:
             self.on_metrics(self._metrics())
         if step == self.training.steps:
-            if self.averager is not None:
-                self.averager.finish()  # final synchronous round before the final evaluation
+            self._average("finish")  # final synchronous round before the final evaluation
             if self.is_first:
                 self._evaluate(final=True)
         elif self.is_first and self.training.eval_every and step % self.training.eval_every == 0:
@@ -496,8 +547,7 @@ class StageRunner:
             self._send("next", Message(EVAL, round_, {"x": output, "y": y}))
 
     def _eval_end(self, round_: int, final: bool) -> None:
-        if self.averager is not None:
-            self.averager.end_evaluation(round_)
+        self._average("end_evaluation", round_)
         self._evaluating = None
         if self.is_last:
             results, self._eval = self._eval.result(), EvalAccumulator()
@@ -516,6 +566,7 @@ class StageRunner:
                 "staleness": self._staleness_sum / max(1, self._completed),  # mean updates, forward to W
                 "stage": float(self.assignment.stage), "in_flight": float(in_flight),
                 "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
+                **({"training_alone": 1.0} if self.alone else {}),
                 **(self.averager.metrics() if self.averager is not None else {})}
 
     # --- outbound streams --------------------------------------------------------------------------
