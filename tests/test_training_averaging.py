@@ -339,6 +339,15 @@ def test_stages_train_alone_when_averaging_fails_or_they_are_told_to() -> None:
         assert runner.optimizer.steps == runner._alone_until and 20 + 20 < runner.optimizer.steps <= 70 + 20
 
 
+def test_a_replica_without_averaging_trains_alone_to_the_end_when_told() -> None:
+    """Strategy none: nothing to leave, and no drift to bound; told to train alone, it says so and trains
+    on until its node stops it (here: to the end)."""
+    clusters = train(job({"strategy": "none"}), [[(0, 4)]] * 2,
+                     setup=lambda runners: [r.train_alone("re-planned") for (r,) in runners])
+    for c in clusters:
+        assert c["runners"][0].alone == "re-planned" and c["runners"][0].optimizer.steps == STEPS
+
+
 def test_a_strategy_that_applies_the_update_cannot_be_left() -> None:
     """DeAR's all-gather lands the optimizer's update: leaving it would lose updates, so the stage
     refuses to train alone (its node hands in its state instead)."""

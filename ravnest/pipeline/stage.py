@@ -111,7 +111,7 @@ class StageRunner:
         self.on_checkpoint = on_checkpoint  # called on the worker thread at each checkpoint step
         self.on_alone = on_alone
         self.alone = ""  # why this stage trains without its averaging, once it does
-        self._alone_until = 0  # then: the step at which it stops to hand in its state
+        self._alone_until: int | None = None  # having left its averaging: the step it stops at to hand in
         self._alone_asked = ""  # `train_alone` was called (from another thread) with this reason
         self._stopping = False
         # by seconds: stage 0 picks the step and tags forwards with it (see `_plan_timed_checkpoint`)
@@ -205,11 +205,13 @@ class StageRunner:
         """From any thread: leave the averaging and train on (see the class docstring); False where the
         strategy applies the update itself and cannot be left."""
         averager = self.averager
-        if averager is not None and averager.defers_update:
+        if averager is None:  # nothing to leave: it trains alone already
+            self.alone = self.alone or reason
+            return True
+        if averager.defers_update:
             return False
         self._alone_asked = reason
-        if averager is not None:
-            averager.abort()  # out of any round it waits in; the worker then leaves it
+        averager.abort()  # out of any round it waits in; the worker then leaves it
         return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -266,7 +268,9 @@ class StageRunner:
 
     def attach_averaging(self) -> AveragingStrategy | None:
         """Build the averaging strategy the assignment asks for on this stage's tensors (None: nothing
-        to average); call before `run`."""
+        to average, or it was told to train alone already); call before `run`."""
+        if self.alone:
+            return None
         self.averager = make_strategy(StageContext(
             self.assignment, self.router, self.live_tensors(), self.device, self.optimizer_tensors,
             self.prediction_base, apply_update=self._apply_update, module=self.module,
@@ -497,7 +501,7 @@ class StageRunner:
         self.clock.step_done()
         step = self.optimizer.steps
         self._average("after_step", step)
-        if self.alone and step >= self._alone_until and step < self.training.steps:
+        if self._alone_until is not None and self._alone_until <= step < self.training.steps:
             raise TrainedAlone(f"stage {self.assignment.stage} trained alone for "
                                f"{max(ALONE_STEPS, self.assignment.averaging.every)} steps, as far as replicas "
                                f"may drift apart; it stops to hand in its state")
