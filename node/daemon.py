@@ -95,6 +95,7 @@ class _Job:
     stop: threading.Event = field(default_factory=threading.Event)
     stopped_for: str = ""  # "" | "cancel" | "recover" | "leave"
     told_alone: bool = False  # the coordinator said `train_alone` (so it knows)
+    done: threading.Event = field(default_factory=threading.Event)  # its thread has nothing left to do
     runner: StageRunner | None = None  # once built
 
     def stop_for(self, why: str) -> None:
@@ -128,6 +129,9 @@ class NodeDaemon:
         self.address = f"{advertise or host}:{self.server.port}"
         self._job: _Job | None = None
         self._finished: set[tuple[str, int]] = set()  # (job id, generation): a re-planned job comes back
+        # the next heartbeat goes out early when a job ends: the coordinator releases the node and may
+        # have its next assignment (a re-planned job waits for its nodes to hand in and be released)
+        self._beat_now = threading.Event()
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
@@ -139,6 +143,7 @@ class NodeDaemon:
         if joined.probe_token:
             self.gate.set_probe_tokens([joined.probe_token])
             self._prober = LinkProber(joined.probe_token)
+        threading.Thread(target=lambda: (stop.wait(), self._beat_now.set()), name="stop-watch", daemon=True).start()
         try:
             while not stop.is_set():
                 self._heartbeat()
@@ -146,7 +151,8 @@ class NodeDaemon:
                     trim_heap()  # what peers' probes made the wire buffer (kept for speed) goes back
                 if self._prober and self._prober.settle(joined.heartbeat_interval_s):
                     continue  # report the links measured now rather than an interval later
-                stop.wait(joined.heartbeat_interval_s)
+                self._beat_now.wait(joined.heartbeat_interval_s)
+                self._beat_now.clear()
         finally:
             self._stop_job(timeout=30.0)
             try:
@@ -159,7 +165,7 @@ class NodeDaemon:
             self.server.stop()
 
     def _running_job_id(self) -> str | None:
-        if self._job and self._job.thread.is_alive():
+        if self._job and self._job.thread.is_alive() and not self._job.done.is_set():
             return self._job.assignment.job_id
         return None
 
@@ -279,7 +285,8 @@ class NodeDaemon:
             runner = job.runner = None
             shutil.rmtree(scratch, ignore_errors=True)
             release_free_memory()  # an idle volunteer gets its memory back
-
+            job.done.set()
+            self._beat_now.set()
     def _report(self, job_id: str, reason: str, recoverable: bool = True, still_training: bool = False) -> None:
         try:
             self.client.report_failure(job_id, reason, recoverable, still_training)

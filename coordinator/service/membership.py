@@ -59,9 +59,11 @@ class Membership(ServiceBase):
                 if request.training_alone and request.job_id:
                     self._training_alone[node.id] = request.job_id
                     self._kept_training(session, node)
-                    self._replan_recovered(session)  # it may be the last one the hand-in waited for
                 else:
                     self._training_alone.pop(node.id, None)
+                # a re-plan may wait for this node to train alone, or for a lost one to fall silent:
+                # any heartbeat moves it on, not only the next tick
+                replanned = self._replan_recovered(session)
                 freed = node.state == GONE
                 if freed:  # missed heartbeats, but it is back
                     node.state = BUSY if node.job_id else IDLE
@@ -74,7 +76,7 @@ class Membership(ServiceBase):
                 if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
                     response.probe = self._probes_for(session, node)
                     response.note = self._left_out.get(node.id, "")
-            if freed:  # a re-plan may have waited for this node; placing may give it work at once
+            if freed or replanned:  # a re-plan may have waited for this node; placing may give it work at once
                 with self.store.session() as session:
                     self._replan_recovered(session)
                 self.place_pending()

@@ -48,12 +48,13 @@ class Recoveries(ServiceBase):
         job.faults = [*(job.faults or []), {"kind": kind, "at": now, "reason": reason, "generation": job.generation,
                                             "reached_step": reached, **({} if kind == LOST else {"hand_in_at": now})}]
 
-    def _replan_recovered(self, session: Session) -> None:
+    def _replan_recovered(self, session: Session) -> bool:
         """Recovering jobs whose nodes all stopped (or went silent, or overran the wait) go back to
         pending, one generation later, with where every block's state comes from. A node silent for two
         heartbeat intervals is not waited for: it is most likely the one that died, and a dead node
-        hands in nothing (if it is only late, the new credential ends what it still runs)."""
-        now = self.clock()
+        hands in nothing (if it is only late, the new credential ends what it still runs). True if any
+        job went back to pending."""
+        now, replanned = self.clock(), False
         silent_since = now - 2 * self.settings.heartbeat_interval_s
         for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RECOVERING.value)):
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id, NodeRow.state != GONE)))
@@ -71,6 +72,8 @@ class Recoveries(ServiceBase):
                            else f"continuing from step {job.resume['step']}")
             jobs.transition(job, JobState.PENDING, f"re-planning after: {job.faults[-1]['reason']}; {resume_note}",
                             now)
+            replanned = True
+        return replanned
 
     def _kept_training(self, session: Session, node: NodeRow) -> None:
         """The node's cluster trains on while its recovering job is re-planned: say so in the record."""
