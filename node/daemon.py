@@ -94,7 +94,6 @@ class _Job:
     thread: threading.Thread
     stop: threading.Event = field(default_factory=threading.Event)
     stopped_for: str = ""  # "" | "cancel" | "recover" | "leave"
-    told_alone: bool = False  # the coordinator said `train_alone` (so it knows)
     done: threading.Event = field(default_factory=threading.Event)  # its thread has nothing left to do
     runner: StageRunner | None = None  # once built
 
@@ -189,7 +188,7 @@ class NodeDaemon:
         self._note = reply.note
         job = self._job if self._running_job_id() else None
         if job and reply.train_alone == job.assignment.job_id and not job.stop.is_set():
-            runner, job.told_alone = job.runner, True
+            runner = job.runner
             if runner is None or not runner.alone and not runner.train_alone("the job is being re-planned"):
                 reply.recover_job = reply.train_alone  # it cannot train without its averaging: hand in now
         for told, why, words in ((reply.cancel_job, "cancel", "was cancelled"),
@@ -237,7 +236,7 @@ class NodeDaemon:
                 self.client.download_state(a.job_id, a.cluster, a.stage, state)
             def on_alone(reason: str) -> None:  # on the worker thread: tell the coordinator from another
                 self.progress.log(f"{prefix}: trains alone: {reason}")
-                if not job.stopped_for and not job.told_alone:
+                if not job.stopped_for:  # a re-plan starts, or its record learns this cluster trains on
                     threading.Thread(target=self._report, args=(a.job_id, f"training alone: {reason}", True, True),
                                      name="failure-report", daemon=True).start()
 
