@@ -169,8 +169,8 @@ def progress(job: JobRow, stages: list[StageRow]) -> Progress:
         fraction = 1.0
     elif clusters:
         fraction = min(1.0, sum(c.steps_done for c in clusters) / (len(clusters) * total))
-    else:
-        fraction = 0.0
+    else:  # not placed (yet, or again: a re-planned job continues from its resume step)
+        fraction = (job.resume or {}).get("step", 0) / total
     return Progress(steps_total=total, fraction=fraction, clusters=clusters)
 
 

@@ -431,6 +431,29 @@ def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestCli
     assert not any(token in row for row in rows for token in (first_token, assignment["token"]))
 
 
+def test_a_job_that_lost_a_cluster_continues_with_fewer_than_it_asked_for(client: TestClient,
+                                                                           clock: FakeClock) -> None:
+    """Two one-node clusters asked for exactly, no spare: one node dies; the job is not left waiting for
+    a second cluster that cannot be made, it continues as one (and says so)."""
+    job_id, members = placed_job(client, nodes=2, clusters=2, stages_per_cluster=1, min_nodes=2)
+    for node_id, auth in members:
+        beat(client, node_id, auth)
+    survivor, survivor_auth = members[1]
+    clock.now += 4 * INTERVAL  # members[0] went silent
+    beat(client, survivor, survivor_auth, job_id=job_id)
+    clock.now += 3 * INTERVAL
+    beat(client, survivor, survivor_auth, job_id=job_id)
+    client.app.state.service.tick()
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "recovering"
+    assert beat(client, survivor, survivor_auth, job_id=job_id, alone=True)["recover_job"] == job_id
+    reply = beat(client, survivor, survivor_auth)  # it stopped: released, re-planned, placed at once
+    assert reply["recover_job"] == job_id and reply["assignment"]["generation"] == 1
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "running" and job["generation"] == 1, job["reason"]
+    assert [[s["node_id"] for s in c["stages"]] for c in job["plan"]["clusters"]] == [[survivor]]
+    assert "2 clusters asked for, 1 on the nodes there now" in job["plan"]["reason"]
+
+
 def test_placement_failure_gives_a_reason(client: TestClient) -> None:
     for i in range(4):
         join(client, f"tiny{i}", memory=1 << 20)

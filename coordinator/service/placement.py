@@ -67,7 +67,8 @@ class Placing(ServiceBase):
                         job.reason = reason
                     continue
                 try:
-                    plan = self._plan_on(session, spec, candidates)
+                    plan = self._plan_on(session, spec, candidates) if not job.generation else \
+                        self._plan_continuing(session, spec, candidates)
                 except PlanningError as e:
                     if job.generation:  # more nodes may come back; placement.timeout_s bounds the wait
                         job.reason = f"waiting for nodes that can hold the model: {e}"
@@ -138,6 +139,26 @@ class Placing(ServiceBase):
                                     training=spec.training, averaging=spec.averaging, links=links)
         return plan_job(costs, infos, spec.placement, training=spec.training, averaging=spec.averaging,
                         pipeline_cap=self.settings.pipeline_cap, links=links)
+
+    def _plan_continuing(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
+        """A job under way continues on the nodes there now: where they cannot make the exact number of
+        clusters it asked for (a cluster lost its node and no spare is left), with as many as they can
+        (the lost cluster is dissolved into the others' data parallelism); it grows back when nodes come."""
+        try:
+            return self._plan_on(session, spec, nodes)
+        except PlanningError as refused:
+            asked = spec.placement.clusters
+            if not isinstance(asked, int):
+                raise
+            for clusters in range(min(asked - 1, len(nodes)), 0, -1):
+                fewer = spec.model_copy(update={"placement": spec.placement.model_copy(update={"clusters": clusters})})
+                try:
+                    plan = self._plan_on(session, fewer, nodes)
+                except PlanningError:
+                    continue
+                plan.reason = f"{asked} clusters asked for, {clusters} on the nodes there now; {plan.reason}"
+                return plan
+            raise refused
 
     def _reserve(self, session: Session, job: JobRow, plan: Plan, idle: list[NodeRow]) -> set[str]:
         job.plan = plan.model_dump(mode="json")
