@@ -234,8 +234,7 @@ class NodeDaemon:
             if a.resume_step:
                 state = scratch / "resume.safetensors"
                 self.client.download_state(a.job_id, a.cluster, a.stage, state)
-            def on_alone(reason: str) -> None:  # on the worker thread: tell the coordinator from another
-                self.progress.log(f"{prefix}: trains alone: {reason}")
+            def on_alone(reason: str) -> None:  # on the worker thread (which logged it): tell the coordinator
                 if not job.stopped_for:  # a re-plan starts, or its record learns this cluster trains on
                     threading.Thread(target=self._report, args=(a.job_id, f"training alone: {reason}", True, True),
                                      name="failure-report", daemon=True).start()

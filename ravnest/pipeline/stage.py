@@ -112,6 +112,7 @@ class StageRunner:
         self.on_alone = on_alone
         self.alone = ""  # why this stage trains without its averaging, once it does
         self._alone_until: int | None = None  # having left its averaging: the step it stops at to hand in
+        self._alone_steps = max(ALONE_STEPS, a.averaging.every)
         self._alone_asked = ""  # `train_alone` was called (from another thread) with this reason
         self._stopping = False
         # by seconds: stage 0 picks the step and tags forwards with it (see `_plan_timed_checkpoint`)
@@ -294,7 +295,7 @@ class StageRunner:
                 raise
             reason = self._alone_asked or f"averaging failed: {exc}"  # the first: our own abort failed it
         self.averager, self.alone = None, reason
-        self._alone_until = self.optimizer.steps + max(ALONE_STEPS, self.assignment.averaging.every)
+        self._alone_until = self.optimizer.steps + self._alone_steps
         try:
             averager.close()
         except Exception:  # noqa: BLE001 -- it failed already; training goes on without it
@@ -502,9 +503,8 @@ class StageRunner:
         step = self.optimizer.steps
         self._average("after_step", step)
         if self._alone_until is not None and self._alone_until <= step < self.training.steps:
-            raise TrainedAlone(f"stage {self.assignment.stage} trained alone for "
-                               f"{max(ALONE_STEPS, self.assignment.averaging.every)} steps, as far as replicas "
-                               f"may drift apart; it stops to hand in its state")
+            raise TrainedAlone(f"stage {self.assignment.stage} trained alone for {self._alone_steps} steps, as far "
+                               f"as replicas may drift apart; it stops to hand in its state")
         every = self.assignment.checkpoint_every
         if ((every and step % every == 0) or step == self._checkpoint_at) and step < self.training.steps:
             self._flush_averaging()
