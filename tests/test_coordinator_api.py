@@ -189,6 +189,8 @@ BAD_JOBS = {
                             "never names a file on a volunteer's machine"),
     "unknown optimizer": ({**digits_job(), "training": {"optimizer": {"name": "Nope"}}}, "Nope"),
     "bad optimizer kwargs": ({**digits_job(), "training": {"optimizer": {"name": "SGD", "kwargs": {"lr": -1}}}}, "learning rate"),
+    "a switch as text": ({**digits_job(), "training": {"optimizer": {"name": "Adam", "kwargs": {"fused": "no"}}}},
+                         "fused must be true or false"),
     "zero clusters": (digits_job(clusters=0), "clusters"),
     "too few min_nodes": (digits_job(clusters=3, min_nodes=2), "min_nodes"),
     "wrong input size": ({**digits_job(), "model": {"name": "mlp", "config": {"input_dim": 10}}}, "digits"),

@@ -52,6 +52,10 @@ def test_optimizer_is_chosen_by_name_and_bad_names_are_refused() -> None:
             build_optimizer(params, OptimizerRef(name=name))
     with pytest.raises(ValueError, match="rejected kwargs"):
         build_optimizer(params, OptimizerRef(name="SGD", kwargs={"lr": 0.1, "bogus": 1}))
+    for switch in ({"fused": "no"}, {"amsgrad": 1}, {"foreach": "false"}):  # torch would read "no" as true
+        with pytest.raises(ValueError, match=f"{next(iter(switch))} must be true or false"):
+            build_optimizer(params, OptimizerRef(name="Adam", kwargs=switch))
+    assert build_optimizer(params, OptimizerRef(name="Adam", kwargs={"amsgrad": True, "foreach": None}))
 
 
 def test_torch_optimizers_run_fused_unless_the_job_chooses() -> None:

@@ -11,6 +11,8 @@ import torch
 from ravnest.pipeline.accum_adam import OPTIMIZERS
 from ravnest.spec import OptimizerRef, TrainingSettings
 
+SWITCHES = ("fused", "foreach", "capturable", "differentiable")  # true, false or unset (None) in torch.optim
+
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], ref: OptimizerRef) -> torch.optim.Optimizer:
     """`torch.optim.<ref.name>(params, **ref.kwargs)`, or one of ours (AccumAdam, AccumAdamW); any other
@@ -25,6 +27,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], ref: OptimizerRef) -> 
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
         raise ValueError(f"unknown optimizer {ref.name!r}: expected a torch.optim class such as Adam or SGD, "
                          f"or {', '.join(OPTIMIZERS)}")
+    _check_switches(cls, ref.kwargs)
     params = list(params)
     if cls not in OPTIMIZERS.values() and "fused" in inspect.signature(cls).parameters \
             and not {"fused", "foreach"} & ref.kwargs.keys():
@@ -36,6 +39,15 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], ref: OptimizerRef) -> 
         return cls(params, **ref.kwargs)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"optimizer {ref.name} rejected kwargs {ref.kwargs}: {exc}") from exc
+
+
+def _check_switches(cls: type, kwargs: dict) -> None:
+    """An option that is a switch takes true or false: torch reads any other value by its truth, so
+    `"fused": "no"` would turn the fused kernel on."""
+    for name, parameter in inspect.signature(cls).parameters.items():
+        switch = isinstance(parameter.default, bool) or (parameter.default is None and name in SWITCHES)
+        if name in kwargs and switch and not (isinstance(kwargs[name], bool) or kwargs[name] is parameter.default):
+            raise ValueError(f"optimizer {cls.__name__}: {name} must be true or false, got {kwargs[name]!r}")
 
 
 def lr_factor(step: int, training: TrainingSettings) -> float:
