@@ -66,6 +66,7 @@ class Recoveries(ServiceBase):
                 continue
             for node in members:  # whatever it still runs is ignored from now on; a silent one is not placed
                 node.job_id, node.state = None, IDLE if node.last_seen >= silent_since else GONE
+            self._forget_lost_clusters(session, job)
             resume = self._resume_point(session, job)
             self._start_generation(session, job, resume)
             resume_note = ("no stored state covers every block: starting over from fresh weights" if resume is None
@@ -84,6 +85,16 @@ class Recoveries(ServiceBase):
             if stage.cluster not in fault.get("kept_training", []):
                 kept = sorted({*fault.get("kept_training", []), stage.cluster})
                 job.faults = [*job.faults[:-1], {**fault, "kept_training": kept}]
+
+    def _forget_lost_clusters(self, session: Session, job: JobRow) -> None:
+        """A stage of the lost cluster may have left its averaging before its broken pipeline failed it:
+        a cluster with a node gone did not train on, whatever its survivors said."""
+        fault = job.faults[-1]
+        if fault.get("kept_training"):
+            lost = {stage.cluster for stage in stages_of(session, job.id)
+                    if (node := session.get(NodeRow, stage.node_id)) is None or node.state == GONE}
+            job.faults = [*job.faults[:-1], {**fault, "kept_training": [c for c in fault["kept_training"]
+                                                                        if c not in lost]}]
 
     def _hand_in_now(self, job: JobRow) -> None:
         """Every live member trains alone: the lost cluster is done, so they stop and hand in now."""
