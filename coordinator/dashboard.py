@@ -31,7 +31,7 @@ def render_dashboard(nodes: list[NodeView], jobs: list[JobSummary]) -> str:
 </header>
 <main>
 <section id="job" hidden><h2 id="job-title"></h2><p id="job-state"></p>
-<div class="bar"><div id="job-progress"></div></div><p id="job-figures"></p>
+<div class="bar"><div id="job-progress"></div></div><p id="job-figures"></p><ul id="job-recoveries"></ul>
 <h3>Pipelines</h3><p class="hint">Each row is a cluster: a pipeline whose stages (boxes: the node, the blocks
 [first, end) it holds, its utilization) pass activations to the right and gradients back. Dashed lines join
 the stages that average the same blocks across clusters.</p>

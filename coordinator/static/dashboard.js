@@ -167,6 +167,12 @@ function drawJob() {
     if (m[key] !== null && m[key] !== undefined) figures.push(`${label} ${fixed(m[key], digits)}`);
   }
   document.getElementById("job-figures").textContent = figures.join(" · ");
+  // each re-plan: what was lost, and how long training stood still (intact clusters train on meanwhile)
+  document.getElementById("job-recoveries").replaceChildren(...job.recoveries.map((r) => el("li", {},
+    `${r.kind}: ${r.reason}` +
+    (r.kept_training.length ? ` · clusters ${r.kept_training.join(", ")} trained on (${r.steps_trained_on || 0} steps)` : "") +
+    (r.resume_step !== null ? ` · continued from step ${r.resume_step}` : "") +
+    (r.recovery_s !== null ? ` · training again after ${fixed(r.recovery_s, 1)} s` : ""))));
   drawPipelines(job);
 }
 
