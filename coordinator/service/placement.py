@@ -67,8 +67,8 @@ class Placing(ServiceBase):
                         job.reason = reason
                     continue
                 try:
-                    plan = self._plan_on(session, spec, candidates) if not job.generation else \
-                        self._plan_continuing(session, spec, candidates)
+                    planner = self._plan_continuing if job.generation else self._plan_on
+                    plan = planner(session, spec, candidates)
                 except PlanningError as e:
                     if job.generation:  # more nodes may come back; placement.timeout_s bounds the wait
                         job.reason = f"waiting for nodes that can hold the model: {e}"
