@@ -175,7 +175,8 @@ def communications(seeds: int, docs: bool, argv: list[str] | None) -> None:
                for rate in RATES]
     never_more = all(a is not None and a <= e for _, a, e in targets)
     fewer = never_more and any(a < e for _, a, e in targets)
-    reach = "; ".join(f"{accuracy:.4f}: acid {a:.0f}, eta=0 {e:.0f}" for accuracy, a, e in targets)
+    reach = "; ".join(f"{accuracy:.4f}: acid {'never' if a is None else f'{a:.0f}'}, eta=0 {e:.0f}"
+                      for accuracy, a, e in targets)
     table = ("| averagings per step | averagings per member | acid: replicas' accuracy (median; runs) | "
              "eta=0: replicas' accuracy (median; runs) |\n|---|---|---|---|\n" + "\n".join(rows))
     print(table)
