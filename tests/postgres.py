@@ -14,6 +14,7 @@ from pathlib import Path
 
 BIN_DIRS = [Path("/usr/lib/postgresql") / v / "bin" for v in ("17", "16", "15", "14", "13")]
 USER = "ravnest"
+PORT_ATTEMPTS = 5
 
 
 def find_binary(name: str) -> str | None:
@@ -39,12 +40,26 @@ class PostgresServer:
             except KeyError:
                 raise RuntimeError("running as root and there is no 'postgres' user to run the server") from None
             os.chown(base, owner.pw_uid, owner.pw_gid)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
         self._run([self.initdb, "-D", str(self.data), "-U", USER, "-A", "trust", "--no-sync", "-E", "UTF8"])
-        self._run([self.pg_ctl, "-D", str(self.data), "-l", str(base / "server.log"), "-w", "-t", "60", "-o",
-                   f"-c listen_addresses=127.0.0.1 -p {self.port} -k {base} -c fsync=off", "start"])
+        for attempt in range(PORT_ATTEMPTS):
+            # a port free a moment ago may be taken before the server binds it (tests beside it open
+            # ports all the time; a CI run lost its PostgreSQL tests to "Address already in use")
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+            try:
+                self._run([self.pg_ctl, "-D", str(self.data), "-l", str(base / "server.log"), "-w", "-t", "60",
+                           "-o", f"-c listen_addresses=127.0.0.1 -p {self.port} -k {base} -c fsync=off", "start"])
+                return
+            except RuntimeError:
+                if attempt == PORT_ATTEMPTS - 1 or "Address already in use" not in self._log():
+                    raise
+
+    def _log(self) -> str:
+        try:
+            return (self.base / "server.log").read_text(errors="replace")
+        except OSError:
+            return ""
 
     def _run(self, command: list[str]) -> None:
         result = subprocess.run(self._as + command, capture_output=True, text=True, timeout=120)
