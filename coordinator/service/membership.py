@@ -61,9 +61,12 @@ class Membership(ServiceBase):
                     self._kept_training(session, node)
                 else:
                     self._training_alone.pop(node.id, None)
-                # a re-plan may wait for this node to train alone, or for a lost one to fall silent:
-                # any heartbeat moves it on, not only the next tick
-                replanned = self._replan_recovered(session)
+                # a re-plan may wait for this node to train alone, or for a lost one to fall silent: the
+                # heartbeat of an idle node or of one in a recovering job moves it on, not only the next
+                # tick (nodes busy with running jobs, the most, skip the query)
+                job = session.get(JobRow, node.job_id) if node.job_id else None
+                replanned = (job is None or job.state == JobState.RECOVERING.value) and \
+                    self._replan_recovered(session)
                 freed = node.state == GONE
                 if freed:  # missed heartbeats, but it is back
                     node.state = BUSY if node.job_id else IDLE
