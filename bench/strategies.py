@@ -54,7 +54,8 @@ def measured(spec: JobSpec, replicas: int, blocks: int, places: list[tuple[str, 
     clusters = run_local_clusters(spec, [[(0, blocks)]] * replicas, timeout=900, places=places)
     samples_per_step = spec.training.batch_size * spec.training.accumulation
     step_s = statistics.median(samples_per_step / c["stages"][0]["steady_samples_per_s"] for c in clusters)
-    return {"step_s": step_s, "accuracy": clusters[0]["metrics"]["test_accuracy"]}
+    return {"step_s": step_s, "step_sd_s": statistics.median(c["stages"][0]["steady_step_sd_s"] for c in clusters),
+            "accuracy": clusters[0]["metrics"]["test_accuracy"]}
 
 
 def ring_link(replicas: int, param_bytes: int, rounds: int,
@@ -93,25 +94,26 @@ def _run(replicas: int, steps: int, repeat: int, costs: list, param_bytes: int,
           f"latency {latency * 1e3:.2f} ms", flush=True)
     configs = [("ring", ""), ("dear", ""), *(("dadam", t) for t in GOSSIP_TOPOLOGIES)]
     rows: dict[tuple[str, str], list[dict]] = {}
-    compute: list[float] = []
+    compute: list[dict] = []
     for seed in range(repeat):  # alternated, so load changes hit every strategy alike
-        compute.append(measured(job("none", steps, seed), replicas, len(costs), places)["step_s"])
-        print(f"  seed {seed} none: {compute[-1] * 1e3:.2f} ms/step", flush=True)
+        compute.append(measured(job("none", steps, seed), replicas, len(costs), places))
+        print(f"  seed {seed} none: {compute[-1]['step_s'] * 1e3:.2f} ms/step (sd of a step "
+              f"{compute[-1]['step_sd_s'] * 1e3:.2f} ms)", flush=True)
         for strategy, topology in configs:
             figures = measured(job(strategy, steps, seed, topology or "one-peer-exp"), replicas, len(costs), places)
             rows.setdefault((strategy, topology), []).append(figures)
             print(f"  seed {seed} {strategy} {topology}: {figures['step_s'] * 1e3:.2f} ms/step, "
                   f"accuracy {figures['accuracy']:.4f}", flush=True)
-    t = statistics.median(compute)
+    t, sd = (statistics.median(c[figure] for c in compute) for figure in ("step_s", "step_sd_s"))
     results = []
     for (strategy, topology), runs in rows.items():
         predicted = {spare: runtime.strategy_step_s(strategy, t, [group], every=1, topology=topology or "one-peer-exp",
-                                                    spare_core=spare) for spare in (False, True)}
+                                                    spare_core=spare, step_sd_s=sd) for spare in (False, True)}
         results.append({"replicas": replicas, "strategy": strategy, "topology": topology,
                         "predicted_s": predicted[spare_core(replicas)], "predicted_spare_s": predicted[True],
                         "predicted_busy_s": predicted[False],
                         "step_s": statistics.median(r["step_s"] for r in runs),
-                        "accuracy": statistics.median(r["accuracy"] for r in runs), "compute_s": t})
+                        "accuracy": statistics.median(r["accuracy"] for r in runs), "compute_s": t, "compute_sd_s": sd})
     return results
 
 

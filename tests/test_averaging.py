@@ -109,6 +109,36 @@ def test_exchange_delivers_each_neighbours_vector_by_the_topology(nodes):
             assert list(got) == [source] and torch.equal(got[source], vectors[source])
 
 
+def _waiting_steps(member: RingMember, round: int, until: Callable[[set[int]], bool]) -> set[int]:
+    """The steps of the messages of `round` waiting in the member's mailbox, once `until` holds of
+    them (a condition wait, at most WAIT seconds)."""
+    box = member.hub.mailbox
+    with box._cond:
+        steps = lambda: {key[2] for key in box._items if key[1] == round}  # noqa: E731
+        assert box._cond.wait_for(lambda: until(steps()), WAIT), steps()
+        return steps()
+
+
+def test_paced_gossip_sends_only_to_members_that_entered_the_round(nodes):
+    """Paced, a member's vector leaves only once its receiver has entered the round (it says so with
+    a one-element message): a member ahead cannot load a link still carrying the previous round.
+    Unpaced, the vector is sent at once and waits in the receiver's mailbox."""
+    a, b = nodes(2).ring(chunk_bytes=4096)
+    va, vb = torch.full((10_000,), 1.0), torch.full((10_000,), 2.0)
+    entered, data = -1 - 2 - 0, -1 - 0  # a's messages: "entered the round", its vector
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(a.exchange, va, 0, [1], [1], paced=True)
+        assert _waiting_steps(b, 0, lambda steps: entered in steps) == {entered}
+        assert not ahead.done()  # waiting for b to enter, its vector not sent
+        heard_b = b.exchange(vb, 0, [0], [0], paced=True)
+        heard_a = ahead.result(timeout=WAIT)
+        assert torch.equal(heard_a[1], vb) and torch.equal(heard_b[0], va)
+        ahead = pool.submit(a.exchange, va, 1, [1], [1])
+        assert data in _waiting_steps(b, 1, lambda steps: data in steps)  # unpaced: there before b entered
+        b.exchange(vb, 1, [0], [0])
+        ahead.result(timeout=WAIT)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_torch_backend_gives_the_same_collectives_over_gloo(nodes, n):
     """backend "torch": the members meet through a TCPStore whose port travels over the peer wire,

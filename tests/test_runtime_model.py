@@ -7,7 +7,7 @@ from coordinator.clustering import NodeInfo
 from coordinator.jobs import _averaging
 from coordinator.planning import plan_job
 from ravnest.averaging import runtime
-from ravnest.averaging.runtime import Group, half_allreduce_s, mean_degree, pick, strategy_step_s
+from ravnest.averaging.runtime import Group, half_allreduce_s, mean_degree, pick, slowest_of, strategy_step_s
 from ravnest.models import build_model, profile_blocks
 from ravnest.spec import AveragingSettings, JobSpec, Placement, TrainingSettings
 
@@ -56,6 +56,30 @@ def test_gossip_costs_one_message_per_neighbour_of_the_round() -> None:
     assert strategy_step_s("dsgd", 0.5, [g], topology="one-peer-exp", every=2) == pytest.approx(0.5 + 0.5 / 2)
 
 
+def test_rounds_wait_for_the_slowest_member_of_those_they_need() -> None:
+    # the expected largest of m standard normals (tabulated: 0.564, 1.029, 1.424; Blom is within 0.03)
+    assert slowest_of(1) == 0.0
+    assert [slowest_of(m) for m in (2, 4, 8)] == pytest.approx([0.564, 1.029, 1.424], abs=0.03)
+    g = Group(members=4, param_bytes=40 * MB, bandwidth=10 * MB, latency=0.0, fine_overlap=True)
+    sd = 0.1
+    for strategy in ("dear", "allreduce"):  # every step waits for all 4
+        plain = strategy_step_s(strategy, 1.0, [g], spare_core=False)
+        assert strategy_step_s(strategy, 1.0, [g], spare_core=False, step_sd_s=sd) == pytest.approx(
+            plain + sd * slowest_of(4))
+    # a ring round every 4 steps: the members' lateness after 4 steps of compute, paid once per 4 steps
+    plain = strategy_step_s("ring", 1.0, [g], every=4, spare_core=False)
+    assert strategy_step_s("ring", 1.0, [g], every=4, spare_core=False, step_sd_s=sd) == pytest.approx(
+        plain + sd * slowest_of(4) * 2 / 4)
+    # gossip on one-peer-exp waits for itself and its one in-neighbour, on complete for all 4
+    one_peer = strategy_step_s("dadam", 1.0, [g], topology="one-peer-exp", spare_core=False)
+    assert strategy_step_s("dadam", 1.0, [g], topology="one-peer-exp", spare_core=False, step_sd_s=sd) == (
+        pytest.approx(one_peer + sd * slowest_of(2)))
+    complete = strategy_step_s("dadam", 1.0, [g], topology="complete", spare_core=False)
+    assert strategy_step_s("dadam", 1.0, [g], topology="complete", spare_core=False, step_sd_s=sd) == (
+        pytest.approx(complete + sd * slowest_of(4)))
+    assert strategy_step_s("none", 1.0, [g], step_sd_s=sd) == 1.0  # nobody waits for anybody
+
+
 def test_auto_takes_the_fastest_and_the_more_synchronous_one_within_5_percent() -> None:
     assert pick({"dear": 1.03, "ring": 1.0, "dadam:ring": 0.99, "allreduce": 0.5}) == ("dear", "")
     assert pick({"dear": 2.0, "ring": 1.5, "dadam:one-peer-exp": 1.0, "allreduce": 0.5}) == ("dadam", "one-peer-exp")
@@ -85,3 +109,14 @@ def test_auto_plans_dear_on_fast_links_and_gossip_on_slow_ones(bandwidth, expect
     spec = JobSpec.model_validate({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
                                    "averaging": {"strategy": "auto"}})
     assert _averaging(spec, plan).strategy == expected[0]
+
+
+def test_a_stage_measures_the_spread_of_its_steps() -> None:
+    """The straggler term's input: the standard deviation of single steps' wall times, steady state."""
+    from ravnest.pipeline.metrics import StageClock
+    clock = StageClock(samples_per_step=1)
+    clock.steps = [(float(t), 0.0) for t in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)]  # every step 1 s
+    assert clock.steady_state()["steady_step_sd_s"] == pytest.approx(0.0)
+    clock.steps = [(t, 0.0) for t in (0.0, 1.0, 2.0, 3.0, 5.0, 6.0, 8.0, 9.0, 11.0, 12.0, 14.0)]  # 1 s, 2 s, ...
+    # steps 2..9 (20%-90%) took 1, 2, 1, 2, 1, 2, 1 s: mean 10/7, sd sqrt(12/49)
+    assert clock.steady_state()["steady_step_sd_s"] == pytest.approx(12**0.5 / 7)

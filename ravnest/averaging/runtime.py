@@ -24,6 +24,13 @@ the strategies cost (T = step_s):
   the exchange is applied before the next step, so it hides behind one step: T + max(0, X - T) / E,
   with X the mean over a period of rounds of the slowest member's d(t) (P / B + L).
 
+Stragglers: a step's compute time varies (sd `step_sd_s`, measured; 0 when unknown), and whatever waits
+for m members waits for the slowest, on average e(m) sd later than the mean, with e(m) the expected
+largest of m standard normals (Blom: e(m) = Phi^-1((m - 0.375) / (m + 0.25)); e(1) = 0, e(4) = 1.05,
+e(8) = 1.43). So a round that needs all n members (ring, diloco, dear, the reference all-reduce) lasts
+e(n) sd longer, sd sqrt(E) when E steps of compute lie between rounds; a gossip round waits for the
+member and its in-neighbours, e(1 + degree) sd.
+
 Overlap needs a core to spare: where every core of a node is computing (several nodes sharing one
 machine, as in tests and benchmarks here) communication takes its CPU from the compute, and each
 strategy costs T plus all it moves per step (`spare_core=False`; ring: T + AR / E, dear: T + RS + AG,
@@ -38,6 +45,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from statistics import NormalDist
 
 from ravnest.averaging.topology import TOPOLOGIES, mixing_row
 
@@ -64,38 +72,47 @@ def half_allreduce_s(group: Group, messages: int = 1) -> float:
     return (n - 1) * (group.param_bytes / (n * group.bandwidth) + messages * group.latency)
 
 
+def slowest_of(members: float) -> float:
+    """e(m): how many standard deviations the slowest of m members' step times lies above their mean."""
+    return NormalDist().inv_cdf((members - 0.375) / (members + 0.25)) if members > 1 else 0.0
+
+
 def fusion_count(param_bytes: float, fusion_bytes: float) -> int:
     return max(1, math.ceil(param_bytes / fusion_bytes))
 
 
 def strategy_step_s(strategy: str, step_s: float, groups: Sequence[Group], *, every: int = 1,
                     topology: str = "one-peer-exp", fusion_bytes: float = 25 * 2**20, spare_core: bool = True,
-                    streaming: bool = False) -> float:
+                    streaming: bool = False, step_sd_s: float = 0.0) -> float:
     """Predicted seconds per optimizer step (see the module docstring); `strategy` is one of "none",
     "ring", "allreduce", "dear", "dsgd", "dadam". Without `spare_core` (every core of the node is
     computing, e.g. several nodes sharing one machine) nothing hides: each strategy pays its
-    communication in full, T + (what it moves per step)."""
+    communication in full, T + (what it moves per step). `step_sd_s`: the spread of one step's
+    compute time, which rounds that wait for several members pay."""
     if strategy == "none" or not groups or all(g.members < 2 for g in groups):
         return step_s
-    return max(_group_step_s(strategy, step_s, g, every, topology, fusion_bytes, spare_core, streaming)
+    return max(_group_step_s(strategy, step_s, g, every, topology, fusion_bytes, spare_core, streaming, step_sd_s)
                for g in groups if g.members > 1)
 
 
 def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, fusion_bytes: float,
-                  spare_core: bool, streaming: bool) -> float:
+                  spare_core: bool, streaming: bool, sd: float) -> float:
     k = fusion_count(g.param_bytes, fusion_bytes)
+    straggler = sd * slowest_of(g.members) * math.sqrt(every)  # the last member's lateness to a round
     if strategy in ("ring", "diloco"):  # diloco: the ring's round, blocking unless streaming
         delay = max(1, every // 2) if spare_core and (strategy == "ring" or streaming) else 0
-        return t + max(0.0, 2 * half_allreduce_s(g) - delay * t) / every
+        return t + max(0.0, 2 * half_allreduce_s(g) + straggler - delay * t) / every
     if strategy == "allreduce":
-        return t + 2 * half_allreduce_s(g) + (k - 1) * 2 * (g.members - 1) * g.latency
+        return t + 2 * half_allreduce_s(g) + (k - 1) * 2 * (g.members - 1) * g.latency + straggler
     if strategy == "dear":
         half = half_allreduce_s(g, k)
         if not (g.fine_overlap and spare_core):
-            return t + 2 * half
-        return t + max(half / k, half - BACKWARD_SHARE * t) + max(half / k, half - (1 - BACKWARD_SHARE) * t)
+            return t + 2 * half + straggler
+        return (t + max(half / k, half - BACKWARD_SHARE * t) + max(half / k, half - (1 - BACKWARD_SHARE) * t)
+                + straggler)
     if strategy in GOSSIP:
-        exchange = mean_degree(topology, g.members) * (g.param_bytes / g.bandwidth + g.latency)
+        degree = mean_degree(topology, g.members)
+        exchange = degree * (g.param_bytes / g.bandwidth + g.latency) + sd * slowest_of(1 + degree) * math.sqrt(every)
         return t + max(0.0, exchange - (t if spare_core else 0.0)) / every
     raise ValueError(f"the runtime model has no figure for strategy {strategy!r}")
 
@@ -118,13 +135,13 @@ def candidates(optimizer: str) -> list[tuple[str, str]]:
 
 
 def predictions(step_s: float, groups: Sequence[Group], *, every: int, optimizer: str,
-                fusion_bytes: float = 25 * 2**20, spare_core: bool = True) -> dict[str, float]:
+                fusion_bytes: float = 25 * 2**20, spare_core: bool = True, step_sd_s: float = 0.0) -> dict[str, float]:
     """Predicted seconds per step for each candidate ("dear", "ring", "dadam:ring", ...) and the
     reference "allreduce"."""
     table = {(f"{strategy}:{topology}" if topology else strategy): strategy_step_s(
         strategy, step_s, groups, every=every, topology=topology or "one-peer-exp", fusion_bytes=fusion_bytes,
-        spare_core=spare_core) for strategy, topology in candidates(optimizer)}
-    table["allreduce"] = strategy_step_s("allreduce", step_s, groups, fusion_bytes=fusion_bytes)
+        spare_core=spare_core, step_sd_s=step_sd_s) for strategy, topology in candidates(optimizer)}
+    table["allreduce"] = strategy_step_s("allreduce", step_s, groups, fusion_bytes=fusion_bytes, step_sd_s=step_sd_s)
     return table
 
 

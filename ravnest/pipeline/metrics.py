@@ -2,6 +2,7 @@
 weight versions for tests."""
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -56,14 +57,17 @@ class StageClock:
         return figures
 
     def steady_state(self) -> dict[str, float]:
-        """Utilization and throughput between 20% and 90% of the steps: no start-up, no drain."""
+        """Utilization, throughput and the spread of single steps' wall times (the runtime model's
+        stragglers) between 20% and 90% of the steps: no start-up, no drain."""
         if len(self.steps) < 10:
             return {}
         first, last = len(self.steps) // 5, len(self.steps) * 9 // 10
         (t0, b0), (t1, b1) = self.steps[first], self.steps[last]
         span = max(t1 - t0, 1e-9)
+        durations = [b[0] - a[0] for a, b in zip(self.steps[first:last], self.steps[first + 1:last + 1])]
         return {"steady_utilization": (b1 - b0) / span,
-                "steady_samples_per_s": (last - first) * self.samples_per_step / span}
+                "steady_samples_per_s": (last - first) * self.samples_per_step / span,
+                "steady_step_sd_s": statistics.pstdev(durations)}
 
 
 class EvalAccumulator:

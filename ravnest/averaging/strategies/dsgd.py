@@ -151,7 +151,7 @@ class GossipMixing(GroupStrategy):
         started = time.perf_counter()
         row = mixing_row(topology, self.rank, self.size, round)
         heard = member.exchange(snapshot, 4 * round, sends_to(topology, self.rank, self.size, round),
-                                [j for j in row if j != self.rank])
+                                [j for j in row if j != self.rank], paced=True)
         mixed = snapshot * row[self.rank]
         for j, vector in heard.items():
             mixed.add_(vector, alpha=row[j])
