@@ -257,30 +257,38 @@ class RingMember:
         messages carry step -(1 + sender): the keyed mailbox keeps senders apart, and apart from the
         all-reduce's steps (>= 0).
 
-        `paced`: send to a member only once it has entered this round; each member says so first,
-        with a one-element message (step -(1 + size + sender)) to every member it hears from. A
-        round ends when this member's messages were handed to gRPC, not when they arrived, so a
-        member ahead of its peers would push its next round into a link still carrying this
-        round's messages; where bandwidth is short, the two then share it, both arrive late, and
-        the rounds drift further apart (measured: 2x the time per round of gossip on tbf-shaped
-        links). Pacing costs one small message's latency per round when the members are in step."""
+        `paced` (for graphs that shift ranks by fixed offsets, as every topology here): a member
+        hears one neighbour at a time, nearest below first, and asks for each vector with a
+        one-element message (step -(1 + size + receiver)); it sends to one neighbour at a time,
+        nearest above first, once asked. Unpaced, every vector leaves at once, and a round ends when
+        they were handed to gRPC, not when they arrived: a member ahead of its peers then pushes its
+        next round into links still carrying this one, and several vectors share one download. On
+        tbf-shaped links both cost twice the time per round (TCP loses packets where several flows
+        meet one slow link) and put the rounds further out of step. Paced, each link carries one
+        vector at a time, at the cost of one small message's latency per neighbour."""
         codec = self.codec if codec is None else codec
         flat = flat.detach().reshape(-1)
         chunks = self._chunk_bounds(0, flat.numel())
         received: dict[int, torch.Tensor] = {}
+        if paced:  # phase k: ask sources[k], send to targets[k] when asked, hear sources[k]
+            sources = sorted(hears_from, key=lambda j: (self.rank - j) % self.size)
+            targets = sorted(sends_to, key=lambda j: (j - self.rank) % self.size)
+            phases = [(sources[k:k + 1], targets[k:k + 1]) for k in range(max(len(sources), len(targets)))]
+        else:
+            phases = [([], sends_to), (hears_from, [])]
         try:
-            if paced:
-                for source in hears_from:
+            for hear, send in phases:
+                for source in hear if paced else ():
                     self._send(round, -1 - self.size - self.rank, 0, torch.ones(1), 1, "", to=source)
-            for target in sends_to:
-                if paced:
-                    self._receive(round, -1 - self.size - target, 0, 1, 1, sender=target)
-                for c, (a, b) in enumerate(chunks):
-                    self._send(round, -1 - self.rank, c, flat[a:b], flat.numel(), codec, to=target)
-            for source in hears_from:
-                buf = received[source] = torch.empty(flat.numel())
-                for c, (a, b) in enumerate(chunks):
-                    buf[a:b] = self._receive(round, -1 - source, c, b - a, flat.numel(), sender=source)
+                for target in send:
+                    if paced:
+                        self._receive(round, -1 - self.size - target, 0, 1, 1, sender=target)
+                    for c, (a, b) in enumerate(chunks):
+                        self._send(round, -1 - self.rank, c, flat[a:b], flat.numel(), codec, to=target)
+                for source in hear:
+                    buf = received[source] = torch.empty(flat.numel())
+                    for c, (a, b) in enumerate(chunks):
+                        buf[a:b] = self._receive(round, -1 - source, c, b - a, flat.numel(), sender=source)
             for target in sends_to:
                 self._flush(round, to=target)
         except BaseException:
