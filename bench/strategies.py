@@ -6,8 +6,9 @@ accuracy of each, on the same data-parallel job.
 For each group size n: n replicas of an MLP on digits, one process each with one torch thread
 (loopback gRPC), every replica averaging every step (`every` = 1, the like-for-like setting: dear is
 per step by nature). First the inputs of the model are measured in the same run: the compute
-seconds per step T with strategy "none" (all n processes training at once, so T carries the same
-sharing of the machine's cores as every strategy after it), and the ring links' bandwidth and
+seconds per step T and the standard deviation of single steps with strategy "none" (all n processes
+training at once, so T carries the same sharing of the machine's cores as every strategy after it;
+rounds wait for their slowest member), and the ring links' bandwidth and
 latency from our ring all-reduce over n processes at two sizes (4 KiB and the model's size; the
 fit is exact at both). Then each strategy runs and its step time is measured over the steady state
 (20%-90% of the steps). Medians over `--repeat` runs.
@@ -153,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
              "| predicted without / with a spare core |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
     ok = all(auto_pick_ok([r for r in results if r["replicas"] == n]) for n in args.replicas)
     worst = max(abs(r["predicted_s"] - r["step_s"]) / r["step_s"] for r in results)
-    computes = ", ".join(f"{n} replicas {next(r['compute_s'] for r in results if r['replicas'] == n) * 1e3:.2f} ms"
-                         for n in args.replicas)
+    computes = ", ".join(f"{n} replicas {r['compute_s'] * 1e3:.2f} ms, sd of a step {r['compute_sd_s'] * 1e3:.2f} ms"
+                         for n in args.replicas for r in [next(r for r in results if r["replicas"] == n)])
     print(table)
     cores_note = (f"with {os.cpu_count()} cores for the replicas' processes no core is spare, so the model charges "
                   f"each strategy all its communication (`spare_core=False`)"
@@ -169,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
             f"MLP {MODEL['config']} on digits, batch {BATCH} per replica, {steps} Adam steps (lr 1e-3), every "
             f"replica one process with one torch thread {where}, averaging every step. Predicted: the "
             f"runtime model (`ravnest/averaging/runtime.py`) from the compute time per step measured with "
-            f"strategy none ({computes}) and the ring link fitted to our all-reduce at 4 KiB and the model's "
-            f"size; {cores_note}. Measured: steady state (20%-90% of the steps), median over replicas and {args.repeat} "
-            f"run(s). Test accuracy: cluster 0 after the run (dear is the synchronous all-reduce reference).\n\n"
+            f"strategy none ({computes}: rounds wait for their slowest member) and the ring link fitted to our "
+            f"all-reduce at 4 KiB and the model's size; {cores_note}. Measured: steady state (20%-90% of the "
+            f"steps), median over replicas and {args.repeat} run(s). Test accuracy: cluster 0 after the run (dear "
+            f"is the synchronous all-reduce reference).\n\n"
             f"{table}\n\nauto picks within 5% of the fastest measured: {str(ok).lower()}. Machine: "
             f"{os.cpu_count()} cores, load average {load:.1f} at the start.\n"))
     print(f"strategies auto_pick_ok={str(ok).lower()} max_pred_error={worst:.2f}")

@@ -257,7 +257,7 @@ class RingMember:
         messages carry step -(1 + sender): the keyed mailbox keeps senders apart, and apart from the
         all-reduce's steps (>= 0).
 
-        `paced` (for graphs that shift ranks by fixed offsets, as every topology here): a member
+        `paced` (only where every member hears the same rank offsets, `topology.circulant`): a member
         hears one neighbour at a time, nearest below first, and asks for each vector with a
         one-element message (step -(1 + size + receiver)); it sends to one neighbour at a time,
         nearest above first, once asked. Unpaced, every vector leaves at once, and a round ends when

@@ -20,9 +20,10 @@ the strategies cost (T = step_s):
   group's part, and the all-gather behind the forward, f = 1/3 of T, except its first group's part:
   T + max(RS / k, RS - b T) + max(AG / k, AG - f T). Inside deeper pipelines: T + RS + AG.
 - `dsgd` / `dadam` with a topology, every E steps: in round t a member sends its segment to its
-  out-neighbours and hears from its in-neighbours, d(t) = the larger count, costing d(t) (P / B + L);
+  out-neighbours and hears from its in-neighbours, d(t) = the larger count, one at a time, each
+  asked for first (paced, see `RingMember.exchange`; not on a torus), costing d(t) (P / B + 2 L);
   the exchange is applied before the next step, so it hides behind one step: T + max(0, X - T) / E,
-  with X the mean over a period of rounds of the slowest member's d(t) (P / B + L).
+  with X the mean over a period of rounds of the slowest member's d(t) (P / B + 2 L).
 
 Stragglers: a step's compute time varies (sd `step_sd_s`, measured; 0 when unknown), and whatever waits
 for m members waits for the slowest, on average e(m) sd later than the mean, with e(m) the expected
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
 
-from ravnest.averaging.topology import TOPOLOGIES, mixing_row
+from ravnest.averaging.topology import TOPOLOGIES, circulant, mixing_row
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward costs about twice the forward
 AUTO_TOLERANCE = 1.05
@@ -112,7 +113,9 @@ def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, 
                 + straggler)
     if strategy in GOSSIP:
         degree = mean_degree(topology, g.members)
-        exchange = degree * (g.param_bytes / g.bandwidth + g.latency) + sd * slowest_of(1 + degree) * math.sqrt(every)
+        latencies = 2 if circulant(topology, g.members) else 1  # paced: asked for, then sent
+        exchange = (degree * (g.param_bytes / g.bandwidth + latencies * g.latency)
+                    + sd * slowest_of(1 + degree) * math.sqrt(every))
         return t + max(0.0, exchange - (t if spare_core else 0.0)) / every
     raise ValueError(f"the runtime model has no figure for strategy {strategy!r}")
 

@@ -64,12 +64,16 @@ def mixing_matrix(topology: str, size: int, round: int = 0) -> list[list[float]]
 
 
 def sends_to(topology: str, rank: int, size: int, round: int = 0) -> list[int]:
-    """The members that hear `rank` in this round (the members whose row names it), self excluded,
-    nearest first going up: rank + 1, rank + 2, ... (mod size). Sent in that order, every member's
-    k-th message goes to a different member, so no download carries several messages at once while
-    others idle (in rank order everyone would send to member 0 first)."""
-    return sorted((i for i in range(size) if i != rank and rank in mixing_row(topology, i, size, round)),
-                  key=lambda i: (i - rank) % size)
+    """The members that hear `rank` in this round (the members whose row names it), self excluded."""
+    return [i for i in range(size) if i != rank and rank in mixing_row(topology, i, size, round)]
+
+
+def circulant(topology: str, size: int, round: int = 0) -> bool:
+    """Whether every member hears the members at the same rank offsets in this round: then each
+    member's neighbours, taken nearest first, pair up phase by phase (`RingMember.exchange(paced=True)`).
+    All topologies here are, except a torus whose rows wrap around inside the row."""
+    offsets = {frozenset((j - i) % size for j in mixing_row(topology, i, size, round)) for i in range(size)}
+    return len(offsets) == 1
 
 
 def _hops(size: int) -> int:

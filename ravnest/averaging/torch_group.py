@@ -74,8 +74,7 @@ class TorchMember:
 
     def exchange(self, flat: torch.Tensor, round: int, sends_to: list[int], hears_from: list[int], *,
                  codec: str | None = None, paced: bool = False) -> dict[int, torch.Tensor]:
-        """RingMember.exchange over gloo; paced by nature (gloo moves a message once its receive is
-        posted), so `paced` changes nothing here."""
+        """RingMember.exchange over gloo; `paced` is accepted and ignored (gloo schedules its own transfers)."""
         flat = flat.detach().reshape(-1).to(torch.float32).contiguous()
         received = {source: torch.empty(flat.numel()) for source in hears_from}
         group = self._pg()

@@ -30,7 +30,7 @@ import torch
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
 from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
-from ravnest.averaging.topology import mixing_row, sends_to
+from ravnest.averaging.topology import circulant, mixing_row, sends_to
 
 FINAL_ROUND = 1 << 40  # above every gossip round's number
 
@@ -151,7 +151,7 @@ class GossipMixing(GroupStrategy):
         started = time.perf_counter()
         row = mixing_row(topology, self.rank, self.size, round)
         heard = member.exchange(snapshot, 4 * round, sends_to(topology, self.rank, self.size, round),
-                                [j for j in row if j != self.rank], paced=True)
+                                [j for j in row if j != self.rank], paced=circulant(topology, self.size, round))
         mixed = snapshot * row[self.rank]
         for j, vector in heard.items():
             mixed.add_(vector, alpha=row[j])
