@@ -41,8 +41,8 @@ SMALL = 1024  # fp32 elements of the latency probe
 
 def job(strategy: str, steps: int, seed: int, topology: str = "one-peer-exp") -> JobSpec:
     averaging = {"strategy": strategy, "every": 1}
-    if strategy in runtime.GOSSIP:
-        averaging["topology"] = topology
+    if strategy in runtime.GOSSIP:  # paced as a planner would on slow links (no planner runs here)
+        averaging.update(topology=topology, paced=True)
     return JobSpec.model_validate({
         "model": MODEL, "dataset": {"name": "digits"},
         "training": {"steps": steps, "batch_size": BATCH, "seed": seed, "staleness": "none",
@@ -109,7 +109,8 @@ def _run(replicas: int, steps: int, repeat: int, costs: list, param_bytes: int,
     results = []
     for (strategy, topology), runs in rows.items():
         predicted = {spare: runtime.strategy_step_s(strategy, t, [group], every=1, topology=topology or "one-peer-exp",
-                                                    spare_core=spare, step_sd_s=sd) for spare in (False, True)}
+                                                    spare_core=spare, step_sd_s=sd, paced=True)
+                     for spare in (False, True)}
         results.append({"replicas": replicas, "strategy": strategy, "topology": topology,
                         "predicted_s": predicted[spare_core(replicas)], "predicted_spare_s": predicted[True],
                         "predicted_busy_s": predicted[False],

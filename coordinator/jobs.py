@@ -151,11 +151,16 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
 
 
 def _averaging(spec: JobSpec, plan: Plan) -> AveragingSettings:
-    """The job's averaging settings, with the planner's strategy (and topology) where it asked for "auto"."""
-    if spec.averaging.strategy != AUTO or plan.averaging is None:
+    """The job's averaging settings, with the planner's strategy (and topology) where it asked for "auto"
+    and its pacing where the job left it open."""
+    if plan.averaging is None:
         return spec.averaging
-    return spec.averaging.model_copy(update={"strategy": plan.averaging.strategy,
-                                             "topology": plan.averaging.topology or spec.averaging.topology})
+    update = {}
+    if spec.averaging.strategy == AUTO:
+        update = {"strategy": plan.averaging.strategy, "topology": plan.averaging.topology or spec.averaging.topology}
+    if spec.averaging.paced is None:
+        update["paced"] = plan.averaging.paced
+    return spec.averaging.model_copy(update=update)
 
 
 def progress(job: JobRow, stages: list[StageRow]) -> Progress:

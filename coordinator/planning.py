@@ -386,7 +386,7 @@ def _planned_averaging(averaging: AveragingSettings, training: TrainingSettings,
     strategy, topology = ((averaging.strategy, averaging.topology) if averaging.strategy != "auto"
                           else runtime.pick(table))
     return PlannedAveraging.model_construct(strategy=strategy, topology=topology, compute_step_s=step_s,
-                                            predicted_step_s=table)
+                                            predicted_step_s=table, paced=runtime.link_bound(step_s, groups))
 
 
 MAX_WEIGHTED_RING = 16  # balancing costs O(members^2) per iteration; larger rings share equally

@@ -66,6 +66,8 @@ class PlannedRing(BaseModel):
 class PlannedAveraging(BaseModel):
     strategy: str = Field(description="the strategy the clusters run: the job's, or the planner's pick for 'auto'")
     topology: str = Field("", description="its topology, for gossip strategies")
+    paced: bool = Field(False, description="gossip rounds paced by the receivers: a segment takes longer on the "
+                                           "slowest link than a step's compute")
     compute_step_s: float = Field(description="predicted compute seconds per optimizer step, slowest cluster")
     predicted_step_s: dict[str, float] = Field(
         description="runtime model (ravnest/averaging/runtime.py): seconds per optimizer step under each "

@@ -123,6 +123,10 @@ class AveragingSettings(_Strict):
                           "(docs/averaging.md)")
     topology: str = Field("one-peer-exp", description="whom gossip strategies mix with each round: complete, ring, "
                           "torus, exponential, one-peer-exp, alternating-exp-ring")
+    paced: bool | None = Field(None, description="gossip: a member sends its vector only when the receiver asks, "
+                               "one neighbour at a time, so a slow link carries one vector at a time. None: the "
+                               "planner decides (paced where a segment takes longer on the slowest link than a "
+                               "step's compute); off where no planner ran (docs/averaging.md)")
     every: PositiveInt = Field(50, le=MAX_STEPS, description="local optimizer steps between averaging rounds")
     every_seconds: float | None = Field(
         None, gt=0, le=86400, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")

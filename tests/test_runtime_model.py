@@ -110,6 +110,11 @@ def test_auto_plans_dear_on_fast_links_and_gossip_on_slow_ones(bandwidth, expect
     spec = JobSpec.model_validate({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
                                    "averaging": {"strategy": "auto"}})
     assert _averaging(spec, plan).strategy == expected[0]
+    # gossip is paced where a segment takes longer on the link than a step's compute: the slow links
+    slow = bandwidth < 1e6
+    assert plan.averaging.paced == slow and _averaging(spec, plan).paced == slow
+    forced = spec.model_copy(update={"averaging": spec.averaging.model_copy(update={"paced": not slow})})
+    assert _averaging(forced, plan).paced == (not slow)  # the job's own choice stands
 
 
 def test_a_stage_measures_the_spread_of_its_steps() -> None:

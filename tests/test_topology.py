@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ravnest.averaging.topology import TOPOLOGIES, mixing_matrix, mixing_row, sends_to
+from ravnest.averaging.topology import TOPOLOGIES, circulant, mixing_matrix, mixing_row, sends_to
 
 
 def product(topology: str, size: int, rounds: int) -> torch.Tensor:
@@ -57,3 +57,11 @@ def test_bad_arguments_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="rank 4 outside a group of 4"):
         mixing_row("ring", 4, 4)
 
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_circulant_says_whether_every_member_hears_the_same_rank_offsets(topology: str) -> None:
+    for size in range(1, 13):
+        for t in range(4):
+            offsets = {frozenset((j - i) % size for j in mixing_row(topology, i, size, t)) for i in range(size)}
+            assert circulant(topology, size, t) == (len(offsets) == 1), (size, t)

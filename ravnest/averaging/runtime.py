@@ -21,7 +21,8 @@ the strategies cost (T = step_s):
   T + max(RS / k, RS - b T) + max(AG / k, AG - f T). Inside deeper pipelines: T + RS + AG.
 - `dsgd` / `dadam` with a topology, every E steps: in round t a member sends its segment to its
   out-neighbours and hears from its in-neighbours, d(t) = the larger count, one at a time, each
-  asked for first (paced, see `RingMember.exchange`; not on a torus), costing d(t) (P / B + 2 L);
+  asked for first where paced (`link_bound`; see `RingMember.exchange`), costing d(t) (P / B + 2 L)
+  (unpaced: d(t) (P / B + L));
   the exchange is applied before the next step, so it hides behind one step: T + max(0, X - T) / E,
   with X the mean over a period of rounds of the slowest member's d(t) (P / B + 2 L).
 
@@ -78,26 +79,34 @@ def slowest_of(members: float) -> float:
     return NormalDist().inv_cdf((members - 0.375) / (members + 0.25)) if members > 1 else 0.0
 
 
+def link_bound(step_s: float, groups: Sequence[Group]) -> bool:
+    """Whether some group's segment takes longer on its slowest link than a step's compute: there gossip
+    is paced (`averaging.paced`): a vector pushed early would only share the link with the last one."""
+    return any(g.members > 1 and g.param_bytes / g.bandwidth > step_s for g in groups)
+
+
 def fusion_count(param_bytes: float, fusion_bytes: float) -> int:
     return max(1, math.ceil(param_bytes / fusion_bytes))
 
 
 def strategy_step_s(strategy: str, step_s: float, groups: Sequence[Group], *, every: int = 1,
                     topology: str = "one-peer-exp", fusion_bytes: float = 25 * 2**20, spare_core: bool = True,
-                    streaming: bool = False, step_sd_s: float = 0.0) -> float:
+                    streaming: bool = False, step_sd_s: float = 0.0, paced: bool | None = None) -> float:
     """Predicted seconds per optimizer step (see the module docstring); `strategy` is one of "none",
     "ring", "allreduce", "dear", "dsgd", "dadam". Without `spare_core` (every core of the node is
     computing, e.g. several nodes sharing one machine) nothing hides: each strategy pays its
     communication in full, T + (what it moves per step). `step_sd_s`: the spread of one step's
-    compute time, which rounds that wait for several members pay."""
+    compute time, which rounds that wait for several members pay. `paced`: whether gossip rounds are
+    (None: as the planner decides, `link_bound`)."""
     if strategy == "none" or not groups or all(g.members < 2 for g in groups):
         return step_s
-    return max(_group_step_s(strategy, step_s, g, every, topology, fusion_bytes, spare_core, streaming, step_sd_s)
-               for g in groups if g.members > 1)
+    paced = link_bound(step_s, groups) if paced is None else paced
+    return max(_group_step_s(strategy, step_s, g, every, topology, fusion_bytes, spare_core, streaming, step_sd_s,
+                             paced) for g in groups if g.members > 1)
 
 
 def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, fusion_bytes: float,
-                  spare_core: bool, streaming: bool, sd: float) -> float:
+                  spare_core: bool, streaming: bool, sd: float, paced: bool) -> float:
     k = fusion_count(g.param_bytes, fusion_bytes)
     straggler = sd * slowest_of(g.members) * math.sqrt(every)  # the last member's lateness to a round
     if strategy in ("ring", "diloco"):  # diloco: the ring's round, blocking unless streaming
@@ -113,7 +122,7 @@ def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, 
                 + straggler)
     if strategy in GOSSIP:
         degree = mean_degree(topology, g.members)
-        latencies = 2 if circulant(topology, g.members) else 1  # paced: asked for, then sent
+        latencies = 2 if paced and circulant(topology, g.members) else 1  # paced: asked for, then sent
         exchange = (degree * (g.param_bytes / g.bandwidth + latencies * g.latency)
                     + sd * slowest_of(1 + degree) * math.sqrt(every))
         return t + max(0.0, exchange - (t if spare_core else 0.0)) / every

@@ -54,6 +54,7 @@ class GossipMixing(GroupStrategy):
     def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
         a, settings = context.assignment, context.assignment.averaging
         self.every, self.topology = settings.every, settings.topology
+        self.paced = bool(settings.paced)  # None (no planner ran): push each vector at once
         self.live, self.device, self._companions = context.live, torch.device(context.device), context.companions
         self.rank, self.size = a.cluster, a.num_clusters
         self._eval_every, self._steps, self._resumed_at = a.training.eval_every, a.training.steps, a.resume_step
@@ -150,11 +151,13 @@ class GossipMixing(GroupStrategy):
              topology: str) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
         row = mixing_row(topology, self.rank, self.size, round)
+        paced = self.paced and circulant(topology, self.size, round)
         heard = member.exchange(snapshot, 4 * round, sends_to(topology, self.rank, self.size, round),
-                                [j for j in row if j != self.rank], paced=circulant(topology, self.size, round))
+                                [j for j in row if j != self.rank], paced=paced)
         mixed = snapshot * row[self.rank]
-        for j, vector in heard.items():
-            mixed.add_(vector, alpha=row[j])
+        for j, weight in row.items():  # in the row's order, whatever order the vectors came in
+            if j != self.rank:
+                mixed.add_(heard[j], alpha=weight)
         return mixed, time.perf_counter() - started
 
     def _apply_all(self) -> None:
