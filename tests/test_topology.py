@@ -58,7 +58,6 @@ def test_bad_arguments_are_refused_by_name() -> None:
         mixing_row("ring", 4, 4)
 
 
-
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_circulant_says_whether_every_member_hears_the_same_rank_offsets(topology: str) -> None:
     for size in range(1, 13):
