@@ -96,7 +96,7 @@ def strategy_step_s(strategy: str, step_s: float, groups: Sequence[Group], *, ev
     "ring", "allreduce", "dear", "dsgd", "dadam". Without `spare_core` (every core of the node is
     computing, e.g. several nodes sharing one machine) nothing hides: each strategy pays its
     communication in full, T + (what it moves per step). `step_sd_s`: the spread of one step's
-    compute time, which rounds that wait for several members pay. `paced`: whether gossip rounds are
+    compute time, which rounds that wait for several members pay. `paced`: whether gossip rounds are paced
     (None: as the planner decides, `link_bound`)."""
     if strategy == "none" or not groups or all(g.members < 2 for g in groups):
         return step_s
