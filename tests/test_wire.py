@@ -7,7 +7,7 @@ import torch
 
 from ravnest.v1 import peer_pb2
 from ravnest.wire import Message, WireError, WireLimits
-from ravnest.wire.codec import DTYPES, decode, encode, validate_header
+from ravnest.wire.codec import DTYPES, decode, encode, require_finite, validate_header
 from ravnest.wire.messages import (MessageAssembler, chunk_frame, encode_message, message_frames,
                                    parse_frame, read_chunk)
 
@@ -117,6 +117,28 @@ def test_int8_of_zeros_and_integers_are_exact() -> None:
 def test_int8_refuses_non_finite_values(bad: float) -> None:
     with pytest.raises(ValueError, match="finite"):
         encode("t", torch.tensor([1.0, bad]), "int8")
+
+
+BIG = "the dtype's largest finite value"
+
+
+@pytest.mark.parametrize("values, refused", [
+    ([1.0, float("nan"), 2.0], True),
+    ([float("inf"), float("-inf")], True),  # the sum is NaN
+    ([BIG, BIG, -1.0], False),              # finite values whose sum overflows: checked one by one
+    ([BIG, float("inf")], True),
+    ([], False),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_require_finite_refuses_exactly_the_tensors_holding_nan_or_inf(values: list, refused: bool,
+                                                                       dtype: torch.dtype) -> None:
+    tensor = torch.tensor([torch.finfo(dtype).max if v is BIG else v for v in values], dtype=dtype)
+    if refused:
+        with pytest.raises(WireError, match="NaN or infinite values; refused"):
+            require_finite(tensor, "t")
+    else:
+        require_finite(tensor, "t")
+    require_finite(torch.tensor([2**62, 2**62]), "integers are not checked")
 
 
 def test_encode_refuses_bad_input() -> None:
