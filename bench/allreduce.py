@@ -228,9 +228,9 @@ def loopback(args: argparse.Namespace) -> str:
                f"reads and writes sockets straight from tensor memory: the sender copies the chunk into its "
                f"frame and gRPC copies the frame into a slice; the receiver gets the message as 64 KiB "
                f"slices, each copied into a bytes object, then joined into one (ring chunks are then used in "
-               f"place, without a further copy). That is about four user-space copies per byte against none, "
-               f"hence about twice gloo's CPU per round; the Wire section shows the transport's one-way "
-               f"ceiling.\n\n"
+               f"place, without a further copy), and checks it for NaN with one sum. That is about four "
+               f"user-space copies per byte against none, hence two to three times gloo's CPU per round; the "
+               f"Wire section shows the transport's one-way ceiling.\n\n"
                + "\n".join(f"- {line}" for line in lines))
     _write_docs(args, "All-reduce", summary)
     return f"allreduce ratio_vs_gloo={min(ratios):.3f}"
