@@ -23,7 +23,7 @@ from ravnest.pipeline.metrics import EvalAccumulator, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JobSpec, Ring, StageAssignment, StagePeer
-from ravnest.wire import PeerServer, Router
+from ravnest.wire import PeerServer, Router, close_channels
 
 Ranges = Sequence[tuple[int, int]]
 ROUTE_WAIT_S = 60.0  # stages start at different moments: a message may arrive before its stage exists
@@ -111,6 +111,7 @@ def _stage_process(conn: Connection, token: str, threads: int, device: str, data
         finally:
             if averager is not None:
                 averager.close()
+            close_channels()  # before any stage stops its server (below, once all are done)
         # tensors travel as safetensors bytes, never pickled
         conn.send({"metrics": metrics, "history": history, "trace": _trace_summary(runner),
                    "state": save_tensors(runner.state_dict())})
