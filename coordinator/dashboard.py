@@ -33,8 +33,10 @@ def render_dashboard(nodes: list[NodeView], jobs: list[JobSummary]) -> str:
 <section id="job" hidden><h2 id="job-title"></h2><p id="job-state"></p>
 <div class="bar"><div id="job-progress"></div></div><p id="job-figures"></p><ul id="job-recoveries"></ul>
 <h3>Pipelines</h3><p class="hint">Each row is a cluster: a pipeline whose stages (boxes: the node, the blocks
-[first, end) it holds, its utilization) pass activations to the right and gradients back. Dashed lines join
-the stages that average the same blocks across clusters.</p>
+[first, end) it holds, the share of time it computes (utilization, also the bar) and waits for a neighbour
+(bubble), and how many optimizer steps old the weights of its forwards are, on average (staleness)) pass
+activations to the right and gradients back. Dashed lines join the stages that average the same blocks
+across clusters.</p>
 <svg id="pipelines" role="img" preserveAspectRatio="xMinYMin meet"></svg>
 <div class="charts"><figure><figcaption>training loss by step</figcaption><svg id="loss-chart"></svg></figure>
 <figure><figcaption>test accuracy by step</figcaption><svg id="accuracy-chart"></svg></figure></div>

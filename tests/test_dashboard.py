@@ -125,6 +125,12 @@ def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_cur
             rings = cluster.job(job_id)["plan"]["rings"]  # a ring per segment (clusters may cut differently)
             assert page.locator("#pipelines line.ring").count() == len(rings) >= 2  # each joins 2 clusters
             assert "blocks [0," in page.locator("#pipelines").inner_html()
+            page.wait_for_function(  # every stage's box: the share of time computing and waiting, its staleness
+                "[...document.querySelectorAll('#pipelines text.staleness')]"
+                ".filter((t) => /^staleness \\d+\\.\\d\\d steps$/.test(t.textContent)).length === 4")
+            shares = page.locator("#pipelines text.utilization").all_text_contents()
+            assert len(shares) == 4
+            assert all(re.fullmatch(r"utilization \d\.\d\d · bubble \d\.\d\d", t) for t in shares), shares
             page.wait_for_function("document.querySelector('#loss-chart polyline.series')")
             first = int(page.locator("#loss-chart polyline.series").first.get_attribute("data-points"))
             page.wait_for_function(  # the curve grows from the job's server-sent events, no reload

@@ -184,7 +184,7 @@ function drawPipelines(job) {
     svg.append(el("svg:text", {x: 4, y: 20}, "not placed yet"));
     return;
   }
-  const boxW = 200, boxH = 76, gapX = 46, gapY = 34, left = 84;
+  const boxW = 200, boxH = 91, gapX = 46, gapY = 34, left = 84;
   const stageFigures = {};
   for (const s of job.metrics.stages) stageFigures[`${s.cluster}/${s.stage}`] = s;
   const centre = {};
@@ -205,9 +205,13 @@ function drawPipelines(job) {
                       `stage ${stage.stage} · blocks [${stage.blocks[0]}, ${stage.blocks[1]})`),
                    el("svg:text", {x: x + 8, y: y + 31}, node ? (node.name || node.id) : stage.node_id),
                    el("svg:text", {x: x + 8, y: y + 46},
-                      figures ? `step ${figures.step} · utilization ${fixed(utilization, 2)}` : "starting"),
-                   el("svg:text", {x: x + 8, y: y + 61},
-                      figures ? `${fixed(figures.metrics.samples_per_s, 0)} samples/s` : ""));
+                      figures ? `step ${figures.step} · ${fixed(figures.metrics.samples_per_s, 0)} samples/s`
+                              : "starting"),
+                   // computing vs waiting for a neighbour, and how many steps old its weights are
+                   el("svg:text", {x: x + 8, y: y + 61, class: "utilization"},
+                      figures ? `utilization ${fixed(utilization, 2)} · bubble ${fixed(figures.bubble, 2)}` : ""),
+                   el("svg:text", {x: x + 8, y: y + 76, class: "staleness"},
+                      figures ? `staleness ${fixed(figures.staleness, 2)} steps` : ""));
       svg.append(group);
       if (column > 0) {
         const x0 = x - gapX;

@@ -59,10 +59,7 @@ def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help
     plan = job.get("plan")
     if plan:
         out.print(f"plan: {plan['reason']}", highlight=False)
-        for cluster in plan["clusters"]:
-            stages = ", ".join(f"stage {s['stage']} blocks [{s['blocks'][0]}, {s['blocks'][1]}) on {s['node_id']}"
-                               for s in cluster["stages"])
-            out.print(f"  cluster {cluster['cluster']}: {stages}", highlight=False)
+        out.print(_stage_table(plan, job["metrics"].get("stages") or []))
     for recovery in job.get("recoveries") or []:
         kept = recovery.get("kept_training")
         trained_on = f"; clusters {kept} trained on ({recovery.get('steps_trained_on') or 0} steps)" if kept else ""
@@ -146,6 +143,22 @@ def demo(ctx: typer.Context) -> None:
 def nodes_(ctx: typer.Context) -> None:
     """Nodes that joined (as `ravnest node list`)."""
     node_list(ctx)
+
+
+def _stage_table(plan: dict, reports: list[dict]):
+    """One row per planned stage with what it last reported: how far it is, the share of time it
+    computes (utilization) and waits for its neighbours (bubble), and its mean staleness in steps."""
+    reported = {(r["cluster"], r["stage"]): r for r in reports}
+    stages = table("cluster", "stage", "blocks", "node", "step", "utilization", "bubble", "staleness", "samples/s")
+    for cluster in plan["clusters"]:
+        for s in cluster["stages"]:
+            r = reported.get((cluster["cluster"], s["stage"]), {})
+            figures = [f"{r[key]:.2f}" if r.get(key) is not None else ""
+                       for key in ("utilization", "bubble", "staleness")]
+            rate = (r.get("metrics") or {}).get("samples_per_s")
+            stages.add_row(str(cluster["cluster"]), str(s["stage"]), f"[{s['blocks'][0]}, {s['blocks'][1]})",
+                           s["node_id"], str(r.get("step", "")), *figures, f"{rate:,.0f}" if rate is not None else "")
+    return stages
 
 
 def _figures(metrics: dict) -> str:
