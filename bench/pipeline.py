@@ -29,7 +29,6 @@ import os
 import statistics
 import time
 import typing
-from typing import Callable
 
 import torch
 
@@ -90,7 +89,7 @@ def breakdown(batch_size: int, rounds: int = 20) -> None:
         full_optimizer.step()
         full_optimizer.zero_grad()
 
-    actions: dict[str, Callable[[int], object]] = {
+    actions: dict[str, typing.Callable[[int], object]] = {
         "single process: forward, backward, step": lambda m: single(),
         "stage 0: F (with the prediction)": lambda m: stage0.forward(m, x, lookahead=1),
         "stage 0: W (its whole backward)": lambda m: (stage0.backward_input(m, grad), stage0.backward_weights(m)),
