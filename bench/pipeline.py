@@ -17,8 +17,9 @@ samples, so the accuracy gap is the median over seeds of (single process minus p
 and each action of the 2-stage cut's two stages (stage 0 predicting one step ahead, as it does with
 K=2), so what the stages add to the single process's work is seen action by action.
 
-With several --staleness modes it also tabulates the test accuracy each reaches (docs/pipeline.md
-quotes that table). The last line printed is
+Each run's line gives every stage's utilization and mean staleness, first stage first, and the table
+their means over the stages. With several --staleness modes it also tabulates the test accuracy each
+reaches (docs/pipeline.md quotes that table). The last line printed is
 `pipeline speedup=<x> utilization=<u> accuracy_gap=<that median, worst of the cuts>`
 for the first mode (the 2-stage cut's speedup and utilization).
 """
@@ -60,6 +61,11 @@ def balanced_cut(job: JobSpec, stages: int) -> list[tuple[int, int]]:
     costs = profile_blocks(spec, job.training.batch_size)
     node = NodeCapacity(flops=1e10, memory_bytes=1 << 40, bandwidth_to_next=1e9)
     return partition(costs, [node] * stages).ranges
+
+
+def per_stage(run: dict, figure: str) -> str:
+    """One figure of every stage of a pipeline run, first stage first: "0.98/0.95"."""
+    return "/".join(f"{stage[figure]:.2f}" for stage in run["stages"])
 
 
 def breakdown(batch_size: int, rounds: int = 20) -> None:
@@ -148,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                 runs.setdefault((mode, stages), []).append(metrics)
                 print(f"seed {seed} {mode:12s} {stages} stages K={stages}: {metrics['steady_samples_per_s']:.0f} "
                       f"samples/s (x{metrics['steady_samples_per_s'] / single[seed]['steady_samples_per_s']:.2f}), "
-                      f"utilization {metrics['utilization']:.2f}, mean staleness {metrics['staleness']:.2f} steps, "
+                      f"utilization {metrics['utilization']:.2f} (stages {per_stage(piped, 'steady_utilization')}), "
+                      f"mean staleness {metrics['staleness']:.2f} steps (stages {per_stage(piped, 'staleness')}), "
                       f"test accuracy {metrics['test_accuracy']:.4f}",
                       flush=True)
 
