@@ -155,8 +155,9 @@ def main(argv: list[str] | None = None) -> None:
              "| predicted without / with a spare core |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
     ok = all(auto_pick_ok([r for r in results if r["replicas"] == n]) for n in args.replicas)
     worst = max(abs(r["predicted_s"] - r["step_s"]) / r["step_s"] for r in results)
-    computes = ", ".join(f"{n} replicas {r['compute_s'] * 1e3:.2f} ms, sd of a step {r['compute_sd_s'] * 1e3:.2f} ms"
-                         for n in args.replicas for r in [next(r for r in results if r["replicas"] == n)])
+    measured = {r["replicas"]: r for r in results}  # T and its sd: measured once per group size, in every row
+    computes = ", ".join(f"{n} replicas {measured[n]['compute_s'] * 1e3:.2f} ms, sd of a step "
+                         f"{measured[n]['compute_sd_s'] * 1e3:.2f} ms" for n in args.replicas)
     print(table)
     cores_note = (f"with {os.cpu_count()} cores for the replicas' processes no core is spare, so the model charges "
                   f"each strategy all its communication (`spare_core=False`)"
