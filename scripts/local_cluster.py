@@ -3,6 +3,7 @@ end-to-end tests both run on this."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import ssl
@@ -15,6 +16,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 TERMINAL_STATES = {"completed", "failed", "cancelled"}
+_ACCESS_LINE = re.compile(r'INFO: +[\d.:\[\]a-f]+ - "(GET|POST|PUT|DELETE) ')  # uvicorn's access log
 
 
 def free_port() -> int:
@@ -133,13 +135,18 @@ class LocalCluster:
             if result:
                 return result
             time.sleep(interval)  # polling a remote HTTP API: there is nothing local to wait on
+        exited = [(i, proc.returncode) for i, proc in enumerate(self.procs[1:]) if proc.poll() is not None]
         raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; the coordinator's log ends:\n"
-                           + self.log_tail(self.coordinator_log))
+                           + self.log_tail(self.coordinator_log) + "".join(
+                               f"\nnode-{i} exited (code {code}); its log ends:\n" + self.log_tail(f"node-{i}.log")
+                               for i, code in exited))
 
     def log_tail(self, log_name: str, lines: int = 20) -> str:
-        """The last lines of a process's log: what a failed wait shows of why (CI keeps no files)."""
+        """The last lines of a process's log: what a failed wait shows of why (CI keeps no files). HTTP
+        access lines are left out: a waiting test's own polls would fill the tail."""
         try:
-            return "\n".join((self.data_dir / "logs" / log_name).read_text(errors="replace").splitlines()[-lines:])
+            text = (self.data_dir / "logs" / log_name).read_text(errors="replace")
+            return "\n".join([line for line in text.splitlines() if not _ACCESS_LINE.match(line)][-lines:])
         except OSError as e:
             return f"({e})"
 

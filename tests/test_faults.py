@@ -172,7 +172,9 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
     throughput with a second replica, so the job is re-planned onto all four and continues from the
     state its stages hand in."""
     with LocalCluster(tmp_path, nodes=2) as cluster:
-        job_id = cluster.submit(cnn_job(steps=4000, clusters="auto", min_nodes=2))  # long enough to grow under load
+        # long enough that the newcomers (which start, profile and measure their links while two nodes
+        # train on the same cores) join before three quarters of it are done, when a job stops growing
+        job_id = cluster.submit(cnn_job(steps=6000, clusters="auto", min_nodes=2))
         wait_progress(cluster, job_id, 0.01)
         assert len(cluster.job(job_id)["plan"]["clusters"]) == 1
         newcomers = cluster.add_nodes(2)
@@ -180,6 +182,8 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
 
         def working():
             job = cluster.job(job_id)
+            assert job["state"] not in ("failed", "cancelled", "completed"), \
+                f"{job['state']} before the newcomers got work: {job['reason']}; recoveries {job['recoveries']}"
             placed = {s["node_id"] for c in (job["plan"] or {"clusters": []})["clusters"] for s in c["stages"]}
             return job if newcomers <= placed and job["state"] == "running" and job["recoveries"] and \
                 job["recoveries"][-1].get("recovery_s") is not None else None

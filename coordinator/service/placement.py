@@ -103,10 +103,13 @@ class Placing(ServiceBase):
             considered = (job.generation, frozenset(node.id for node in newcomers), measured)
             if self._grow_considered.get(job.id) == considered:
                 continue
-            if jobs.progress(job, stages_of(session, job.id)).fraction > 0.75:
-                continue  # too little left to be worth a re-plan
             self._grow_considered[job.id] = considered
             some = _n(len(newcomers), "idle node")
+            done = jobs.progress(job, stages_of(session, job.id)).fraction
+            if done > 0.75:
+                log.info("job %s stays on its nodes: it is %.0f%% done, too little is left to re-plan it onto %s",
+                         job.id, 100 * done, some)
+                continue
             try:
                 plan = self._plan_on(session, spec, members + newcomers)
             except PlanningError as e:
