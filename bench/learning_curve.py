@@ -1,4 +1,4 @@
-"""Training loss per step: the 2-stage pipeline (K=2, `staleness` none and predict) against synchronous
+"""Training loss per step: the 2-stage pipeline (K=2, `staleness` none, predict, predict2) against synchronous
 training, and each against its own arithmetic done in one process (`ravnest.pipeline.reference`), which
 it must match: what the pipeline learns per step is then the algorithm's, not the machinery's.
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
     _, losses = two_stage_reference(job, cut, "sync")
     row("synchronous", {s: statistics.mean(losses[max(0, s - WINDOW):s]) for s in marks})
-    for staleness, forward_weights in (("none", "stale"), ("predict", "predict")):
+    for staleness, forward_weights in (("none", "stale"), ("predict", "predict"), ("predict2", "predict2")):
         piped_job = make_job(args.steps, args.batch_size, 2, staleness, args.seed)
         piped = run_local_pipeline(piped_job, ranges)
         reported = {int(h["step"]): h["loss"] for h in piped["history"][-1] if "loss" in h}

@@ -50,7 +50,7 @@ class Load:
     averaging_copies: float = 0.0    # parameter-sized buffers an averaging strategy keeps
     stage_base: int = 0              # bytes any stage costs, whatever its blocks
     parts: int = 1                   # micro-batches a batch is cut into (staleness "2bw")
-    predict: bool = False            # weight prediction keeps the last update
+    predict: int = 0                 # weight prediction's order: the buffers it keeps (schedule.prediction_order)
     heap_slack: float = 1.0          # what the allocator really takes per activation byte (see memory.py)
     split_backward: bool = True      # B/W split: owners' output gradients held from B to W (stages > 0)
 

@@ -326,6 +326,9 @@ class Stage:
         # stands in for StageRunner.optimizer_tensors(): Adam-like moments, different in every replica
         self.optimizer_state = {f"{k}:{name}": torch.randn_like(v) for k, v in self.live.items()
                                 if isinstance(v, nn.Parameter) for name in ("exp_avg", "exp_avg_sq")}
+        # stands in for weight prediction's earlier weights (two versions, as with `predict2`)
+        self.history = [{k: v.detach() + offset for k, v in self.live.items() if isinstance(v, nn.Parameter)}
+                        for offset in (0.1, -0.2)]
         self.router = Router()
         self.server = PeerServer(self.router, token=TOKEN)
         self.averager: RingAveraging | None = None
@@ -349,7 +352,8 @@ def build_job(cluster_ranges: list[list[tuple[int, int]]], every: int = 1,
                 dataset=DatasetRef(name="digits"), training=TrainingSettings(),
                 averaging=averaging, rings=mine)
             context = StageContext(assignment, stage.router, stage.live,
-                                   optimizer_state=lambda stage=stage: stage.optimizer_state)
+                                   optimizer_state=lambda stage=stage: stage.optimizer_state,
+                                   companions=lambda stage=stage: stage.history)
             stage.averager = RingAveraging(context, step_timeout=20.0)
     return clusters
 
@@ -425,6 +429,10 @@ def test_round_keeps_local_progress_made_meanwhile():
             state = replica_state(cluster)
             for key, change in changes[c].items():
                 torch.testing.assert_close(state[key], expected[key] + change, rtol=1e-6, atol=1e-6, msg=key)
+            for stage in cluster:  # weight prediction's earlier weights took the correction, not the progress
+                for offset, history in zip((0.1, -0.2), stage.history):
+                    for key, value in history.items():
+                        torch.testing.assert_close(value, expected[key] + offset, rtol=1e-6, atol=1e-6, msg=key)
     finally:
         close_job(clusters)
 

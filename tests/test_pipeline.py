@@ -122,6 +122,36 @@ def test_weight_prediction_extrapolates_the_last_update_only() -> None:
     assert torch.allclose(versions.acquire(2)[1]["weight"], w0 + 0.5 - 2.0)
 
 
+def test_second_order_prediction_continues_a_quadratic_path_exactly() -> None:
+    """Order 2 is the second-order polynomial through the last three versions: weights moving as
+    w_t = a + b t + c t^2 are predicted exactly at any lookahead (order 1 misses by c d (d + 1)), it is
+    order 1 until two updates have been seen, and a correction moves all three versions alike."""
+    module = nn.Linear(2, 2)
+    a = module.weight.detach().clone()
+
+    def path(t: float) -> torch.Tensor:
+        return a + 0.3 * t - 0.05 * t * t
+
+    versions = WeightVersions(module, predict=2)
+    for t in (1, 2, 3):  # the third step rewrites the oldest buffer
+        versions.before_step()
+        with torch.no_grad():
+            module.weight.copy_(path(t))
+        versions.advance()
+        if t == 1:  # one update seen: first order
+            assert torch.allclose(versions.acquire(2)[1]["weight"], path(1) + 2 * (path(1) - path(0)))
+            versions.release(1, 2)
+    for lookahead in (1, 2, 3):
+        predicted = versions.acquire(lookahead)[1]["weight"]
+        assert torch.allclose(predicted, path(3 + lookahead), atol=1e-6), lookahead
+    assert len(versions.history()) == 2
+    with torch.no_grad():  # an averaging correction moves the live and the earlier weights alike
+        for tensor in (module.weight, *(weights["weight"] for weights in versions.history())):
+            tensor.add_(-2.0)
+    versions.advance()  # a new version, so the prediction is computed afresh
+    assert torch.allclose(versions.acquire(1)[1]["weight"], path(4) - 2.0, atol=1e-6)
+
+
 def test_the_pre_step_copy_may_be_taken_early_once() -> None:
     """A stage takes prediction's copy of the weights while it waits for the step's last gradient: the
     step then copies nothing more (it would cost the pass the early copy saves), a correction in

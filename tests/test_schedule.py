@@ -155,7 +155,8 @@ def test_threaded_runs_are_identical_whatever_the_timing() -> None:
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-@pytest.mark.parametrize("staleness, forward_weights", [("none", "stale"), ("predict", "predict")])
+@pytest.mark.parametrize("staleness, forward_weights", [("none", "stale"), ("predict", "predict"),
+                                                       ("predict2", "predict2")])
 def test_a_two_stage_pipeline_computes_exactly_the_stale_or_predicted_algorithm(staleness, forward_weights) -> None:
     """The pipeline's weights after 20 Adam steps are those of its algorithm done in one process, and far
     from synchronous training's: what it learns is what staleness and prediction make of it, no more."""

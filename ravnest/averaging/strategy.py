@@ -31,7 +31,7 @@ import contextlib
 import importlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ class StageContext:
     `live` maps parameter and floating buffer keys to the live tensors; `optimizer_state()` returns
     the optimizer's per-parameter floating state keyed "<parameter key>:<state name>";
     `companions()` returns tensors keyed like `live` that must take every correction `live` takes
-    (weight prediction's pre-step weights). `apply_update(grads, last)` steps the optimizer on the
+    (weight prediction's earlier weights), in as many dicts as there are copies. `apply_update(grads, last)` steps the optimizer on the
     parameters named in `grads` (keyed like `live`) with those gradients; `last` ends the step (the
     learning-rate schedule advances). `module` holds the stage's blocks as children named by their
     global index; `forward_reads_live`: its forwards read the live parameters (no weight snapshots),
@@ -72,7 +72,7 @@ class StageContext:
     live: Tensors
     device: torch.device = torch.device("cpu")
     optimizer_state: Callable[[], Tensors] = dict
-    companions: Callable[[], Tensors] = dict
+    companions: Callable[[], Sequence[Tensors]] = tuple
     apply_update: Callable[[Tensors, bool], None] | None = None
     module: nn.Module | None = None
     forward_reads_live: bool = False

@@ -20,7 +20,7 @@ import torch
 
 from ravnest.partition import Load
 from ravnest.pipeline.optim import build_optimizer
-from ravnest.pipeline.schedule import batch_parts, staleness_method
+from ravnest.pipeline.schedule import batch_parts, prediction_order, staleness_method
 from ravnest.spec import OptimizerRef, TrainingSettings
 
 RING_COPIES = 2.0  # a ring averager keeps a snapshot and an average of its segment
@@ -61,7 +61,7 @@ def training_load(training: TrainingSettings, num_stages: int, *, averaging: boo
     return Load(in_flight=k, optimizer_state=optimizer_state_factor(training.optimizer),
                 recompute=training.weight_stash == "recompute",
                 averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE,
-                parts=batch_parts(method, k, training.batch_size), predict=method.endswith("predict"),
+                parts=batch_parts(method, k, training.batch_size), predict=prediction_order(method),
                 heap_slack=HEAP_SLACK)
 
 

@@ -78,13 +78,19 @@ def staleness(micro_batch: int, stage: int, num_stages: int, window: int, accumu
 
 
 def staleness_method(setting: str, window: int) -> str:
-    """The compensation `training.staleness` means with K = `window`: "auto" is weight prediction
-    while at most one update can fall between a forward and its gradient (K <= 2), where it is as
-    accurate as synchronous training and costs nothing in speed, and PipeDream-2BW with prediction
-    beyond, where prediction alone falls short (docs/pipeline.md has the figures)."""
+    """The compensation `training.staleness` means with K = `window`: "auto" is second-order weight
+    prediction while at most one update can fall between a forward and its gradient (K <= 2), where it
+    is as accurate as synchronous training at 2% of the speed, and PipeDream-2BW with it beyond, where
+    prediction alone falls short (docs/pipeline.md has the figures)."""
     if setting != "auto":
         return setting
-    return "predict" if window <= 2 else "2bw+predict"
+    return "predict2" if window <= 2 else "2bw+predict2"
+
+
+def prediction_order(method: str) -> int:
+    """How far weight prediction extrapolates: 0 (none), 1 (along the last update) or 2 (along its change
+    too, "predict2")."""
+    return 2 if method.endswith("predict2") else int(method.endswith("predict"))
 
 
 def batch_parts(method: str, window: int, batch_size: int) -> int:

@@ -34,7 +34,8 @@ from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, batch_parts,
-                                       stage_actions, staleness, staleness_method, warmup)
+                                       prediction_order, stage_actions, staleness,
+                                       staleness_method, warmup)
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment, StagePeer
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
@@ -97,7 +98,7 @@ class StageRunner:
         self.window = training.microbatches_in_flight or a.num_stages  # K, the staleness bound
         stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
         method = staleness_method(training.staleness, self.window)
-        self.predict = method.endswith("predict")
+        self.predict = prediction_order(method)
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
                                     device=self.device, snapshots=stale, predict=self.predict,
                                     split=a.split_backward)
@@ -274,7 +275,7 @@ class StageRunner:
             return None
         self.averager = make_strategy(StageContext(
             self.assignment, self.router, self.live_tensors(), self.device, self.optimizer_tensors,
-            self.prediction_base, apply_update=self._apply_update, module=self.module,
+            self.prediction_history, apply_update=self._apply_update, module=self.module,
             forward_reads_live=not self.compute.versions.snapshots, per_step=self.per_step,
             waiting=lambda: self.clock.waiting()))
         return self.averager
@@ -308,10 +309,10 @@ class StageRunner:
         params = self.compute.params
         self.optimizer.apply_update({params[key]: grad.to(self.device) for key, grad in grads.items()}, last)
 
-    def prediction_base(self) -> dict[str, torch.Tensor]:
-        """What weight prediction extrapolates from (the weights before the last step, keyed like
-        `live_tensors`; empty without prediction): averaging corrects them with the live weights."""
-        return self.compute.versions.previous or {}
+    def prediction_history(self) -> list[dict[str, torch.Tensor]]:
+        """What weight prediction extrapolates from (the weights before the last one or two steps, keyed
+        like `live_tensors`; none without prediction): averaging corrects them with the live weights."""
+        return self.compute.versions.history()
 
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer's live per-parameter floating state (e.g. Adam's exp_avg, exp_avg_sq), keyed

@@ -36,26 +36,35 @@ class WeightVersions:
 
     With `snapshots=False` every version is the live parameters themselves: right when no optimizer
     step can fall between a micro-batch's forward and its backward, and it saves a parameter-sized
-    copy. With `predict`, a forward that will be `lookahead` updates stale uses the weights
-    extrapolated that far along the last update, w + lookahead * (w - w_previous) (weight prediction,
-    as SpecTrain and XPipe: the gradient is then taken near the weights it will be applied to).
-    `previous` is a copy taken before each optimizer step; the prediction is one fused pass,
-    lerp(w_previous, w, 1 + lookahead), so predicting costs one parameter copy per step over plain
-    snapshots. The copy may be taken early (`save_previous`), anywhere after the version's forwards
-    have acquired their weights: a stage takes it while it waits for a gradient, where it costs
-    nothing. Whatever else moves the live weights (an averaging correction) must move `previous`
-    alike: a correction is not an update to extrapolate."""
+    copy. With `predict` (the order), a forward that will be d = `lookahead` updates stale uses the
+    weights extrapolated that far (weight prediction, as SpecTrain and XPipe: the gradient is then
+    taken near the weights it will be applied to). From w and the weights before the last two steps,
+    w1 (`previous`) and w2 (`earlier`), order 1 extrapolates along the last update and order 2 along
+    its change too (the second-order polynomial through the three versions):
 
-    def __init__(self, module: nn.Module, snapshots: bool = True, predict: bool = False):
+        order 1:  w + d (w - w1)                                     = lerp(w1, w, 1 + d)
+        order 2:  w + d (w - w1) + c ((w - w1) - (w1 - w2)), c = d (d + 1) / 2
+                  = lerp(lerp(w2, w1, (d + 2c) / (d + c)), w, 1 + d + c)       (3 w - 3 w1 + w2 at d = 1)
+
+    `previous` is a copy taken before each optimizer step; order 2 rotates the two buffers, so it
+    copies no more per step: predicting costs one parameter copy per step over plain snapshots, order
+    2 one more buffer and one more pass per prediction. The copy may be taken early (`save_previous`),
+    anywhere after the version's forwards have acquired their weights: a stage takes it while it waits
+    for a gradient, where it costs nothing. Whatever else moves the live weights (an averaging
+    correction) must move the earlier weights alike (`history`): a correction is not an update to
+    extrapolate."""
+
+    def __init__(self, module: nn.Module, snapshots: bool = True, predict: int = 0):
         self.snapshots = snapshots
         self._live = dict(module.named_parameters())
         self._snapshots: dict[tuple[int, int], Tensors] = {}
         self._users: Counter[tuple[int, int]] = Counter()
         self._spare: list[Tensors] = []  # retired snapshots, refilled in place: no allocation per step
-        self.predict = predict and snapshots
+        self.predict = int(predict) if snapshots else 0
         # the weights before the last optimizer step; none before the first (nothing to extrapolate:
         # a stage resuming from a checkpoint loads its weights after this is built)
         self.previous: Tensors | None = None
+        self.earlier: Tensors | None = None  # order 2: the weights before the step before it
         self._previous_saved = False  # `previous` holds the weights the next step starts from
         self.current = 0
 
@@ -72,7 +81,12 @@ class WeightVersions:
             snapshot = self._spare.pop() if self._spare else {
                 name: torch.empty_like(p).requires_grad_(p.requires_grad) for name, p in self._live.items()}
             for name, p in self._live.items():
-                if lookahead and self.previous is not None:  # w + lookahead * (w - w_previous)
+                if lookahead and self.earlier is not None:  # order 2 (see the class docstring)
+                    c = lookahead * (lookahead + 1) / 2
+                    torch.lerp(self.earlier[name], self.previous[name], (lookahead + 2 * c) / (lookahead + c),
+                               out=snapshot[name])
+                    torch.lerp(snapshot[name], p, 1.0 + lookahead + c, out=snapshot[name])
+                elif lookahead and self.previous is not None:
                     torch.lerp(self.previous[name], p, 1.0 + lookahead, out=snapshot[name])
                 else:
                     snapshot[name].copy_(p)
@@ -99,11 +113,19 @@ class WeightVersions:
         live weights must change only by corrections (which move `previous` too) until that step."""
         if not self.predict or self._previous_saved:
             return
+        if self.previous is not None and self.predict > 1:  # the older buffer takes the new copy
+            if self.earlier is None:
+                self.earlier = {name: torch.empty_like(p) for name, p in self.previous.items()}
+            self.previous, self.earlier = self.earlier, self.previous
         if self.previous is not None:
             torch._foreach_copy_(list(self.previous.values()), [p.detach() for p in self._live.values()])
         else:
             self.previous = {name: p.detach().clone() for name, p in self._live.items()}
         self._previous_saved = True
+
+    def history(self) -> list[Tensors]:
+        """The earlier weights a prediction extrapolates from (none without prediction)."""
+        return [weights for weights in (self.previous, self.earlier) if weights is not None]
 
     def before_step(self) -> None:
         self.save_previous()
@@ -179,7 +201,7 @@ class StageCompute:
     """
 
     def __init__(self, module: nn.Module, *, mode: str, input_grad: bool, device: torch.device,
-                 snapshots: bool = True, predict: bool = False, split: bool = True):
+                 snapshots: bool = True, predict: int = 0, split: bool = True):
         if mode not in ("stash", "recompute"):
             raise ValueError(f"unknown weight_stash mode {mode!r}")
         self.module = module

@@ -176,7 +176,7 @@ class AsyncPairwiseMomentum(GroupStrategy):
             with segment.lock:  # taken and published at once: an averaging sees every earlier one
                 self._take_finished(segment)
                 if self.eta:
-                    segment.layout.add_into(segment.gap, self.live, self._companions(), alpha=shift)
+                    segment.layout.add_into(segment.gap, self.live, *self._companions(), alpha=shift)
                     segment.gap.mul_(decay)
                 segment.layout.flatten(self.live, out=segment.published)
         with self._progress:
@@ -252,7 +252,7 @@ class AsyncPairwiseMomentum(GroupStrategy):
         """Add the finished averagings' sums to x and d (holding the segment's lock)."""
         if segment.untaken:
             segment.gap.add_(segment.pending_gap)
-            segment.layout.add_into(segment.pending, self.live, self._companions())
+            segment.layout.add_into(segment.pending, self.live, *self._companions())
             segment.pending.zero_()
             segment.pending_gap.zero_()
             segment.untaken = 0

@@ -173,4 +173,4 @@ class GossipMixing(GroupStrategy):
         mixed, seconds = future.result()  # re-raises the exchange's error, naming peer and round
         self.rounds += 1
         self.mix_s += seconds
-        segment.layout.add_into(mixed.sub_(segment.snapshot).to(self.device), self.live, self._companions())
+        segment.layout.add_into(mixed.sub_(segment.snapshot).to(self.device), self.live, *self._companions())

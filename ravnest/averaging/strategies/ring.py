@@ -223,7 +223,7 @@ class RingAveraging(GroupStrategy):
         if self.every_seconds is not None:
             segment.committed = None if outcome.anyone_finished else segment.running_round + 1
         delta = self._correction(segment, outcome).to(self.device)
-        segment.layout.add_into(delta, self._tensors(), self._companions())
+        segment.layout.add_into(delta, self._tensors(), *self._companions())
 
 
 def _average(segment: _Segment, vector: torch.Tensor, number: int, codec: str | None,
