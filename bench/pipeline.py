@@ -14,8 +14,8 @@ samples, so the accuracy gap is the median over seeds of (single process minus p
     python -m bench.pipeline --breakdown [--batch-size N]
 
 `--breakdown` times, in this one process and with nothing else running, a step of the single process
-and each action of the 2-stage cut's two stages (stage 0 predicting one step ahead, as it does with
-K=2), so what the stages add to the single process's work is seen action by action.
+and each action of the 2-stage cut's two stages (stage 0 predicting one step ahead as the default
+compensation does with K=2), so what the stages add to the single process's work is seen action by action.
 
 Each run's line gives every stage's utilization and mean staleness, first stage first, and the table
 their means over the stages. With several --staleness modes it also tabulates the test accuracy each
@@ -37,6 +37,7 @@ from ravnest.models import build_model, profile_blocks
 from ravnest.partition import NodeCapacity, partition
 from ravnest.pipeline import run_local_pipeline, run_single_process
 from ravnest.pipeline.optim import build_optimizer
+from ravnest.pipeline.schedule import prediction_order, staleness_method
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import JobSpec, TrainingSettings
 from ravnest.wire.transport import keep_freed_buffers
@@ -77,7 +78,7 @@ def breakdown(batch_size: int, rounds: int = 20) -> None:
     full = spec.full_model(seed=0)
     full_optimizer = build_optimizer(full.parameters(), job.training.optimizer)
     stage0 = StageCompute(spec.blocks(0, cut, seed=0), mode="stash", input_grad=False, device=torch.device("cpu"),
-                          predict=True)
+                          predict=prediction_order(staleness_method(DEFAULT_STALENESS, 2)))
     stage1 = StageCompute(spec.blocks(cut, seed=0), mode="stash", input_grad=True, device=torch.device("cpu"),
                           snapshots=False)
     optimizers = [build_optimizer(stage.module.parameters(), job.training.optimizer) for stage in (stage0, stage1)]
