@@ -104,8 +104,8 @@ class TrainingSettings(_Strict):
         "auto", description="staleness compensation of the asynchronous pipeline: '2bw' cuts each batch into K "
         "micro-batches whose gradients make one update (PipeDream-2BW: at most one update of delay); 'predict' "
         "forwards with the weights extrapolated to when the gradient is applied (SpecTrain/XPipe), 'predict2' "
-        "along the change of the update too (second order); '2bw+predict', '2bw+predict2' both; 'none'; 'auto' (default) is 'predict2' for K <= 2 and '2bw+predict2' above, as measured in "
-        "docs/pipeline.md")
+        "along the change of the update too (second order); '2bw+predict', '2bw+predict2' both; 'none'; "
+        "'auto' (default) is 'predict2' for K <= 2 and '2bw+predict2' above, as measured in docs/pipeline.md")
     codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between evaluations; 0 = only at the end")
     seed: int = Field(0, ge=0, lt=1 << 63)

@@ -59,13 +59,13 @@ class StageContext:
 
     `live` maps parameter and floating buffer keys to the live tensors; `optimizer_state()` returns
     the optimizer's per-parameter floating state keyed "<parameter key>:<state name>";
-    `companions()` returns tensors keyed like `live` that must take every correction `live` takes
-    (weight prediction's earlier weights), in as many dicts as there are copies. `apply_update(grads, last)` steps the optimizer on the
-    parameters named in `grads` (keyed like `live`) with those gradients; `last` ends the step (the
-    learning-rate schedule advances). `module` holds the stage's blocks as children named by their
-    global index; `forward_reads_live`: its forwards read the live parameters (no weight snapshots),
-    so a block's parameters may still change until its forward pre-hook runs. `per_step`
-    micro-batches make one step. `waiting()` wraps a wait for the network inside the stage's
+    `companions()` returns dicts of tensors keyed like `live` that must take every correction `live`
+    takes (weight prediction's earlier weights, one dict per version). `apply_update(grads, last)`
+    steps the optimizer on the parameters named in `grads` (keyed like `live`) with those gradients;
+    `last` ends the step (the learning-rate schedule advances). `module` holds the stage's blocks as
+    children named by their global index; `forward_reads_live`: its forwards read the live parameters
+    (no weight snapshots), so a block's parameters may still change until its forward pre-hook runs.
+    `per_step` micro-batches make one step. `waiting()` wraps a wait for the network inside the stage's
     computation (it is not counted as busy)."""
     assignment: StageAssignment
     router: Router

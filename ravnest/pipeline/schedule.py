@@ -80,7 +80,7 @@ def staleness(micro_batch: int, stage: int, num_stages: int, window: int, accumu
 def staleness_method(setting: str, window: int) -> str:
     """The compensation `training.staleness` means with K = `window`: "auto" is second-order weight
     prediction while at most one update can fall between a forward and its gradient (K <= 2), where it
-    is as accurate as synchronous training at 2% of the speed, and PipeDream-2BW with it beyond, where
+    is as accurate as synchronous training for 2% of the speed, and PipeDream-2BW with it beyond, where
     prediction alone falls short (docs/pipeline.md has the figures)."""
     if setting != "auto":
         return setting

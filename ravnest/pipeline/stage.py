@@ -34,8 +34,7 @@ from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, batch_parts,
-                                       prediction_order, stage_actions, staleness,
-                                       staleness_method, warmup)
+                                       prediction_order, stage_actions, staleness, staleness_method, warmup)
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment, StagePeer
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
