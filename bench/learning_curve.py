@@ -37,15 +37,18 @@ def main(argv: list[str] | None = None) -> None:
     def row(name: str, curve: dict[int, float]) -> None:
         print(f"{name:22s}{' '.join(f'{curve[s]:6.3f}' for s in marks)}", flush=True)
 
+    def reported_like_a_stage(losses: list[float]) -> dict[int, float]:
+        return {s: statistics.mean(losses[max(0, s - WINDOW):s]) for s in marks}
+
     _, losses = two_stage_reference(job, cut, "sync")
-    row("synchronous", {s: statistics.mean(losses[max(0, s - WINDOW):s]) for s in marks})
+    row("synchronous", reported_like_a_stage(losses))
     for staleness, forward_weights in (("none", "stale"), ("predict", "predict"), ("predict2", "predict2")):
         piped_job = make_job(args.steps, args.batch_size, 2, staleness, args.seed)
         piped = run_local_pipeline(piped_job, ranges)
         reported = {int(h["step"]): h["loss"] for h in piped["history"][-1] if "loss" in h}
         _, losses = two_stage_reference(piped_job, cut, forward_weights)
         row(f"pipeline, {staleness}", reported)
-        row("  its arithmetic", {s: statistics.mean(losses[max(0, s - WINDOW):s]) for s in marks})
+        row("  its arithmetic", reported_like_a_stage(losses))
         print(f"  test accuracy {piped['metrics']['test_accuracy']:.4f}", flush=True)
 
 
