@@ -15,7 +15,8 @@ samples, so the accuracy gap is the median over seeds of (single process minus p
 
 `--breakdown` times, in this one process and with nothing else running, a step of the single process
 and each action of the 2-stage cut's two stages (stage 0 predicting one step ahead as the default
-compensation does with K=2), so what the stages add to the single process's work is seen action by action.
+compensation does with K=2, its forward taking the step's copy of the weights as in the pipeline), so
+what the stages add to the single process's work is seen action by action.
 
 Each run's line gives every stage's utilization and mean staleness, first stage first, and the table
 their means over the stages. With several --staleness modes it also tabulates the test accuracy each
@@ -98,9 +99,8 @@ def breakdown(batch_size: int, rounds: int = 20) -> None:
 
     actions: dict[str, typing.Callable[[int], object]] = {
         "single process: forward, backward, step": lambda m: single(),
-        "stage 0: F (with the prediction)": lambda m: stage0.forward(m, x, lookahead=1),
+        "stage 0: F (predicting, taking the step's copy)": lambda m: stage0.forward(m, x, lookahead=1, last=True),
         "stage 0: W (its whole backward)": lambda m: (stage0.backward_input(m, grad), stage0.backward_weights(m)),
-        "stage 0: copy of the weights before the step": lambda m: stage0.versions.save_previous(),
         "stage 0: step": lambda m: step(stage0, optimizers[0]),
         "stage 1: F (and the loss)": lambda m: stage1.forward(m, activation, loss_fn=lambda out: spec.loss(out, y)),
         "stage 1: B": lambda m: stage1.backward_input(m, None),

@@ -17,7 +17,7 @@ from ravnest.models import build_model
 from ravnest.pipeline import (PipelineError, StageOptimizer, StageRunner, build_optimizer, lr_factor,
                               run_single_process, run_threaded_pipeline)
 from ravnest.pipeline.local import make_assignments
-from ravnest.pipeline.stash import StageCompute, WeightVersions
+from ravnest.pipeline.stash import PIECE, StageCompute, WeightVersions
 from ravnest.spec import JobSpec, OptimizerRef, TrainingSettings
 from ravnest.wire import Message, OutboundStream, PeerError, PeerGate, PeerServer, Router, credential_hash
 
@@ -173,6 +173,33 @@ def test_the_pre_step_copy_may_be_taken_early_once() -> None:
     assert torch.allclose(versions.acquire(1)[1]["weight"], w0 + 1.0 + 0.5 * 2)
     versions.save_previous()  # the next step's copy is taken afresh
     assert torch.equal(versions.previous["weight"], module.weight.detach())
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_the_last_forward_of_a_version_takes_the_copy_with_the_same_result(order: int) -> None:
+    """A version's last forward takes the step's copy while it predicts, piece by piece (the tensor
+    spans several pieces): the predictions, the copies and the rotation of the buffers are bit for bit
+    those of predicting, then copying before the step, from the first-order steps on."""
+    torch.manual_seed(0)
+    modules = [nn.Linear(600, 700), nn.Linear(600, 700)]
+    modules[1].load_state_dict(modules[0].state_dict())
+    assert modules[0].weight.numel() > 1.5 * PIECE
+    fused, plain = (WeightVersions(module, predict=order) for module in modules)
+    for step in range(4):
+        taken = fused.acquire(1, last=True)[1], plain.acquire(1)[1]
+        assert all(torch.equal(taken[0][k], taken[1][k]) for k in taken[1]), step
+        assert fused._previous_saved == (step > 0)  # nothing to extrapolate from before the first step
+        fused.before_step(), plain.before_step()
+        assert len(fused.history()) == len(plain.history())
+        for mine, theirs in zip(fused.history(), plain.history()):
+            assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+        update = torch.randn_like(modules[0].weight)
+        with torch.no_grad():
+            for module in modules:  # the optimizer's step
+                module.weight.add_(update)
+        for versions in (fused, plain):
+            versions.release(step, 1)
+            versions.advance()
 
 
 def test_recompute_replays_dropout_and_matches_stash() -> None:

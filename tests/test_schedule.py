@@ -13,7 +13,7 @@ from ravnest.pipeline import StageRunner, run_local_pipeline, run_threaded_pipel
 from ravnest.pipeline.reference import two_stage_reference
 from ravnest.pipeline.stash import StageCompute
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, stage_actions, staleness,
-                                       warmup)
+                                       steps_before_next_forward, warmup)
 from ravnest.spec import JobSpec
 
 SHAPES = [(S, K, acc, n) for S in (1, 2, 3, 4) for K in (1, 2, 4, 6) for acc in (1, 3) for n in (1, 5, 12)]
@@ -79,6 +79,10 @@ def test_every_schedule_completes_and_keeps_its_promises(num_stages, window, acc
             at_weights = actions[position[(W, m)]][2]
             assert at_weights - at_forward == staleness(m, s, num_stages, window, accumulation)
             assert at_weights - at_forward <= window - 1
+            # the version's last forward, which takes weight prediction's copy for the step
+            next_forward = position.get((F, m + 1), len(actions))
+            stepped = any(kind == STEP for kind, _, _ in actions[position[(F, m)]:next_forward])
+            assert steps_before_next_forward(m, s, num_stages, window, micro_batches, accumulation) == stepped
 
 
 def test_stage_zero_of_two_warms_up_with_k_forwards_then_alternates() -> None:

@@ -69,6 +69,16 @@ def stage_actions(stage: int, num_stages: int, window: int, micro_batches: int,
             yield from forward(m + ahead)
 
 
+def steps_before_next_forward(micro_batch: int, stage: int, num_stages: int, window: int, micro_batches: int,
+                              accumulation: int = 1) -> bool:
+    """Whether the optimizer steps after the forward of `micro_batch` before this stage's next forward
+    (always, after the last one): that forward is then the last on its weight version."""
+    ahead = min(warmup(stage, num_stages, window), micro_batches)
+    if micro_batch == micro_batches - 1:
+        return True
+    return micro_batch >= ahead - 1 and (micro_batch + 2 - ahead) % accumulation == 0
+
+
 def staleness(micro_batch: int, stage: int, num_stages: int, window: int, accumulation: int = 1) -> int:
     """Optimizer steps this stage takes between the forward of `micro_batch` and its backward: how
     far the weights its forward uses lag the weights its gradient is applied to."""

@@ -34,7 +34,8 @@ from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import BackwardRecord, EvalAccumulator, PipelineTrace, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, batch_parts,
-                                       prediction_order, stage_actions, staleness, staleness_method, warmup)
+                                       prediction_order, stage_actions, staleness, staleness_method,
+                                       steps_before_next_forward, warmup)
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment, StagePeer
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
@@ -395,8 +396,8 @@ class StageRunner:
             self._output = self._pending = None
         elif kind == RECV_B:
             # the step's last gradient: no forward comes before the step now, so weight prediction's copy
-            # of the weights can be taken before the wait (the gradient is often not here yet) rather
-            # than at the step; not where a strategy defers the update (it lands later, in parts)
+            # of the weights, unless the last forward took it, can be taken before the wait (the gradient
+            # is often not here yet) rather than at the step; not where a strategy defers the update
             if (m + 1) % self.per_step == 0 and self._optimizer_updates:
                 with self.clock.busy():
                     self.compute.versions.save_previous()
@@ -476,15 +477,21 @@ class StageRunner:
     def _forward(self, micro_batch: int, x: torch.Tensor, y: torch.Tensor) -> None:
         self._forward_versions[micro_batch] = self.optimizer.steps
         lookahead = self._lookahead(micro_batch)
+        a = self.assignment
+        # the version's last forward takes weight prediction's copy for the step, unless a strategy
+        # defers the update (it lands later, in parts)
+        last = self._optimizer_updates and steps_before_next_forward(
+            micro_batch, a.stage, a.num_stages, self.window, self.total_micro_batches, self.per_step)
         if self.is_last:
             # this micro-batch's share of the update's mean loss (2bw parts may differ by one row)
             scale = y.shape[0] / (self.training.batch_size * self.training.accumulation)
             with self.clock.busy():
-                loss = self.compute.forward(micro_batch, x, lookahead, loss_fn=lambda out: self._loss(out, y) * scale)
+                loss = self.compute.forward(micro_batch, x, lookahead, last,
+                                            loss_fn=lambda out: self._loss(out, y) * scale)
             self.clock.add_loss(float(loss) / scale)
             return
         with self.clock.busy():
-            self._output = self.compute.forward(micro_batch, x, lookahead)
+            self._output = self.compute.forward(micro_batch, x, lookahead, last)
         if not self.is_first:
             self.trace.in_flight(self.compute.in_flight)
         self.inbox.expect_gradient(micro_batch, self._output.shape)

@@ -49,10 +49,11 @@ class WeightVersions:
     `previous` is a copy taken before each optimizer step; order 2 rotates the two buffers, so it
     copies no more per step: predicting costs one parameter copy per step over plain snapshots, order
     2 one more buffer and one more pass per prediction. The copy may be taken early (`save_previous`),
-    anywhere after the version's forwards have acquired their weights: a stage takes it while it waits
-    for a gradient, where it costs nothing. Whatever else moves the live weights (an averaging
-    correction) must move the earlier weights alike (`history`): a correction is not an update to
-    extrapolate."""
+    anywhere after the version's forwards have acquired their weights: by the version's last forward
+    itself (`acquire(..., last=True)`), which copies each piece of the weights while the prediction
+    has it in cache (the buffer it overwrites is read first, piece by piece), or while the stage
+    waits for a gradient. Whatever else moves the live weights (an averaging correction) must move
+    the earlier weights alike (`history`): a correction is not an update to extrapolate."""
 
     def __init__(self, module: nn.Module, snapshots: bool = True, predict: int = 0):
         self.snapshots = snapshots
@@ -69,9 +70,10 @@ class WeightVersions:
         self.current = 0
 
     @torch.no_grad()
-    def acquire(self, lookahead: int = 0) -> tuple[int, Tensors]:
+    def acquire(self, lookahead: int = 0, last: bool = False) -> tuple[int, Tensors]:
         """The current version's weights (predicted `lookahead` updates on when predicting), taken on
-        first use and held until `release` with the same lookahead."""
+        first use and held until `release` with the same lookahead. `last`: no other forward acquires
+        weights before the next optimizer step, so the prediction may take that step's copy too."""
         if not self.snapshots:
             return self.current, self._live
         key = self._key(self.current, lookahead)
@@ -80,19 +82,39 @@ class WeightVersions:
         if snapshot is None:
             snapshot = self._spare.pop() if self._spare else {
                 name: torch.empty_like(p).requires_grad_(p.requires_grad) for name, p in self._live.items()}
-            for name, p in self._live.items():
-                if lookahead and self.earlier is not None:  # order 2 (see the class docstring)
-                    c = lookahead * (lookahead + 1) / 2
-                    torch.lerp(self.earlier[name], self.previous[name], (lookahead + 2 * c) / (lookahead + c),
-                               out=snapshot[name])
-                    torch.lerp(snapshot[name], p, 1.0 + lookahead + c, out=snapshot[name])
-                elif lookahead and self.previous is not None:
-                    torch.lerp(self.previous[name], p, 1.0 + lookahead, out=snapshot[name])
-                else:
-                    snapshot[name].copy_(p)
+            if lookahead and self.previous is not None:
+                self._predict(snapshot, lookahead, save=last and not self._previous_saved)
+            else:
+                torch._foreach_copy_(list(snapshot.values()), list(self._live.values()))
             self._snapshots[key] = snapshot
         self._users[key] += 1
         return self.current, snapshot
+
+    def _predict(self, snapshot: Tensors, d: int, save: bool) -> None:
+        """The weights extrapolated d updates on (the class docstring) into `snapshot`, piece by piece
+        (PIECE values of each tensor at a time: what a piece's passes touch stays in cache); with `save`,
+        also the copy of the live weights the next step needs (`save_previous`), into the buffer
+        whose piece the prediction has just read."""
+        second = self.earlier is not None
+        if save and self.predict > 1 and not second:  # the second buffer, on the first copy into it
+            self.earlier = {name: torch.empty_like(p) for name, p in self.previous.items()}
+        copy_to = (self.earlier if self.predict > 1 else self.previous) if save else {}
+        c = d * (d + 1) / 2
+        for name, p in self._live.items():
+            tensors = [snapshot[name], p.detach(), self.previous[name]]
+            tensors += ([self.earlier[name]] if second else []) + ([copy_to[name]] if save else [])
+            for out, w, w1, *rest in zip(*_pieces(tensors)):
+                if second:  # order 2
+                    torch.lerp(rest[0], w1, (d + 2 * c) / (d + c), out=out)
+                    torch.lerp(out, w, 1.0 + d + c, out=out)
+                else:
+                    torch.lerp(w1, w, 1.0 + d, out=out)
+                if save:
+                    rest[-1].copy_(w)
+        if save:
+            if self.predict > 1:
+                self.previous, self.earlier = self.earlier, self.previous
+            self._previous_saved = True
 
     def release(self, version: int, lookahead: int = 0) -> None:
         if not self.snapshots:
@@ -146,6 +168,16 @@ class WeightVersions:
 
     def __len__(self) -> int:
         return len(self._snapshots)
+
+
+PIECE = 1 << 18  # values: four float32 pieces of this size stay in a core's 2 MiB L2 cache
+
+
+def _pieces(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """Each tensor cut into the same flat PIECE-value views (whole, unless all are contiguous)."""
+    if all(t.is_contiguous() for t in tensors):
+        return [t.view(-1).split(PIECE) for t in tensors]
+    return [(t,) for t in tensors]
 
 
 @dataclass
@@ -249,11 +281,12 @@ class StageCompute:
             captured, self._captured = self._captured, None
         return (output if loss_fn is None else loss_fn(output)), buffers, captured
 
-    def forward(self, micro_batch: int, x: torch.Tensor, lookahead: int = 0,
+    def forward(self, micro_batch: int, x: torch.Tensor, lookahead: int = 0, last: bool = False,
                 loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """Forward at the current version (predicted `lookahead` updates on); returns the detached
-        output, or with `loss_fn` (the last stage) the detached loss; keeps what backward needs."""
-        version, weights = self.versions.acquire(lookahead)
+        """Forward at the current version (predicted `lookahead` updates on; `last`: the version's last
+        forward, see `WeightVersions.acquire`); returns the detached output, or with `loss_fn` (the last
+        stage) the detached loss; keeps what backward needs."""
+        version, weights = self.versions.acquire(lookahead, last)
         if self.mode == "stash":
             inputs = self._prepare(x)
             output, buffers, captured = self._run(weights, inputs, loss_fn)
