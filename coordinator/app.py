@@ -64,6 +64,10 @@ def paged(response: Response, items: list, total: int) -> list:
 def _validation_reason(error: RequestValidationError) -> str:
     parts = []
     for item in error.errors():
+        if item.get("type") == "json_invalid":  # loc is (body, character offset)
+            offset = item.get("loc", ("body", "?"))[-1]
+            parts.append(f"the body is not valid JSON (at character {offset}: {item.get('ctx', {}).get('error')})")
+            continue
         where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
         parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
     return "; ".join(parts) or "invalid request"
