@@ -21,7 +21,7 @@ from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import ring
 from ravnest.pipeline import stage
-from ravnest.pipeline.inbox import TrainedAlone
+from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
@@ -266,7 +266,11 @@ class NodeDaemon:
                 self.progress.log(f"{prefix}: {e}")
                 job.stopped_for = "recover"
             if not job.stopped_for:
-                self.progress.log(f"node {self.client.node_id} ({prefix}): {reason}\n{traceback.format_exc()}")
+                # a pipeline's own failures (a lost neighbour, a silent peer) are told in a line; the
+                # rest (a model or a bug raising) with where they came from
+                expected = isinstance(e, PipelineError) and e.__cause__ is None
+                self.progress.log(f"node {self.client.node_id} ({prefix}): {reason}"
+                                  + ("" if expected else f"\n{traceback.format_exc()}"))
             if runner is not None and job.stopped_for != "cancel":
                 self._hand_in_state(runner, a, scratch / "snapshot.safetensors", prefix)
             if not job.stopped_for:

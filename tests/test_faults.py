@@ -57,6 +57,9 @@ def test_a_killed_node_is_replaced_by_a_spare_and_the_job_completes(tmp_path):
         placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
         assert victim not in placed and len(placed) == 4  # the spare took its place
         assert job["metrics"]["test_accuracy"] >= 0.95
+        # a lost neighbour is told in a line, not a traceback: it is what volunteers do
+        logs = {path.name: path.read_text(errors="replace") for path in (tmp_path / "logs").glob("node-*.log")}
+        assert not [name for name, text in logs.items() if "Traceback" in text], logs
 
 
 def test_the_coordinator_restarts_mid_job_and_loses_nothing(tmp_path):
