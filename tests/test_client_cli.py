@@ -64,6 +64,12 @@ def test_submit_watch_download_and_load_a_model_with_the_ravnest_command(cluster
 
     unknown = ravnest_cli("status", "0123456789abcdef")
     assert unknown.returncode == 1 and "no job" in unknown.stderr
+    unknown = ravnest_cli("watch", "0123456789abcdef")  # the refusal alone, no empty progress bar
+    assert unknown.returncode == 1 and unknown.stderr.strip() == "ravnest: 404: no job 0123456789abcdef"
+    # a coordinator never reached is an error (a watch retries only through a restart of one it has seen)
+    nowhere = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "watch", job_id], capture_output=True,
+                             text=True, timeout=60, env={**os.environ, "RAVNEST_COORDINATOR": "http://127.0.0.1:1"})
+    assert nowhere.returncode == 3 and "127.0.0.1:1" in nowhere.stderr, nowhere.stderr
     missing = ravnest_cli("submit", "no-such-file.json")
     assert missing.returncode == 2 and "cannot read" in missing.stderr
     (tmp_path / "bad.json").write_text('{"model": {"name": "mlp"}}')

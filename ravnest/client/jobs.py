@@ -77,25 +77,28 @@ def watch(ctx: typer.Context, job_id: str,
 
 
 def _follow(ctx: typer.Context, job_id: str, every: float) -> None:
+    """Poll the job until it ends; once it has been seen, an unreachable coordinator (restarting) is
+    waited for; before, it is an error like any other (a mistyped address would wait forever)."""
+    job = call(ctx, "GET", f"/v1/jobs/{job_id}")
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[figures]}")]
     with Progress(*columns, console=err, transient=False) as bar:
         task = bar.add_task(job_id, total=1.0, figures="")
         while True:
-            try:
-                job = ctx.obj.call("GET", f"/v1/jobs/{job_id}")
-            except ApiError as e:
-                if e.status:  # refused (unknown id, wrong key): say so and stop
-                    err.print(f"ravnest: {e}", highlight=False)
-                    raise typer.Exit(1) from None
-                bar.update(task, description=f"{job_id} (coordinator unreachable, retrying)")
-                time.sleep(every)  # the coordinator restarting: keep watching
-                continue
             bar.update(task, completed=job["progress"]["fraction"], description=f"{job_id} {job['state']}",
                        figures=_figures(job["metrics"]))
             if job["state"] in ENDED:
                 break
-            time.sleep(every)
+            while True:  # the next answer, through a coordinator's restart
+                time.sleep(every)
+                try:
+                    job = ctx.obj.call("GET", f"/v1/jobs/{job_id}")
+                    break
+                except ApiError as e:
+                    if e.status:  # refused (the key revoked meanwhile): say so and stop
+                        err.print(f"ravnest: {e}", highlight=False)
+                        raise typer.Exit(1) from None
+                    bar.update(task, description=f"{job_id} (coordinator unreachable, retrying)")
     err.print(f"{job_id} {job['state']}: {job['reason']}", highlight=False)  # stdout keeps the id alone
     if job["state"] != "completed":
         raise typer.Exit(1)
