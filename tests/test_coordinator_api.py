@@ -166,6 +166,8 @@ def test_submit_list_get_cancel(client: TestClient) -> None:
     assert cancelled["state"] == "cancelled" and [h["state"] for h in cancelled["history"]] == ["pending", "cancelled"]
     r = client.post(f"/v1/jobs/{job_id}/cancel")
     assert r.status_code == 409 and "already cancelled" in r.json()["detail"]
+    r = client.get(f"/v1/jobs/{job_id}/model")  # it will not complete by itself: the reason says how it can
+    assert r.status_code == 409 and "is cancelled" in r.json()["detail"] and "ravnest resume" in r.json()["detail"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -138,5 +138,7 @@ class Artifacts(ServiceBase):
         with self.store.session() as session:
             job = self._job(session, job_id, owner)
             if job.state != JobState.COMPLETED.value:
-                raise Conflict(f"job {job_id} is {job.state}; the model is available once it is completed")
+                raise Conflict(f"job {job_id} is {job.state}; the model is available once it is completed"
+                               + (" (`ravnest resume` continues it from its last checkpoint)"
+                                  if job.state in jobs.STOPPED else ""))
         return self.job_dir(job_id) / "model.safetensors"
