@@ -96,9 +96,7 @@ class WeightVersions:
         also the copy of the live weights the next step needs (`save_previous`), into the buffer
         whose piece the prediction has just read."""
         second = self.earlier is not None
-        if save and self.predict > 1 and not second:  # the second buffer, on the first copy into it
-            self.earlier = {name: torch.empty_like(p) for name, p in self.previous.items()}
-        copy_to = (self.earlier if self.predict > 1 else self.previous) if save else {}
+        copy_to = self._copy_target() if save else {}
         c = d * (d + 1) / 2
         for name, p in self._live.items():
             tensors = [snapshot[name], p.detach(), self.previous[name]]
@@ -112,9 +110,7 @@ class WeightVersions:
                 if save:
                     rest[-1].copy_(w)
         if save:
-            if self.predict > 1:
-                self.previous, self.earlier = self.earlier, self.previous
-            self._previous_saved = True
+            self._copied()
 
     def release(self, version: int, lookahead: int = 0) -> None:
         if not self.snapshots:
@@ -135,14 +131,25 @@ class WeightVersions:
         live weights must change only by corrections (which move `previous` too) until that step."""
         if not self.predict or self._previous_saved:
             return
-        if self.previous is not None and self.predict > 1:  # the older buffer takes the new copy
-            if self.earlier is None:
-                self.earlier = {name: torch.empty_like(p) for name, p in self.previous.items()}
-            self.previous, self.earlier = self.earlier, self.previous
-        if self.previous is not None:
-            torch._foreach_copy_(list(self.previous.values()), [p.detach() for p in self._live.values()])
-        else:
+        if self.previous is None:
             self.previous = {name: p.detach().clone() for name, p in self._live.items()}
+            self._previous_saved = True
+            return
+        torch._foreach_copy_(list(self._copy_target().values()), [p.detach() for p in self._live.values()])
+        self._copied()
+
+    def _copy_target(self) -> Tensors:
+        """The buffer the coming step's copy goes into: order 1 its one buffer, order 2 the older of its
+        two (made on the first copy into it), which then becomes `previous` (`_copied`)."""
+        if self.predict == 1:
+            return self.previous
+        if self.earlier is None:
+            self.earlier = {name: torch.empty_like(p) for name, p in self.previous.items()}
+        return self.earlier
+
+    def _copied(self) -> None:
+        if self.predict > 1:
+            self.previous, self.earlier = self.earlier, self.previous
         self._previous_saved = True
 
     def history(self) -> list[Tensors]:
