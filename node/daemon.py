@@ -20,7 +20,7 @@ from node.metrics import STAGES
 from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import ring
-from ravnest.pipeline import stage
+from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
@@ -120,7 +120,7 @@ class NodeDaemon:
         self.name = name
         self.progress = progress or Progress()
         # peers of a job get their assignments at different heartbeats: their first messages may wait
-        self.router = Router(wait_for_route=60.0, expected_kinds=(*stage.MESSAGE_KINDS, ring.KIND))
+        self.router = Router(wait_for_route=60.0, expected_kinds=(*neighbours.MESSAGE_KINDS, ring.KIND))
         self.gate = PeerGate()  # the job's planned peers may call; the coordinator's probe token may Ping
         self.server = PeerServer(self.router, host, port, gate=self.gate, tls=tls)  # tls: (certificate, key) PEM
         self._prober: LinkProber | None = None

@@ -563,7 +563,7 @@ def test_runner_exposes_adam_moments_keyed_by_parameter():
     assignment = make_assignments(job, [(0, 3)], ["127.0.0.1:9"], TOKEN)[0]
     runner = StageRunner(assignment, Router())
     assert runner.optimizer_tensors() == {}  # Adam creates its state at the first step
-    x, y = next(runner._batches)
+    x, y = next(runner.feed.batches)
     runner._loss(runner.module(x), y).backward()
     assert runner.optimizer.micro_batch_done()
     tensors = runner.optimizer_tensors()

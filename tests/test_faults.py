@@ -210,3 +210,29 @@ def test_training_converges_with_a_slow_link_that_breaks_once(tmp_path):
         assert "severed by fault injection" in recovery["reason"] and recovery["recovery_s"] < 30
         print(f"recovered in {recovery['recovery_s']:.1f} s; test accuracy {job['metrics']['test_accuracy']:.4f}")
         assert job["metrics"]["test_accuracy"] >= 0.95
+
+
+@pytest.mark.parametrize("shape", [dict(clusters=4, stages_per_cluster=1, strategy="none"),
+                                   dict(clusters=2, stages_per_cluster=2, strategy="ring")],
+                         ids=["4x1-no-averaging", "2x2-ring"])
+def test_a_cancel_stops_every_stage_shape_within_seconds(tmp_path, shape):
+    """Cancelled mid-run, every node is idle within 10 s whatever the shape: a stage that is both first
+    and last (plain data parallelism, no averaging round to notice the stop) included. The same nodes
+    then run a second job to the end."""
+    placement = dict(clusters=shape["clusters"], stages_per_cluster=shape["stages_per_cluster"], min_nodes=4)
+    with LocalCluster(tmp_path, nodes=4) as cluster:
+        long_job = cnn_job(steps=20_000, checkpoint_every=0, **placement)  # minutes, were it not cancelled
+        long_job["averaging"]["strategy"] = shape["strategy"]
+        job_id = cluster.submit(long_job)
+        wait_progress(cluster, job_id, 0.005)
+        cluster.wait_for(lambda: sum(n["state"] == "busy" for n in cluster.alive_nodes()) == 4, 30,
+                         "all four nodes to be training")
+        assert cluster.http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        cancelled = time.monotonic()
+        cluster.wait_for(all_idle(cluster, 4), 10, "every node to be idle within 10 s of the cancel")
+        print(f"{shape}: every node idle {time.monotonic() - cancelled:.1f} s after the cancel")
+        job = cluster.job(job_id)
+        assert job["state"] == "cancelled" and job["progress"]["fraction"] < 0.5
+        second = cluster.submit(cnn_job(steps=100, checkpoint_every=0, **placement))
+        done = cluster.wait_job(second, timeout=300)
+        assert done["state"] == "completed", done["reason"]

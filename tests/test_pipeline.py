@@ -416,7 +416,7 @@ def test_an_abort_is_passed_on_as_one_short_printable_line() -> None:
     """What a neighbour says when it aborts is its own account: logged in full, passed on shortened."""
     assignment = make_assignments(make_job(), [(0, 2), (2, 4)], ["127.0.0.1:9", "127.0.0.1:9"], "x")[1]
     runner = StageRunner(assignment, Router())
-    runner._on_abort(Message("abort", note="first line \x1b[31m" + "x" * 5000 + "\nsecond line"), "10.0.0.1:5")
+    runner.neighbours._on_abort(Message("abort", note="first line \x1b[31m" + "x" * 5000 + "\nsecond line"), "10.0.0.1:5")
     with pytest.raises(PipelineError) as failure:
         runner.inbox.next_forward(timeout=1)
     reason = str(failure.value)

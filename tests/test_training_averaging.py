@@ -22,7 +22,7 @@ from ravnest.data import load_dataset
 from ravnest.models import build_model
 from ravnest.pipeline.inbox import TrainedAlone
 from ravnest.pipeline.local import run_single_process, run_threaded_clusters
-from ravnest.pipeline.stage import data_seed
+from ravnest.pipeline.feed import data_seed
 from ravnest.spec import JobSpec
 
 CLUSTER_RANGES = [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 4)]]  # segments (0,1) (1,2) (2,4)
@@ -335,8 +335,8 @@ def test_stages_train_alone_when_averaging_fails_or_they_are_told_to() -> None:
     assert told[0] == ["the job is being re-planned"] and kept[0].alone == told[0][0]
     assert len(told[1]) == 1 and told[1][0].startswith("averaging failed: ") and "closed" in told[1][0]
     for runner in kept:  # each stopped 20 steps after it left (replica 1 at its next round), long before the end
-        assert runner.averager is None and runner._metrics()["training_alone"] == 1.0
-        assert runner.optimizer.steps == runner._alone_until and 20 + 20 < runner.optimizer.steps <= 70 + 20
+        assert runner.averager is None and runner.metrics()["training_alone"] == 1.0
+        assert runner.optimizer.steps == runner.averaging.alone_until and 20 + 20 < runner.optimizer.steps <= 70 + 20
 
 
 def test_a_replica_without_averaging_trains_alone_to_the_end_when_told() -> None:

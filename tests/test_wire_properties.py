@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ravnest.pipeline import StageRunner
 from ravnest.pipeline.local import make_assignments
-from ravnest.pipeline.stage import MESSAGE_KINDS
+from ravnest.pipeline.neighbours import MESSAGE_KINDS
 from ravnest.spec import JobSpec
 from ravnest.v1 import peer_pb2
 from ravnest.wire import Message, Router, WireError, WireLimits

@@ -82,6 +82,12 @@ class Inbox:
             self._ready.notify_all()
             self._space.notify_all()
 
+    def check(self) -> None:
+        """Raise PipelineError once the inbox is closed: a stop, a lost neighbour, a refused message.
+        A plain read, no lock: the worker asks before every action."""
+        if self._failure is not None:
+            raise PipelineError(self._failure)
+
     def next_backward(self, timeout: float) -> Message:
         """The oldest gradient, waiting for one; gradients arrive in the order the stage asks for them
         (the next stage runs the same schedule)."""

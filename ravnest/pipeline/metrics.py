@@ -17,10 +17,15 @@ class StageClock:
 
     def __init__(self, samples_per_step: int, loss_window: int = 20):
         self.samples_per_step = samples_per_step
+        self._losses: deque[float] = deque(maxlen=loss_window)
+        self.restart()
+
+    def restart(self) -> None:
+        """Count from now (a run starts some time after its stage was built)."""
         self.started = time.perf_counter()
         self.busy_s = 0.0
         self.steps: list[tuple[float, float]] = []  # (wall time, busy time) after each optimizer step
-        self._losses: deque[float] = deque(maxlen=loss_window)
+        self._losses.clear()
 
     @contextmanager
     def busy(self) -> Iterator[None]:

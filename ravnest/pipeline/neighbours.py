@@ -1,0 +1,163 @@
+"""A stage's links to the stages before and after it in its pipeline.
+
+Inbound: gRPC handler threads validate each message (shape, dtype, order, finiteness) and queue it in
+the inbox (inbox.py); nothing reaches the worker that its first block cannot take. Outbound: one
+long-lived stream per side, opened on first use. When the stage stops, the neighbours are told why
+(an "abort" message) so they fail fast with the reason instead of waiting out a timeout.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from ravnest.partition import RECEIVE_SLACK, SEND_QUEUE
+from ravnest.pipeline.inbox import Inbox
+from ravnest.spec import StageAssignment, StagePeer
+from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
+
+FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
+MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
+PREV, NEXT = "prev", "next"
+log = logging.getLogger(__name__)
+
+
+class Neighbours:
+    """The inbox this stage's worker takes from and the streams it sends on."""
+
+    def __init__(self, assignment: StageAssignment, *, task: str, window: int,
+                 total_micro_batches: int, peer_timeout: float, codec: str):
+        a = self.assignment = assignment
+        self.is_first, self.is_last = a.stage == 0, a.stage == a.num_stages - 1
+        for needed, peer, side in ((not self.is_first, a.prev, PREV), (not self.is_last, a.next, NEXT)):
+            if needed and peer is None:
+                raise ValueError(f"stage {a.stage} of {a.num_stages} needs a '{side}' peer")
+        if not self.is_first and a.input_shape is None:
+            raise ValueError(f"stage {a.stage} needs the shape of its input activations (input_shape)")
+        self._input_dtype = getattr(torch, a.input_dtype, None)
+        if not isinstance(self._input_dtype, torch.dtype):
+            raise ValueError(f"unknown input dtype {a.input_dtype!r}")
+        self.task, self.total_micro_batches = task, total_micro_batches
+        self.peer_timeout, self.codec = peer_timeout, codec
+        self.inbox = Inbox(forward_capacity=window + RECEIVE_SLACK)  # bounds what the planner counts
+        self._streams: dict[str, OutboundStream] = {}
+        self._closing = False  # streams ending from now on are ours closing them
+        self._next_forward_id = 0
+        self._forward_lock = threading.Lock()
+
+    def listen(self, router: Router) -> None:
+        """The message kinds this stage takes; the others stay unknown here (UNIMPLEMENTED). Handlers
+        look the inbox up when called, so a test may wrap its methods."""
+        router.route(ABORT, self._on_abort)
+        if not self.is_first:
+            router.route(FORWARD, self._on_forward)
+            router.route(EVAL, self._on_eval)
+            router.route(EVAL_END, lambda msg, peer: self.inbox.put_forward(msg))
+        if not self.is_last:
+            router.route(BACKWARD, lambda msg, peer: self.inbox.put_backward(msg))
+
+    # --- outbound (the worker thread) -------------------------------------------------------------
+
+    def _peer(self, side: str) -> StagePeer | None:
+        return self.assignment.prev if side == PREV else self.assignment.next
+
+    def send(self, side: str, msg: Message) -> None:
+        stream = self._streams.get(side)
+        if stream is None:  # opened on first use, then kept for the whole run
+            peer = self._peer(side)
+            assert peer is not None  # checked in __init__ for every side this stage sends to
+            wait_authorized(peer.address, self.assignment.token)
+            stream = self._streams[side] = OutboundStream(peer.address, token=self.assignment.token,
+                                                          codec=self.codec, max_pending=SEND_QUEUE)
+            # A send only queues, so a stream the peer failed must wake the worker by itself.
+            stream.add_done_callback(lambda ended: self._stream_ended(side, ended))
+        # copy=False: frames are cut on gRPC's thread; nothing writes to sent tensors afterwards
+        stream.send(msg, timeout=self.peer_timeout, copy=False)
+
+    def _stream_ended(self, side: str, stream: OutboundStream) -> None:
+        if self._closing:
+            return
+        try:
+            stream.close(timeout=1.0)
+            reason = "it closed the stream"
+        except PeerError as exc:
+            reason = str(exc)
+        self.inbox.fail(f"stage {self.assignment.stage} lost its {side} stage: {reason}")
+
+    def close(self) -> None:
+        """Wait until every neighbour has received everything we sent."""
+        self._closing = True
+        for stream in self._streams.values():
+            stream.close(timeout=self.peer_timeout)
+        self._streams.clear()
+
+    def cut(self) -> None:
+        """From any thread, on a stop: end our streams at once, so a send blocked on a neighbour that
+        reads nothing returns now rather than after `peer_timeout`."""
+        self._closing = True
+        for stream in list(self._streams.values()):
+            stream.cancel()
+
+    def abort(self, reason: str) -> None:
+        """Best effort: tell both neighbours why we stop, so they fail fast with the reason."""
+        self._closing = True
+        for side in (PREV, NEXT):
+            peer = self._peer(side)
+            if peer is None:
+                continue
+            try:
+                stream = self._streams.pop(side, None)
+                if stream is None or stream.ended:  # e.g. the neighbour refused what we sent: it is alive
+                    stream = OutboundStream(peer.address, token=self.assignment.token, wait_ready=2.0)
+                stream.send(Message(ABORT, note=reason[:1000]), timeout=2.0)
+                stream.close(timeout=2.0)
+            except PeerError:
+                pass  # the neighbour is gone or failing already
+        for stream in self._streams.values():
+            stream.cancel()
+        self._streams.clear()
+
+    # --- inbound (gRPC handler threads): validate, then queue -------------------------------------
+
+    def _on_forward(self, msg: Message, peer: str) -> None:
+        self._check_activation(msg)
+        with self._forward_lock:  # the one previous stage sends micro-batches 0, 1, 2, ... in order
+            if msg.id != self._next_forward_id or msg.id >= self.total_micro_batches:
+                raise WireError(f"forward for micro-batch {msg.id}, expected {self._next_forward_id} "
+                                f"(of {self.total_micro_batches})")
+            self._next_forward_id += 1
+        self.inbox.put_forward(msg)
+
+    def _on_eval(self, msg: Message, peer: str) -> None:
+        self._check_activation(msg)
+        self.inbox.put_forward(msg)
+
+    def _on_abort(self, msg: Message, peer: str) -> None:
+        """Only planned neighbours reach here (the node's gate); what one says is its own account, so it
+        is logged in full and passed on shortened to one printable line."""
+        log.warning("stage %d: neighbour %s reports a failure: %r", self.assignment.stage, peer, msg.note)
+        first_line = msg.note.strip().splitlines()[0] if msg.note.strip() else "no reason given"
+        said = "".join(ch if ch.isprintable() else " " for ch in first_line)[:500]
+        self.inbox.fail(f"stage {self.assignment.stage}: its neighbour at {peer} reported a failure ({said!r})")
+
+    def _check_activation(self, msg: Message) -> None:
+        """Reject activations this stage's first block cannot take, before they reach the worker."""
+        a = self.assignment
+        x, y, expected = msg.tensors.get("x"), msg.tensors.get("y"), a.input_shape
+        assert expected is not None  # checked in __init__ for every stage that takes activations
+        where = f"stage {a.stage} (blocks [{a.blocks[0]}, {a.blocks[1]}))"
+        if x is None or y is None:
+            raise WireError(f"{where}: {msg.kind} message {msg.id} needs tensors 'x' and 'y'")
+        free = 2 if self.task == "lm" else 1  # batch (and sequence) dimensions may be smaller
+        ok = (x.dtype == self._input_dtype and x.dim() == len(expected) and list(x.shape[free:]) == expected[free:]
+              and all(1 <= n <= limit for n, limit in zip(x.shape[:free], expected[:free])))
+        if not ok:
+            shape = ["B", *(["T"] if free == 2 else []), *expected[free:]]
+            limits = ", ".join(f"{name} <= {limit}" for name, limit in zip(shape, expected[:free]))
+            raise WireError(f"{where} expects activations {a.input_dtype} of shape {shape} with "
+                            f"{limits}, got {str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
+        if y.dtype != torch.int64 or y.shape != x.shape[:free]:
+            raise WireError(f"{where}: targets must be int64 of shape {list(x.shape[:free])}, "
+                            f"got {y.dtype}{list(y.shape)}")
+        require_finite(x, f"{where}: activations of {msg.kind} message {msg.id}")
