@@ -130,10 +130,10 @@ def cycle_run(averaging: dict, steps: int, shards: str = "interleaved") -> dict:
 RUNS = {  # name: (averaging, model copies each member sends per step; None where it varies)
     "dear (all-reduce)": ({"strategy": "dear"}, 2 * 7 / 8),
     "acid": ({"strategy": "acid"}, 1.0),
-    "acid eta=0": ({"strategy": "acid", "acid_eta": 0.0}, 1.0),
-    "acid rate 1/4": ({"strategy": "acid", "acid_rate": 0.25}, 0.25),
-    "acid eta=0 rate 1/4": ({"strategy": "acid", "acid_rate": 0.25, "acid_eta": 0.0}, 0.25),
-    "acid eta=0 rate 1/2": ({"strategy": "acid", "acid_rate": 0.5, "acid_eta": 0.0}, 0.5),
+    "acid eta=0": ({"strategy": "acid", "acid": {"eta": 0.0}}, 1.0),
+    "acid rate 1/4": ({"strategy": "acid", "acid": {"rate": 0.25}}, 0.25),
+    "acid eta=0 rate 1/4": ({"strategy": "acid", "acid": {"rate": 0.25, "eta": 0.0}}, 0.25),
+    "acid eta=0 rate 1/2": ({"strategy": "acid", "acid": {"rate": 0.5, "eta": 0.0}}, 0.5),
     "ada": ({"strategy": "ada", "every": 1}, None),  # 1 to 7 copies per step, as its graph moves
     "diloco H=50 int8": ({"strategy": "diloco", "every": 50, "codec": "int8"}, 2 * 7 / 8 / 4 / 50),
 }
@@ -159,9 +159,9 @@ def communications(seeds: int, docs: bool, argv: list[str] | None) -> None:
     measured: dict[tuple[str, float], list[float]] = {}
     for seed in range(seeds):
         for rate in RATES:
-            for name, eta in (("acid", {}), ("acid eta=0", {"acid_eta": 0.0})):
+            for name, eta in (("acid", {}), ("acid eta=0", {"eta": 0.0})):
                 runs = measured.setdefault((name, rate), [])
-                runs.append(replicas_accuracy({"strategy": "acid", "acid_rate": rate, **eta}, seed))
+                runs.append(replicas_accuracy({"strategy": "acid", "acid": {"rate": rate, **eta}}, seed))
                 print(f"seed {seed} {name} rate {rate:g}: {runs[-1]:.4f}", flush=True)
     median = {key: statistics.median(runs) for key, runs in measured.items()}
     rows = [f"| {rate:g} | {rate * COMMUNICATION_STEPS:.0f} | {median['acid', rate]:.4f} "

@@ -29,6 +29,7 @@ import torch
 
 from bench.allreduce import TESTBED, run_ring
 from ravnest.averaging import runtime
+from ravnest.averaging.registry import strategy_info
 from ravnest.models import build_model, profile_blocks
 from ravnest.pipeline.local import run_local_clusters
 from ravnest.spec import JobSpec
@@ -41,7 +42,7 @@ SMALL = 1024  # fp32 elements of the latency probe
 
 def job(strategy: str, steps: int, seed: int, topology: str = "one-peer-exp") -> JobSpec:
     averaging = {"strategy": strategy, "every": 1}
-    if strategy in runtime.GOSSIP:  # paced as a planner would on slow links (no planner runs here)
+    if strategy_info(strategy).gossip:  # paced as a planner would on slow links (no planner runs here)
         averaging.update(topology=topology, paced=True)
     return JobSpec.model_validate({
         "model": MODEL, "dataset": {"name": "digits"},

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ravnest.averaging import runtime
-from ravnest.averaging.fusion import MB
+from ravnest.averaging.registry import strategy_info
 from ravnest.averaging.segments import segment_rings
 from ravnest.averaging.shares import balanced_shares
 from ravnest.models.profile import BlockCost, stage_input
@@ -198,7 +198,7 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
 
 def _paced_by_slowest(averaging: AveragingSettings) -> bool:
     """Whether the clusters' averaging makes the fast ones wait for the slowest (all but the asynchronous)."""
-    return averaging.strategy not in runtime.UNPACED
+    return strategy_info(averaging.strategy).waits_for_peers
 
 
 def _throughput(shapes: list[Shape], averaging: AveragingSettings) -> float:
@@ -364,17 +364,16 @@ def _averaged_step_s(averaging: AveragingSettings, training: TrainingSettings, s
     clock (`every_seconds`) and plug-ins the model does not know are taken as free."""
     if averaging.strategy == "auto":
         return min(v for k, v in _predictions(averaging, training, step_s, groups).items() if k != "allreduce")
-    if averaging.every_seconds is not None or averaging.strategy not in runtime.MODELLED:
+    if averaging.every_seconds is not None or strategy_info(averaging.strategy).cost is None:
         return step_s
     return runtime.strategy_step_s(averaging.strategy, step_s, groups, every=averaging.every,
-                                   topology=averaging.topology, fusion_bytes=averaging.fusion_mb * MB,
-                                   streaming=averaging.streaming)
+                                   topology=averaging.topology, settings=averaging.of(averaging.strategy))
 
 
 def _predictions(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
                  groups: list[runtime.Group]) -> dict[str, float]:
     return runtime.predictions(step_s, groups, every=averaging.every, optimizer=training.optimizer.name,
-                               fusion_bytes=averaging.fusion_mb * MB)
+                               settings=averaging.of)
 
 
 def _planned_averaging(averaging: AveragingSettings, training: TrainingSettings, step_s: float,

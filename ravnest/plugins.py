@@ -1,25 +1,94 @@
 """Plug-ins: what installed packages add by name through an entry-point group (model architectures,
-averaging strategies), loaded only when first looked up. Only names cross the network, never code."""
+averaging strategies), loaded only when first looked up. Only names cross the network, never code.
+
+`PluginRegistry` is the one lookup both registries use: names registered in-process (the built-ins,
+whose modules are found by listing their package, with no hand-kept list), then entry points.
+"""
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
-from typing import Callable
+import pkgutil
+from typing import Any, Callable, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 def entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=group)}
 
 
-def load_plugin(group: str, name: str, what: str, error: type[Exception]) -> Callable | None:
-    """The callable that plug-in `name` of `group` provides, None when no package provides it; `error`
-    (naming `what`) when it fails to load or is not callable: a broken plug-in must not look unknown."""
+def load_plugin(group: str, name: str, what: str, error: type[Exception]) -> object | None:
+    """What plug-in `name` of `group` provides, None when no package provides it; `error` (naming
+    `what`) when it fails to load: a broken plug-in must not look unknown."""
     entry_point = entry_points(group).get(name)
     if entry_point is None:
         return None
     try:
-        loaded = entry_point.load()
+        return entry_point.load()
     except Exception as exc:
         raise error(f"{what} plugin {name!r} ({entry_point.value}) failed to load: {exc}") from exc
-    if not callable(loaded):
-        raise error(f"{what} plugin {name!r} ({entry_point.value}) is not callable")
-    return loaded
+
+
+def _callable(name: str, loaded: object) -> Any:
+    return loaded if callable(loaded) else None
+
+
+class PluginRegistry(Generic[T]):
+    """Items of one kind by name. Built-ins register themselves when their modules are imported: every
+    module of `package` is, on the first lookup of a name not registered yet. Plug-ins are entry points
+    of `group`, loaded when first looked up and passed through `adapt`, which makes the registry's item
+    of it or returns None (not one of ours); by default any callable is one."""
+
+    def __init__(self, group: str, what: str, error: type[Exception], *, package: str | None = None,
+                 adapt: Callable[[str, Any], T | None] = _callable):
+        self.group, self.what, self.error, self.package, self.adapt = group, what, error, package, adapt
+        self._items: dict[str, T] = {}
+        self._imported = package is None
+
+    def copy(self) -> PluginRegistry[T]:
+        """Another registry with what this one holds (tests register into a copy)."""
+        other: PluginRegistry[T] = PluginRegistry(self.group, self.what, self.error, package=self.package,
+                                                  adapt=self.adapt)
+        self._import_built_ins()
+        other._items, other._imported = dict(self._items), True
+        return other
+
+    def register(self, name: str, item: T) -> T:
+        self._items[name] = item
+        return item
+
+    def _import_built_ins(self) -> None:
+        if self._imported:
+            return
+        self._imported = True
+        assert self.package is not None
+        for module in pkgutil.iter_modules(importlib.import_module(self.package).__path__):
+            importlib.import_module(f"{self.package}.{module.name}")
+
+    def names(self) -> list[str]:
+        """Built-in, registered and installed (entry-point) names."""
+        self._import_built_ins()
+        return sorted(set(self._items) | set(entry_points(self.group)))
+
+    def items(self) -> list[T]:
+        """What is registered so far: every built-in, and the plug-ins looked up."""
+        self._import_built_ins()
+        return list(self._items.values())
+
+    def known(self, name: str) -> bool:
+        self._import_built_ins()
+        return name in self._items or name in entry_points(self.group)
+
+    def get(self, name: str) -> T:
+        """The item named `name`; `error` when none is, or its plug-in is broken."""
+        self._import_built_ins()
+        if name in self._items:
+            return self._items[name]
+        loaded = load_plugin(self.group, name, self.what, self.error)
+        if loaded is None:
+            raise self.error(f"unknown {self.what} {name!r}; known: {', '.join(self.names())}")
+        item = self.adapt(name, loaded)
+        if item is None:
+            raise self.error(f"{self.what} plugin {name!r} does not provide a {self.what} (it is not callable)")
+        return self.register(name, item)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+
+from ravnest.averaging.registry import (AUTO, NO_AVERAGING, available_strategies, is_strategy, registered,
+                                        strategy_info)
 
 
 class _Strict(BaseModel):
@@ -111,16 +114,19 @@ class TrainingSettings(_Strict):
     seed: int = Field(0, ge=0, lt=1 << 63)
 
 
-GOSSIP_STRATEGIES = ("dsgd", "dadam", "ada", "acid")
-
-
 class AveragingSettings(_Strict):
+    """The settings every strategy shares; a strategy's own sit under its name (ravnest/averaging/registry.py),
+    e.g. `{"strategy": "acid", "acid": {"rate": 0.25}}`, and are read with `of(name)`."""
+    model_config = ConfigDict(extra="allow", strict=True)  # extra keys: strategies' sections, checked below
+
     strategy: str = Field("ring", description="how clusters average their copies of each segment: 'ring' "
                           "(periodic multi-ring all-reduce), 'diloco' (H local steps, then an outer optimizer step on the "
                           "averaged pseudo-gradient), 'dear' (every step's gradients, all-reduce hidden "
                           "behind backward and forward: synchronous data parallelism), 'dsgd' / 'dadam' (gossip "
-                          "with the neighbours of `topology`), 'none', or an installed plug-in strategy "
-                          "(docs/averaging.md)")
+                          "with the neighbours of `topology`), 'ada' (gossip whose graph adapts to how far the "
+                          "replicas drift apart), 'acid' (asynchronous pairwise averaging with a continuous "
+                          "momentum), 'auto' (the planner picks the fastest by its runtime model), 'none', or an "
+                          "installed plug-in strategy (docs/averaging.md)")
     topology: str = Field("one-peer-exp", description="whom gossip strategies mix with each round: complete, ring, "
                           "torus, exponential, one-peer-exp, alternating-exp-ring")
     paced: bool | None = Field(None, description="gossip: a member sends its vector only when the receiver asks, "
@@ -138,30 +144,30 @@ class AveragingSettings(_Strict):
                             "see docs/security.md")
     average_optimizer_state: bool = Field(
         False, description="also average the optimizer's per-parameter state (e.g. Adam's moments)")
-    fusion_mb: float = Field(25.0, gt=0, le=1024, description="dear: gradients travel in groups of consecutive "
-                             "parameters of up to this many MB (the search's starting point when tune_fusion)")
-    tune_fusion: bool = Field(True, description="dear: try each grouping a power-of-two size in [1, 256] MB gives "
-                              "over the first steps and keep the fastest")
-    outer_lr: float = Field(0.7, gt=0, le=10, description="diloco: the outer optimizer's learning rate")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer optimizer's Nesterov momentum")
-    streaming: bool = Field(False, description="diloco: the all-reduce of a round overlaps the next round's first "
-                            "every // 2 local steps instead of blocking")
-    acid_rate: float = Field(1.0, gt=0, le=64, description="acid: pairwise averagings per gradient step")
-    acid_poisson: bool = Field(False, description="acid: averagings at Poisson times of that rate (the same on "
-                               "every member) instead of evenly spaced")
-    acid_eta: float | None = Field(None, ge=0, le=100, description="acid: the momentum's mixing rate (default: "
-                                   "from the graph's Laplacian; 0: plain asynchronous pairwise averaging)")
-    acid_alpha: float | None = Field(None, ge=0, le=100, description="acid: the momentum's step on an averaging "
-                                     "(default: from the graph's Laplacian)")
-    ada_check_every: PositiveInt = Field(10, le=MAX_STEPS, description="ada: steps between measurements of the "
-                                         "replicas' spread")
-    ada_high: float = Field(1e-5, gt=0, description="ada: a denser graph above this relative consensus distance")
-    ada_low: float = Field(4e-6, ge=0, description="ada: a sparser graph below this relative consensus distance")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_keys(cls, data: Any) -> Any:
+        """Specs written before strategies had sections of their own named their options flat
+        (`acid_rate`, `fusion_mb`, ...): they are read into the strategy's section (a nested value wins)."""
+        if not isinstance(data, dict):
+            return data
+        flat = {key: (info.name, option) for info in registered() for key, option in info.flat_keys.items()}
+        if not flat.keys() & data.keys():
+            return data
+        nested: dict[str, Any] = {}
+        for key in flat.keys() & data.keys():
+            name, option = flat[key]
+            nested.setdefault(name, {})[option] = data[key]
+        rest = {key: value for key, value in data.items() if key not in flat}
+        for name, options in nested.items():
+            given = rest.get(name, {})
+            rest[name] = {**options, **given} if isinstance(given, dict) else given
+        return rest
 
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, name: str) -> str:
-        from ravnest.averaging.strategy import available_strategies, is_strategy  # they import this module
         if not is_strategy(name):
             raise ValueError(f"unknown averaging strategy {name!r}; known: {', '.join(available_strategies())}")
         return name
@@ -175,16 +181,27 @@ class AveragingSettings(_Strict):
         return name
 
     @model_validator(mode="after")
-    def _ada_thresholds_ordered(self) -> AveragingSettings:
-        if self.ada_low >= self.ada_high:
-            raise ValueError(f"ada_low ({self.ada_low:g}) must be below ada_high ({self.ada_high:g})")
+    def _strategy_sections(self) -> AveragingSettings:
+        sections = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        for name, given in sections.items():
+            if name in (AUTO, NO_AVERAGING) or not is_strategy(name):
+                raise ValueError(f"unknown averaging setting {name!r}: the shared ones are "
+                                 f"{', '.join(type(self).model_fields)}; a strategy's own go under its name, "
+                                 f'e.g. "acid": {{"rate": 0.25}}')
+            try:
+                sections[name] = strategy_info(name).settings.model_validate(given).model_dump()
+            except ValidationError as exc:
+                problems = "; ".join(("".join(f"{part}: " for part in e["loc"][:1]) + e["msg"])
+                                     .replace("Value error, ", "") for e in exc.errors())
+                raise ValueError(f"averaging.{name}: {problems}") from None
+        if self.every_seconds is not None and not strategy_info(self.strategy).by_seconds:
+            raise ValueError(f"'{self.strategy}' averages by steps; `every_seconds` is for strategies that "
+                             f"average by the clock: {', '.join(i.name for i in registered() if i.by_seconds)}")
         return self
 
-    @model_validator(mode="after")
-    def _seconds_are_for_rings(self) -> AveragingSettings:
-        if self.every_seconds is not None and self.strategy in (*GOSSIP_STRATEGIES, "dear", "diloco"):
-            raise ValueError(f"'{self.strategy}' averages by steps; `every_seconds` is for 'ring'")
-        return self
+    def of(self, strategy: str) -> Any:
+        """Strategy `strategy`'s own settings model: what the job gave under its name, else its defaults."""
+        return strategy_info(strategy).settings.model_validate((self.__pydantic_extra__ or {}).get(strategy, {}))
 
 
 class Placement(_Strict):

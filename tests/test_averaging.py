@@ -14,7 +14,7 @@ from ravnest.averaging import (AveragingStrategy, RingError, RingMember, RingTim
                                available_strategies, balanced_shares, canonical_keys, make_strategy,
                                reference_average, reference_mean, register_strategy, ring_link_loads,
                                ring_time_bound, segment_rings, share_bounds)
-from ravnest.averaging import strategy as strategy_module
+from ravnest.averaging import registry as registry_module
 from ravnest.averaging.strategies.ring import RingAveraging
 from ravnest.averaging.torch_group import TorchMember
 from ravnest.spec import (AveragingSettings, DatasetRef, ModelRef, Ring, StageAssignment, StagePeer,
@@ -507,7 +507,7 @@ def test_strategy_is_none_without_work():
 
 
 def test_strategies_register_by_name_and_unknown_names_are_refused_with_the_known_ones(monkeypatch):
-    monkeypatch.setattr(strategy_module, "_FACTORIES", dict(strategy_module._FACTORIES))  # undone after the test
+    monkeypatch.setattr(registry_module, "_REGISTRY", registry_module._REGISTRY.copy())  # undone after the test
     assert {"none", "auto", "ring", "dsgd", "dadam", "dear", "diloco", "ada", "acid"} <= set(available_strategies())
     with pytest.raises(ValueError, match=r"unknown averaging strategy 'gossip'; known: acid, ada, auto, dadam, dear, diloco, dsgd, none, ring"):
         AveragingSettings(strategy="gossip")

@@ -23,7 +23,7 @@ SMALL_CONFIGS = {
 @pytest.fixture
 def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Registrations made by a test do not leak into other tests."""
-    monkeypatch.setattr(registry, "_BUILDERS", dict(registry._BUILDERS))
+    monkeypatch.setattr(registry, "_BUILDERS", registry._BUILDERS.copy())
 
 
 def test_builtins_are_available() -> None:

@@ -1,14 +1,26 @@
-"""Averaging across clusters: strategies (`strategy.py`, `strategies/`) on collectives over the peer
-wire (`ring.py`): every segment of the model has one group, one member per cluster."""
-from ravnest.averaging.layout import FlatLayout, canonical_keys
-from ravnest.averaging.reference import reference_average, reference_mean
-from ravnest.averaging.ring import RingError, RingHub, RingMember, RingTimeout
-from ravnest.averaging.segments import segment_rings
-from ravnest.averaging.shares import balanced_shares, ring_link_loads, ring_time_bound, share_bounds
-from ravnest.averaging.strategy import (AveragingStrategy, StageContext, StrategyError, available_strategies,
-                                        make_strategy, register_strategy)
+"""Averaging across clusters: strategies (`strategy.py`, `registry.py`, `strategies/`) on collectives
+over the peer wire (`ring.py`): every segment of the model has one group, one member per cluster.
 
-__all__ = ["AveragingStrategy", "FlatLayout", "RingError", "RingHub", "RingMember", "RingTimeout", "StageContext",
-           "StrategyError", "available_strategies", "balanced_shares", "canonical_keys", "make_strategy",
-           "reference_average", "reference_mean", "register_strategy", "ring_link_loads", "ring_time_bound",
-           "segment_rings", "share_bounds"]
+The names below load on first use, so the job spec can ask `registry.py` about strategies without
+importing the collectives (which import the spec)."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "FlatLayout": "layout", "canonical_keys": "layout",
+    "reference_average": "reference", "reference_mean": "reference",
+    "RingError": "ring", "RingHub": "ring", "RingMember": "ring", "RingTimeout": "ring",
+    "segment_rings": "segments",
+    "balanced_shares": "shares", "ring_link_loads": "shares", "ring_time_bound": "shares", "share_bounds": "shares",
+    "AveragingStrategy": "strategy", "StageContext": "strategy", "make_strategy": "strategy",
+    "StrategyError": "registry", "available_strategies": "registry", "register_strategy": "registry",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

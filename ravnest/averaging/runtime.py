@@ -1,5 +1,8 @@
 """The runtime model: predicted seconds per optimizer step under each averaging strategy.
 
+Each strategy declares its own figure where it registers (`cost` in `registry.py`); the formulas are
+collected here, and the helpers they share (`half_allreduce_s`, `ring_round_s`, `slowest_of`) live here.
+
 Inputs: `step_s`, the compute seconds of one optimizer step of the slowest replica (every strategy
 here waits for its peers, so the slowest one sets the pace), and per averaging group (one per
 segment: the stage holding it in every cluster) its `Group`: members n, parameter bytes P, and the
@@ -49,13 +52,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
 
-from ravnest.averaging.topology import TOPOLOGIES, circulant, mixing_row
+from typing import Any, Callable
+
+from ravnest.averaging.fusion import MB
+from ravnest.averaging.registry import NO_AVERAGING, CostInputs, strategy_info
+from ravnest.averaging.topology import TOPOLOGIES, mixing_row
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward costs about twice the forward
 AUTO_TOLERANCE = 1.05
-GOSSIP = ("dsgd", "dadam")
-MODELLED = ("none", "ring", "diloco", "dear", *GOSSIP)  # job strategies with a figure here
-UNPACED = ("none", "acid")  # strategies whose replicas never wait for each other
+DEFAULT_FUSION_BYTES = 25 * MB  # the reference all-reduce's buckets (DDP's default)
 
 
 @dataclass(frozen=True)
@@ -90,43 +95,42 @@ def fusion_count(param_bytes: float, fusion_bytes: float) -> int:
 
 
 def strategy_step_s(strategy: str, step_s: float, groups: Sequence[Group], *, every: int = 1,
-                    topology: str = "one-peer-exp", fusion_bytes: float = 25 * 2**20, spare_core: bool = True,
-                    streaming: bool = False, step_sd_s: float = 0.0, paced: bool | None = None) -> float:
-    """Predicted seconds per optimizer step (see the module docstring); `strategy` is one of "none",
-    "ring", "allreduce", "dear", "dsgd", "dadam". Without `spare_core` (every core of the node is
-    computing, e.g. several nodes sharing one machine) nothing hides: each strategy pays its
-    communication in full, T + (what it moves per step). `step_sd_s`: the spread of one step's
-    compute time, which rounds that wait for several members pay. `paced`: whether gossip rounds are paced
-    (None: as the planner decides, `link_bound`)."""
-    if strategy == "none" or not groups or all(g.members < 2 for g in groups):
+                    topology: str = "one-peer-exp", spare_core: bool = True, step_sd_s: float = 0.0,
+                    paced: bool | None = None, settings: Any = None) -> float:
+    """Predicted seconds per optimizer step (see the module docstring) under `strategy`, a registered
+    strategy with a `cost`, "none", or the reference "allreduce". Without `spare_core` (every core of
+    the node is computing, e.g. several nodes sharing one machine) nothing hides: each strategy pays its
+    communication in full, T + (what it moves per step). `step_sd_s`: the spread of one step's compute
+    time, which rounds that wait for several members pay. `paced`: whether gossip rounds are paced
+    (None: as the planner decides, `link_bound`). `settings`: the strategy's own (None: its defaults)."""
+    if strategy == NO_AVERAGING or not groups or all(g.members < 2 for g in groups):
         return step_s
+    if strategy == "allreduce":  # in buckets of `settings.fusion_mb` (dear's settings), else DDP's default
+        fusion = DEFAULT_FUSION_BYTES if settings is None else settings.fusion_mb * MB
+        return max(allreduce_step_s(step_s, g, fusion, step_sd_s) for g in groups if g.members > 1)
+    info = strategy_info(strategy)
+    if info.cost is None:
+        raise ValueError(f"the runtime model has no figure for strategy {strategy!r}")
+    settings = info.settings() if settings is None else settings
     paced = link_bound(step_s, groups) if paced is None else paced
-    return max(_group_step_s(strategy, step_s, g, every, topology, fusion_bytes, spare_core, streaming, step_sd_s,
-                             paced) for g in groups if g.members > 1)
+    return max(info.cost(CostInputs(step_s, g, every, topology, spare_core, step_sd_s, paced, settings))
+               for g in groups if g.members > 1)
 
 
-def _group_step_s(strategy: str, t: float, g: Group, every: int, topology: str, fusion_bytes: float,
-                  spare_core: bool, streaming: bool, sd: float, paced: bool) -> float:
+def straggler_s(c: CostInputs) -> float:
+    """How late the last member of a group comes to a round that waits for all of them."""
+    return c.step_sd_s * slowest_of(c.group.members) * math.sqrt(c.every)
+
+
+def ring_round_s(c: CostInputs, delay: int) -> float:
+    """A ring all-reduce every E steps, applied `delay` steps after it started: T + max(0, AR - D T) / E."""
+    return c.step_s + max(0.0, 2 * half_allreduce_s(c.group) + straggler_s(c) - delay * c.step_s) / c.every
+
+
+def allreduce_step_s(t: float, g: Group, fusion_bytes: float, sd: float = 0.0) -> float:
+    """The reference: a bucketed all-reduce of the gradients after the backward (DDP without overlap)."""
     k = fusion_count(g.param_bytes, fusion_bytes)
-    straggler = sd * slowest_of(g.members) * math.sqrt(every)  # the last member's lateness to a round
-    if strategy in ("ring", "diloco"):  # diloco: the ring's round, blocking unless streaming
-        delay = max(1, every // 2) if spare_core and (strategy == "ring" or streaming) else 0
-        return t + max(0.0, 2 * half_allreduce_s(g) + straggler - delay * t) / every
-    if strategy == "allreduce":
-        return t + 2 * half_allreduce_s(g) + (k - 1) * 2 * (g.members - 1) * g.latency + straggler
-    if strategy == "dear":
-        half = half_allreduce_s(g, k)
-        if not (g.fine_overlap and spare_core):
-            return t + 2 * half + straggler
-        return (t + max(half / k, half - BACKWARD_SHARE * t) + max(half / k, half - (1 - BACKWARD_SHARE) * t)
-                + straggler)
-    if strategy in GOSSIP:
-        degree = mean_degree(topology, g.members)
-        latencies = 2 if paced and circulant(topology, g.members) else 1  # paced: asked for, then sent
-        exchange = (degree * (g.param_bytes / g.bandwidth + latencies * g.latency)
-                    + sd * slowest_of(1 + degree) * math.sqrt(every))
-        return t + max(0.0, exchange - (t if spare_core else 0.0)) / every
-    raise ValueError(f"the runtime model has no figure for strategy {strategy!r}")
+    return t + 2 * half_allreduce_s(g) + (k - 1) * 2 * (g.members - 1) * g.latency + sd * slowest_of(g.members)
 
 
 @lru_cache(maxsize=256)
@@ -146,14 +150,16 @@ def candidates(optimizer: str) -> list[tuple[str, str]]:
     return [("dear", ""), ("ring", ""), *((gossip, topology) for topology in TOPOLOGIES)]
 
 
-def predictions(step_s: float, groups: Sequence[Group], *, every: int, optimizer: str,
-                fusion_bytes: float = 25 * 2**20, spare_core: bool = True, step_sd_s: float = 0.0) -> dict[str, float]:
+def predictions(step_s: float, groups: Sequence[Group], *, every: int, optimizer: str, spare_core: bool = True,
+                step_sd_s: float = 0.0, settings: Callable[[str], Any] | None = None) -> dict[str, float]:
     """Predicted seconds per step for each candidate ("dear", "ring", "dadam:ring", ...) and the
-    reference "allreduce"."""
+    reference "allreduce" (in buckets of dear's fusion size). `settings(name)`: a strategy's own
+    settings (None: every strategy's defaults)."""
+    own = settings or (lambda name: strategy_info(name).settings())
     table = {(f"{strategy}:{topology}" if topology else strategy): strategy_step_s(
-        strategy, step_s, groups, every=every, topology=topology or "one-peer-exp", fusion_bytes=fusion_bytes,
-        spare_core=spare_core, step_sd_s=step_sd_s) for strategy, topology in candidates(optimizer)}
-    table["allreduce"] = strategy_step_s("allreduce", step_s, groups, fusion_bytes=fusion_bytes, step_sd_s=step_sd_s)
+        strategy, step_s, groups, every=every, topology=topology or "one-peer-exp", spare_core=spare_core,
+        step_sd_s=step_sd_s, settings=own(strategy)) for strategy, topology in candidates(optimizer)}
+    table["allreduce"] = strategy_step_s("allreduce", step_s, groups, step_sd_s=step_sd_s, settings=own("dear"))
     return table
 
 

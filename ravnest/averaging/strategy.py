@@ -19,16 +19,12 @@ A strategy with `defers_update` takes the gradients at `gradients_ready` and app
 itself later, in parts, through `StageContext.apply_update` (DeAR: each part once its all-gather is
 in, before the forward that reads it); the stage then only counts the step.
 
-Strategies register under a name with `@register_strategy` (built-ins in
-`ravnest/averaging/strategies/<name>.py`), or plug in through the entry-point group
-"ravnest.averaging" like models do (docs/models.md). "none" is reserved: no averaging at all; so is
-"auto": the coordinator's planner picks the strategy its runtime model predicts fastest
-(`ravnest/averaging/runtime.py`) and hands the stages that one.
+Strategies register under a name, with their settings and what the planner and the runtime model
+need to know about them, in `registry.py`.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Sequence
@@ -37,19 +33,14 @@ import torch
 from torch import nn
 
 from ravnest.averaging.ring import RingMember
-from ravnest.plugins import entry_points, load_plugin
+from ravnest.averaging.registry import (AUTO, NO_AVERAGING, StrategyError, available_strategies, is_strategy,
+                                        register_strategy, strategy_info)
 from ravnest.spec import Ring, StageAssignment
 from ravnest.wire import Router
 
-ENTRY_POINT_GROUP = "ravnest.averaging"
-NO_AVERAGING = "none"
-AUTO = "auto"
-BUILT_IN = ("ring", "dsgd", "dadam", "dear", "diloco", "ada", "acid")  # modules of ravnest.averaging.strategies, imported on first use
+__all__ = ["AUTO", "NO_AVERAGING", "AveragingStrategy", "GroupStrategy", "StageContext", "StrategyError",
+           "available_strategies", "group_member", "is_strategy", "make_strategy", "register_strategy"]
 Tensors = dict[str, torch.Tensor]
-
-
-class StrategyError(ValueError):
-    """An unknown strategy name or a strategy that failed to load."""
 
 
 @dataclass(frozen=True)
@@ -150,44 +141,6 @@ class GroupStrategy(AveragingStrategy):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-Factory = Callable[[StageContext], AveragingStrategy]
-_FACTORIES: dict[str, Factory] = {}
-
-
-def register_strategy(name: str) -> Callable[[Factory], Factory]:
-    """Decorator registering `factory(context) -> AveragingStrategy` (a class will do) under `name`."""
-    if name in (NO_AVERAGING, AUTO):
-        raise StrategyError(f"{name!r} is reserved: it means {'no averaging' if name == NO_AVERAGING else 'pick one'}")
-
-    def decorate(factory: Factory) -> Factory:
-        _FACTORIES[name] = factory
-        return factory
-    return decorate
-
-
-def available_strategies() -> list[str]:
-    """"none", "auto", the built-in strategies and the installed (entry-point) ones."""
-    return sorted({NO_AVERAGING, AUTO, *BUILT_IN, *_FACTORIES, *entry_points(ENTRY_POINT_GROUP)})
-
-
-def is_strategy(name: str) -> bool:
-    """Whether `name` is "none", "auto", a built-in or registered strategy, or an installed plug-in."""
-    return name in (NO_AVERAGING, AUTO, *BUILT_IN, *_FACTORIES) or name in entry_points(ENTRY_POINT_GROUP)
-
-
-def strategy_factory(name: str) -> Factory:
-    """The factory registered under `name`, importing a built-in or loading a plug-in on first use."""
-    if name not in _FACTORIES and name in BUILT_IN:
-        importlib.import_module(f"ravnest.averaging.strategies.{name}")
-    if name in _FACTORIES:
-        return _FACTORIES[name]
-    factory = load_plugin(ENTRY_POINT_GROUP, name, "averaging", StrategyError)
-    if factory is None:
-        raise StrategyError(f"unknown averaging strategy {name!r}; known: {', '.join(available_strategies())}")
-    _FACTORIES[name] = factory
-    return factory
-
-
 def make_strategy(context: StageContext) -> AveragingStrategy | None:
     """The strategy the stage's assignment asks for, or None when there is nothing to average (one
     cluster, no groups planned, or "none")."""
@@ -197,4 +150,4 @@ def make_strategy(context: StageContext) -> AveragingStrategy | None:
     if a.averaging.strategy == AUTO:
         raise StrategyError("averaging strategy 'auto' is chosen by the coordinator's planner; a stage must be "
                             "given the strategy it picked")
-    return strategy_factory(a.averaging.strategy)(context)
+    return strategy_info(a.averaging.strategy).factory(context)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ravnest.plugins import entry_points, load_plugin
+from ravnest.plugins import PluginRegistry
 
 ENTRY_POINT_GROUP = "ravnest.models"
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: seeds of neighbouring blocks differ in every bit
@@ -121,35 +121,24 @@ class ModelSpec:
 
 
 Builder = Callable[[dict[str, Any]], ModelSpec]
-_BUILDERS: dict[str, Builder] = {}
+_BUILDERS: PluginRegistry[Builder] = PluginRegistry(ENTRY_POINT_GROUP, "model", ModelError)
 
 
 def register_model(name: str) -> Callable[[Builder], Builder]:
     """Decorator registering `builder(config) -> ModelSpec` under `name`."""
     def decorate(builder: Builder) -> Builder:
-        _BUILDERS[name] = builder
-        return builder
+        return _BUILDERS.register(name, builder)
     return decorate
 
 
 def available_models() -> list[str]:
     """Names of built-in and installed (entry-point) architectures."""
-    return sorted(set(_BUILDERS) | set(entry_points(ENTRY_POINT_GROUP)))
-
-
-def _lookup(name: str) -> Builder:
-    if name in _BUILDERS:
-        return _BUILDERS[name]
-    builder = load_plugin(ENTRY_POINT_GROUP, name, "model", ModelError)
-    if builder is None:
-        raise ModelError(f"unknown model {name!r}; known models: {', '.join(available_models())}")
-    _BUILDERS[name] = builder
-    return builder
+    return _BUILDERS.names()
 
 
 def build_model(name: str, config: dict[str, Any] | None = None) -> ModelSpec:
     """The description of architecture `name` with `config`; allocates no weights."""
-    spec = _lookup(name)(dict(config or {}))
+    spec = _BUILDERS.get(name)(dict(config or {}))
     if not isinstance(spec, ModelSpec) or spec.num_blocks < 1:
         raise ModelError(f"builder for {name!r} did not return a ModelSpec with blocks")
     return spec

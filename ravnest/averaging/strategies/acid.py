@@ -44,6 +44,9 @@ import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingError
+from pydantic import Field
+
+from ravnest.averaging.registry import StrategySettings
 from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
 
 GRAPHS = ("ring", "exponential")
@@ -120,7 +123,19 @@ class _Segment:
     thread: threading.Thread | None = None
 
 
-@register_strategy("acid")
+class AcidSettings(StrategySettings):
+    rate: float = Field(1.0, gt=0, le=64, description="pairwise averagings per gradient step")
+    poisson: bool = Field(False, description="averagings at Poisson times of that rate (the same on every "
+                          "member) instead of evenly spaced")
+    eta: float | None = Field(None, ge=0, le=100, description="the momentum's mixing rate (default: from the "
+                              "graph's Laplacian; 0: plain asynchronous pairwise averaging)")
+    alpha: float | None = Field(None, ge=0, le=100, description="the momentum's step on an averaging (default: "
+                                "from the graph's Laplacian)")
+
+
+@register_strategy("acid", settings=AcidSettings, gossip=True, waits_for_peers=False,
+                   flat_keys={"acid_rate": "rate", "acid_poisson": "poisson", "acid_eta": "eta",
+                              "acid_alpha": "alpha"})
 class AsyncPairwiseMomentum(GroupStrategy):
     name = "acid"
 
@@ -131,14 +146,15 @@ class AsyncPairwiseMomentum(GroupStrategy):
         self.topology = settings.topology if settings.topology in GRAPHS else "ring"
         if self.topology == "exponential" and self.size & (self.size - 1):
             self.topology = "ring"  # the hypercube matching needs a power of two
-        self.rate = settings.acid_rate
+        own: AcidSettings = settings.of("acid")
+        self.rate = own.rate
         eta, alpha = acid_constants(self.topology, self.size, self.rate) if self.size > 1 else (0.0, 0.0)
-        self.eta = settings.acid_eta if settings.acid_eta is not None else eta
-        self.alpha = settings.acid_alpha if settings.acid_alpha is not None else alpha
+        self.eta = own.eta if own.eta is not None else eta
+        self.alpha = own.alpha if own.alpha is not None else alpha
         # arrival times (in gradient steps) of the averaging events, the same on every member
         steps = a.training.steps - a.resume_step
         count = int(self.rate * steps)
-        if settings.acid_poisson:
+        if own.poisson:
             draw = random.Random(a.training.seed)
             arrivals, t = [], 0.0
             while True:

@@ -30,6 +30,9 @@ import logging
 import torch
 
 from ravnest.averaging.strategies.dsgd import GossipMixing, _Segment
+from pydantic import Field, PositiveInt, model_validator
+
+from ravnest.averaging.registry import StrategySettings
 from ravnest.averaging.strategy import StageContext, register_strategy
 
 log = logging.getLogger(__name__)
@@ -43,14 +46,29 @@ def consensus_distance(mean_sample: torch.Tensor, mean_square: float) -> float:
     return max(mean_square - center, 0.0) / max(center, 1e-30)
 
 
-@register_strategy("ada")
+class AdaSettings(StrategySettings):
+    check_every: PositiveInt = Field(10, le=10_000_000, description="steps between measurements of the "
+                                     "replicas' spread")
+    high: float = Field(1e-5, gt=0, description="a denser graph above this relative consensus distance")
+    low: float = Field(4e-6, ge=0, description="a sparser graph below this relative consensus distance")
+
+    @model_validator(mode="after")
+    def _thresholds_ordered(self) -> AdaSettings:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low:g}) must be below high ({self.high:g})")
+        return self
+
+
+@register_strategy("ada", settings=AdaSettings, gossip=True,
+                   flat_keys={"ada_check_every": "check_every", "ada_high": "high", "ada_low": "low"})
 class AdaptiveGossip(GossipMixing):
     name = "ada"
 
     def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
         super().__init__(context, step_timeout=step_timeout)
         settings = context.assignment.averaging
-        self.check_every, self.high, self.low = settings.ada_check_every, settings.ada_high, settings.ada_low
+        own: AdaSettings = settings.of("ada")
+        self.check_every, self.high, self.low = own.check_every, own.high, own.low
         start = LADDER.index(settings.topology) if settings.topology in LADDER else LADDER.index("ring")
         self._levels = [start] * len(self._segments)
         self.spread = [0.0] * len(self._segments)

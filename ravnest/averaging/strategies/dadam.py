@@ -4,10 +4,10 @@ AccumAdam / AccumAdamW (`ravnest/pipeline/accum_adam.py`), whose moments advance
 averaged over several steps, are made for it."""
 from __future__ import annotations
 
-from ravnest.averaging.strategies.dsgd import GossipMixing
+from ravnest.averaging.strategies.dsgd import GossipMixing, gossip_cost
 from ravnest.averaging.strategy import register_strategy
 
 
-@register_strategy("dadam")
+@register_strategy("dadam", gossip=True, cost=gossip_cost)
 class DecentralizedAdam(GossipMixing):
     name = "dadam"

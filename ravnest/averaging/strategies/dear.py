@@ -34,6 +34,10 @@ import torch
 from ravnest.averaging.fusion import MB, FusionTuner, fusion_groups
 from ravnest.averaging.layout import FlatLayout, block_index, canonical_keys
 from ravnest.averaging.ring import RingMember
+from pydantic import Field
+
+from ravnest.averaging.registry import CostInputs, StrategySettings
+from ravnest.averaging.runtime import BACKWARD_SHARE, fusion_count, half_allreduce_s, straggler_s
 from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
 
 
@@ -64,13 +68,35 @@ class _Segment:
     choice: Future | None = None  # the tuner's averaged times
 
 
-@register_strategy("dear")
+class DearSettings(StrategySettings):
+    fusion_mb: float = Field(25.0, gt=0, le=1024, description="gradients travel in groups of consecutive "
+                             "parameters of up to this many MB (the search's starting point when tune_fusion)")
+    tune_fusion: bool = Field(True, description="try each grouping a power-of-two size in [1, 256] MB gives "
+                              "over the first steps and keep the fastest")
+
+
+def dear_cost(c: CostInputs) -> float:
+    """With k groups, RS = AG = (n - 1) (P / (n B) + k L). One-stage clusters hide the reduce-scatter
+    behind the backward (2/3 of T) except its last group's part, and the all-gather behind the forward
+    except its first group's; inside deeper pipelines neither hides: T + RS + AG."""
+    t, g = c.step_s, c.group
+    k = fusion_count(g.param_bytes, c.settings.fusion_mb * MB)
+    half = half_allreduce_s(g, k)
+    if not (g.fine_overlap and c.spare_core):
+        return t + 2 * half + straggler_s(c)
+    return (t + max(half / k, half - BACKWARD_SHARE * t) + max(half / k, half - (1 - BACKWARD_SHARE) * t)
+            + straggler_s(c))
+
+
+@register_strategy("dear", settings=DearSettings, cost=dear_cost,
+                   flat_keys={"fusion_mb": "fusion_mb", "tune_fusion": "tune_fusion"})
 class DecoupledAllReduce(GroupStrategy):
     name = "dear"
     defers_update = True
 
     def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
-        a, settings = context.assignment, context.assignment.averaging
+        a = context.assignment
+        own: DearSettings = a.averaging.of("dear")
         if context.apply_update is None or context.module is None:
             raise ValueError("dear applies the updates itself: the stage must give apply_update and its module")
         self.live, self._apply, self._waiting = context.live, context.apply_update, context.waiting
@@ -85,7 +111,7 @@ class DecoupledAllReduce(GroupStrategy):
             member = group_member(context, ring, step_timeout=step_timeout)  # raw fp32: see the docstring
             self._segments.append(_Segment(
                 member, keys, [k for k in canonical_keys(self.live, blocks) if k not in params],
-                FusionTuner(sizes, settings.fusion_mb, tune=settings.tune_fusion,
+                FusionTuner(sizes, own.fusion_mb, tune=own.tune_fusion,
                             total_steps=a.training.steps - a.resume_step),
                 ThreadPoolExecutor(1, thread_name_prefix=f"ravnest-dear-{ring.segment}")))
         self._segment_of_key = {k: s for s in self._segments for k in s.keys}

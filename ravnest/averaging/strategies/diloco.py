@@ -25,6 +25,10 @@ import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.strategies.ring import RingAveraging, _Outcome, _Segment
+from pydantic import Field
+
+from ravnest.averaging.registry import CostInputs, StrategySettings
+from ravnest.averaging.runtime import ring_round_s
 from ravnest.averaging.strategy import StageContext, register_strategy
 
 
@@ -37,16 +41,29 @@ def outer_step(start: torch.Tensor, mean_delta: torch.Tensor, momentum: torch.Te
     return start.sub(direction, alpha=lr)
 
 
-@register_strategy("diloco")
+class DilocoSettings(StrategySettings):
+    outer_lr: float = Field(0.7, gt=0, le=10, description="the outer optimizer's learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="the outer optimizer's Nesterov momentum")
+    streaming: bool = Field(False, description="the all-reduce of a round overlaps the next round's first "
+                            "every // 2 local steps instead of blocking")
+
+
+def diloco_cost(c: CostInputs) -> float:
+    """The ring's round, blocking unless streaming."""
+    return ring_round_s(c, max(1, c.every // 2) if c.spare_core and c.settings.streaming else 0)
+
+
+@register_strategy("diloco", settings=DilocoSettings, cost=diloco_cost,
+                   flat_keys={"outer_lr": "outer_lr", "outer_momentum": "outer_momentum", "streaming": "streaming"})
 class OuterOptimization(RingAveraging):
     name = "diloco"
 
     def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
         super().__init__(context, step_timeout=step_timeout)
-        settings = context.assignment.averaging
-        self.lr, self.mu = settings.outer_lr, settings.outer_momentum
+        own: DilocoSettings = context.assignment.averaging.of("diloco")
+        self.lr, self.mu = own.outer_lr, own.outer_momentum
         self._optimizer_state = None  # the inner optimizer's state stays local
-        self.apply_delay = max(1, self.every // 2) if settings.streaming else 0
+        self.apply_delay = max(1, self.every // 2) if own.streaming else 0
         # theta_r of every segment: the weights all members start the round from (equal at step 0:
         # same seed; equal after every round: same outer step)
         self._round_start: dict[int, torch.Tensor] = {}

@@ -21,6 +21,7 @@ before them: the evaluation average (slot 3) and subclasses' measurements (slot 
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
+from ravnest.averaging.registry import CostInputs
+from ravnest.averaging.runtime import mean_degree, slowest_of
 from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
 from ravnest.averaging.topology import circulant, mixing_row, sends_to
 
@@ -44,7 +47,18 @@ class _Segment:
     running: Future | None = None
 
 
-@register_strategy("dsgd")
+def gossip_cost(c: CostInputs) -> float:
+    """Round t: d(t) messages each way, one at a time, (P / B + 2 L) each where paced and circulant
+    (asked for, then sent), else (P / B + L); applied before the next step, so one step hides it."""
+    g = c.group
+    degree = mean_degree(c.topology, g.members)
+    latencies = 2 if c.paced and circulant(c.topology, g.members) else 1
+    exchange = (degree * (g.param_bytes / g.bandwidth + latencies * g.latency)
+                + c.step_sd_s * slowest_of(1 + degree) * math.sqrt(c.every))
+    return c.step_s + max(0.0, exchange - (c.step_s if c.spare_core else 0.0)) / c.every
+
+
+@register_strategy("dsgd", gossip=True, cost=gossip_cost)
 class GossipMixing(GroupStrategy):
     """See the module docstring; the optimizer is the job's (with Adam-type optimizers this is
     decentralized Adam: strategy "dadam")."""

@@ -35,6 +35,8 @@ import torch
 
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
+from ravnest.averaging.registry import CostInputs
+from ravnest.averaging.runtime import ring_round_s
 from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
 
 FINAL_ROUND = 1 << 40  # above every periodic round's wire number
@@ -75,7 +77,13 @@ class _Segment:
     due_at: float = 0.0        # time mode: when this member starts the committed round
 
 
-@register_strategy("ring")
+def ring_cost(c: CostInputs) -> float:
+    """The round started after step s is applied after step s + D, D = max(1, E // 2): it stalls only
+    past D steps of compute (nothing hides without a spare core)."""
+    return ring_round_s(c, max(1, c.every // 2) if c.spare_core else 0)
+
+
+@register_strategy("ring", by_seconds=True, cost=ring_cost)
 class RingAveraging(GroupStrategy):
     """Periodic, overlapped averaging of the segments `assignment.rings` names (one ring each).
 
