@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast protos bench clean
+.PHONY: install demo test test-fast check protos bench clean
 
 install: $(VENV)/.installed
 
@@ -15,9 +15,14 @@ demo: install
 
 # the fast tests in two processes (one process each, no shared state), then the slow end-to-end ones
 # one at a time: they start real coordinators and nodes, and time what they do
-test: install
+test: install check
 	$(PY) -m pytest -q -n 2 -m "not slow"
 	$(PY) -m pytest -q -m slow --durations=25
+
+# lint and types (configured in pyproject.toml); `make test` runs this first
+check: install
+	$(VENV)/bin/ruff check ravnest coordinator node
+	$(VENV)/bin/mypy ravnest coordinator node
 
 test-fast: install
 	$(PY) -m pytest -q -n 2 -m "not slow"

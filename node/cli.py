@@ -27,7 +27,8 @@ def _size(text: str) -> int:
 def _offered(text: str) -> tuple[str, Path]:
     name, _, path = text.partition("=")
     if not re.match(DATASET_NAME, name) or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH with NAME like 'gpl3' (letters, digits, _ . -), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PATH with NAME like 'gpl3' (letters, digits, _ . -), got {text!r}")
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise argparse.ArgumentTypeError(f"{path}: no such file")

@@ -120,8 +120,8 @@ class AveragingSettings(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)  # extra keys: strategies' sections, checked below
 
     strategy: str = Field("ring", description="how clusters average their copies of each segment: 'ring' "
-                          "(periodic multi-ring all-reduce), 'diloco' (H local steps, then an outer optimizer step on the "
-                          "averaged pseudo-gradient), 'dear' (every step's gradients, all-reduce hidden "
+                          "(periodic multi-ring all-reduce), 'diloco' (H local steps, then an outer optimizer step on "
+                          "the averaged pseudo-gradient), 'dear' (every step's gradients, all-reduce hidden "
                           "behind backward and forward: synchronous data parallelism), 'dsgd' / 'dadam' (gossip "
                           "with the neighbours of `topology`), 'ada' (gossip whose graph adapts to how far the "
                           "replicas drift apart), 'acid' (asynchronous pairwise averaging with a continuous "
@@ -324,14 +324,14 @@ class _Measured(_Strict):
 
 
 # plausible ranges, from a phone to a datacentre node
-FLOPS = dict(ge=1e6, le=1e17)  # 1 MFLOP/s .. 100 PFLOP/s
-BANDWIDTH = dict(ge=1e3, le=1e12)  # 1 kB/s .. 8 Tbit/s
+FLOPS: dict[str, Any] = dict(ge=1e6, le=1e17)  # 1 MFLOP/s .. 100 PFLOP/s
+BANDWIDTH: dict[str, Any] = dict(ge=1e3, le=1e12)  # 1 kB/s .. 8 Tbit/s
 
 
 def plausible_bandwidth(measured: float) -> float:
     """A measurement within BANDWIDTH: a probe over loopback can finish faster than the clock resolves."""
     return min(max(measured, BANDWIDTH["ge"]), BANDWIDTH["le"])
-LATENCY = dict(ge=0, le=60)  # seconds, round trip
+LATENCY: dict[str, Any] = dict(ge=0, le=60)  # seconds, round trip
 ADDRESS = r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}$"
 
 

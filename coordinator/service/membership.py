@@ -139,7 +139,8 @@ class Membership(ServiceBase):
         host's link each measured about half of it (a 400 Mbit/s pair came out below 100 Mbit/s)."""
         want, now = self.settings.probe_peers, self.clock()
         if len(self._probes_asked) > 10_000:  # forget requests that were never answered
-            self._probes_asked = {k: at for k, at in self._probes_asked.items() if now - at < self.settings.probe_retry_s}
+            retry_s = self.settings.probe_retry_s
+            self._probes_asked = {k: at for k, at in self._probes_asked.items() if now - at < retry_s}
         busy = {end for pair, at in self._probes_asked.items() if now - at < self.settings.probe_retry_s
                 for end in pair}
         measured = select(LinkRow.peer_id).where(LinkRow.node_id == node.id)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -75,9 +75,10 @@ def group_member(context: StageContext, ring: Ring, *, step_timeout: float, code
     """This stage's member of `ring`'s group: collectives over the peer wire, or over gloo where the
     job chose `averaging.backend: "torch"` (ravnest/averaging/torch_group.py; same interface)."""
     a = context.assignment
-    member = RingMember
+    member: Any = RingMember  # or TorchMember: the same interface, no common base
     if a.averaging.backend == "torch":
-        from ravnest.averaging.torch_group import TorchMember as member  # torch.distributed loads on demand
+        from ravnest.averaging.torch_group import TorchMember  # torch.distributed loads on demand
+        member = TorchMember
     return member(a.cluster, [m.address for m in ring.members], context.router, a.token, segment=ring.segment,
                   weights=ring.weights, order=ring.order, codec=codec, step_timeout=step_timeout)
 

@@ -120,7 +120,8 @@ def resume(ctx: typer.Context, job_id: str) -> None:
 
 @app.command()
 def download(ctx: typer.Context, job_id: str,
-             output: Path = typer.Option(Path("model.safetensors"), "-o", "--output", help="where to write it")) -> None:
+             output: Path = typer.Option(Path("model.safetensors"), "-o", "--output",
+                                         help="where to write it")) -> None:
     """The trained model of a completed job, as safetensors (load it with ravnest.load_model)."""
     try:
         size = ctx.obj.download(f"/v1/jobs/{job_id}/model", output)

@@ -148,7 +148,8 @@ def _load_text(path: str | os.PathLike, seq_len: int, test_fraction: float, labe
     test_x, test_y = _windows(tokens[test_start:], seq_len)
     if len(train_x) == 0 or (test_fraction > 0 and len(test_x) == 0):
         raise DatasetError(f"{label} is too short for seq_len={seq_len} with test_fraction={test_fraction}: "
-                           "it needs room for one sequence of seq_len + 1 tokens in both the training and the test part")
+                           "it needs room for one sequence of seq_len + 1 tokens in both the training and the "
+                           "test part")
     vocab_size = 128 if int(tokens.max()) < 128 else 256
     return Dataset("text", train_x, train_y, test_x, test_y, vocab_size=vocab_size)
 

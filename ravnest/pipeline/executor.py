@@ -10,7 +10,7 @@ and last (plain data parallelism) reads no messages, and stops there all the sam
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -63,7 +63,7 @@ class StageExecutor:
     def peer_timeout(self) -> float:
         return self.neighbours.peer_timeout
 
-    def run(self, actions: list[Action]) -> None:
+    def run(self, actions: Iterable[Action]) -> None:
         """Every action, then the evaluation after the last step; PipelineError once the inbox closes."""
         for action in actions:
             self.inbox.check()  # the one stop path
@@ -117,7 +117,7 @@ class StageExecutor:
         self.inbox.expect_gradient(m, self._output.shape)
 
     def _send_forward(self, m: int) -> None:
-        assert self._pending is not None
+        assert self._pending is not None and self._output is not None
         tags = self.checkpoints.tags(self.optimizer.steps)
         self.neighbours.send(NEXT, Message(FORWARD, m, {"x": self._output, "y": self._pending[1]}, tags=tags))
         self._output = self._pending = None
@@ -141,6 +141,7 @@ class StageExecutor:
         self._grad = None
 
     def _send_backward(self, m: int) -> None:
+        assert self._input_grad is not None
         self.neighbours.send(PREV, Message(BACKWARD, m, {"grad": self._input_grad}))
         self._input_grad = None
 

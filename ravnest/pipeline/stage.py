@@ -168,13 +168,16 @@ class StageRunner:
 
     def _build_executor(self) -> StageExecutor:
         """Built when the run starts, from the parts as they are then (a test may swap one in)."""
-        report: Callable[[dict[str, float]], None] = lambda extra: self.on_metrics({**self.metrics(), **extra})
+        def report(extra: dict[str, float]) -> None:
+            self.on_metrics({**self.metrics(), **extra})
+
         evaluation = StageEvaluation(self.assignment, compute=self.compute, loss=self._loss,
                                      neighbours=self.neighbours, averaging=self.averaging, clock=self.clock,
                                      steps=lambda: self.optimizer.steps, report=report, feed=self.feed)
         return StageExecutor(self.assignment, compute=self.compute, optimizer=self.optimizer,
                              neighbours=self.neighbours, averaging=self.averaging, evaluation=evaluation,
-                             checkpoints=CheckpointTiming(self.assignment, self.per_step), clock=self.clock, trace=self.trace, feed=self.feed,
+                             checkpoints=CheckpointTiming(self.assignment, self.per_step), clock=self.clock,
+                             trace=self.trace, feed=self.feed,
                              loss=self._loss, predict=self.predict, per_step=self.per_step, window=self.window,
                              total_micro_batches=self.total_micro_batches,
                              on_checkpoint=lambda step: self.on_checkpoint(step), report=report)
