@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from ravnest.failures import Failure
 from ravnest.spec import JobSpec, LinkReport, NodeProfile
 
 
@@ -174,6 +175,8 @@ class Recovery(BaseModel):
                                                            "reached when the loss was noticed")
     hand_in_at: float | None = Field(None, description="when the nodes still training were told to stop and hand in "
                                                        "(after a loss: once the lost cluster was done)")
+    failure: Failure | None = Field(None, description="what the node that reported the loss said, as data: its "
+                                                      "kind, the peer it lost, the step, and the transport's detail")
 
 
 class JobView(JobSummary):

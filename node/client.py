@@ -10,6 +10,7 @@ import httpx
 import tenacity
 
 from ravnest.client.api import refusal_reason
+from ravnest.failures import Failure
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           MetricsReport)
 
@@ -94,9 +95,10 @@ class CoordinatorClient:
     report_final_metrics = must_arrive(report_metrics)  # the job's result: retried, never dropped
 
     @must_arrive
-    def report_failure(self, job_id: str, reason: str, recoverable: bool, still_training: bool = False) -> None:
+    def report_failure(self, job_id: str, reason: str, recoverable: bool, still_training: bool = False,
+                       failure: Failure | None = None) -> None:
         report = FailureReport(node_id=self.node_id, reason=reason[:2000], recoverable=recoverable,
-                               still_training=still_training)
+                               still_training=still_training, failure=failure)
         self._call("POST", f"/v1/jobs/{job_id}/fail", token=self._node_token, json=report.model_dump())
 
     @must_arrive

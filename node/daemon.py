@@ -20,6 +20,7 @@ from node.metrics import STAGES
 from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import ring
+from ravnest.failures import Failure, classify
 from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
@@ -106,6 +107,17 @@ class _Job:
     @property
     def key(self) -> tuple[str, int]:
         return self.assignment.job_id, self.assignment.generation
+
+
+@dataclass
+class _JobRun:
+    """What one run of a job holds on this node, from start to clean-up."""
+    job: _Job
+    prefix: str  # how the node's log names the stage, as the API counts
+    scratch: Path  # checkpoints on their way out
+    reporter: BackgroundSender
+    uploader: BackgroundSender
+    runner: StageRunner | None = None  # once built
 
 
 class NodeDaemon:
@@ -204,94 +216,113 @@ class NodeDaemon:
 
     def _run_job(self, job: _Job) -> None:
         a = job.assignment
-        prefix = f"job {a.job_id[:8]} cluster {a.cluster} stage {a.stage} (of {a.num_stages})"  # as the API counts
+        run = _JobRun(job, prefix=f"job {a.job_id[:8]} cluster {a.cluster} stage {a.stage} (of {a.num_stages})",
+                      scratch=Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")),
+                      reporter=BackgroundSender(lambda report: self.client.report_metrics(a.job_id, report),
+                                                capacity=64, name="metrics-reporter"),
+                      uploader=BackgroundSender(
+                          lambda item: self.client.upload_checkpoint(a.job_id, a.cluster, a.stage, a.generation,
+                                                                     item[0], "periodic", item[1]),
+                          capacity=1, name="checkpoint-uploader", discard=lambda item: item[1].unlink(missing_ok=True)))
         predicted = f", predicted memory {a.predicted_memory_bytes / 2**20:.0f} MiB" if a.predicted_memory_bytes else ""
         resumed = f", continuing from step {a.resume_step}" if a.resume_step else ""
-        self.progress.log(f"{prefix}: blocks [{a.blocks[0]}, {a.blocks[1]}){predicted}{resumed}")
+        self.progress.log(f"{run.prefix}: blocks [{a.blocks[0]}, {a.blocks[1]}){predicted}{resumed}")
         self.gate.admit(f"{a.job_id}/{a.generation}", a.peer_credentials, a.planned_peers())
-        scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))  # checkpoints on their way out
-        reporter = BackgroundSender(lambda report: self.client.report_metrics(a.job_id, report), capacity=64,
-                                    name="metrics-reporter")
-        uploader = BackgroundSender(
-            lambda item: self.client.upload_checkpoint(a.job_id, a.cluster, a.stage, a.generation, item[0],
-                                                       "periodic", item[1]),
-            capacity=1, name="checkpoint-uploader", discard=lambda item: item[1].unlink(missing_ok=True))
+        try:
+            self._train(run)
+        except Exception as e:  # report any failure to the coordinator, which re-plans or fails the job
+            self._failed(run, e)
+        finally:
+            self._clean_up(run)
+
+    def _train(self, run: _JobRun) -> None:
+        job, a = run.job, run.job.assignment
+        state = None
+        if a.resume_step:
+            state = run.scratch / "resume.safetensors"
+            self.client.download_state(a.job_id, a.cluster, a.stage, state)
 
         def on_metrics(metrics: dict[str, float]) -> None:
-            reporter.put(MetricsReport(node_id=self.client.node_id, cluster=a.cluster, stage=a.stage,
-                                       step=int(metrics.get("step", 0)), metrics=metrics))
+            run.reporter.put(MetricsReport(node_id=self.client.node_id, cluster=a.cluster, stage=a.stage,
+                                           step=int(metrics.get("step", 0)), metrics=metrics))
             STAGES.update(a.job_id, a.cluster, a.stage, metrics)
-            self.progress.update(prefix, metrics)
+            self.progress.update(run.prefix, metrics)
 
         def on_checkpoint(step: int) -> None:  # on the worker thread, between two steps
-            path = scratch / f"step-{step}.safetensors"
+            path = run.scratch / f"step-{step}.safetensors"
             runner.save_state(path)
-            uploader.put((step, path))
+            run.uploader.put((step, path))
 
-        runner = None
-        try:
-            state = None
-            if a.resume_step:
-                state = scratch / "resume.safetensors"
-                self.client.download_state(a.job_id, a.cluster, a.stage, state)
-            def on_alone(reason: str) -> None:  # on the worker thread (which logged it): tell the coordinator
-                if not job.stopped_for:  # a re-plan starts, or its record learns this cluster trains on
-                    threading.Thread(target=self._report, args=(a.job_id, f"training alone: {reason}", True, True),
-                                     name="failure-report", daemon=True).start()
+        def on_alone(reason: str) -> None:  # on the worker thread (which logged it): tell the coordinator
+            if not job.stopped_for:  # a re-plan starts, or its record learns this cluster trains on
+                failure = classify(runner.alone_cause, a.peer_addresses(), runner.optimizer.steps) \
+                    if runner.alone_cause is not None else None
+                threading.Thread(target=self._report, args=(a.job_id, f"training alone: {reason}", True, True, failure),
+                                 name="failure-report", daemon=True).start()
 
-            runner = job.runner = StageRunner(a, self.router, device=self.device, on_metrics=on_metrics,
-                                              initial_state=state, on_checkpoint=on_checkpoint,
-                                              on_alone=on_alone, datasets=self.datasets)
-            if state is not None:
-                state.unlink()
-            runner.attach_averaging()  # it works on the runner's live tensors, which exist now
-            final = runner.run(job.stop)
-            self.progress.update(prefix, final, final=True)
-            if "memory_peak_bytes" in final:
-                peak = final["memory_peak_bytes"] / 2**20
-                self.progress.log(f"{prefix}: peak memory {peak:.0f} MiB above idle{predicted}")
-            reporter.close()
-            # the final metrics reach the coordinator before the weights do (the job's result is taken then)
-            self.client.report_final_metrics(a.job_id, MetricsReport(
-                node_id=self.client.node_id, cluster=a.cluster, stage=a.stage, step=int(final.get("step", 0)),
-                metrics=final))
-            weights = scratch / "stage.safetensors"
-            runner.save_weights(weights)
-            self.client.upload_weights(a.job_id, a.cluster, a.stage, weights)
-            self.progress.log(f"{prefix}: done, weights uploaded")
-        except Exception as e:  # report any failure to the coordinator, which re-plans or fails the job
-            reporter.close()
-            reason = f"{type(e).__name__}: {e}"  # the coordinator says which node, job and stage
-            if isinstance(e, TrainedAlone):  # as if told to stop: the job is being re-planned already
-                self.progress.log(f"{prefix}: {e}")
-                job.stopped_for = "recover"
-            if not job.stopped_for:
-                # a pipeline's own failures (a lost neighbour, a silent peer) are told in a line; the
-                # rest (a model or a bug raising) with where they came from
-                expected = isinstance(e, PipelineError) and e.__cause__ is None
-                self.progress.log(f"node {self.client.node_id} ({prefix}): {reason}"
-                                  + ("" if expected else f"\n{traceback.format_exc()}"))
-            if runner is not None and job.stopped_for != "cancel":
-                self._hand_in_state(runner, a, scratch / "snapshot.safetensors", prefix)
-            if not job.stopped_for:
-                # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
-                self._report(a.job_id, reason, recoverable=runner is not None)
-        finally:
-            uploader.close()
-            if runner is not None and runner.averager is not None:
-                runner.averager.close()  # leave the job's rings: the next job joins its own
-            self._finished.add(job.key)
-            STAGES.forget(a.job_id, a.cluster, a.stage)
-            self.gate.dismiss(f"{a.job_id}/{a.generation}")
-            self.router.clear()
-            runner = job.runner = None
-            shutil.rmtree(scratch, ignore_errors=True)
-            release_free_memory()  # an idle volunteer gets its memory back
-            job.done.set()
-            self._beat_now.set()
-    def _report(self, job_id: str, reason: str, recoverable: bool = True, still_training: bool = False) -> None:
+        runner = run.runner = job.runner = StageRunner(
+            a, self.router, device=self.device, on_metrics=on_metrics, initial_state=state,
+            on_checkpoint=on_checkpoint, on_alone=on_alone, datasets=self.datasets)
+        if state is not None:
+            state.unlink()
+        runner.attach_averaging()  # it works on the runner's live tensors, which exist now
+        final = runner.run(job.stop)
+        self.progress.update(run.prefix, final, final=True)
+        if "memory_peak_bytes" in final:
+            predicted = f", predicted memory {a.predicted_memory_bytes / 2**20:.0f} MiB" if a.predicted_memory_bytes \
+                else ""
+            self.progress.log(f"{run.prefix}: peak memory {final['memory_peak_bytes'] / 2**20:.0f} MiB above idle"
+                              f"{predicted}")
+        run.reporter.close()
+        # the final metrics reach the coordinator before the weights do (the job's result is taken then)
+        self.client.report_final_metrics(a.job_id, MetricsReport(
+            node_id=self.client.node_id, cluster=a.cluster, stage=a.stage, step=int(final.get("step", 0)),
+            metrics=final))
+        weights = run.scratch / "stage.safetensors"
+        runner.save_weights(weights)
+        self.client.upload_weights(a.job_id, a.cluster, a.stage, weights)
+        self.progress.log(f"{run.prefix}: done, weights uploaded")
+
+    def _failed(self, run: _JobRun, e: Exception) -> None:
+        job, a, runner = run.job, run.job.assignment, run.runner
+        run.reporter.close()
+        reason = f"{type(e).__name__}: {e}"  # the coordinator says which node, job and stage
+        if isinstance(e, TrainedAlone):  # as if told to stop: the job is being re-planned already
+            self.progress.log(f"{run.prefix}: {e}")
+            job.stopped_for = "recover"
+        if not job.stopped_for:
+            # a pipeline's own failures (a lost neighbour, a silent peer) are told in a line; the
+            # rest (a model or a bug raising) with where they came from
+            expected = isinstance(e, PipelineError) and e.__cause__ is None
+            self.progress.log(f"node {self.client.node_id} ({run.prefix}): {reason}"
+                              + ("" if expected else f"\n{traceback.format_exc()}"))
+        if runner is not None and job.stopped_for != "cancel":
+            self._hand_in_state(runner, a, run.scratch / "snapshot.safetensors", run.prefix)
+        if not job.stopped_for:
+            # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
+            failure = classify(e, a.peer_addresses(), runner.optimizer.steps if runner is not None else None)
+            self._report(a.job_id, reason, recoverable=runner is not None, failure=failure)
+
+    def _clean_up(self, run: _JobRun) -> None:
+        """Every per-job resource goes back, however the job ended: a node serves job after job."""
+        job, a = run.job, run.job.assignment
+        run.uploader.close()
+        if run.runner is not None and run.runner.averager is not None:
+            run.runner.averager.close()  # leave the job's rings: the next job joins its own
+        self._finished.add(job.key)
+        STAGES.forget(a.job_id, a.cluster, a.stage)
+        self.gate.dismiss(f"{a.job_id}/{a.generation}")
+        self.router.clear()
+        run.runner = job.runner = None
+        shutil.rmtree(run.scratch, ignore_errors=True)
+        release_free_memory()  # an idle volunteer gets its memory back
+        job.done.set()
+        self._beat_now.set()
+
+    def _report(self, job_id: str, reason: str, recoverable: bool = True, still_training: bool = False,
+                failure: Failure | None = None) -> None:
         try:
-            self.client.report_failure(job_id, reason, recoverable, still_training)
+            self.client.report_failure(job_id, reason, recoverable, still_training, failure)
         except (httpx.HTTPError, CoordinatorError):
             pass
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from ravnest.averaging.registry import (AUTO, NO_AVERAGING, available_strategies, is_strategy, registered,
                                         strategy_info)
+from ravnest.failures import Failure
 
 
 class _Strict(BaseModel):
@@ -308,6 +309,12 @@ class StageAssignment(_Strict):
     checkpoint_every: int = Field(0, description="steps between checkpoints this stage uploads; 0 = none")
     checkpoint_every_s: float | None = Field(None, description="seconds between checkpoints (stage 0 picks the step)")
 
+    def peer_addresses(self) -> dict[str, str]:
+        """The planned peers' node ids by address: a failure names its peer by id (ravnest/failures.py)."""
+        peers = [p for p in (self.prev, self.next) if p is not None]
+        peers.extend(member for ring in self.rings for member in ring.members)
+        return {p.address: p.node_id for p in peers}
+
     def planned_peers(self) -> set[str]:
         """The nodes that may call this stage: its pipeline neighbours and the other members of its rings."""
         peers = {p.node_id for p in (self.prev, self.next) if p is not None}
@@ -417,3 +424,5 @@ class FailureReport(_Strict):
     recoverable: bool = Field(False, description="the stage failed while training (e.g. it lost a peer), so "
                                                  "a re-plan may fix it; False: it could not start at all")
     still_training: bool = Field(False, description="the stage trains on alone: its averaging failed")
+    failure: Failure | None = Field(None, description="the failure as data (ravnest/failures.py); nodes before it "
+                                                      "sent only `reason`")

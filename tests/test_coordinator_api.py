@@ -583,20 +583,24 @@ def test_recoveries_are_bounded_and_a_stage_that_cannot_start_fails_the_job(clie
     assert client.post("/v1/jobs/nope/resume").status_code == 404
 
 
-def test_a_failure_report_names_the_nodes_whose_addresses_it_mentions(client: TestClient) -> None:
-    """The first to report a lost peer is usually a survivor: the reason says whom it could not reach."""
+def test_a_failure_report_names_the_lost_node_first_and_keeps_the_detail(client: TestClient) -> None:
+    """The first to report a lost peer is usually a survivor: the reason starts with the node it lost,
+    in words; the transport's own words stay in the recovery record's event."""
     job_id, members = placed_job(client)
     for node_id, auth in members:
         beat(client, node_id, auth)
     address = {n["id"]: n["address"] for n in client.get("/v1/nodes").json()}
     (reporter, auth), (lost, _) = members[0], members[1]
+    failure = {"kind": "peer_lost", "message": "ring round 80 lost a member", "peer_id": lost,
+               "peer_address": address[lost], "step": 80,
+               "detail": f"ring round 80: sending to {address[lost]}: UNAVAILABLE: Socket closed"}
     r = client.post(f"/v1/jobs/{job_id}/fail", headers=auth, json={
-        "node_id": reporter, "recoverable": True,
-        "reason": f"ring round 80: sending to {address[lost]}: UNAVAILABLE: Socket closed"})
+        "node_id": reporter, "recoverable": True, "reason": "PeerError: ...", "failure": failure})
     assert r.status_code == 204
     [recovery] = client.get(f"/v1/jobs/{job_id}").json()["recoveries"]
-    assert recovery["reason"].startswith("cluster ") and f"on node {reporter} (node0) failed" in recovery["reason"]
-    assert recovery["reason"].endswith(f"; it names node {lost} (node1)")
+    assert recovery["reason"].startswith(f"node node1 ({lost}) stopped answering: cluster "), recovery["reason"]
+    assert f"on node node0 ({reporter}) lost it" in recovery["reason"] and "UNAVAILABLE" not in recovery["reason"]
+    assert recovery["failure"]["kind"] == "peer_lost" and recovery["failure"]["detail"].endswith("Socket closed")
 
 
 def test_a_database_from_an_older_version_is_refused_with_a_reason(tmp_path: Path) -> None:

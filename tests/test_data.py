@@ -112,6 +112,25 @@ def test_text_keeps_bytes_of_non_ascii(tmp_path: Path) -> None:
     assert data.vocab_size == 256 and 127 < int(data.train_x.max()) < 256
 
 
+def test_a_gpt_whose_vocabulary_is_smaller_than_the_texts_bytes_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """Not an index error deep in the embedding after some steps (which batch meets the first byte >= 128
+    depends on the data order), but a reason before training, with the vocab_size that fits."""
+    from ravnest.pipeline.stage import StageRunner
+    from ravnest.wire import Router
+    from ravnest.pipeline.local import make_assignments
+    from ravnest.spec import JobSpec
+    path = tmp_path / "tiny.txt"
+    path.write_text("héllo wörld " * 40, encoding="utf-8")
+    job = JobSpec.model_validate({
+        "model": {"name": "gpt", "config": {"vocab_size": 128, "seq_len": 8, "d_model": 16, "n_layers": 1,
+                                            "n_heads": 2}},
+        "dataset": {"name": "text", "source": "f", "seq_len": 8}, "training": {"steps": 2, "batch_size": 2}})
+    [first] = make_assignments(job, [(0, 3)], ["127.0.0.1:1"], "t")
+    with pytest.raises(DatasetError, match=r"holds token ids up to 255, but the model takes ids below 128: set "
+                                           r"the model's vocab_size to 256"):
+        StageRunner(first, Router(), datasets={"f": str(path)})
+
+
 def test_text_too_short(tmp_path: Path) -> None:
     path = tmp_path / "short.txt"
     path.write_text("abc")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import re
 
 from sqlalchemy import func, select
 
@@ -10,6 +9,7 @@ from ravnest.spec import FailureReport, JobSpec, MetricsReport
 
 from .. import jobs
 from ..errors import Conflict, Forbidden, InvalidRequest
+from ..failures import failure_reason
 from ..jobs import JobState
 from ..schemas import CurvePoint, JobCreated, JobSummary, JobView, Recovery
 from ..security import new_id
@@ -137,15 +137,11 @@ class JobLifecycle(ServiceBase):
                 if report.still_training:
                     self._kept_training(session, reporter)
                 return
-            reason = (f"cluster {stage.cluster} stage {stage.stage} on node {report.node_id} "
-                      f"({reporter.name or reporter.address}) failed: {report.reason}")
-            named = [node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(
-                         select(StageRow.node_id).where(StageRow.job_id == job.id)), NodeRow.id != reporter.id))
-                     if re.search(re.escape(node.address) + r"(?!\d)", report.reason)]
-            if named:  # the reporter is often the survivor: say whom it could not reach
-                reason += "; it names " + ", ".join(f"node {node.id} ({node.name or node.address})" for node in named)
+            members = {node.id: node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(
+                select(StageRow.node_id).where(StageRow.job_id == job.id))))}
+            reason = failure_reason(report.failure, report.reason, reporter, stage, members)
             if report.recoverable:
-                self._recover(session, job, reason)
+                self._recover(session, job, reason, failure=report.failure)
                 if report.still_training:
                     self._kept_training(session, reporter)
             else:

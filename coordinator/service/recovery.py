@@ -17,6 +17,7 @@ import itertools
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from ravnest.failures import Failure
 from ravnest.spec import JobSpec
 
 from .. import jobs
@@ -27,7 +28,8 @@ from .base import GONE, IDLE, LOST, RESUME, ServiceBase, costs_of
 
 
 class Recoveries(ServiceBase):
-    def _recover(self, session: Session, job: JobRow, reason: str, kind: str = LOST) -> None:
+    def _recover(self, session: Session, job: JobRow, reason: str, kind: str = LOST,
+                 failure: Failure | None = None) -> None:
         """Re-plan `job`: its nodes are told to stop and hand in their state; once they did (or left),
         `_replan_recovered` plans it again from the freshest state of every block. Losses since the
         last resume are bounded by placement.max_recoveries; growing onto new nodes is not a loss."""
@@ -37,16 +39,18 @@ class Recoveries(ServiceBase):
             jobs.transition(job, JobState.FAILED, f"{reason}; no recovery left (placement.max_recoveries = "
                                                   f"{spec.placement.max_recoveries})", self.clock())
             return
-        self._open_recovery(session, job, kind, reason)
+        self._open_recovery(session, job, kind, reason, failure)
         words = "intact clusters train on, then its nodes hand in their state" if kind == LOST else \
             "its nodes hand in their state"
         jobs.transition(job, JobState.RECOVERING, f"{reason}; {words}, then it is planned again", self.clock())
 
-    def _open_recovery(self, session: Session, job: JobRow, kind: str, reason: str) -> None:
+    def _open_recovery(self, session: Session, job: JobRow, kind: str, reason: str,
+                       failure: Failure | None = None) -> None:
         reached = max((row.step for row in stages_of(session, job.id)), default=0)
         now = self.clock()
         job.faults = [*(job.faults or []), {"kind": kind, "at": now, "reason": reason, "generation": job.generation,
-                                            "reached_step": reached, **({} if kind == LOST else {"hand_in_at": now})}]
+                                            "reached_step": reached, **({} if kind == LOST else {"hand_in_at": now}),
+                                            **({"failure": failure.model_dump(mode="json")} if failure else {})}]
 
     def _replan_recovered(self, session: Session) -> bool:
         """Recovering jobs whose nodes all stopped (or went silent, or overran the wait) go back to

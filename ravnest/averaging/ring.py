@@ -44,7 +44,11 @@ class RingError(RuntimeError):
 
 
 class RingTimeout(RingError, TimeoutError):
-    """A ring step's data did not arrive before its deadline."""
+    """A ring step's data did not arrive before its deadline; `address`: the member that sent nothing."""
+
+    def __init__(self, message: str, *, address: str | None = None):
+        super().__init__(message)
+        self.address = address
 
 
 class RingHub:
@@ -368,14 +372,15 @@ class RingMember:
         try:
             self.hub.send(address, Message(KIND, step, {TENSOR: part}, tags), codec, self.step_timeout)
         except PeerError as e:
-            raise PeerError(f"{self._where(round, step, chunk)}: sending to {address}: {e}") from None
+            raise PeerError(f"{self._where(round, step, chunk)}: sending to {address}: {e}", address=address) from None
 
     def _flush(self, round: int, to: int | None = None) -> None:
         address = self._next if to is None else self.addresses[to]
         try:
             self.hub.flush(address, self.step_timeout)
         except PeerError as e:
-            raise PeerError(f"ring segment {self.segment} round {round}: sending to {address}: {e}") from None
+            raise PeerError(f"ring segment {self.segment} round {round}: sending to {address}: {e}",
+                            address=address) from None
 
     def _receive(self, round: int, step: int, chunk: int, size: int, numel: int,
                  sender: int | None = None) -> torch.Tensor:
@@ -386,7 +391,7 @@ class RingMember:
             raise RingError(f"{self._where(round, step, chunk)}: this ring member was closed")
         if item is None:
             raise RingTimeout(f"{self._where(round, step, chunk)}: nothing from {peer} within "
-                              f"{self.step_timeout:g}s")
+                              f"{self.step_timeout:g}s", address=self.addresses[expected])
         their_numel, sender, tensor = item
         if sender != expected or their_numel != numel or tensor.numel() != size:
             raise RingError(f"{self._where(round, step, chunk)}: rank {sender} sent {tensor.numel()} of "

@@ -33,6 +33,7 @@ class AveragingHooks:
         self.alone_until: int | None = None  # having left its averaging: the step it stops at to hand in
         self.alone_steps = max(ALONE_STEPS, assignment.averaging.every)
         self._asked = ""  # `train_alone` was called (from another thread) with this reason
+        self.alone_cause: BaseException | None = None  # what failed the averaging, when it failed
         self._stopping = False
 
     @property
@@ -55,6 +56,7 @@ class AveragingHooks:
             if self._stopping or strategy.defers_update:
                 raise
             reason = self._asked or f"averaging failed: {exc}"  # the first: our own abort failed it
+            self.alone_cause = None if self._asked else exc
         self._leave(strategy, reason)
 
     def _leave(self, strategy: AveragingStrategy, reason: str) -> None:

@@ -7,7 +7,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from ravnest.data import load_dataset
+from ravnest.data import DatasetError, load_dataset
 from ravnest.spec import StageAssignment
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
@@ -18,9 +18,14 @@ class BatchFeed:
     batch is cut into that many micro-batches, whose gradients make one update."""
 
     def __init__(self, assignment: StageAssignment, parts: int,
-                 datasets: Mapping[str, str | Path] | None = None):
+                 datasets: Mapping[str, str | Path] | None = None, token_limit: int | None = None):
         a, training = assignment, assignment.training
         self.dataset = load_dataset(a.dataset, datasets)  # only files the volunteer offers
+        if token_limit is not None and self.dataset.vocab_size and self.dataset.vocab_size > token_limit:
+            raise DatasetError(f"{a.dataset.name} '{a.dataset.source}' holds token ids up to "
+                               f"{self.dataset.vocab_size - 1}, but the model takes ids below {token_limit}: "
+                               f"set the model's vocab_size to {self.dataset.vocab_size} (a text file that is "
+                               f"not pure ASCII has byte values from 128 up)")
         self.batch_size, self.parts = training.batch_size, parts
         self.batches: Iterator[Batch] = self.dataset.shard(
             a.cluster, a.num_clusters, by_label=a.dataset.shards == "by-label").batches(

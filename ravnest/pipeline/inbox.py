@@ -15,11 +15,17 @@ from collections import deque
 import grpc
 import torch
 
+from ravnest.failures import FailureKind
 from ravnest.wire import Message, WireError, require_finite
 
 
 class PipelineError(RuntimeError):
-    """The pipeline cannot go on: a peer failed, the run was stopped, or peers went silent."""
+    """The pipeline cannot go on: a peer failed, the run was stopped, or peers went silent. `kind` and
+    `peer` (its address), where known, say so as data (ravnest/failures.py)."""
+
+    def __init__(self, message: str, kind: FailureKind | None = None, peer: str | None = None):
+        super().__init__(message)
+        self.kind, self.peer = kind, peer
 
 
 class TrainedAlone(PipelineError):
@@ -36,7 +42,7 @@ class Inbox:
         self._forward: deque[Message] = deque()
         self._capacity = forward_capacity
         self._owed: dict[int, torch.Size] = {}  # micro-batch -> shape of the gradient we expect
-        self._failure: str | None = None
+        self._failure: PipelineError | None = None
 
     def expect_gradient(self, micro_batch: int, shape: torch.Size) -> None:
         with self._ready:
@@ -57,7 +63,7 @@ class Inbox:
                                     f"{list(shape)}, got {got}")
                 require_finite(grad, f"gradient for micro-batch {msg.id}")
             except WireError as refused:  # the schedule waits for exactly this gradient: it will not come
-                self._failure = self._failure or f"a neighbour sent a bad gradient: {refused}"
+                self._failure = self._failure or PipelineError(f"a neighbour sent a bad gradient: {refused}")
                 self._ready.notify_all()
                 raise
             del self._owed[msg.id]
@@ -73,12 +79,12 @@ class Inbox:
             self._forward.append(msg)
             self._ready.notify()
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str | PipelineError) -> None:
         """Close the inbox: the worker's `get` raises PipelineError(reason), later puts are refused.
         The first reason wins."""
         with self._ready:
             if self._failure is None:
-                self._failure = reason
+                self._failure = reason if isinstance(reason, PipelineError) else PipelineError(reason)
             self._ready.notify_all()
             self._space.notify_all()
 
@@ -86,7 +92,12 @@ class Inbox:
         """Raise PipelineError once the inbox is closed: a stop, a lost neighbour, a refused message.
         A plain read, no lock: the worker asks before every action."""
         if self._failure is not None:
-            raise PipelineError(self._failure)
+            raise self._failed()
+
+    def _failed(self) -> PipelineError:
+        """A fresh exception each time (an exception raised twice keeps growing its traceback)."""
+        assert self._failure is not None
+        return PipelineError(str(self._failure), self._failure.kind, self._failure.peer)
 
     def next_backward(self, timeout: float) -> Message:
         """The oldest gradient, waiting for one; gradients arrive in the order the stage asks for them
@@ -102,14 +113,14 @@ class Inbox:
         with self._ready:
             while True:
                 if self._failure is not None:
-                    raise PipelineError(self._failure)
+                    raise self._failed()
                 if lane:
                     self._space.notify()
                     return lane.popleft()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PipelineError(f"no message from the neighbouring stages for {timeout:.0f}s; "
-                                        "a peer has probably failed")
+                                        "a peer has probably failed", FailureKind.TIMEOUT)
                 self._ready.wait(remaining)
 
     def _raise_if_closed(self) -> None:

@@ -13,7 +13,8 @@ import threading
 import torch
 
 from ravnest.partition import RECEIVE_SLACK, SEND_QUEUE
-from ravnest.pipeline.inbox import Inbox
+from ravnest.failures import FailureKind
+from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.spec import StageAssignment, StagePeer
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
 
@@ -83,7 +84,9 @@ class Neighbours:
             reason = "it closed the stream"
         except PeerError as exc:
             reason = str(exc)
-        self.inbox.fail(f"stage {self.assignment.stage} lost its {side} stage: {reason}")
+        peer = self._peer(side)
+        self.inbox.fail(PipelineError(f"stage {self.assignment.stage} lost its {side} stage: {reason}",
+                                      FailureKind.PEER_LOST, peer.address if peer else None))
 
     def close(self) -> None:
         """Wait until every neighbour has received everything we sent."""
@@ -139,7 +142,8 @@ class Neighbours:
         log.warning("stage %d: neighbour %s reports a failure: %r", self.assignment.stage, peer, msg.note)
         first_line = msg.note.strip().splitlines()[0] if msg.note.strip() else "no reason given"
         said = "".join(ch if ch.isprintable() else " " for ch in first_line)[:500]
-        self.inbox.fail(f"stage {self.assignment.stage}: its neighbour at {peer} reported a failure ({said!r})")
+        self.inbox.fail(PipelineError(f"stage {self.assignment.stage}: its neighbour at {peer} reported a failure "
+                                      f"({said!r})", FailureKind.PEER_FAILED))
 
     def _check_activation(self, msg: Message) -> None:
         """Reject activations this stage's first block cannot take, before they reach the worker."""

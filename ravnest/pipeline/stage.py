@@ -105,7 +105,7 @@ class StageRunner:
         self.trace = PipelineTrace()
         self.clock = StageClock(training.batch_size * training.accumulation)
         self.final_metrics: dict[str, float] = {}
-        self.feed = BatchFeed(a, self.parts, datasets) if self.is_first else None
+        self.feed = BatchFeed(a, self.parts, datasets, token_limit=spec.input.high) if self.is_first else None
         self._executor: StageExecutor | None = None  # while and after `run`
         self._stop_reason = ""
         self.neighbours.listen(router)  # last: a stage that could not be built takes no messages
@@ -133,6 +133,11 @@ class StageRunner:
     def alone(self) -> str:
         """Why this stage trains without its averaging, once it does ("" before)."""
         return self.averaging.alone
+
+    @property
+    def alone_cause(self) -> BaseException | None:
+        """What failed the averaging, when it failed (not when the node asked it to train alone)."""
+        return self.averaging.alone_cause
 
     # --- the node-facing API ----------------------------------------------------------------------
 

@@ -102,7 +102,12 @@ _MALLOPT = {-3: 32 << 20, -1: 256 << 20, -2: 16 << 20, -8: 2}
 
 
 class PeerError(RuntimeError):
-    """The peer refused or dropped a stream; the message says which peer and why."""
+    """The peer refused or dropped a stream; the message says which peer and why. `address` names the
+    peer for whoever reports the failure (ravnest/failures.py); `unreachable`: it never answered."""
+
+    def __init__(self, message: str, *, address: str | None = None, unreachable: bool = False):
+        super().__init__(message)
+        self.address, self.unreachable = address, unreachable
 
 
 def _server_options(limits: WireLimits) -> list[tuple[str, int]]:
@@ -361,7 +366,7 @@ def _metadata(token: str | None):
 
 
 def _peer_error(address: str, error: grpc.RpcError) -> PeerError:
-    return PeerError(f"peer {address}: {error.code().name}: {error.details()}")
+    return PeerError(f"peer {address}: {error.code().name}: {error.details()}", address=address)
 
 
 class OutboundStream:
@@ -393,7 +398,8 @@ class OutboundStream:
             ready.result(timeout=wait_ready)
         except grpc.FutureTimeoutError:
             ready.cancel()
-            raise PeerError(f"peer {address} not reachable within {wait_ready:.0f}s") from None
+            raise PeerError(f"peer {address} not reachable within {wait_ready:.0f}s", address=address,
+                            unreachable=True) from None
         call = channel.stream_unary(STREAM_METHOD, request_serializer=None,
                                     response_deserializer=peer_pb2.StreamSummary.FromString)
         self._future = call.future(traffic.counted(self._frames(), traffic.SENT.labels(address)),
@@ -435,8 +441,8 @@ class OutboundStream:
             except grpc.RpcError as e:
                 raise _peer_error(self.address, e) from None
             except grpc.FutureCancelledError:
-                raise PeerError(f"peer {self.address}: stream cancelled by this side") from None
-            raise PeerError(f"peer {self.address} closed the stream")
+                raise PeerError(f"peer {self.address}: stream cancelled by this side", address=self.address) from None
+            raise PeerError(f"peer {self.address} closed the stream", address=self.address)
 
     def _put(self, item: object, deadline: float | None) -> None:
         while True:
@@ -444,7 +450,7 @@ class OutboundStream:
             # Wake up now and then as a safety net; a failing stream also wakes us via _on_done.
             wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if wait <= 0:
-                raise PeerError(f"peer {self.address}: send timed out")
+                raise PeerError(f"peer {self.address}: send timed out", address=self.address)
             try:
                 self._queue.put(item, timeout=wait)
                 return
@@ -458,11 +464,11 @@ class OutboundStream:
         unchanged until the stream is closed (e.g. freshly computed activations)."""
         if self._closed:
             self._raise_if_failed()  # the peer's reason, when it has one, says more than "closed"
-            raise PeerError(f"peer {self.address}: stream already closed")
+            raise PeerError(f"peer {self.address}: stream already closed", address=self.address)
         injected = faults.active()
         if injected is not None and injected.before_send(self.address):
             self.cancel()
-            raise PeerError(f"peer {self.address}: stream severed by fault injection")
+            raise PeerError(f"peer {self.address}: stream severed by fault injection", address=self.address)
         parts = prepare_message(msg, self.codec if codec is None else codec)
         frames = chunked_frames(parts, self.chunk_bytes)
         if copy:
@@ -479,7 +485,7 @@ class OutboundStream:
         while not marker.wait(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
             self._raise_if_failed()
             if deadline is not None and time.monotonic() >= deadline:
-                raise PeerError(f"peer {self.address}: flush timed out")
+                raise PeerError(f"peer {self.address}: flush timed out", address=self.address)
 
     def close(self, timeout: float = 60.0) -> peer_pb2.StreamSummary:
         """Finish the stream after everything queued was sent; returns the peer's summary."""
@@ -495,7 +501,8 @@ class OutboundStream:
             raise _peer_error(self.address, e) from None
         except grpc.FutureTimeoutError:
             self._future.cancel()
-            raise PeerError(f"peer {self.address}: stream did not finish within {timeout:.0f}s") from None
+            raise PeerError(f"peer {self.address}: stream did not finish within {timeout:.0f}s",
+                            address=self.address) from None
 
     def add_done_callback(self, callback: Callable[["OutboundStream"], None]) -> None:
         """Call `callback(stream)` once the stream has ended (closed, failed or cancelled): a send only

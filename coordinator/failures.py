@@ -1,0 +1,36 @@
+"""The reason a user reads when a node reports a failure: what happened first, in words, naming the
+node that was lost rather than the survivor that noticed. The node's own words and the transport's
+detail stay in the event (`Failure`), which the job's recovery record keeps."""
+from __future__ import annotations
+
+from ravnest.failures import PEER_KINDS, Failure, FailureKind
+
+from .store import NodeRow, StageRow
+
+_LOST_VERB = {FailureKind.PEER_LOST: "stopped answering", FailureKind.PEER_UNREACHABLE: "could not be reached",
+              FailureKind.TIMEOUT: "went silent"}
+
+
+def who(node: NodeRow) -> str:
+    """'c (2f8c1a0b3d4e5f60)': the name a volunteer chose, then the id `ravnest node revoke` takes."""
+    return f"{node.name} ({node.id})" if node.name else f"{node.id} at {node.address}"
+
+
+def failure_reason(failure: Failure | None, said: str, reporter: NodeRow, stage: StageRow,
+                   nodes: dict[str, NodeRow]) -> str:
+    """The headline of a failure report. `said` is the report's free text, all an older node sends."""
+    where = f"cluster {stage.cluster} stage {stage.stage} on node {who(reporter)}"
+    if failure is None:
+        return f"{where} failed: {said}"
+    lost = nodes.get(failure.peer_id) if failure.peer_id else None
+    if lost is not None and lost.id != reporter.id and failure.kind in PEER_KINDS:
+        return f"node {who(lost)} {_LOST_VERB[failure.kind]}: {where} lost it"
+    if failure.kind == FailureKind.OUT_OF_MEMORY:
+        return f"node {who(reporter)} ran out of memory in cluster {stage.cluster} stage {stage.stage}"
+    if failure.kind == FailureKind.NAN:
+        return f"{where} met a value that is not finite (NaN or infinity): {failure.message}"
+    if failure.kind == FailureKind.PEER_FAILED:
+        return f"{where} stopped because a neighbouring stage failed: {failure.message}"
+    if failure.kind == FailureKind.TIMEOUT:
+        return f"{where} heard nothing from its neighbours: {failure.message}"
+    return f"{where} failed: {failure.message}"
