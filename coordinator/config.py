@@ -20,6 +20,12 @@ class Settings:
     node_retention_s: float = 7 * 86400.0  # a node gone this long is forgotten (pruned from the store)
     heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals
     recovery_wait_s: float = 120.0  # a recovering job waits this long at most for its nodes' state
+    recovery_silence_intervals: float = 2.0  # ... and not for a member silent this many heartbeat intervals
+    # a stage this many times slower than planned, and than the job's other stages, is re-planned around
+    # (coordinator/failure_policy.py), once it is slow_after_steps in and for slow_checks reports in a row
+    slow_factor: float = 4.0
+    slow_after_steps: int = 20
+    slow_checks: int = 3
     grow_after_s: float = 10.0  # a job runs this long on its nodes before new ones may join it
     grow_gain: float = 0.2  # ... and only if the planner predicts this much more throughput with them
     max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload

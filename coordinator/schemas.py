@@ -177,6 +177,7 @@ class Recovery(BaseModel):
                                                        "(after a loss: once the lost cluster was done)")
     failure: Failure | None = Field(None, description="what the node that reported the loss said, as data: its "
                                                       "kind, the peer it lost, the step, and the transport's detail")
+    left_out: list[str] = Field(default_factory=list, description="nodes the job is no longer placed on (too slow)")
 
 
 class JobView(JobSummary):

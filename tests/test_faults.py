@@ -236,3 +236,63 @@ def test_a_cancel_stops_every_stage_shape_within_seconds(tmp_path, shape):
         second = cluster.submit(cnn_job(steps=100, checkpoint_every=0, **placement))
         done = cluster.wait_job(second, timeout=300)
         assert done["state"] == "completed", done["reason"]
+
+
+class CpuLimit:
+    """A cgroup holding one process to `share` of one core (cgroup v2's cpu.max, or v1's CFS quota):
+    a volunteer's machine that is far slower than its profile said. Root only; removed on exit."""
+
+    def __init__(self, pid: int, share: float):
+        self.pid, self.share, self.path = pid, share, None
+
+    def __enter__(self):
+        period, quota = 100_000, int(self.share * 100_000)
+        limits = {Path("/sys/fs/cgroup"): {"cpu.max": f"{quota} {period}"},  # v2 (cgroup.controllers there)
+                  Path("/sys/fs/cgroup/cpu"): {"cpu.cfs_period_us": str(period), "cpu.cfs_quota_us": str(quota)}}
+        for root, files in limits.items():
+            if not (root / next(iter(files))).exists() and not (root / "cgroup.controllers").exists():
+                continue
+            path = root / f"ravnest-test-{os.getpid()}"
+            try:
+                path.mkdir()
+                for name, value in files.items():
+                    (path / name).write_text(value)
+                (path / "cgroup.procs").write_text(str(self.pid))
+            except OSError:
+                if path.exists():
+                    path.rmdir()
+                continue
+            self.path = path
+            return self
+        pytest.skip("needs a writable cgroup cpu controller (root): to slow one node down")
+
+    def __exit__(self, *exc):
+        if self.path is not None:
+            try:
+                (self.path.parent / "cgroup.procs").write_text(str(self.pid))
+            except OSError:
+                pass  # the process ended
+            self.path.rmdir()
+
+
+def test_a_node_far_slower_than_planned_is_replanned_around_and_the_job_completes(tmp_path):
+    """One stage of a 2-stage pipeline is held to 8% of a core mid-job: its compute per micro-batch
+    stays far above the plan's and its peer's, so the job is re-planned onto the spare, says why, and
+    completes as well as without the fault."""
+    with LocalCluster(tmp_path, nodes=3) as cluster:
+        job_id = cluster.submit(cnn_job(steps=1200, checkpoint_every=100, clusters=1, stages_per_cluster=2,
+                                        min_nodes=2, max_nodes=2))
+        job = wait_progress(cluster, job_id, 0.05)
+        victim = job["plan"]["clusters"][0]["stages"][1]["node_id"]
+        with CpuLimit(cluster.node_process(victim).pid, share=0.08):
+            job = cluster.wait_for(lambda: (j := cluster.job(job_id))["recoveries"] and j, 180,
+                                   "the job to re-plan around the slow node", ignore_exits=True)
+        [recovery] = job["recoveries"]
+        print(f"re-planned: {recovery['reason']}")
+        assert recovery["reason"].startswith("node ") and f"({victim}) is too slow" in recovery["reason"]
+        assert recovery["failure"]["kind"] == "slow" and recovery["left_out"] == [victim]
+        job = cluster.wait_job(job_id, timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+        assert victim not in placed and len(placed) == 2
+        assert job["metrics"]["test_accuracy"] >= 0.95

@@ -18,6 +18,7 @@ from ravnest.spec import JobSpec
 
 from ..config import Settings
 from ..errors import Forbidden, NotFound, Unauthorized
+from ..failure_policy import FailurePolicy
 from ..schemas import Plan
 from ..security import bearer_token, derive_token, hash_token, token_file
 from ..store import CredentialRow, JobRow, NodeRow, StageRow, Store, stage_of_node
@@ -58,6 +59,7 @@ class ServiceBase:
         self.clock = settings.clock
         self.started_at = self.clock()
         self._lock = threading.RLock()
+        self.policy = FailurePolicy(settings)  # when a node is gone or too slow, and what then
         self._plans: dict[str, Plan] = {}
         # secure by default: without configured tokens, the coordinator makes its own and keeps them in
         # owner-only files (the log says where); nothing but /healthz is open without one

@@ -4,12 +4,14 @@ from __future__ import annotations
 import logging
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from ravnest.spec import FailureReport, JobSpec, MetricsReport
 
 from .. import jobs
 from ..errors import Conflict, Forbidden, InvalidRequest
-from ..failures import failure_reason
+from ..failure_policy import StageSpeed
+from ..failures import failure_reason, who
 from ..jobs import JobState
 from ..schemas import CurvePoint, JobCreated, JobSummary, JobView, Recovery
 from ..security import new_id
@@ -111,11 +113,27 @@ class JobLifecycle(ServiceBase):
             stage.step = max(stage.step, report.step)
             stage.metrics = {**stage.metrics, **report.metrics}  # keeps e.g. test_accuracy between evaluations
             stage.updated_at = self.clock()
+            if job.state == JobState.RUNNING.value and "compute_s" in report.metrics:
+                self._check_speed(session, job)
             figures = report.metrics
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
                 session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.clock(),
                                           loss=figures.get("loss"), test_accuracy=figures.get("test_accuracy"),
                                           samples_per_s=figures.get("samples_per_s")))
+
+    def _check_speed(self, session: Session, job: JobRow) -> None:
+        """A stage far slower than planned and than its peers: re-plan without its node (failure_policy.py)."""
+        planned = {(c.cluster, s.stage): s.predicted_seconds for c in self._plan(job).clusters for s in c.stages}
+        speeds = [StageSpeed(row.node_id, row.cluster, row.stage, row.step, row.metrics.get("compute_s"),
+                             planned.get((row.cluster, row.stage), 0.0)) for row in stages_of(session, job.id)]
+        found = self.policy.slow_stage(job.id, speeds)
+        if found is None:
+            return
+        stage, said, failure = found
+        node = session.get(NodeRow, stage.node_id)
+        name = who(node) if node is not None else stage.node_id
+        self._recover(session, job, f"node {name} is too slow: cluster {stage.cluster} stage {stage.stage} {said}; "
+                                    f"re-planning without it", failure=failure, left_out=[stage.node_id])
 
     def curve(self, job_id: str, owner: str | None = None, after: int = 0,
               limit: int = CURVE_POINTS) -> list[CurvePoint]:

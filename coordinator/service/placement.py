@@ -28,9 +28,8 @@ class Placing(ServiceBase):
         with self._lock:
             if now >= self.started_at + self.settings.heartbeat_timeout_s:  # after a restart, give nodes time
                 with self.store.session() as session:
-                    cutoff = now - self.settings.heartbeat_timeout_s
-                    for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE,
-                                                                      NodeRow.last_seen < cutoff)):
+                    gone = self.policy.gone_before(now)
+                    for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < gone)):
                         self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped sending "
                                                        f"heartbeats (last seen {now - node.last_seen:.0f} s ago)")
                     self._prune_nodes(session, now - self.settings.node_retention_s)
@@ -47,7 +46,7 @@ class Placing(ServiceBase):
                                            .order_by(JobRow.created_at)))
             idle = list(session.scalars(select(NodeRow).where(
                 NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
-                NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s).order_by(NodeRow.joined_at)))
+                NodeRow.last_seen >= self.policy.gone_before(now)).order_by(NodeRow.joined_at)))
             if not idle and not pending:
                 return
             for job in pending:
@@ -59,7 +58,9 @@ class Placing(ServiceBase):
                     continue
                 # a job already under way continues on whatever nodes there are; a new one waits for min_nodes
                 needed = 1 if job.generation else spec.placement.min_nodes
-                candidates = offering(idle, spec)  # a job reads only files volunteers offer
+                left_out = {node for fault in job.faults or [] for node in fault.get("left_out", [])}  # too slow
+                candidates = [node for node in offering(idle, spec)  # a job reads only files volunteers offer
+                              if node.id not in left_out]
                 if len(candidates) < needed:
                     source = f" offering dataset {spec.dataset.source!r}" if spec.dataset.source else ""
                     reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available)"

@@ -13,6 +13,7 @@ hands in at once."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
@@ -29,28 +30,31 @@ from .base import GONE, IDLE, LOST, RESUME, ServiceBase, costs_of
 
 class Recoveries(ServiceBase):
     def _recover(self, session: Session, job: JobRow, reason: str, kind: str = LOST,
-                 failure: Failure | None = None) -> None:
+                 failure: Failure | None = None, left_out: list[str] | None = None) -> None:
         """Re-plan `job`: its nodes are told to stop and hand in their state; once they did (or left),
         `_replan_recovered` plans it again from the freshest state of every block. Losses since the
         last resume are bounded by placement.max_recoveries; growing onto new nodes is not a loss."""
         spec = JobSpec.model_validate(job.spec)
         since_resume = list(itertools.takewhile(lambda r: r.get("kind") != RESUME, reversed(job.faults or [])))
-        if kind == LOST and sum(r.get("kind", LOST) == LOST for r in since_resume) >= spec.placement.max_recoveries:
+        losses = sum(r.get("kind", LOST) == LOST for r in since_resume)
+        if kind == LOST and not self.policy.recoveries_left(spec.placement.max_recoveries, losses):
             jobs.transition(job, JobState.FAILED, f"{reason}; no recovery left (placement.max_recoveries = "
                                                   f"{spec.placement.max_recoveries})", self.clock())
             return
-        self._open_recovery(session, job, kind, reason, failure)
+        self._open_recovery(session, job, kind, reason, failure, left_out or [])
+        self.policy.forget(job.id)
         words = "intact clusters train on, then its nodes hand in their state" if kind == LOST else \
             "its nodes hand in their state"
         jobs.transition(job, JobState.RECOVERING, f"{reason}; {words}, then it is planned again", self.clock())
 
     def _open_recovery(self, session: Session, job: JobRow, kind: str, reason: str,
-                       failure: Failure | None = None) -> None:
+                       failure: Failure | None = None, left_out: Sequence[str] = ()) -> None:
         reached = max((row.step for row in stages_of(session, job.id)), default=0)
         now = self.clock()
         job.faults = [*(job.faults or []), {"kind": kind, "at": now, "reason": reason, "generation": job.generation,
                                             "reached_step": reached, **({} if kind == LOST else {"hand_in_at": now}),
-                                            **({"failure": failure.model_dump(mode="json")} if failure else {})}]
+                                            **({"failure": failure.model_dump(mode="json")} if failure else {}),
+                                            **({"left_out": list(left_out)} if left_out else {})}]
 
     def _replan_recovered(self, session: Session) -> bool:
         """Recovering jobs whose nodes all stopped (or went silent, or overran the wait) go back to
@@ -59,7 +63,7 @@ class Recoveries(ServiceBase):
         hands in nothing (if it is only late, the new credential ends what it still runs). True if any
         job went back to pending."""
         now, replanned = self.clock(), False
-        silent_since = now - 2 * self.settings.heartbeat_interval_s
+        silent_since = self.policy.waited_for_since(now)
         for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RECOVERING.value)):
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id, NodeRow.state != GONE)))
             waited_out = now - job.updated_at >= self.settings.recovery_wait_s

@@ -61,6 +61,12 @@ class StageClock:
             figures["loss"] = sum(self._losses) / len(self._losses)
         return figures
 
+    def recent_busy_s(self, window: int = 10) -> float | None:
+        """Busy seconds per optimizer step over the last `window` steps (None before there were that many)."""
+        if len(self.steps) <= window:
+            return None
+        return (self.steps[-1][1] - self.steps[-1 - window][1]) / window
+
     def steady_state(self) -> dict[str, float]:
         """Utilization, throughput and the spread of single steps' wall times (the runtime model's
         stragglers) between 20% and 90% of the steps: no start-up, no drain."""

@@ -211,7 +211,7 @@ class StageRunner:
     def metrics(self) -> dict[str, float]:
         ex = self._executor
         admitted, completed, staleness_sum = (ex.admitted, ex.completed, ex.staleness_sum) if ex else (0, 0, 0)
-        peak = self.memory.peak_bytes()
+        peak, busy = self.memory.peak_bytes(), self.clock.recent_busy_s()
         clock = self.clock.snapshot()
         return {**clock, "step": float(self.optimizer.steps),  # counted from 0, resumed or not
                 "bubble": max(0.0, 1.0 - clock["utilization"]),  # the share of wall time spent waiting
@@ -219,6 +219,8 @@ class StageRunner:
                 "stage": float(self.assignment.stage),
                 "in_flight": float(admitted - completed if self.is_first else self.compute.in_flight),
                 "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
+                # computing, not waiting: what the coordinator compares with the plan (failure_policy.py)
+                **({"compute_s": busy / self.per_step} if busy is not None else {}),
                 **self.averaging.metrics()}
 
     # --- state in and out (state.py) ------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""The rules for nodes that fail: when a node counts as gone, when a stage counts as too slow, how many
+re-plans a job gets, and whom a re-plan leaves out. Their thresholds are named settings (config.py);
+the service's parts ask here instead of writing the arithmetic where they need it.
+
+Silence: a node is gone after `heartbeat_timeout_factor` missed heartbeat intervals. While its job is
+recovering, a member silent for `recovery_silence_intervals` is not waited for: it is most likely the
+one that died.
+
+Slowness: a stage whose compute per micro-batch (its busy seconds: waiting for peers does not count)
+stays above `slow_factor` times the plan's prediction, and above `slow_factor` times the median ratio
+of the job's other stages, for `slow_checks` reports in a row once it is `slow_after_steps` steps in,
+is re-planned around like a lost one. Both comparisons are needed: on a machine several nodes share,
+every stage runs slower than predicted, alike; a node that is slow on its own stands out from its
+peers. A factor of 4 leaves room for the planner's error (measured busy time was 0.2-1.5x of the
+prediction on the nodes tested here) and catches what hurts: a pipeline runs at its slowest stage's
+pace, so a stage 4x slower than planned costs the whole cluster about that much.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from ravnest.failures import Failure, FailureKind
+
+from .config import Settings
+
+
+@dataclass(frozen=True)
+class StageSpeed:
+    """What one stage of a running job measured, and what the plan predicted for it."""
+    node_id: str
+    cluster: int
+    stage: int
+    step: int
+    compute_s: float | None  # measured busy seconds per micro-batch, recent (None: not reported yet)
+    predicted_s: float  # the plan's seconds per micro-batch
+
+
+class FailurePolicy:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        # (job id, node id) -> reports in a row that found the stage slow. Per process, on purpose: a
+        # restarted coordinator starts counting again, which only delays a re-plan by a few reports.
+        self._slow_in_a_row: dict[tuple[str, str], int] = {}
+
+    def gone_before(self, now: float) -> float:
+        """A node last seen before this is gone."""
+        return now - self.settings.heartbeat_timeout_s
+
+    def waited_for_since(self, now: float) -> float:
+        """While its job recovers, a member last seen before this is not waited for."""
+        return now - self.settings.recovery_silence_intervals * self.settings.heartbeat_interval_s
+
+    @staticmethod
+    def recoveries_left(max_recoveries: int, losses_since_resume: int) -> bool:
+        return losses_since_resume < max_recoveries
+
+    def slow_stage(self, job_id: str, stages: list[StageSpeed]) -> tuple[StageSpeed, str, Failure] | None:
+        """The stage to re-plan around, with the reason a user reads and the event, or None."""
+        factor = self.settings.slow_factor
+        ratios = {s: s.compute_s / s.predicted_s for s in stages if s.compute_s is not None and s.predicted_s > 0}
+        for stage, ratio in ratios.items():
+            key = (job_id, stage.node_id)
+            others = [r for s, r in ratios.items() if s is not stage]
+            peers = statistics.median(others) if others else 0.0
+            slow = stage.step >= self.settings.slow_after_steps and bool(others) and ratio > factor * max(1.0, peers)
+            self._slow_in_a_row[key] = self._slow_in_a_row.get(key, 0) + 1 if slow else 0
+            if self._slow_in_a_row[key] >= self.settings.slow_checks:
+                del self._slow_in_a_row[key]
+                said = (f"computes a micro-batch in {ratio * stage.predicted_s * 1e3:.0f} ms, {ratio:.1f}x the "
+                        f"{stage.predicted_s * 1e3:.0f} ms planned (the other stages: {peers:.1f}x)")
+                failure = Failure(kind=FailureKind.SLOW, message=said, peer_id=stage.node_id, step=stage.step,
+                                  detail=f"slow_factor {factor:g}, {self.settings.slow_checks} reports in a row")
+                return stage, said, failure
+        return None
+
+    def forget(self, job_id: str) -> None:
+        self._slow_in_a_row = {k: v for k, v in self._slow_in_a_row.items() if k[0] != job_id}
