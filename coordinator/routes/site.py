@@ -1,0 +1,99 @@
+"""What is not the versioned API's resources: health, the bandwidth probe, the API docs (offline),
+the dashboard's login and page, and Prometheus' scrape."""
+from __future__ import annotations
+
+import importlib.resources
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.staticfiles import StaticFiles
+
+from ..auth import COOKIE
+from ..dashboard import ASSETS as DASHBOARD_ASSETS, render_dashboard, render_login
+from ..metrics import scrape
+from ..schemas import Health
+from . import own_jobs, service
+
+MAX_PROBE_BYTES = 64 << 20
+DOCS_ASSETS = "/static/docs"
+DASHBOARD_ROWS = 200
+router = APIRouter()
+
+
+def mount_assets(app: FastAPI) -> None:
+    """The API docs work on an offline cluster: Swagger UI's and ReDoc's assets come from an installed
+    package; the dashboard's from ours."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")),
+              name="docs-assets")
+    app.mount(DASHBOARD_ASSETS, StaticFiles(directory=str(importlib.resources.files("coordinator") / "static")),
+              name="dashboard-assets")
+
+
+@router.get("/healthz", response_model=Health, tags=["service"])
+def healthz(request: Request) -> Health:
+    return service(request).health()
+
+
+@router.get("/v1/probe", tags=["nodes"], response_class=Response,
+            responses={200: {"content": {"application/octet-stream": {}}, "description": "`bytes` zero bytes"}})
+def probe(size: int = Query(1 << 20, alias="bytes", ge=1, le=MAX_PROBE_BYTES)) -> Response:
+    """Bytes for a node to time: how it measures its bandwidth to the coordinator when joining."""
+    return Response(bytes(size), media_type="application/octet-stream")
+
+
+@router.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+def docs() -> HTMLResponse:
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="Ravnest coordinator API",
+                               swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                               swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                               swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png")
+
+
+@router.get("/redoc", response_class=HTMLResponse, include_in_schema=False)
+def redoc() -> HTMLResponse:
+    return get_redoc_html(openapi_url="/openapi.json", title="Ravnest coordinator API",
+                          redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+                          redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png", with_google_fonts=False)
+
+
+@router.get("/login", response_class=HTMLResponse, include_in_schema=False)
+def login_form() -> str:
+    return render_login()
+
+
+@router.post("/login", include_in_schema=False)
+async def login(request: Request) -> Response:
+    """An API key from the form becomes an HttpOnly cookie for the dashboard."""
+    token = parse_qs((await request.body())[:4096].decode(errors="replace")).get("token", [""])[0].strip()
+    who = await run_in_threadpool(service(request).identify, token) if token else "no key given"
+    if isinstance(who, str) or who.kind != "key":
+        return HTMLResponse(render_login(who if isinstance(who, str) else "that is not an API key"), status_code=401)
+    response = RedirectResponse("/", status_code=303)
+    response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+    return response
+
+
+@router.get("/logout", include_in_schema=False)
+def logout() -> Response:
+    response = RedirectResponse("/login", status_code=303)
+    response.delete_cookie(COOKIE)
+    return response
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+def dashboard(request: Request) -> str:
+    coordinator = service(request)
+    return render_dashboard(coordinator.list_nodes(DASHBOARD_ROWS)[0],
+                            coordinator.list_jobs(own_jobs(request), DASHBOARD_ROWS)[0])
+
+
+@router.get("/metrics", tags=["service"], response_class=PlainTextResponse,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+def prometheus_metrics(request: Request) -> Response:
+    """Prometheus text format (coordinator/metrics.py): nodes, jobs and every active job's stages.
+    Scrape it with an API key (`authorization: {credentials: <key>}` in the scrape config)."""
+    return Response(scrape(service(request), own_jobs(request)), media_type=CONTENT_TYPE_LATEST)
