@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ravnest import __version__
+from ravnest.tls_options import add_tls_options, check_tls_options
 
 QUIET_PATHS = ("/heartbeat ", "/metrics ", "/events ", "/healthz ")  # path ends: access lines only at --log-level debug
 
@@ -46,19 +47,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recovery-wait", type=float, default=120.0,
                         help="most seconds a re-planned job waits for its live nodes to hand in their state "
                              "(default: 120)")
-    parser.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
-                        help="serve HTTPS with this certificate (with --tls-key; see docs/security.md; default: "
-                             "plain HTTP)")
-    parser.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the certificate's private key")
+    add_tls_options(parser, "HTTPS", "plain HTTP")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="job and node events at info, every request at debug (default: info)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_tls_options(parser, args)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # before the heavy imports: --help and --version answer at once
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise SystemExit("ravnest-coordinator: --tls-cert and --tls-key go together")
     timeout = args.heartbeat_timeout or 3 * args.heartbeat_interval
     if args.heartbeat_interval <= 0 or timeout <= args.heartbeat_interval:
         raise SystemExit("ravnest-coordinator: --heartbeat-timeout must exceed --heartbeat-interval (> 0)")

@@ -15,6 +15,8 @@ from sklearn.cluster import KMeans
 from sklearn.metrics import silhouette_score
 from threadpoolctl import threadpool_limits
 
+from ravnest.errors import RavnestError
+
 MAX_AUTO_CLUSTERS = 8
 SIMILAR_LOG_SPREAD = math.log(2.0)  # nodes within 2x of each other on every measure form one cluster
 MIN_SILHOUETTE = 0.5  # weaker structure than this is not worth splitting on
@@ -31,7 +33,7 @@ class NodeInfo:
     address: str = ""  # host:port of its gRPC server
 
 
-class ClusteringError(ValueError):
+class ClusteringError(RavnestError, ValueError):
     """The nodes cannot be grouped as asked; the message says why."""
 
 

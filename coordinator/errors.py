@@ -1,8 +1,10 @@
 """Domain errors the service raises; the HTTP layer turns each into its status code and reason."""
 from __future__ import annotations
 
+from ravnest.errors import RavnestError
 
-class CoordinatorError(Exception):
+
+class CoordinatorError(RavnestError):
     status_code = 400
 
     def __init__(self, detail: str) -> None:

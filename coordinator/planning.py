@@ -41,6 +41,7 @@ from ravnest.averaging import runtime
 from ravnest.averaging.registry import strategy_info
 from ravnest.averaging.segments import segment_rings
 from ravnest.averaging.shares import balanced_shares
+from ravnest.errors import RavnestError
 from ravnest.models.profile import BlockCost, stage_input
 from ravnest.partition import Load, NodeCapacity, PartitionError, partition, stage_memory_bytes, stage_seconds
 from ravnest.pipeline.memory import training_load
@@ -54,7 +55,7 @@ from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, Planne
 NEAR_BEST = 0.9  # within this share of the best predicted throughput the simpler plan wins (shallower, more groups)
 
 
-class PlanningError(ValueError):
+class PlanningError(RavnestError, ValueError):
     """The job cannot be placed on these nodes; the message says why."""
 
 

@@ -19,6 +19,8 @@ from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text,
                         inspect, select)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from ravnest.errors import RavnestError
+
 from .changes import Changes
 
 ID = String(32)
@@ -177,7 +179,7 @@ def upgrade(engine, revision: str = "head") -> None:
         command.upgrade(config, revision)
 
 
-class SchemaError(RuntimeError):
+class SchemaError(RavnestError, RuntimeError):
     """The database was created by an older Ravnest and lacks columns this one needs."""
 
 

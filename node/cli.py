@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from ravnest import __version__
+from ravnest.tls_options import add_tls_options, check_tls_options
 from ravnest.spec import DATASET_NAME
 
 # torch, gRPC and the daemon are imported once the arguments are parsed: --help and --version at once
@@ -68,10 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--inject-fault", type=_faults, default=None, metavar="SPEC",
                       help="for fault tests: 'delay=SECONDS,sever_after=N,to=HOST:PORT' slows this node's "
                            "outbound messages and cuts one stream off (see ravnest/wire/faults.py; default: off)")
-    join.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
-                      help="serve gRPC over TLS with this certificate (with --tls-key; make them with "
-                           "scripts/make_certs.py, see docs/security.md; default: plaintext)")
-    join.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the certificate's private key")
+    add_tls_options(join, "gRPC over TLS", "plaintext")
     join.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
                       help="verify peers' gRPC servers and an https:// coordinator against this CA certificate; "
                            "peers are then dialled over TLS only (default: none)")
@@ -88,16 +86,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        parser.error("--tls-cert and --tls-key go together")
-    for path in (args.tls_cert, args.tls_key, args.tls_ca):
-        if path is not None and not path.is_file():
-            parser.error(f"{path}: no such file")
+    check_tls_options(parser, args)
     import httpx
     import torch
 
     from node import metrics
-    from node.client import CoordinatorClient, CoordinatorError
+    from node.client import CoordinatorClient
+    from ravnest.client.api import ApiError
     from node.daemon import NodeDaemon
     from node.profiler import pick_device
     from node.progress import Progress
@@ -128,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_memory=args.max_memory, datasets=dict(args.dataset),
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         daemon.serve(stop)
-    except (CoordinatorError, httpx.HTTPError) as e:
+    except (ApiError, httpx.HTTPError) as e:
         progress.log(f"error: cannot work with the coordinator at {args.coordinator}: {e}")
         return 1
     finally:

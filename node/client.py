@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import tenacity
 
-from ravnest.client.api import refusal_reason
+from ravnest.client.api import Api, ApiError
 from ravnest.failures import Failure
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           MetricsReport)
@@ -18,17 +18,9 @@ from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, Jo
 RETRY_FOR_S = 300.0
 
 
-class CoordinatorError(RuntimeError):
-    """The coordinator refused a request; carries its reason and HTTP status."""
-
-    def __init__(self, message: str, status: int = 0):
-        super().__init__(message)
-        self.status = status
-
-
 def _worth_retrying(error: BaseException) -> bool:
     """The coordinator is away (restarting, network) or failing: try again. A refusal (4xx) is final."""
-    return isinstance(error, httpx.TransportError) or (isinstance(error, CoordinatorError) and error.status >= 500)
+    return isinstance(error, ApiError) and (error.status == 0 or error.status >= 500)
 
 
 def must_arrive(call):
@@ -40,24 +32,19 @@ def must_arrive(call):
 
 
 class CoordinatorClient:
+    """The node's calls, over the one REST client (ravnest/client/api.py)."""
+
     def __init__(self, url: str, *, join_token: str | None = None, timeout: float = 30.0,
                  verify: ssl.SSLContext | bool = True):
-        # the join token also opens /v1/probe (bandwidth, measured before joining); node calls send their own.
-        # `verify`: e.g. ssl.create_default_context(cafile=...) for a coordinator a private CA certified
-        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, verify=verify,
-                                 headers={"Authorization": f"Bearer {join_token}"} if join_token else None)
+        # the join token also opens /v1/probe (bandwidth, measured before joining); node calls send their own
+        self.api = Api(url, join_token, timeout, verify)
+        self.http = self.api.http
         self._join_token = join_token
         self.node_id: str | None = None
         self._node_token: str | None = None
 
-    def _call(self, method: str, path: str, *, token: str | None, headers: dict | None = None,
-              **kwargs) -> httpx.Response:
-        headers = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
-        response = self.http.request(method, path, headers=headers, **kwargs)
-        if response.is_error:
-            raise CoordinatorError(f"{method} {path}: {response.status_code} {refusal_reason(response)}",
-                                   response.status_code)
-        return response
+    def _call(self, method: str, path: str, *, token: str | None, **kwargs) -> httpx.Response:
+        return self.api.request(method, path, token=token, prefix=f"{method} {path}: ", **kwargs)
 
     def wait_until_reachable(self, timeout: float, stop: threading.Event) -> None:
         """Retry /healthz with backoff until it answers: nodes may start before the coordinator."""
@@ -73,7 +60,7 @@ class CoordinatorClient:
             stop.wait(delay)
             delay = min(delay * 2, 5.0)
 
-    @tenacity.retry(retry=tenacity.retry_if_exception(lambda e: isinstance(e, CoordinatorError) and e.status == 409),
+    @tenacity.retry(retry=tenacity.retry_if_exception(lambda e: isinstance(e, ApiError) and e.status == 409),
                     wait=tenacity.wait_fixed(2), stop=tenacity.stop_after_delay(60), reraise=True)
     def join(self, request: JoinRequest) -> JoinResponse:
         """Retried while the coordinator still sees a previous run of this node (same address) alive."""
@@ -121,16 +108,8 @@ class CoordinatorClient:
     @must_arrive
     def download_state(self, job_id: str, cluster: int, stage: int, target: Path) -> None:
         """The state a re-planned stage continues from, streamed to `target`."""
-        params = {"cluster": cluster, "stage": stage}
-        headers = {"Authorization": f"Bearer {self._node_token}"}
-        with self.http.stream("GET", f"/v1/jobs/{job_id}/state", params=params, headers=headers) as response:
-            if response.is_error:
-                response.read()
-                raise CoordinatorError(f"GET state of job {job_id}: {response.status_code} {refusal_reason(response)}",
-                                       response.status_code)
-            with target.open("wb") as out:
-                for chunk in response.iter_bytes(1 << 20):
-                    out.write(chunk)
+        self.api.download(f"/v1/jobs/{job_id}/state", target, token=self._node_token,
+                          params={"cluster": cluster, "stage": stage})
 
     def leave(self) -> None:
         if self.node_id:

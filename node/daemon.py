@@ -14,12 +14,13 @@ from typing import Callable, TypeVar
 import httpx
 import torch
 
-from node.client import CoordinatorClient, CoordinatorError
+from node.client import CoordinatorClient
 from node.links import LinkProber
 from node.metrics import STAGES
 from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import ring
+from ravnest.client.api import ApiError
 from ravnest.failures import Failure, classify
 from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
@@ -77,7 +78,7 @@ class BackgroundSender:
         while (item := self._queue.get()) is not None:
             try:
                 self._send(item)
-            except (httpx.HTTPError, CoordinatorError, OSError):
+            except (httpx.HTTPError, ApiError, OSError):
                 pass  # best effort
             finally:
                 self._discard(item)
@@ -169,7 +170,7 @@ class NodeDaemon:
             try:
                 self.client.leave()
                 self.progress.log("left the coordinator")
-            except (httpx.HTTPError, CoordinatorError) as e:
+            except (httpx.HTTPError, ApiError) as e:
                 self.progress.log(f"could not leave cleanly: {e}")
             if self._prober:
                 self._prober.close()
@@ -185,7 +186,7 @@ class NodeDaemon:
         runner = self._job.runner if self._running_job_id() else None
         try:
             reply = self.client.heartbeat(self._running_job_id(), links, bool(runner and runner.alone))
-        except CoordinatorError as e:
+        except ApiError as e:
             if e.status == 401:  # revoked, expired or forgotten: retrying cannot help; stop and say why
                 raise
             self.progress.log(f"heartbeat failed, will retry: {e}")
@@ -323,7 +324,7 @@ class NodeDaemon:
                 failure: Failure | None = None) -> None:
         try:
             self.client.report_failure(job_id, reason, recoverable, still_training, failure)
-        except (httpx.HTTPError, CoordinatorError):
+        except (httpx.HTTPError, ApiError):
             pass
 
     def _hand_in_state(self, runner: StageRunner, a: StageAssignment, path: Path, prefix: str) -> None:
@@ -334,7 +335,7 @@ class NodeDaemon:
             step = runner.save_state(path)
             self.client.upload_checkpoint(a.job_id, a.cluster, a.stage, a.generation, step, "snapshot", path)
             self.progress.log(f"{prefix}: handed in its state at step {step}")
-        except (httpx.HTTPError, CoordinatorError, OSError) as e:
+        except (httpx.HTTPError, ApiError, OSError) as e:
             self.progress.log(f"{prefix}: could not hand in its state: {e}")
 
     def _stop_job(self, timeout: float) -> None:

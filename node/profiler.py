@@ -9,8 +9,7 @@ import time
 import httpx
 import torch
 
-from node.client import CoordinatorError
-from ravnest.client.api import refusal_reason
+from ravnest.client.api import ApiError, refusal_reason
 from ravnest.spec import LATENCY, NodeProfile, plausible_bandwidth
 from ravnest.wire.transport import growing_probe
 
@@ -98,7 +97,7 @@ def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20, probe_s: 
 def _probe(client: httpx.Client, size: int) -> None:
     response = client.get("/v1/probe", params={"bytes": size})
     if response.status_code == 401:
-        raise CoordinatorError(f"the coordinator refused this node ({refusal_reason(response)}): it needs a valid "
+        raise ApiError(f"the coordinator refused this node ({refusal_reason(response)}): it needs a valid "
                                "join token (--token or $RAVNEST_JOIN_TOKEN, from the coordinator's operator)", 401)
     response.raise_for_status()
 

@@ -37,6 +37,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from ravnest.errors import RavnestError
 from ravnest.models.profile import BlockCost
 
 
@@ -80,7 +81,7 @@ class Partition:
     stage_memory: list[int] = field(default_factory=list)  # stage_memory_bytes of each stage
 
 
-class PartitionError(ValueError):
+class PartitionError(RavnestError, ValueError):
     """No partition fits the nodes' memory, or the inputs are invalid."""
 
 

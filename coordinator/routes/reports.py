@@ -21,7 +21,8 @@ from . import AUTH, service
 
 OCTET_STREAM_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {
     "schema": {"type": "string", "format": "binary"}}}}}
-SAFETENSORS: dict[int | str, dict[str, Any]] = {200: {"content": {"application/octet-stream": {}}, "description": "safetensors"}}
+SAFETENSORS: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "safetensors"}}
 router = APIRouter(tags=["node reports"])
 
 

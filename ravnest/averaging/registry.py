@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
+from ravnest.errors import RavnestError
 from ravnest.plugins import PluginRegistry
 
 if TYPE_CHECKING:  # the runtime model's types; it imports this module
@@ -38,7 +39,7 @@ NO_AVERAGING = "none"
 AUTO = "auto"
 
 
-class StrategyError(ValueError):
+class StrategyError(RavnestError, ValueError):
     """An unknown strategy name or a strategy that failed to load."""
 
 

@@ -28,6 +28,7 @@ import torch
 
 from ravnest.averaging.mailbox import Mailbox
 from ravnest.averaging.shares import share_bounds
+from ravnest.errors import RavnestError
 from ravnest.wire import (CODECS, ChannelPool, Message, OutboundStream, PeerError, Router, WireError, require_finite,
                           wait_authorized)
 from ravnest.wire.transport import AUTH_GRACE_S
@@ -39,7 +40,7 @@ _TAGS = ("segment", "round", "step", "chunk", "numel", "sender")
 FAILED_FLUSH_TIMEOUT = 5.0  # how long a failed round waits for its queued sends before dropping them
 
 
-class RingError(RuntimeError):
+class RingError(RavnestError, RuntimeError):
     """A ring round failed; the message names the segment, round, step and peer."""
 
 

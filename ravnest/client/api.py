@@ -1,11 +1,14 @@
-"""A thin client of the coordinator's REST API: every refusal becomes one ApiError with the
-coordinator's reason and status."""
+"""The one client of the coordinator's REST API, for the `ravnest` command and the node alike: every
+refusal becomes one ApiError with the coordinator's reason and status (0: it could not be reached)."""
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from ravnest.errors import RavnestError
 
 
 def refusal_reason(response: httpx.Response) -> str:
@@ -17,32 +20,45 @@ def refusal_reason(response: httpx.Response) -> str:
     return str(detail) if detail is not None else response.text[:500]
 
 
-class ApiError(RuntimeError):
+class ApiError(RavnestError, RuntimeError):
     def __init__(self, message: str, status: int = 0):
         super().__init__(message)
         self.status = status  # 0: the coordinator could not be reached
 
 
 class Api:
-    def __init__(self, url: str, key: str | None, timeout: float = 30.0):
+    """`key`: the bearer token every call sends unless it names another (`token=`). `verify`: e.g.
+    ssl.create_default_context(cafile=...) for a coordinator a private CA certified."""
+
+    def __init__(self, url: str, key: str | None, timeout: float = 30.0, verify: ssl.SSLContext | bool = True):
         self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=timeout,
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=verify,
                                  headers={"Authorization": f"Bearer {key}"} if key else None)
 
-    def call(self, method: str, path: str, **kwargs) -> Any:
+    def request(self, method: str, path: str, *, token: str | None = None, headers: dict | None = None,
+                prefix: str = "", **kwargs) -> httpx.Response:
+        """The response, or ApiError("{prefix}{status}: {reason}") for a refusal or an unreachable
+        coordinator."""
+        headers = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
         try:
-            response = self.http.request(method, path, **kwargs)
+            response = self.http.request(method, path, headers=headers, **kwargs)
         except httpx.HTTPError as e:
-            raise ApiError(f"cannot reach the coordinator at {self.url}: {e}") from None
+            raise ApiError(f"{prefix}cannot reach the coordinator at {self.url}: {e}") from e
         if response.is_error:
-            raise ApiError(f"{response.status_code}: {refusal_reason(response)}", response.status_code)
+            raise ApiError(f"{prefix}{response.status_code}: {refusal_reason(response)}", response.status_code)
+        return response
+
+    def call(self, method: str, path: str, **kwargs) -> Any:
+        """The JSON body of the answer (None when it has none)."""
+        response = self.request(method, path, **kwargs)
         return response.json() if response.content else None
 
-    def download(self, path: str, target: Path) -> int:
+    def download(self, path: str, target: Path, *, token: str | None = None, params: dict | None = None) -> int:
         """Stream a file to `target` (written whole or not at all); returns its size in bytes."""
         partial = target.with_name(target.name + ".part")
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
-            with self.http.stream("GET", path) as response:
+            with self.http.stream("GET", path, params=params, headers=headers) as response:
                 if response.is_error:
                     response.read()
                     raise ApiError(f"{response.status_code}: {refusal_reason(response)}", response.status_code)
@@ -51,7 +67,7 @@ class Api:
                         out.write(chunk)
         except httpx.HTTPError as e:
             partial.unlink(missing_ok=True)
-            raise ApiError(f"cannot reach the coordinator at {self.url}: {e}") from None
+            raise ApiError(f"cannot reach the coordinator at {self.url}: {e}") from e
         except BaseException:
             partial.unlink(missing_ok=True)
             raise

@@ -17,7 +17,8 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ravnest.client.api import ApiError
-from ravnest.client.cli import app, call, err, node_list, out, table, when
+from ravnest.client.admin import node_list
+from ravnest.client.app import app, call, err, out, table, when
 
 ENDED = ("completed", "failed", "cancelled")
 

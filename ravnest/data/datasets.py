@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ravnest.errors import RavnestError
 from ravnest.spec import DatasetRef
 
 SPLIT_SEED = 0  # fixed: the train/test split of "digits" must be the same on every node
 
 
-class DatasetError(ValueError):
+class DatasetError(RavnestError, ValueError):
     """A dataset that cannot be loaded: missing file, wrong keys, too little data."""
 
 

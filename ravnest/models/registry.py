@@ -27,13 +27,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ravnest.errors import RavnestError
 from ravnest.plugins import PluginRegistry
 
 ENTRY_POINT_GROUP = "ravnest.models"
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: seeds of neighbouring blocks differ in every bit
 
 
-class ModelError(ValueError):
+class ModelError(RavnestError, ValueError):
     """Unknown architecture or an invalid config for it."""
 
 

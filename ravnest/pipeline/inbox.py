@@ -15,11 +15,12 @@ from collections import deque
 import grpc
 import torch
 
+from ravnest.errors import RavnestError
 from ravnest.failures import FailureKind
 from ravnest.wire import Message, WireError, require_finite
 
 
-class PipelineError(RuntimeError):
+class PipelineError(RavnestError, RuntimeError):
     """The pipeline cannot go on: a peer failed, the run was stopped, or peers went silent. `kind` and
     `peer` (its address), where known, say so as data (ravnest/failures.py)."""
 

@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import torch
 
+from ravnest.errors import RavnestError
 from ravnest.v1 import peer_pb2
 
 # Every dtype we are willing to put on the wire, by its wire name. Nothing else is accepted.
@@ -38,7 +39,7 @@ _CODEC_WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
-class WireError(Exception):
+class WireError(RavnestError):
     """A malformed or oversized message. Carries the gRPC status the receiver answers with."""
 
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):

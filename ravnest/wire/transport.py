@@ -22,6 +22,7 @@ from typing import Callable, Collection, Iterator, Union
 
 import grpc
 
+from ravnest.errors import RavnestError
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
 from ravnest.wire import faults, traffic
 from ravnest.wire.codec import ByteBudget, WireError, WireLimits
@@ -101,7 +102,7 @@ _malloc_tuned = False
 _MALLOPT = {-3: 32 << 20, -1: 256 << 20, -2: 16 << 20, -8: 2}
 
 
-class PeerError(RuntimeError):
+class PeerError(RavnestError, RuntimeError):
     """The peer refused or dropped a stream; the message says which peer and why. `address` names the
     peer for whoever reports the failure (ravnest/failures.py); `unreachable`: it never answered."""
 

@@ -1,0 +1,93 @@
+"""The operator's commands: join tokens, API keys and nodes, and `whoami`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from ravnest.client.app import app, call, err, keys, nodes, out, table, tokens, when, duration
+
+def show_credentials(rows: list[dict], with_role: bool) -> None:
+    table_ = table("id", "name", *(["role"] if with_role else ["uses left", "used"]), "created", "expires", "revoked")
+    for row in rows:
+        usage = [row["role"] or ""] if with_role else [
+            "unlimited" if row["uses_left"] is None else str(row["uses_left"]), str(row["used"])]
+        table_.add_row(row["id"], row["name"], *usage, when(row["created_at"]), when(row["expires_at"]) or "never",
+                       when(row["revoked_at"]))
+    out.print(table_)
+
+
+def show_created(created: dict) -> None:
+    kind = {"join": "join token", "key": "API key"}.get(created["kind"], created["kind"])
+    err.print(f"created {kind} {created['id']}; it is shown only now:", highlight=False)
+    print(created["token"])  # alone on stdout, so scripts can capture it
+
+
+@tokens.command("create")
+def token_create(ctx: typer.Context, name: str = typer.Option("", help="what it is for"),
+                 expires: Optional[str] = typer.Option(None, help="valid for, e.g. 12h or 7d (default: until revoked)"),
+                 uses: Optional[int] = typer.Option(None, min=1, help="joins it admits (default: unlimited)")) -> None:
+    """Create a join token; prints it once."""
+    show_created(call(ctx, "POST", "/v1/join-tokens",
+                      json={"name": name, "expires_in_s": duration(expires), "uses": uses}))
+
+
+@tokens.command("list")
+def token_list(ctx: typer.Context) -> None:
+    """Join tokens (never the tokens themselves: only their hashes are kept)."""
+    show_credentials(call(ctx, "GET", "/v1/join-tokens"), with_role=False)
+
+
+@tokens.command("revoke")
+def token_revoke(ctx: typer.Context, token_id: str) -> None:
+    """Nobody joins with it any more (nodes that joined with it stay: revoke them with `node revoke`)."""
+    call(ctx, "DELETE", f"/v1/join-tokens/{token_id}")
+    err.print(f"join token {token_id} revoked", highlight=False)
+
+
+@keys.command("create")
+def key_create(ctx: typer.Context, role: str = typer.Option(..., help="operator, submitter or reader"),
+               name: str = typer.Option("", help="whose key"),
+               expires: Optional[str] = typer.Option(None, help="valid for, e.g. 30d (default: until revoked)"),
+               ) -> None:
+    """Create an API key; prints it once."""
+    show_created(call(ctx, "POST", "/v1/keys", json={"name": name, "role": role, "expires_in_s": duration(expires)}))
+
+
+@keys.command("list")
+def key_list(ctx: typer.Context) -> None:
+    """API keys and their roles."""
+    show_credentials(call(ctx, "GET", "/v1/keys"), with_role=True)
+
+
+@keys.command("revoke")
+def key_revoke(ctx: typer.Context, key_id: str) -> None:
+    """The key stops working at once."""
+    call(ctx, "DELETE", f"/v1/keys/{key_id}")
+    err.print(f"key {key_id} revoked", highlight=False)
+
+
+@app.command()
+def whoami(ctx: typer.Context) -> None:
+    """The key you are using: its role and name (checks the URL and key work)."""
+    me = call(ctx, "GET", "/v1/whoami")
+    out.print(f"{me['role']} key {me['name'] or me['id']} at {ctx.obj.url}"
+              + ("" if me["may_submit"] else " (reads only)"), highlight=False)
+
+
+@nodes.command("list")
+def node_list(ctx: typer.Context) -> None:
+    """Nodes that joined, their state and what they offer."""
+    nodes_ = table("id", "name", "address", "state", "GFLOP/s", "GiB", "job")
+    for node in call(ctx, "GET", "/v1/nodes"):
+        nodes_.add_row(node["id"], node["name"], node["address"], node["state"],
+                       f"{node['profile']['flops'] / 1e9:.1f}", f"{node['profile']['memory_bytes'] / 2**30:.1f}",
+                       node["job_id"] or "")
+    out.print(nodes_)
+
+
+@nodes.command("revoke")
+def node_revoke(ctx: typer.Context, node_id: str) -> None:
+    """The node's credential stops working at once; a job it held is re-planned without it."""
+    call(ctx, "POST", f"/v1/nodes/{node_id}/revoke")
+    err.print(f"node {node_id} revoked", highlight=False)

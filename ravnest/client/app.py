@@ -1,0 +1,113 @@
+"""What every `ravnest` command shares: the typer app and its options (the coordinator's URL and the
+API key), the client, and how results and refusals are printed. The commands register on `app`:
+ravnest/client/admin.py (tokens, keys, nodes) and ravnest/client/jobs.py (jobs); cli.py runs it."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tomllib
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ravnest import __version__
+from ravnest.client.api import Api, ApiError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False)  # its help: cli.py's docstring
+tokens = typer.Typer(help="Join tokens: what volunteers join with (ravnest-node join --token ...).",
+                     no_args_is_help=True)
+keys = typer.Typer(help="API keys with a role: operator, submitter (its own jobs), reader (sees everything).",
+                   no_args_is_help=True)
+nodes = typer.Typer(help="Joined nodes.", no_args_is_help=True)
+app.add_typer(tokens, name="token")
+app.add_typer(keys, name="key")
+app.add_typer(nodes, name="node")
+# piped into a file or another program: wide enough that no row is cut (a terminal's width otherwise)
+out = Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
+err = Console(stderr=True, soft_wrap=True)  # a message is one line, whatever the width: scripts grep it
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+def config_file() -> Path:
+    return Path(os.environ.get("RAVNEST_CONFIG") or Path.home() / ".config" / "ravnest" / "client.toml")
+
+
+def configured() -> dict:
+    """The config file's settings ({} without one); a broken file is an error, not silently ignored."""
+    path = config_file()
+    try:
+        settings = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        err.print(f"ravnest: cannot read {path}: {e}", highlight=False)
+        raise typer.Exit(2) from None
+    unknown = set(settings) - {"coordinator", "key"}
+    if unknown:
+        err.print(f"ravnest: {path}: unknown setting(s) {', '.join(sorted(unknown))} (known: coordinator, key)",
+                  highlight=False)
+        raise typer.Exit(2)
+    return settings
+
+
+def show_version(value: bool) -> None:
+    if value:
+        print(f"ravnest {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def connect(ctx: typer.Context,
+            coordinator: Optional[str] = typer.Option(None, envvar="RAVNEST_COORDINATOR", show_default=False,
+                                                      help=f"the coordinator's URL (default: the config file's, "
+                                                           f"else {DEFAULT_URL})"),
+            key: Optional[str] = typer.Option(None, envvar="RAVNEST_KEY", show_default=False,
+                                              help="your API key (an operator's for tokens, keys and nodes; "
+                                                   "default: the config file's)"),
+            version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                         help="print the version and exit")) -> None:
+    if ctx.invoked_subcommand == "demo":
+        return  # the demo starts its own coordinator
+    settings = configured() if coordinator is None or key is None else {}
+    ctx.obj = Api(coordinator or settings.get("coordinator") or DEFAULT_URL, key or settings.get("key"))
+    ctx.call_on_close(ctx.obj.close)
+
+
+def duration(text: Optional[str]) -> Optional[float]:
+    """'90', '30m', '12h', '7d' -> seconds."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not match:
+        raise typer.BadParameter(f"{text!r}: expected a duration like 90, 30m, 12h or 7d")
+    return float(match[1]) * UNITS[match[2] or "s"]
+
+
+def call(ctx: typer.Context, method: str, path: str, **kwargs):
+    try:
+        return ctx.obj.call(method, path, **kwargs)
+    except ApiError as e:
+        err.print(f"ravnest: {e}", highlight=False)
+        raise typer.Exit(1 if e.status else 3) from None
+
+
+def when(seconds: Optional[float]) -> str:
+    return "" if seconds is None else datetime.fromtimestamp(seconds).strftime("%m-%d %H:%M")
+
+
+def table(*columns: str) -> Table:
+    """Ids and times are never wrapped or cut (people copy ids into the next command); names and
+    reasons may wrap."""
+    grid = Table()
+    for column in columns:
+        grid.add_column(column, no_wrap=column not in ("name", "reason"),
+                        min_width={"id": 16, "name": 10, "reason": 30}.get(column))
+    return grid
