@@ -15,8 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .auth import Authentication, required
 from .config import Settings
@@ -37,6 +37,16 @@ def _validation_reason(error: RequestValidationError) -> str:
         where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
         parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
     return "; ".join(parts) or "invalid request"
+
+
+METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE")
+
+
+def _routed(app: FastAPI, method: str, path: str) -> bool:
+    """Whether an endpoint answers `method` on `path` (included routers too), asked the way Starlette
+    routes a request; unknown paths and methods get their 404 or 405 without a credential."""
+    scope = {"type": "http", "method": method, "path": path, "root_path": ""}
+    return any(route.matches(scope)[0] == Match.FULL for route in app.routes)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -68,11 +78,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
 
-    def routed(method: str, path: str) -> bool:
-        return any(isinstance(route, APIRoute) and method in route.methods and route.path_regex.match(path)
-                   for route in app.routes)
-
-    app.add_middleware(Authentication, identify=service.identify, routed=routed)  # added last: runs first
+    app.add_middleware(Authentication, identify=service.identify,  # added last: runs first
+                       routed=lambda method, path: _routed(app, method, path))
     _answer_refusals(app)
     site.mount_assets(app)
     for routes in (site, nodes, credentials, jobs, reports):
@@ -91,9 +98,7 @@ def _answer_refusals(app: FastAPI) -> None:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         headers = dict(error.headers or {})
         if error.status_code == 405:  # Starlette names only the first route's methods; a path may have several
-            headers["Allow"] = ", ".join(sorted({method for route in app.routes if isinstance(route, APIRoute)
-                                                 and route.path_regex.match(request.url.path)
-                                                 for method in route.methods}))
+            headers["Allow"] = ", ".join(sorted(m for m in METHODS if _routed(app, m, request.url.path)))
         return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)

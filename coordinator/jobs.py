@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from enum import Enum
 
 import torch
@@ -124,10 +125,25 @@ def _check_optimizer(spec: JobSpec) -> None:
         raise InvalidRequest(str(e)) from e
 
 
+SPECS_KEPT = 4096  # parsed job specs kept per process (a few KB each)
+_specs: OrderedDict[str, JobSpec] = OrderedDict()
+
+
+def spec_of(job: JobRow) -> JobSpec:
+    """The job's spec, typed: parsed once per process, since a spec never changes once submitted (the
+    store keeps the JSON; a restarted coordinator parses it again)."""
+    spec = _specs.get(job.id)
+    if spec is None:
+        spec = _specs[job.id] = JobSpec.model_validate(job.spec)
+        if len(_specs) > SPECS_KEPT:
+            _specs.popitem(last=False)
+    return spec
+
+
 def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
                peer_credentials: dict[str, str]) -> StageAssignment:
     """What the node running `stage` of `cluster` needs to know, rings and credentials included."""
-    spec = JobSpec.model_validate(job.spec)
+    spec = spec_of(job)
     stages = plan.clusters[cluster].stages
     peer = lambda s: StagePeer(node_id=stages[s].node_id, address=stages[s].address)  # noqa: E731
     rings = [] if spec.averaging.strategy == "none" else [
@@ -164,7 +180,7 @@ def _averaging(spec: JobSpec, plan: Plan) -> AveragingSettings:
 
 
 def progress(job: JobRow, stages: list[StageRow]) -> Progress:
-    total = JobSpec.model_validate(job.spec).training.steps
+    total = spec_of(job).training.steps
     by_cluster: dict[int, list[int]] = {}
     for row in stages:
         by_cluster.setdefault(row.cluster, []).append(row.step)

@@ -8,7 +8,6 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ravnest.spec import JobSpec
 
 from .. import files, jobs
 from ..errors import Conflict, Forbidden, NotFound
@@ -97,7 +96,7 @@ class Artifacts(ServiceBase):
         rows = list(session.scalars(select(CheckpointRow).where(
             CheckpointRow.job_id == job.id, CheckpointRow.kind == PERIODIC,
             CheckpointRow.generation == generation, CheckpointRow.step == step).order_by(CheckpointRow.block_start)))
-        num_blocks = len(costs_of(JobSpec.model_validate(job.spec)))
+        num_blocks = len(costs_of(jobs.spec_of(job)))
         covered = 0
         for row in rows:
             if row.block_start == covered:

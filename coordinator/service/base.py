@@ -58,6 +58,11 @@ class ServiceBase:
         self.store = Store(settings.database_url)
         self.clock = settings.clock
         self.started_at = self.clock()
+        # Per-process state, each kept here because it is soft (rebuilt or harmless to lose on a restart,
+        # which is what a second coordinator would see too): parsed plans (below) and specs
+        # (jobs.spec_of), the failure policy's slow-report counts, probes asked for, why a node was left
+        # out of the last placement, who trains alone (each heartbeat says again), and what a running job
+        # was last weighed with for growing. Everything else lives in the store.
         self._lock = threading.RLock()
         self.policy = FailurePolicy(settings)  # when a node is gone or too slow, and what then
         self._plans: dict[str, Plan] = {}

@@ -60,7 +60,7 @@ class JobLifecycle(ServiceBase):
         with self.store.session() as session:
             job = self._job(session, job_id, owner)
             stages = stages_of(session, job.id)
-            return JobView(**_summary(job).model_dump(), spec=JobSpec.model_validate(job.spec),
+            return JobView(**_summary(job).model_dump(), spec=jobs.spec_of(job),
                            history=job.history, generation=job.generation,
                            recoveries=[Recovery.model_validate(fault) for fault in job.faults or []],
                            checkpoint_step=self._manifest(job.id).get("step"),

@@ -50,7 +50,7 @@ class Placing(ServiceBase):
             if not idle and not pending:
                 return
             for job in pending:
-                spec = JobSpec.model_validate(job.spec)
+                spec = jobs.spec_of(job)
                 waited = now - job.history[-1]["at"]
                 if spec.placement.timeout_s is not None and waited > spec.placement.timeout_s:
                     jobs.transition(job, JobState.FAILED, f"not placed within placement.timeout_s = "
@@ -91,7 +91,7 @@ class Placing(ServiceBase):
                                    .order_by(JobRow.created_at)):
             if now - job.updated_at < self.settings.grow_after_s:
                 continue
-            spec, current = JobSpec.model_validate(job.spec), self._plan(job)
+            spec, current = jobs.spec_of(job), self._plan(job)
             newcomers = offering(idle, spec)
             if not newcomers:
                 continue

@@ -19,7 +19,6 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from ravnest.failures import Failure
-from ravnest.spec import JobSpec
 
 from .. import jobs
 from ..jobs import JobState
@@ -34,7 +33,7 @@ class Recoveries(ServiceBase):
         """Re-plan `job`: its nodes are told to stop and hand in their state; once they did (or left),
         `_replan_recovered` plans it again from the freshest state of every block. Losses since the
         last resume are bounded by placement.max_recoveries; growing onto new nodes is not a loss."""
-        spec = JobSpec.model_validate(job.spec)
+        spec = jobs.spec_of(job)
         since_resume = list(itertools.takewhile(lambda r: r.get("kind") != RESUME, reversed(job.faults or [])))
         losses = sum(r.get("kind", LOST) == LOST for r in since_resume)
         if kind == LOST and not self.policy.recoveries_left(spec.placement.max_recoveries, losses):
@@ -112,13 +111,13 @@ class Recoveries(ServiceBase):
     def _resume_point(self, session: Session, job: JobRow) -> dict | None:
         stored = [StoredState(row.file, row.generation, (row.block_start, row.block_end), row.step)
                   for row in session.scalars(select(CheckpointRow).where(CheckpointRow.job_id == job.id))]
-        return resume_point(stored, len(costs_of(JobSpec.model_validate(job.spec))))
+        return resume_point(stored, len(costs_of(jobs.spec_of(job))))
 
     def _start_generation(self, session: Session, job: JobRow, resume: dict | None) -> None:
         """Forget the last placement; the next one is a new generation with a new gRPC credential, so
         nothing a stage of the previous one still sends is accepted. Records where it continues from."""
         if resume is not None:
-            steps = JobSpec.model_validate(job.spec).training.steps
+            steps = jobs.spec_of(job).training.steps
             resume = {**resume, "step": min(resume["step"], steps - 1)}  # the last step is trained again
             fault = job.faults[-1]
             # the stages' snapshots may be further than their last metrics report said
