@@ -23,7 +23,7 @@ class Settings:
     recovery_silence_intervals: float = 2.0  # ... and not for a member silent this many heartbeat intervals
     # a stage this many times slower than planned, and than the job's other stages, is re-planned around
     # (coordinator/failure_policy.py), once it is slow_after_steps in and for slow_checks reports in a row
-    slow_factor: float = 4.0
+    slow_factor: float = 8.0
     slow_after_steps: int = 20
     slow_checks: int = 3
     grow_after_s: float = 10.0  # a job runs this long on its nodes before new ones may join it

@@ -79,7 +79,7 @@ class StageEvaluation:
         self.averaging("begin_evaluation", round_)
 
     def _batch(self, round_: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        with self.clock.busy():
+        with self.clock.busy(evaluation=True):
             output = self.compute.evaluate(x)
             if self.is_last:
                 self._sums.add(output, y, self._loss(output, y))

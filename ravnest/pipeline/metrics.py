@@ -24,16 +24,21 @@ class StageClock:
         """Count from now (a run starts some time after its stage was built)."""
         self.started = time.perf_counter()
         self.busy_s = 0.0
+        self.evaluating_s = 0.0  # the part of busy_s spent on evaluation passes
         self.steps: list[tuple[float, float]] = []  # (wall time, busy time) after each optimizer step
+        self._training_busy: list[float] = []  # busy time less evaluation, after each optimizer step
         self._losses.clear()
 
     @contextmanager
-    def busy(self) -> Iterator[None]:
+    def busy(self, evaluation: bool = False) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.busy_s += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.busy_s += spent
+            if evaluation:
+                self.evaluating_s += spent
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
@@ -46,6 +51,7 @@ class StageClock:
 
     def step_done(self) -> None:
         self.steps.append((time.perf_counter(), self.busy_s))
+        self._training_busy.append(self.busy_s - self.evaluating_s)
 
     def add_loss(self, loss: float) -> None:
         self._losses.append(loss)
@@ -61,11 +67,12 @@ class StageClock:
             figures["loss"] = sum(self._losses) / len(self._losses)
         return figures
 
-    def recent_busy_s(self, window: int = 10) -> float | None:
-        """Busy seconds per optimizer step over the last `window` steps (None before there were that many)."""
-        if len(self.steps) <= window:
+    def recent_training_s(self, window: int = 10) -> float | None:
+        """Seconds spent computing per optimizer step over the last `window` steps, evaluation passes left
+        out (None before there were that many steps)."""
+        if len(self._training_busy) <= window:
             return None
-        return (self.steps[-1][1] - self.steps[-1 - window][1]) / window
+        return (self._training_busy[-1] - self._training_busy[-1 - window]) / window
 
     def steady_state(self) -> dict[str, float]:
         """Utilization, throughput and the spread of single steps' wall times (the runtime model's

@@ -211,7 +211,7 @@ class StageRunner:
     def metrics(self) -> dict[str, float]:
         ex = self._executor
         admitted, completed, staleness_sum = (ex.admitted, ex.completed, ex.staleness_sum) if ex else (0, 0, 0)
-        peak, busy = self.memory.peak_bytes(), self.clock.recent_busy_s()
+        peak, busy = self.memory.peak_bytes(), self.clock.recent_training_s()
         clock = self.clock.snapshot()
         return {**clock, "step": float(self.optimizer.steps),  # counted from 0, resumed or not
                 "bubble": max(0.0, 1.0 - clock["utilization"]),  # the share of wall time spent waiting
