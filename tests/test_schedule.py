@@ -12,8 +12,9 @@ import torch
 from ravnest.pipeline import StageRunner, run_local_pipeline, run_threaded_pipeline
 from ravnest.pipeline.reference import two_stage_reference
 from ravnest.pipeline.stash import StageCompute
-from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, stage_actions, staleness,
-                                       steps_before_next_forward, warmup)
+from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, ScheduleError,
+                                       check_stage_schedule, stage_actions, staleness, steps_before_next_forward,
+                                       validate_schedule, warmup)
 from ravnest.spec import JobSpec
 
 SHAPES = [(S, K, acc, n) for S in (1, 2, 3, 4) for K in (1, 2, 4, 6) for acc in (1, 3) for n in (1, 5, 12)]
@@ -221,3 +222,32 @@ def test_a_model_that_reads_another_modules_weight_falls_back_to_a_plain_backwar
         for mine, want in zip(model.parameters(), reference.parameters()):
             assert torch.allclose(mine.grad, want.grad, atol=1e-5)
     assert "uses parameters outside the module that owns them" in caplog.text
+
+
+@pytest.mark.parametrize("num_stages,window,accumulation,micro_batches", SHAPES)
+def test_every_schedule_passes_its_validation_and_a_stage_checks_it_when_built(num_stages, window, accumulation,
+                                                                                micro_batches) -> None:
+    micro_batches *= accumulation
+    for s in range(num_stages):
+        validate_schedule(stage_actions(s, num_stages, window, micro_batches, accumulation), s, num_stages, window,
+                          micro_batches, accumulation)
+        check_stage_schedule(s, num_stages, window, 10**7 * accumulation, accumulation)  # a twin, at once
+
+
+def _broken(stage: int, change) -> list[Action]:
+    actions = list(stage_actions(stage, 2, 2, 6, 1))
+    change(actions)
+    return actions
+
+
+@pytest.mark.parametrize("stage,change,reason", [
+    (0, lambda a: a.insert(a.index(Action(STEP, 1)), a.pop(a.index(Action(F, 2)))), "step 1 must come first"),
+    (1, lambda a: a.remove(Action(SEND_B, 3)), "SEND_B3 comes next for micro-batch 3"),
+    (0, lambda a: a.insert(2, Action(RECV_F, 2)), "micro-batch 1 starts next"),
+    (0, lambda a: a.insert(4, a.pop(a.index(Action(RECV_F, 2)))), "more than K = 2 micro-batches"),
+    (1, lambda a: a.append(Action(SEND_F, 9)), "this stage has no SEND_F actions"),
+    (0, lambda a: a.pop(), "ends with 6 of 6 micro-batches done and 5 of 6 steps"),
+], ids=["forward-before-step", "missing-send", "out-of-order", "over-K", "last-sends-forward", "step-missing"])
+def test_a_broken_schedule_is_refused_naming_the_action(stage, change, reason) -> None:
+    with pytest.raises(ScheduleError, match=reason):
+        validate_schedule(_broken(stage, change), stage, 2, 2, 6, 1)

@@ -20,7 +20,9 @@ the next forward, so the weight version each forward uses is fixed:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
+
+from ravnest.errors import RavnestError
 
 RECV_F, F, SEND_F, RECV_B, B, SEND_B, W, STEP = "RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "W", "STEP"
 
@@ -106,3 +108,63 @@ def prediction_order(method: str) -> int:
 def batch_parts(method: str, window: int, batch_size: int) -> int:
     """Micro-batches each batch is cut into: K with PipeDream-2BW (at most one per sample), else 1."""
     return min(window, batch_size) if method.startswith("2bw") else 1
+
+
+class ScheduleError(RavnestError, ValueError):
+    """A stage's list of actions breaks a rule every schedule must keep (`validate_schedule`)."""
+
+
+def validate_schedule(actions: Iterable[Action], stage: int, num_stages: int, window: int, micro_batches: int,
+                      accumulation: int = 1) -> None:
+    """Check a stage's actions before it runs them, as torch.distributed.pipelining's _validate_schedule
+    does: each micro-batch goes through its actions once and in order (RECV_F F SEND_F, then RECV_B B
+    SEND_B W; stage 0 has no B, the last stage neither SEND_F nor RECV_B), micro-batches start and
+    finish in order, at most `window` are in flight, step k comes right after the W of its last
+    micro-batch (no forward may slip in before it: that would change the weights the forward uses), and
+    every micro-batch and step is there. ScheduleError names the first action that breaks a rule."""
+    first, last = stage == 0, stage == num_stages - 1
+    order = [kind for kind in (RECV_F, F, SEND_F, RECV_B, B, SEND_B, W)
+             if not (last and kind in (SEND_F, RECV_B)) and not (first and kind in (B, SEND_B))]
+    done: dict[int, int] = {}  # micro-batch in flight -> how many of its actions ran
+    started = finished = steps = 0
+    for index, action in enumerate(actions):
+        kind, m = action.kind, action.micro_batch
+        where = f"stage {stage} of {num_stages} (K={window}), action {index} ({action})"
+        due = finished // accumulation  # the steps the finished micro-batches make
+        if kind == STEP:
+            if m != steps + 1 or m != due:
+                raise ScheduleError(f"{where}: step {steps + 1} is next, and only after the W of micro-batch "
+                                    f"{(steps + 1) * accumulation - 1} ({finished} done)")
+            steps = m
+            continue
+        if due > steps:
+            raise ScheduleError(f"{where}: step {due} must come first, right after W{finished - 1}")
+        if kind not in order:
+            raise ScheduleError(f"{where}: this stage has no {kind} actions")
+        if m not in done:
+            if kind != order[0] or m != started:
+                raise ScheduleError(f"{where}: micro-batch {started} starts next, with {order[0]}")
+            if started - finished >= window:
+                raise ScheduleError(f"{where}: more than K = {window} micro-batches would be in flight")
+            done[m], started = 0, started + 1
+        if order[done[m]] != kind:
+            raise ScheduleError(f"{where}: {order[done[m]]}{m} comes next for micro-batch {m}")
+        done[m] += 1
+        if kind == W:
+            if m != finished:
+                raise ScheduleError(f"{where}: W{finished} comes first")
+            del done[m]
+            finished += 1
+    if finished != micro_batches or steps != micro_batches // accumulation or done:
+        raise ScheduleError(f"stage {stage} of {num_stages} (K={window}): the schedule ends with {finished} of "
+                            f"{micro_batches} micro-batches done and {steps} of {micro_batches // accumulation} steps")
+
+
+def check_stage_schedule(stage: int, num_stages: int, window: int, micro_batches: int,
+                         accumulation: int = 1) -> None:
+    """Validate the schedule a stage is about to run, when it is built. A schedule is periodic, so a run
+    of a few more steps than its warm-up shows every rule at work (warm-up, steady state and drain
+    alike): that twin is checked, never millions of actions."""
+    shown = min(micro_batches, accumulation * (window + 4))
+    validate_schedule(stage_actions(stage, num_stages, window, shown, accumulation), stage, num_stages, window,
+                      shown, accumulation)

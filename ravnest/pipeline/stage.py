@@ -43,7 +43,8 @@ from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import PipelineTrace, StageClock
 from ravnest.pipeline.neighbours import MESSAGE_KINDS, Neighbours
 from ravnest.pipeline.optim import StageOptimizer
-from ravnest.pipeline.schedule import batch_parts, prediction_order, stage_actions, staleness_method, warmup
+from ravnest.pipeline.schedule import (batch_parts, check_stage_schedule, prediction_order, stage_actions,
+                                       staleness_method, warmup)
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment
 from ravnest.wire import Router
@@ -101,6 +102,7 @@ class StageRunner:
         self.averaging = AveragingHooks(a, steps=lambda: self.optimizer.steps,
                                         on_alone=lambda reason: self.on_alone(reason))
         self.averaging.strategy = averager
+        check_stage_schedule(a.stage, a.num_stages, self.window, self.total_micro_batches, self.per_step)
         self.actions = stage_actions(a.stage, a.num_stages, self.window, self.total_micro_batches, self.per_step)
         self.trace = PipelineTrace()
         self.clock = StageClock(training.batch_size * training.accumulation)
