@@ -81,12 +81,12 @@ class Neighbours:
             return
         try:
             stream.close(timeout=1.0)
-            reason = "it closed the stream"
+            reason, peers_doing = "it closed the stream", True
         except PeerError as exc:
-            reason = str(exc)
-        peer = self._peer(side)
+            reason, peers_doing = str(exc), exc.address is not None  # not where this side ended it
+        peer = self._peer(side) if peers_doing else None
         self.inbox.fail(PipelineError(f"stage {self.assignment.stage} lost its {side} stage: {reason}",
-                                      FailureKind.PEER_LOST, peer.address if peer else None))
+                                      FailureKind.PEER_LOST if peer else None, peer.address if peer else None))
 
     def close(self) -> None:
         """Wait until every neighbour has received everything we sent."""

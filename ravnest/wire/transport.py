@@ -104,7 +104,8 @@ _MALLOPT = {-3: 32 << 20, -1: 256 << 20, -2: 16 << 20, -8: 2}
 
 class PeerError(RavnestError, RuntimeError):
     """The peer refused or dropped a stream; the message says which peer and why. `address` names the
-    peer for whoever reports the failure (ravnest/failures.py); `unreachable`: it never answered."""
+    peer for whoever reports the failure (ravnest/failures.py), where the peer is to blame (not where
+    this side ended the stream); `unreachable`: it never answered."""
 
     def __init__(self, message: str, *, address: str | None = None, unreachable: bool = False):
         super().__init__(message)
@@ -442,7 +443,7 @@ class OutboundStream:
             except grpc.RpcError as e:
                 raise _peer_error(self.address, e) from None
             except grpc.FutureCancelledError:
-                raise PeerError(f"peer {self.address}: stream cancelled by this side", address=self.address) from None
+                raise PeerError(f"peer {self.address}: stream cancelled by this side") from None  # not the peer's doing
             raise PeerError(f"peer {self.address} closed the stream", address=self.address)
 
     def _put(self, item: object, deadline: float | None) -> None:
@@ -465,11 +466,11 @@ class OutboundStream:
         unchanged until the stream is closed (e.g. freshly computed activations)."""
         if self._closed:
             self._raise_if_failed()  # the peer's reason, when it has one, says more than "closed"
-            raise PeerError(f"peer {self.address}: stream already closed", address=self.address)
+            raise PeerError(f"peer {self.address}: stream already closed")  # by this side
         injected = faults.active()
         if injected is not None and injected.before_send(self.address):
             self.cancel()
-            raise PeerError(f"peer {self.address}: stream severed by fault injection", address=self.address)
+            raise PeerError(f"peer {self.address}: stream severed by fault injection")  # by this side
         parts = prepare_message(msg, self.codec if codec is None else codec)
         frames = chunked_frames(parts, self.chunk_bytes)
         if copy:
