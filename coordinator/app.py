@@ -78,7 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
 
-    app.add_middleware(Authentication, identify=service.identify,  # added last: runs first
+    app.add_middleware(Authentication, identify=service.credentials.identify,  # added last: runs first
                        routed=lambda method, path: _routed(app, method, path))
     _answer_refusals(app)
     site.mount_assets(app)

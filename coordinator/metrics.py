@@ -11,11 +11,17 @@ plus the coordinator process's own (memory, CPU, open files).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ravnest.telemetry import stage_gauges
+
+if TYPE_CHECKING:
+    from .service.lifecycle import JobLifecycle
+    from .service.membership import Membership
 
 JOB_FIGURES = {
     "loss": "mean of the clusters' last-stage training loss",
@@ -31,16 +37,16 @@ JOB_FIGURES = {
 
 
 class CoordinatorFigures(Collector):
-    def __init__(self, service, owner: str | None) -> None:
-        self.service, self.owner = service, owner  # owner: a submitter's key sees its own jobs only
+    def __init__(self, membership: Membership, jobs: JobLifecycle, owner: str | None) -> None:
+        self.membership, self.jobs, self.owner = membership, jobs, owner  # owner: a submitter sees its own jobs
 
     def collect(self):
-        nodes, _ = self.service.list_nodes()
+        nodes, _ = self.membership.list_nodes()
         by_state = GaugeMetricFamily("ravnest_nodes", "nodes known to the coordinator", labels=["state"])
         for state in ("idle", "busy", "gone"):
             by_state.add_metric([state], sum(n.state == state for n in nodes))
         yield by_state
-        summaries, _ = self.service.list_jobs(self.owner)
+        summaries, _ = self.jobs.list_jobs(self.owner)
         jobs = GaugeMetricFamily("ravnest_jobs", "jobs per state", labels=["state"])
         for state in sorted({j.state for j in summaries} | {"pending", "running", "completed", "failed"}):
             jobs.add_metric([state], sum(j.state == state for j in summaries))
@@ -52,7 +58,7 @@ class CoordinatorFigures(Collector):
         for summary in summaries:
             if summary.state not in ("running", "recovering"):
                 continue
-            view = self.service.get_job(summary.id, self.owner)
+            view = self.jobs.get_job(summary.id, self.owner)
             job_families["progress_ratio"].add_metric([view.id], view.progress.fraction)
             job_families["generation"].add_metric([view.id], view.generation)
             for name in JOB_FIGURES:
@@ -68,9 +74,9 @@ class CoordinatorFigures(Collector):
 PROCESS = ProcessCollector(registry=None)  # this process's memory, CPU and files, in every scrape
 
 
-def scrape(service, owner: str | None) -> bytes:
+def scrape(membership: Membership, jobs: JobLifecycle, owner: str | None) -> bytes:
     """The Prometheus text exposition for one request (a registry per scrape: its jobs are the caller's)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(PROCESS)
-    registry.register(CoordinatorFigures(service, owner))
+    registry.register(CoordinatorFigures(membership, jobs, owner))
     return generate_latest(registry)

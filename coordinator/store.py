@@ -15,17 +15,37 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
+from pydantic import BaseModel
 from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, create_engine, event, func,
                         inspect, select)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.types import TypeDecorator
 
 from ravnest.errors import RavnestError
 
 from .changes import Changes
+from .schemas import Recovery
 
 ID = String(32)
 FIRST_REVISION = "0001"  # the schema as it was before migrations (create_all), with these tables:
 FIRST_TABLES = ("credentials", "jobs", "links", "nodes", "checkpoints", "stages")
+
+
+class ModelList(TypeDecorator):
+    """A list of pydantic models kept as a JSON array: typed in Python, plain JSON in the database (so
+    records written before a field existed still read, with its default)."""
+    impl = JSON
+    cache_ok = True
+
+    def __init__(self, model: type[BaseModel]) -> None:
+        super().__init__()
+        self.model = model
+
+    def process_bind_param(self, value: list[BaseModel] | None, dialect: Any) -> list[dict] | None:
+        return None if value is None else [item.model_dump(mode="json", exclude_defaults=True) for item in value]
+
+    def process_result_value(self, value: list[dict] | None, dialect: Any) -> list[BaseModel] | None:
+        return None if value is None else [self.model.model_validate(item) for item in value]
 
 
 class Base(DeclarativeBase):
@@ -63,8 +83,7 @@ class JobRow(Base):
     generation: Mapped[int] = mapped_column(Integer, default=0)  # re-plans so far (after a loss, or a resume)
     # where the next generation's stages get their state: {"step", "sources": [{"file", "blocks", "step"}]}
     resume: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    # one record per recovery: {"at", "reason", "generation", "step", "lost_steps", "resumed_at", "recovery_s"}
-    faults: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    faults: Mapped[list[Recovery]] = mapped_column(ModelList(Recovery), default=list)  # one per re-plan
 
 
 class StageRow(Base):

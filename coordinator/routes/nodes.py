@@ -14,24 +14,24 @@ router = APIRouter(tags=["nodes"])
 
 @router.post("/v1/nodes", response_model=JoinResponse, status_code=201)
 def join(request: Request, body: JoinRequest, authorization: str | None = AUTH) -> JoinResponse:
-    return service(request).join(authorization, body)
+    return service(request).membership.join(authorization, body)
 
 
 @router.post("/v1/nodes/{node_id}/heartbeat", response_model=HeartbeatResponse)
 def heartbeat(request: Request, node_id: str, body: HeartbeatRequest,
               authorization: str | None = AUTH) -> HeartbeatResponse:
-    return service(request).heartbeat(node_id, authorization, body)
+    return service(request).membership.heartbeat(node_id, authorization, body)
 
 
 @router.get("/v1/nodes", response_model=list[NodeView])
 def list_nodes(request: Request, response: Response, limit: int = LIMIT, offset: int = OFFSET) -> list[NodeView]:
     """A page of nodes in the order they joined; the header X-Total-Count says how many there are."""
-    return paged(response, *service(request).list_nodes(limit, offset))
+    return paged(response, *service(request).membership.list_nodes(limit, offset))
 
 
 @router.delete("/v1/nodes/{node_id}", status_code=204)
 def leave(request: Request, node_id: str, authorization: str | None = AUTH) -> Response:
-    service(request).leave(node_id, authorization)
+    service(request).membership.leave(node_id, authorization)
     return Response(status_code=204)
 
 
@@ -39,5 +39,5 @@ def leave(request: Request, node_id: str, authorization: str | None = AUTH) -> R
 def revoke_node(request: Request, node_id: str) -> Response:
     """The node's credential stops working at once (its next call is refused); a job it held is
     re-planned without it."""
-    service(request).revoke_node(node_id)
+    service(request).membership.revoke_node(node_id)
     return Response(status_code=204)

@@ -28,13 +28,13 @@ router = APIRouter(tags=["node reports"])
 
 @router.post("/v1/jobs/{job_id}/metrics", status_code=204)
 def metrics(request: Request, job_id: str, report: MetricsReport, authorization: str | None = AUTH) -> Response:
-    service(request).report_metrics(job_id, authorization, report)
+    service(request).jobs.report_metrics(job_id, authorization, report)
     return Response(status_code=204)
 
 
 @router.post("/v1/jobs/{job_id}/fail", status_code=204)
 def fail(request: Request, job_id: str, report: FailureReport, authorization: str | None = AUTH) -> Response:
-    service(request).report_failure(job_id, authorization, report)
+    service(request).jobs.report_failure(job_id, authorization, report)
     return Response(status_code=204)
 
 
@@ -44,7 +44,7 @@ async def receive(coordinator: Coordinator, request: Request, job_id: str, limit
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"upload of {declared} bytes exceeds this stage's limit of {limit} bytes")
-    uploads = coordinator.job_dir(job_id) / "uploads"
+    uploads = coordinator.artifacts.job_dir(job_id) / "uploads"
     uploads.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(dir=uploads, suffix=".safetensors")
     path = Path(name)
@@ -67,10 +67,10 @@ async def upload_weights(job_id: str, request: Request, cluster: int = Query(ge=
                          authorization: str | None = AUTH) -> Response:
     """Body: the stage's state dict as raw safetensors bytes, keys "{global block index}.<name>"."""
     coordinator = service(request)
-    limit = await run_in_threadpool(coordinator.upload_limit, job_id, authorization, cluster, stage)
+    limit = await run_in_threadpool(coordinator.artifacts.upload_limit, job_id, authorization, cluster, stage)
     path = await receive(coordinator, request, job_id, limit)
     try:
-        await run_in_threadpool(coordinator.accept_weights, job_id, authorization, cluster, stage, path)
+        await run_in_threadpool(coordinator.artifacts.accept_weights, job_id, authorization, cluster, stage, path)
     finally:
         path.unlink(missing_ok=True)  # accepted uploads were moved away already
     return Response(status_code=204)
@@ -84,10 +84,11 @@ async def upload_checkpoint(job_id: str, request: Request, cluster: int = Query(
     """Body: the stage's state at `step` as safetensors: its state dict plus optimizer state keyed
     "{parameter key}:{state name}". `snapshot`: handed in when the job is re-planned."""
     coordinator = service(request)
-    limit = await run_in_threadpool(coordinator.upload_limit, job_id, authorization, cluster, stage, checkpoint=True)
+    artifacts = coordinator.artifacts
+    limit = await run_in_threadpool(artifacts.upload_limit, job_id, authorization, cluster, stage, checkpoint=True)
     path = await receive(coordinator, request, job_id, limit)
     try:
-        await run_in_threadpool(coordinator.accept_checkpoint, job_id, authorization, cluster, stage, generation,
+        await run_in_threadpool(artifacts.accept_checkpoint, job_id, authorization, cluster, stage, generation,
                                 step, kind, path)
     finally:
         path.unlink(missing_ok=True)
@@ -99,13 +100,13 @@ async def stage_state(job_id: str, request: Request, cluster: int = Query(ge=0),
                       authorization: str | None = AUTH) -> FileResponse:
     """The state a re-planned stage continues from: its blocks' parameters and optimizer state."""
     coordinator = service(request)
-    outgoing = coordinator.job_dir(job_id) / "outgoing"
+    outgoing = coordinator.artifacts.job_dir(job_id) / "outgoing"
     outgoing.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(dir=outgoing, suffix=".safetensors")
     os.close(handle)
     path = Path(name)
     try:
-        await run_in_threadpool(coordinator.stage_state, job_id, authorization, cluster, stage, path)
+        await run_in_threadpool(coordinator.artifacts.stage_state, job_id, authorization, cluster, stage, path)
     except BaseException:
         path.unlink(missing_ok=True)
         raise

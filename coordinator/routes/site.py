@@ -35,7 +35,7 @@ def mount_assets(app: FastAPI) -> None:
 
 @router.get("/healthz", response_model=Health, tags=["service"])
 def healthz(request: Request) -> Health:
-    return service(request).health()
+    return service(request).membership.health()
 
 
 @router.get("/v1/probe", tags=["nodes"], response_class=Response,
@@ -69,7 +69,7 @@ def login_form() -> str:
 async def login(request: Request) -> Response:
     """An API key from the form becomes an HttpOnly cookie for the dashboard."""
     token = parse_qs((await request.body())[:4096].decode(errors="replace")).get("token", [""])[0].strip()
-    who = await run_in_threadpool(service(request).identify, token) if token else "no key given"
+    who = await run_in_threadpool(service(request).credentials.identify, token) if token else "no key given"
     if isinstance(who, str) or who.kind != "key":
         return HTMLResponse(render_login(who if isinstance(who, str) else "that is not an API key"), status_code=401)
     response = RedirectResponse("/", status_code=303)
@@ -87,8 +87,8 @@ def logout() -> Response:
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
 def dashboard(request: Request) -> str:
     coordinator = service(request)
-    return render_dashboard(coordinator.list_nodes(DASHBOARD_ROWS)[0],
-                            coordinator.list_jobs(own_jobs(request), DASHBOARD_ROWS)[0])
+    return render_dashboard(coordinator.membership.list_nodes(DASHBOARD_ROWS)[0],
+                            coordinator.jobs.list_jobs(own_jobs(request), DASHBOARD_ROWS)[0])
 
 
 @router.get("/metrics", tags=["service"], response_class=PlainTextResponse,
@@ -96,4 +96,5 @@ def dashboard(request: Request) -> str:
 def prometheus_metrics(request: Request) -> Response:
     """Prometheus text format (coordinator/metrics.py): nodes, jobs and every active job's stages.
     Scrape it with an API key (`authorization: {credentials: <key>}` in the scrape config)."""
-    return Response(scrape(service(request), own_jobs(request)), media_type=CONTENT_TYPE_LATEST)
+    coordinator = service(request)
+    return Response(scrape(coordinator.membership, coordinator.jobs, own_jobs(request)), media_type=CONTENT_TYPE_LATEST)

@@ -1,17 +1,48 @@
-"""The coordinator's operations, independent of HTTP, one concern per module: credentials (who a
-token belongs to; join tokens and API keys), membership (nodes join, beat and leave), placement
-(liveness tick, placing and growing jobs), the job lifecycle, recovery (re-planning after losses)
-and artifacts (weights, checkpoints, models)."""
+"""The coordinator's operations, independent of HTTP: components with one concern each, given the
+components they call (and nothing else) when they are built.
+
+    Credentials   who a token belongs to; join tokens and API keys
+    Artifacts     weights, checkpoints, snapshots, the merged model; where a re-plan continues from
+    Recoveries    re-planning after a loss, a grow or a resume            (Artifacts)
+    Placement     planning pending jobs onto idle nodes; growing jobs     (Recoveries)
+    Membership    nodes join, beat and leave; the liveness tick           (Credentials, Placement, Recoveries)
+    JobLifecycle  submit, view, cancel, resume; metrics, failure reports  (Placement, Recoveries, Artifacts)
+
+Each is given the `Core` too (core.py: settings, store, lock, clock, failure policy, lookups), which
+also says what per-process state there is and why losing it is safe.
+"""
+from __future__ import annotations
+
+from ..config import Settings
+from ..store import Store
 from .artifacts import Artifacts
+from .core import Core
 from .credentials import Credentials, Principal
 from .lifecycle import JobLifecycle
 from .membership import Membership
-from .placement import Placing
+from .placement import Placement
 from .recovery import Recoveries
 
 
-class Coordinator(Credentials, Membership, Placing, JobLifecycle, Recoveries, Artifacts):
-    """Everything the REST API calls; see each base class."""
+class Coordinator:
+    """Everything the REST API calls, by component."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.core = Core(settings)
+        self.credentials = Credentials(self.core)
+        self.artifacts = Artifacts(self.core)
+        self.recoveries = Recoveries(self.core, self.artifacts)
+        self.placement = Placement(self.core, self.recoveries)
+        self.membership = Membership(self.core, self.credentials, self.placement, self.recoveries)
+        self.jobs = JobLifecycle(self.core, self.placement, self.recoveries, self.artifacts)
+
+    @property
+    def store(self) -> Store:
+        return self.core.store
+
+    def tick(self) -> None:
+        """What the coordinator does once per heartbeat interval (Membership.tick)."""
+        self.membership.tick()
 
 
 __all__ = ["Coordinator", "Principal"]

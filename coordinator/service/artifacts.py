@@ -8,27 +8,30 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-
 from .. import files, jobs
 from ..errors import Conflict, Forbidden, NotFound
 from ..jobs import JobState
+from ..recovery import StoredState, resume_point
 from ..store import CheckpointRow, JobRow, StageRow, stages_of
-from .base import HEADER_ALLOWANCE, OPTIMIZER_STATE_FACTOR, PERIODIC, ServiceBase, costs_of, state_shapes_of
+from .core import HEADER_ALLOWANCE, OPTIMIZER_STATE_FACTOR, PERIODIC, Core, costs_of, state_shapes_of
 
 
-class Artifacts(ServiceBase):
+class Artifacts:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
     def job_dir(self, job_id: str) -> Path:
-        return self.settings.data_dir / "jobs" / job_id
+        return self.core.settings.data_dir / "jobs" / job_id
 
     def upload_limit(self, job_id: str, authorization: str | None, cluster: int, stage: int, *,
                      checkpoint: bool = False) -> int:
         """Checks an upload may start (before its body is read); returns its size limit in bytes."""
-        with self.store.session() as session:
-            job, row = self._job_member(session, job_id, authorization)
+        with self.core.store.session() as session:
+            job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage, checkpoint=checkpoint)
             expected = sum(size for _, size in self._stage_shapes(job, row).values())
         copies = 1 + OPTIMIZER_STATE_FACTOR if checkpoint else 1
-        return min(self.settings.max_upload_bytes, copies * expected + HEADER_ALLOWANCE)
+        return min(self.core.settings.max_upload_bytes, copies * expected + HEADER_ALLOWANCE)
 
     def _check_upload_target(self, job: JobRow, row: StageRow, cluster: int, stage: int, *,
                              checkpoint: bool = False, generation: int | None = None) -> None:
@@ -43,7 +46,7 @@ class Artifacts(ServiceBase):
             raise Conflict(f"job {job.id} is {job.state}; {'state' if checkpoint else 'weights'} not accepted")
 
     def _stage_shapes(self, job: JobRow, row: StageRow) -> files.Shapes:
-        start, end = self._plan(job).clusters[row.cluster].stages[row.stage].blocks
+        start, end = self.core.plan(job).clusters[row.cluster].stages[row.stage].blocks
         model = job.spec["model"]
         shapes = state_shapes_of(model["name"], json.dumps(model["config"], sort_keys=True))
         return {key: value for key, value in shapes.items() if start <= files.block_of(key) < end}
@@ -52,13 +55,13 @@ class Artifacts(ServiceBase):
         """Validate an uploaded stage state dict (safetensors, no pickle), keep it, and finish the job
         once every stage of cluster 0 is in."""
         tensors = files.load_upload(upload)
-        with self._lock, self.store.session() as session:
-            job, row = self._job_member(session, job_id, authorization)
+        with self.core.lock, self.core.store.session() as session:
+            job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage)
             files.check_stage_tensors(tensors, self._stage_shapes(job, row), optimizer_state=False)
             folder = self.job_dir(job.id) / "weights"
             files.commit(upload, folder / f"c{cluster}-s{stage}.safetensors")
-            row.weights_uploaded, row.updated_at = True, self.clock()
+            row.weights_uploaded, row.updated_at = True, self.core.clock()
             cluster0 = [s for s in stages_of(session, job.id) if s.cluster == 0]
             if job.state != JobState.COMPLETED.value and all(s.weights_uploaded for s in cluster0):
                 files.merge([folder / f"c0-s{s}.safetensors" for s in range(len(cluster0))],
@@ -66,10 +69,10 @@ class Artifacts(ServiceBase):
                                 {"job_id": job.id, "model": json.dumps(job.spec["model"])})
                 job.final_metrics = dict(cluster0[-1].metrics)
                 if job.state == JobState.PLACING.value:  # every node is done, so every node was told
-                    jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self._plan(job).reason}",
-                                self.clock())
+                    jobs.transition(job, JobState.RUNNING,
+                                    f"every node has its assignment; {self.core.plan(job).reason}", self.core.clock())
                 jobs.transition(job, JobState.COMPLETED, "every stage of cluster 0 uploaded its weights",
-                                self.clock())
+                                self.core.clock())
 
     def accept_checkpoint(self, job_id: str, authorization: str | None, cluster: int, stage: int, generation: int,
                           step: int, kind: str, upload: Path) -> None:
@@ -77,15 +80,15 @@ class Artifacts(ServiceBase):
         snapshot a stage hands in when its job is re-planned. A complete set of periodic checkpoints at
         one step gets a manifest, and older periodic ones are deleted."""
         tensors = files.load_upload(upload)
-        with self._lock, self.store.session() as session:
-            job, row = self._job_member(session, job_id, authorization)
+        with self.core.lock, self.core.store.session() as session:
+            job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage, checkpoint=True, generation=generation)
             files.check_stage_tensors(tensors, self._stage_shapes(job, row), optimizer_state=True)
-            start, end = self._plan(job).clusters[cluster].stages[stage].blocks
+            start, end = self.core.plan(job).clusters[cluster].stages[stage].blocks
             name = f"checkpoints/g{generation}-c{cluster}-s{stage}-{kind}-{step}.safetensors"
             files.commit(upload, self.job_dir(job.id) / name)
             session.merge(CheckpointRow(job_id=job.id, file=name, kind=kind, generation=generation,
-                                        block_start=start, block_end=end, step=step, created_at=self.clock()))
+                                        block_start=start, block_end=end, step=step, created_at=self.core.clock()))
             session.flush()
             if kind == PERIODIC:
                 self._collect_checkpoint(session, job, generation, step)
@@ -115,27 +118,34 @@ class Artifacts(ServiceBase):
                 (self.job_dir(job.id) / old.file).unlink(missing_ok=True)
                 session.delete(old)
 
-    def _manifest(self, job_id: str) -> dict:
+    def manifest(self, job_id: str) -> dict:
         try:
             return json.loads((self.job_dir(job_id) / "checkpoints" / "manifest.json").read_text())
         except (OSError, ValueError):
             return {}
 
+    def resume_point(self, session: Session, job: JobRow) -> dict | None:
+        """Where the job would continue from: the freshest stored state of every block (None: some
+        block has none)."""
+        stored = [StoredState(row.file, row.generation, (row.block_start, row.block_end), row.step)
+                  for row in session.scalars(select(CheckpointRow).where(CheckpointRow.job_id == job.id))]
+        return resume_point(stored, len(costs_of(jobs.spec_of(job))))
+
     def stage_state(self, job_id: str, authorization: str | None, cluster: int, stage: int, target: Path) -> None:
         """Write the state a re-planned stage continues from (its blocks, from the resume sources)."""
-        with self.store.session() as session:
-            job, row = self._job_member(session, job_id, authorization)
+        with self.core.store.session() as session:
+            job, row = self.core.job_member(session, job_id, authorization)
             if (row.cluster, row.stage) != (cluster, stage):
                 raise Forbidden(f"node {row.node_id} holds cluster {row.cluster} stage {row.stage}")
             if not job.resume:
                 raise NotFound(f"job {job_id} starts from fresh weights; there is no state to fetch")
-            blocks = self._plan(job).clusters[cluster].stages[stage].blocks
+            blocks = self.core.plan(job).clusters[cluster].stages[stage].blocks
             sources = job.resume["sources"]
         files.assemble(self.job_dir(job_id), sources, blocks, target)
 
     def model_file(self, job_id: str, owner: str | None = None) -> Path:
-        with self.store.session() as session:
-            job = self._job(session, job_id, owner)
+        with self.core.store.session() as session:
+            job = self.core.job(session, job_id, owner)
             if job.state != JobState.COMPLETED.value:
                 raise Conflict(f"job {job_id} is {job.state}; the model is available once it is completed"
                                + (" (`ravnest resume` continues it from its last checkpoint)"

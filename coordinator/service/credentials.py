@@ -16,7 +16,7 @@ from ..errors import Conflict, NotFound
 from ..schemas import CredentialCreated, CredentialView, JoinTokenRequest, KeyRequest
 from ..security import hash_token, new_id, new_token
 from ..store import CredentialRow, NodeRow
-from .base import ServiceBase, node_refusal
+from .core import Core, node_refusal
 
 JOIN, KEY, NODE = "join", "key", "node"
 
@@ -53,11 +53,14 @@ def credential_refusal(row: CredentialRow, now: float) -> str | None:
     return None
 
 
-class Credentials(ServiceBase):
+class Credentials:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
     def identify(self, token: str) -> Principal | str:
         """The principal `token` belongs to, or why it is refused."""
-        digest, now = hash_token(token), self.clock()
-        with self.store.session() as session:
+        digest, now = hash_token(token), self.core.clock()
+        with self.core.store.session() as session:
             row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == digest)).first()
             if row is not None:
                 return credential_refusal(row, now) or Principal(row.kind, row.id, row.role, row.name)
@@ -68,19 +71,19 @@ class Credentials(ServiceBase):
 
     def create_credential(self, request: JoinTokenRequest | KeyRequest) -> CredentialCreated:
         kind = KEY if isinstance(request, KeyRequest) else JOIN
-        token, now = new_token(), self.clock()
+        token, now = new_token(), self.core.clock()
         row = CredentialRow(id=new_id(), kind=kind, role=getattr(request, "role", None), name=request.name,
                             token_hash=hash_token(token), created_at=now, used=0,
                             expires_at=now + request.expires_in_s if request.expires_in_s else None,
                             uses_left=getattr(request, "uses", None))
-        with self._lock, self.store.session() as session:
+        with self.core.lock, self.core.store.session() as session:
             session.add(row)
         return CredentialCreated(**_view(row).model_dump(), token=token)
 
     def list_credentials(self, kind: str, limit: int | None = None,
                          offset: int = 0) -> tuple[list[CredentialView], int]:
         """A page of the join tokens or keys, oldest first, and how many there are."""
-        with self.store.session() as session:
+        with self.core.store.session() as session:
             total = session.scalar(select(func.count()).select_from(CredentialRow).where(CredentialRow.kind == kind))
             rows = session.scalars(select(CredentialRow).where(CredentialRow.kind == kind)
                                    .order_by(CredentialRow.created_at, CredentialRow.id).limit(limit).offset(offset))
@@ -89,28 +92,18 @@ class Credentials(ServiceBase):
     def revoke_credential(self, kind: str, credential_id: str, by: Principal) -> None:
         if credential_id == by.id:
             raise Conflict("you cannot revoke the key you are using; revoke it with another operator key")
-        with self._lock, self.store.session() as session:
+        with self.core.lock, self.core.store.session() as session:
             row = session.get(CredentialRow, credential_id)
             if row is None or row.kind != kind:
                 raise NotFound(f"no {'join token' if kind == JOIN else 'key'} {credential_id}")
-            row.revoked_at = row.revoked_at or self.clock()
+            row.revoked_at = row.revoked_at or self.core.clock()
 
-    def revoke_node(self, node_id: str) -> None:
-        """The node's credential stops working at once; a job it held is re-planned without it."""
-        with self._lock, self.store.session() as session:
-            node = session.get(NodeRow, node_id)
-            if node is None:
-                raise NotFound(f"no node {node_id}")
-            if node.credential_ended != "revoked":
-                self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) was revoked")
-                node.credential_ended = "revoked"
-
-    def _consume_join(self, session: Session, token: str) -> Principal | str:
+    def consume_join(self, session: Session, token: str) -> Principal | str:
         """At a join: the join token (or operator key) it was made with, one use fewer; or why not."""
         row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == hash_token(token))).first()
         if row is None or not (row.kind == JOIN or row.role == "operator"):
             return "wrong join token"
-        refusal = credential_refusal(row, self.clock())
+        refusal = credential_refusal(row, self.core.clock())
         if refusal:
             return refusal
         row.used += 1

@@ -13,27 +13,33 @@ from ..errors import Conflict, Forbidden, InvalidRequest
 from ..failure_policy import StageSpeed
 from ..failures import failure_reason, who
 from ..jobs import JobState
-from ..schemas import CurvePoint, JobCreated, JobSummary, JobView, Recovery
+from ..schemas import CurvePoint, JobCreated, JobSummary, JobView
 from ..security import new_id
 from ..store import CurvePointRow, JobRow, NodeRow, StageRow, stages_of
-from .base import RESUME, ServiceBase, costs_of
+from .artifacts import Artifacts
+from .core import RESUME, Core, costs_of
+from .placement import Placement
+from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
 CURVE_POINTS = 5000  # most points of a curve sent at once: the newest
 
 
-class JobLifecycle(ServiceBase):
+class JobLifecycle:
+    def __init__(self, core: Core, placement: Placement, recoveries: Recoveries, artifacts: Artifacts) -> None:
+        self.core, self.placement, self.recoveries, self.artifacts = core, placement, recoveries, artifacts
+
     def submit(self, spec: JobSpec, owner: str | None = None) -> JobCreated:
         """`owner`: the id of the submitting key (a submitter sees and acts on its own jobs only)."""
-        jobs.validate_spec(spec, self.settings.max_blocks)
+        jobs.validate_spec(spec, self.core.settings.max_blocks)
         # profile now, outside the lock, so placing later never stalls heartbeats
         parameters = sum(cost.params for cost in costs_of(spec))
-        if parameters > self.settings.max_parameters:
+        if parameters > self.core.settings.max_parameters:
             raise InvalidRequest(f"model {spec.model.name!r} has {parameters:,} parameters; this coordinator takes "
-                                 f"at most {self.settings.max_parameters:,.0f} (its max_parameters limit)")
-        now = self.clock()
-        with self._lock:
-            with self.store.session() as session:
+                                 f"at most {self.core.settings.max_parameters:,.0f} (its max_parameters limit)")
+        now = self.core.clock()
+        with self.core.lock:
+            with self.core.store.session() as session:
                 job = JobRow(id=new_id(), name=spec.name, owner=owner, spec=spec.model_dump(mode="json"),
                              state=JobState.PENDING.value, reason="waiting for nodes", created_at=now,
                              updated_at=now, history=[{"state": "pending", "at": now, "reason": "submitted"}],
@@ -41,105 +47,102 @@ class JobLifecycle(ServiceBase):
                 session.add(job)
             log.info("job %s (%s) submitted by key %s: model %s, %d steps", job.id, spec.name, owner,
                      spec.model.name, spec.training.steps)
-            self.place_pending()
-            with self.store.session() as session:
-                job = session.get(JobRow, job.id)
+            self.placement.place_pending()
+            with self.core.store.session() as session:
+                job = session.get_one(JobRow, job.id)
                 return JobCreated(id=job.id, state=job.state, reason=job.reason)
 
     def list_jobs(self, owner: str | None = None, limit: int | None = None,
                   offset: int = 0) -> tuple[list[JobSummary], int]:
         """A page of every job (or `owner`'s only), oldest first, and how many there are."""
         mine = (lambda query: query) if owner is None else (lambda query: query.where(JobRow.owner == owner))
-        with self.store.session() as session:
+        with self.core.store.session() as session:
             total = session.scalar(mine(select(func.count()).select_from(JobRow))) or 0
             rows = session.scalars(mine(select(JobRow)).order_by(JobRow.created_at, JobRow.id)
                                    .limit(limit).offset(offset))
             return [_summary(job) for job in rows], total
 
     def get_job(self, job_id: str, owner: str | None = None) -> JobView:
-        with self.store.session() as session:
-            job = self._job(session, job_id, owner)
+        with self.core.store.session() as session:
+            job = self.core.job(session, job_id, owner)
             stages = stages_of(session, job.id)
             return JobView(**_summary(job).model_dump(), spec=jobs.spec_of(job),
                            history=job.history, generation=job.generation,
-                           recoveries=[Recovery.model_validate(fault) for fault in job.faults or []],
-                           checkpoint_step=self._manifest(job.id).get("step"),
+                           recoveries=job.faults or [],
+                           checkpoint_step=self.artifacts.manifest(job.id).get("step"),
                            progress=jobs.progress(job, stages),
-                           metrics=jobs.metrics(stages, self._plan(job) if job.plan else None),
-                           final_metrics=job.final_metrics, plan=self._plan(job) if job.plan else None,
+                           metrics=jobs.metrics(stages, self.core.plan(job) if job.plan else None),
+                           final_metrics=job.final_metrics, plan=self.core.plan(job) if job.plan else None,
                            model_url=f"/v1/jobs/{job.id}/model" if job.state == JobState.COMPLETED.value else None)
 
     def cancel(self, job_id: str, owner: str | None = None) -> JobView:
-        with self._lock, self.store.session() as session:
-            job = self._job(session, job_id, owner)
+        with self.core.lock, self.core.store.session() as session:
+            job = self.core.job(session, job_id, owner)
             if job.state in jobs.TERMINAL:
                 raise Conflict(f"job {job_id} is already {job.state}")
             # its nodes hear `cancel_job` on their next heartbeat, then go idle
-            jobs.transition(job, JobState.CANCELLED, "cancelled by request", self.clock())
+            jobs.transition(job, JobState.CANCELLED, "cancelled by request", self.core.clock())
         return self.get_job(job_id)
 
     def resume(self, job_id: str, owner: str | None = None) -> JobView:
         """Continue a failed or cancelled job from the freshest state its stages left (its last
         checkpoint, or snapshots handed in since), on whatever nodes are there now."""
-        with self._lock:
-            with self.store.session() as session:
-                job = self._job(session, job_id, owner)
+        with self.core.lock:
+            with self.core.store.session() as session:
+                job = self.core.job(session, job_id, owner)
                 if job.state not in jobs.STOPPED:
                     raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be resumed")
-                resume = self._resume_point(session, job)
+                resume = self.artifacts.resume_point(session, job)
                 if resume is None:
                     raise Conflict(f"job {job_id} has no checkpoint covering every block to resume from; "
                                    f"submit it again (checkpoints.every sets how often they are written)")
-                self._open_recovery(session, job, RESUME, f"resumed by request after it {job.state}")
-                self._start_generation(session, job, resume)
+                self.recoveries.open(session, job, RESUME, f"resumed by request after it {job.state}")
+                self.recoveries.start_generation(session, job, resume)
                 jobs.transition(job, JobState.PENDING, f"resumed from step {resume['step']}; waiting for nodes",
-                                self.clock())
-            self.place_pending()
+                                self.core.clock())
+            self.placement.place_pending()
         return self.get_job(job_id)
 
     def report_metrics(self, job_id: str, authorization: str | None, report: MetricsReport) -> None:
         jobs.check_finite(report.metrics)
-        with self._lock, self.store.session() as session:
-            job, stage = self._job_member(session, job_id, authorization, report.node_id)
+        with self.core.lock, self.core.store.session() as session:
+            job, stage = self.core.job_member(session, job_id, authorization, report.node_id)
             if (report.cluster, report.stage) != (stage.cluster, stage.stage):
                 raise Forbidden(f"node {report.node_id} holds cluster {stage.cluster} stage {stage.stage}, "
                                 f"not cluster {report.cluster} stage {report.stage}")
             if job.state in jobs.STOPPED:  # while recovering, intact clusters train on and report
                 raise Conflict(f"job {job_id} is {job.state}")
-            if job.state != JobState.RECOVERING.value and job.faults and "recovery_s" not in job.faults[-1] \
-                    and report.step > (job.resume or {}).get("step", 0):
-                fault = job.faults[-1]  # the first step after a re-plan: training again
-                job.faults = [*job.faults[:-1], {**fault, "recovery_s": self.clock() - fault["at"]}]
+            self.recoveries.training_again(job, report.step)
             stage.step = max(stage.step, report.step)
             stage.metrics = {**stage.metrics, **report.metrics}  # keeps e.g. test_accuracy between evaluations
-            stage.updated_at = self.clock()
+            stage.updated_at = self.core.clock()
             if job.state == JobState.RUNNING.value and "compute_s" in report.metrics:
                 self._check_speed(session, job)
             figures = report.metrics
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
-                session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.clock(),
+                session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.core.clock(),
                                           loss=figures.get("loss"), test_accuracy=figures.get("test_accuracy"),
                                           samples_per_s=figures.get("samples_per_s")))
 
     def _check_speed(self, session: Session, job: JobRow) -> None:
         """A stage far slower than planned and than its peers: re-plan without its node (failure_policy.py)."""
-        planned = {(c.cluster, s.stage): s.predicted_seconds for c in self._plan(job).clusters for s in c.stages}
+        planned = {(c.cluster, s.stage): s.predicted_seconds for c in self.core.plan(job).clusters for s in c.stages}
         speeds = [StageSpeed(row.node_id, row.cluster, row.stage, row.step, row.metrics.get("compute_s"),
                              planned.get((row.cluster, row.stage), 0.0)) for row in stages_of(session, job.id)]
-        found = self.policy.slow_stage(job.id, speeds)
+        found = self.core.policy.slow_stage(job.id, speeds)
         if found is None:
             return
         stage, said, failure = found
         node = session.get(NodeRow, stage.node_id)
         name = who(node) if node is not None else stage.node_id
-        self._recover(session, job, f"node {name} is too slow: cluster {stage.cluster} stage {stage.stage} {said}; "
-                                    f"re-planning without it", failure=failure, left_out=[stage.node_id])
+        reason = f"node {name} is too slow: cluster {stage.cluster} stage {stage.stage} {said}; re-planning without it"
+        self.recoveries.recover(session, job, reason, failure=failure, left_out=[stage.node_id])
 
     def curve(self, job_id: str, owner: str | None = None, after: int = 0,
               limit: int = CURVE_POINTS) -> list[CurvePoint]:
         """The job's curve points with ids above `after`, oldest first (at most `limit`, the newest)."""
-        with self.store.session() as session:
-            self._job(session, job_id, owner)
+        with self.core.store.session() as session:
+            self.core.job(session, job_id, owner)
             rows = session.scalars(select(CurvePointRow).where(CurvePointRow.job_id == job_id,
                                                                CurvePointRow.id > after)
                                    .order_by(CurvePointRow.id.desc()).limit(limit))
@@ -148,22 +151,22 @@ class JobLifecycle(ServiceBase):
                     for row in reversed(list(rows))]
 
     def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:
-        with self._lock, self.store.session() as session:
-            job, stage = self._job_member(session, job_id, authorization, report.node_id)
-            reporter = session.get(NodeRow, report.node_id)
+        with self.core.lock, self.core.store.session() as session:
+            job, stage = self.core.job_member(session, job_id, authorization, report.node_id)
+            reporter = session.get_one(NodeRow, report.node_id)  # (job_member checked it)
             if job.state not in jobs.ACTIVE:  # the job already ended or is being re-planned
                 if report.still_training:
-                    self._kept_training(session, reporter)
+                    self.recoveries.kept_training(session, reporter)
                 return
             members = {node.id: node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(
                 select(StageRow.node_id).where(StageRow.job_id == job.id))))}
             reason = failure_reason(report.failure, report.reason, reporter, stage, members)
             if report.recoverable:
-                self._recover(session, job, reason, failure=report.failure)
+                self.recoveries.recover(session, job, reason, failure=report.failure)
                 if report.still_training:
-                    self._kept_training(session, reporter)
+                    self.recoveries.kept_training(session, reporter)
             else:
-                jobs.transition(job, JobState.FAILED, reason, self.clock())
+                jobs.transition(job, JobState.FAILED, reason, self.core.clock())
 
 
 def _summary(job: JobRow) -> JobSummary:

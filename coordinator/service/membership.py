@@ -1,4 +1,5 @@
-"""Membership: nodes join, beat, measure links on request, and leave or are lost."""
+"""Membership: nodes join, beat, measure links on request, and leave, are revoked or are lost; the
+periodic tick marks silent nodes lost, re-plans recovered jobs and places pending ones."""
 from __future__ import annotations
 
 import logging
@@ -16,57 +17,76 @@ from ..jobs import JobState
 from ..schemas import Health, NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stage_of_node
-from .base import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, ServiceBase, node_refusal, undelivered
+from .core import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, Core, node_refusal, undelivered
+from .credentials import Credentials
+from .placement import Placement
+from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
 
 
-class Membership(ServiceBase):
+class Membership:
+    def __init__(self, core: Core, credentials: Credentials, placement: Placement, recoveries: Recoveries) -> None:
+        self.core, self.credentials, self.placement, self.recoveries = core, credentials, placement, recoveries
+        self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
+
+    def tick(self) -> None:
+        """Mark nodes without recent heartbeats gone (failing their jobs), then place pending jobs."""
+        core = self.core
+        now = core.clock()
+        with core.lock:
+            if now >= core.started_at + core.settings.heartbeat_timeout_s:  # after a restart, give nodes time
+                with core.store.session() as session:
+                    gone = core.policy.gone_before(now)
+                    for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < gone)):
+                        self.node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped sending "
+                                                      f"heartbeats (last seen {now - node.last_seen:.0f} s ago)")
+                    self._prune_nodes(session, now - core.settings.node_retention_s)
+            with core.store.session() as session:
+                self.recoveries.replan_recovered(session)
+            self.placement.place_pending()
+
     def join(self, authorization: str | None, request: JoinRequest) -> JoinResponse:
         offered = bearer_token(authorization)
-        token, now = new_token(), self.clock()
-        with self._lock:
-            with self.store.session() as session:
-                admitted = self._consume_join(session, offered)
+        token, now = new_token(), self.core.clock()
+        with self.core.lock:
+            with self.core.store.session() as session:
+                admitted = self.credentials.consume_join(session, offered)
                 if isinstance(admitted, str):
                     raise Unauthorized(admitted)
                 holder = session.scalars(select(NodeRow).where(
                     NodeRow.address == request.address, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
-                    NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s)).first()
+                    NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s)).first()
                 if holder is not None:  # else peers would dial the wrong node (or a node would probe itself)
                     raise Conflict(f"address {request.address} is held by node {holder.id}, which is alive; "
                                    f"advertise this node's own address (a restarted node may retry once the "
                                    f"old one times out)")
                 node = NodeRow(id=new_id(), name=request.name, address=request.address,
                                profile=request.profile.model_dump(mode="json"), token_hash=hash_token(token),
-                               token_expires_at=now + self.settings.node_credential_ttl_s,
+                               token_expires_at=now + self.core.settings.node_credential_ttl_s,
                                state=IDLE, joined_at=now, last_seen=now, job_id=None)
                 session.add(node)
             log.info("node %s (%s) joined from %s: %.1f GFLOP/s, %.1f GiB, %.0f MB/s", node.id, node.name or "unnamed",
                      node.address, request.profile.flops / 1e9, request.profile.memory_bytes / 2**30,
                      request.profile.bandwidth_bytes_per_s / 1e6)
-            self.place_pending()
-        return JoinResponse(node_id=node.id, node_token=token, heartbeat_interval_s=self.settings.heartbeat_interval_s,
-                            probe_token=self.probe_token)
+            self.placement.place_pending()
+        return JoinResponse(node_id=node.id, node_token=token, probe_token=self.core.probe_token,
+                            heartbeat_interval_s=self.core.settings.heartbeat_interval_s)
 
     def heartbeat(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse:
-        with self._lock:
-            with self.store.session() as session:
+        with self.core.lock:
+            with self.core.store.session() as session:
                 node = self._node(session, node_id, authorization)
-                node.last_seen = self.clock()
-                node.token_expires_at = node.last_seen + self.settings.node_credential_ttl_s
+                node.last_seen = self.core.clock()
+                node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
                 self._record_links(session, node, request.links)
-                if request.training_alone and request.job_id:
-                    self._training_alone[node.id] = request.job_id
-                    self._kept_training(session, node)
-                else:
-                    self._training_alone.pop(node.id, None)
+                self.recoveries.trains_alone(session, node, request.job_id if request.training_alone else None)
                 # a re-plan may wait for this node to train alone, or for a lost one to fall silent: the
                 # heartbeat of an idle node or of one in a recovering job moves it on, not only the next
                 # tick (nodes busy with running jobs, the most, skip the query)
                 job = session.get(JobRow, node.job_id) if node.job_id else None
                 replanned = (job is None or job.state == JobState.RECOVERING.value) and \
-                    self._replan_recovered(session)
+                    self.recoveries.replan_recovered(session)
                 freed = node.state == GONE
                 if freed:  # missed heartbeats, but it is back
                     node.state = BUSY if node.job_id else IDLE
@@ -78,13 +98,13 @@ class Membership(ServiceBase):
                     response.cancel_job = request.job_id  # it runs something it no longer holds
                 if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
                     response.probe = self._probes_for(session, node)
-                    response.note = self._left_out.get(node.id, "")
+                    response.note = self.placement.left_out_note(node.id)
             if freed or replanned:  # a re-plan may have waited for this node; placing may give it work at once
-                with self.store.session() as session:
-                    self._replan_recovered(session)
-                self.place_pending()
-                with self.store.session() as session:
-                    node = session.get(NodeRow, node_id)
+                with self.core.store.session() as session:
+                    self.recoveries.replan_recovered(session)
+                self.placement.place_pending()
+                with self.core.store.session() as session:
+                    node = session.get_one(NodeRow, node_id)
                     if node.job_id and response.assignment is None and not request.job_id:
                         response.assignment = self._job_heartbeat(session, node, request)[0].assignment
         return response
@@ -100,18 +120,19 @@ class Membership(ServiceBase):
             done = True
         elif job.state in jobs.ACTIVE and not stage.weights_uploaded:
             stage.delivered = True
-            plan = self._plan(job)
+            plan = self.core.plan(job)
             members = {s.node_id for c in plan.clusters for s in c.stages}
-            response.assignment = jobs.assignment(job, plan, stage.cluster, stage.stage, self.peer_token(job, node.id),
-                                                  {m: credential_hash(self.peer_token(job, m)) for m in members})
+            token = self.core.peer_token
+            response.assignment = jobs.assignment(job, plan, stage.cluster, stage.stage, token(job, node.id),
+                                                  {m: credential_hash(token(job, m)) for m in members})
             if job.state == JobState.PLACING.value and not undelivered(session, job.id):
-                jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self._plan(job).reason}",
-                                self.clock())
+                jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self.core.plan(job).reason}",
+                                self.core.clock())
             done = False
         else:
             if job.state in jobs.STOPPED:
                 response.cancel_job = job.id
-            elif job.state == JobState.RECOVERING.value and "hand_in_at" in job.faults[-1]:
+            elif job.state == JobState.RECOVERING.value and self.recoveries.told_to_hand_in(job):
                 response.recover_job = job.id  # stop, hand in the stage's state, then be placed anew
             elif job.state == JobState.RECOVERING.value:
                 response.train_alone = job.id  # a loss elsewhere, maybe: train on until the others are done
@@ -124,7 +145,7 @@ class Membership(ServiceBase):
     def _record_links(self, session: Session, node: NodeRow, reports: list[LinkReport]) -> None:
         """Keep the latest measurement per peer; reports on unknown peers or itself are dropped
         (a peer may have left and been forgotten meanwhile)."""
-        now = self.clock()
+        now = self.core.clock()
         for report in reports:
             self._probes_asked.pop((node.id, report.peer_id), None)
             if report.peer_id == node.id or session.get(NodeRow, report.peer_id) is None:
@@ -137,11 +158,11 @@ class Membership(ServiceBase):
         none once it measured MAX_LINKS_PER_NODE links. A node takes part in one round of probes at a
         time, as prober or as target (until reported, or `probe_retry_s`): two probes through one
         host's link each measured about half of it (a 400 Mbit/s pair came out below 100 Mbit/s)."""
-        want, now = self.settings.probe_peers, self.clock()
+        want, now = self.core.settings.probe_peers, self.core.clock()
         if len(self._probes_asked) > 10_000:  # forget requests that were never answered
-            retry_s = self.settings.probe_retry_s
+            retry_s = self.core.settings.probe_retry_s
             self._probes_asked = {k: at for k, at in self._probes_asked.items() if now - at < retry_s}
-        busy = {end for pair, at in self._probes_asked.items() if now - at < self.settings.probe_retry_s
+        busy = {end for pair, at in self._probes_asked.items() if now - at < self.core.settings.probe_retry_s
                 for end in pair}
         measured = select(LinkRow.peer_id).where(LinkRow.node_id == node.id)
         if want <= 0 or node.id in busy or \
@@ -149,7 +170,7 @@ class Membership(ServiceBase):
             return []
         candidates = session.scalars(select(NodeRow).where(
             NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
-            NodeRow.last_seen >= now - self.settings.heartbeat_timeout_s, NodeRow.id.not_in(measured))
+            NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s, NodeRow.id.not_in(measured))
             .order_by(NodeRow.joined_at, NodeRow.id).limit(want + len(busy)))
         chosen = [peer for peer in candidates if peer.id not in busy][:want]
         for peer in chosen:
@@ -157,14 +178,24 @@ class Membership(ServiceBase):
         return [PeerProbe(node_id=peer.id, address=peer.address) for peer in chosen]
 
     def leave(self, node_id: str, authorization: str | None) -> None:
-        with self._lock, self.store.session() as session:
+        with self.core.lock, self.core.store.session() as session:
             node = self._node(session, node_id, authorization)
-            self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) left")
+            self.node_lost(session, node, f"node {node.id} ({node.name or node.address}) left")
             node.credential_ended = "left"
 
+    def revoke_node(self, node_id: str) -> None:
+        """The node's credential stops working at once; a job it held is re-planned without it."""
+        with self.core.lock, self.core.store.session() as session:
+            node = session.get(NodeRow, node_id)
+            if node is None:
+                raise NotFound(f"no node {node_id}")
+            if node.credential_ended != "revoked":
+                self.node_lost(session, node, f"node {node.id} ({node.name or node.address}) was revoked")
+                node.credential_ended = "revoked"
+
     def health(self) -> Health:
-        cutoff = self.clock() - self.settings.heartbeat_timeout_s
-        with self.store.session() as session:
+        cutoff = self.core.clock() - self.core.settings.heartbeat_timeout_s
+        with self.core.store.session() as session:
             alive = session.scalar(select(func.count()).select_from(NodeRow).where(
                 NodeRow.state != GONE, NodeRow.last_seen >= cutoff)) or 0
             active = session.scalar(select(func.count()).select_from(JobRow).where(
@@ -173,8 +204,8 @@ class Membership(ServiceBase):
 
     def list_nodes(self, limit: int | None = None, offset: int = 0) -> tuple[list[NodeView], int]:
         """A page of nodes in the order they joined, and how many there are."""
-        cutoff = self.clock() - self.settings.heartbeat_timeout_s
-        with self.store.session() as session:
+        cutoff = self.core.clock() - self.core.settings.heartbeat_timeout_s
+        with self.core.store.session() as session:
             total = session.scalar(select(func.count()).select_from(NodeRow)) or 0
             rows = session.execute(select(NodeRow, StageRow).outerjoin(
                 StageRow, (StageRow.job_id == NodeRow.job_id) & (StageRow.node_id == NodeRow.id))
@@ -190,7 +221,7 @@ class Membership(ServiceBase):
                              joined_at=node.joined_at, last_seen=node.last_seen, job_id=node.job_id,
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
                              links=links.get(node.id, []),
-                             note=self._left_out.get(node.id, "") if node.state == IDLE else "")
+                             note=self.placement.left_out_note(node.id) if node.state == IDLE else "")
                     for node, stage in rows], total
 
     def _node(self, session: Session, node_id: str, authorization: str | None) -> NodeRow:
@@ -198,7 +229,7 @@ class Membership(ServiceBase):
         node = session.get(NodeRow, node_id)
         if node is None:
             raise NotFound(f"no node {node_id}")
-        refusal = node_refusal(node, self.clock())
+        refusal = node_refusal(node, self.core.clock())
         if refusal:
             raise Unauthorized(refusal)
         if not token_matches(token, node.token_hash):
@@ -214,11 +245,11 @@ class Membership(ServiceBase):
             session.execute(delete(LinkRow).where(LinkRow.node_id.in_(ids) | LinkRow.peer_id.in_(ids)))
             session.execute(delete(NodeRow).where(NodeRow.id.in_(ids)))
 
-    def _node_lost(self, session: Session, node: NodeRow, reason: str) -> None:
+    def node_lost(self, session: Session, node: NodeRow, reason: str) -> None:
         """The node is gone: a job that still needed it is re-planned without it."""
         job = session.get(JobRow, node.job_id) if node.job_id else None
         stage = stage_of_node(session, job.id, node.id) if job is not None else None
         if job is not None and job.state in jobs.ACTIVE and stage is not None and not stage.weights_uploaded:
-            self._recover(session, job, f"{reason} while holding cluster {stage.cluster} stage {stage.stage}")
+            self.recoveries.recover(session, job, f"{reason} while holding cluster {stage.cluster} stage {stage.stage}")
         node.state, node.job_id = GONE, None
         log.info("node %s: %s", node.id, reason)

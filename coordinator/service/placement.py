@@ -1,5 +1,5 @@
-"""Liveness and placement: the periodic tick marks silent nodes lost, re-plans recovered jobs and
-places pending ones; idle nodes may grow a running job."""
+"""Placement: pending jobs are planned onto idle live nodes (those that offer the job's dataset, less
+the ones it left out), and idle nodes may grow a running job."""
 from __future__ import annotations
 
 import logging
@@ -16,37 +16,33 @@ from ..equal_split import plan_equal_split
 from ..planning import PlanningError, _n, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
-from .base import BUSY, GONE, GROW, IDLE, ServiceBase, costs_of
+from .core import BUSY, GROW, IDLE, Core, costs_of
+from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
 
 
-class Placing(ServiceBase):
-    def tick(self) -> None:
-        """Mark nodes without recent heartbeats gone (failing their jobs), then place pending jobs."""
-        now = self.clock()
-        with self._lock:
-            if now >= self.started_at + self.settings.heartbeat_timeout_s:  # after a restart, give nodes time
-                with self.store.session() as session:
-                    gone = self.policy.gone_before(now)
-                    for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < gone)):
-                        self._node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped sending "
-                                                       f"heartbeats (last seen {now - node.last_seen:.0f} s ago)")
-                    self._prune_nodes(session, now - self.settings.node_retention_s)
-            with self.store.session() as session:
-                self._replan_recovered(session)
-            self.place_pending()
+class Placement:
+    def __init__(self, core: Core, recoveries: Recoveries) -> None:
+        self.core, self.recoveries = core, recoveries
+        self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
+        # job -> (generation, idle node ids, links measured among them) it was last weighed with, to grow it
+        self._grow_considered: dict[str, tuple[int, frozenset[str], int]] = {}
+
+    def left_out_note(self, node_id: str) -> str:
+        """Why the last placement gave this idle node no stage ("" if none did)."""
+        return self._left_out.get(node_id, "")
 
     def place_pending(self) -> None:
         """Place waiting jobs, oldest first, on idle live nodes (a new job that cannot be placed fails);
         nodes still idle then may make a running job re-plan onto them."""
-        now = self.clock()
-        with self._lock, self.store.session() as session:
+        now = self.core.clock()
+        with self.core.lock, self.core.store.session() as session:
             pending = list(session.scalars(select(JobRow).where(JobRow.state == JobState.PENDING.value)
                                            .order_by(JobRow.created_at)))
             idle = list(session.scalars(select(NodeRow).where(
                 NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
-                NodeRow.last_seen >= self.policy.gone_before(now)).order_by(NodeRow.joined_at)))
+                NodeRow.last_seen >= self.core.policy.gone_before(now)).order_by(NodeRow.joined_at)))
             if not idle and not pending:
                 return
             for job in pending:
@@ -57,8 +53,8 @@ class Placing(ServiceBase):
                                                           f"{spec.placement.timeout_s:g} s: {job.reason}", now)
                     continue
                 # a job already under way continues on whatever nodes there are; a new one waits for min_nodes
-                needed = 1 if job.generation else spec.placement.min_nodes
-                left_out = {node for fault in job.faults or [] for node in fault.get("left_out", [])}  # too slow
+                needed = 1 if job.generation else spec.placement.min_nodes or 1  # (set by the spec)
+                left_out = {node for fault in job.faults or [] for node in fault.left_out}  # too slow
                 candidates = [node for node in offering(idle, spec)  # a job reads only files volunteers offer
                               if node.id not in left_out]
                 if len(candidates) < needed:
@@ -86,12 +82,12 @@ class Placing(ServiceBase):
         """Nodes that joined mid-job: the oldest running job whose planner predicts at least `grow_gain`
         more throughput with them (after running `grow_after_s`, with a quarter of its steps left) is
         re-planned onto its nodes plus these, continuing from the state its stages hand in."""
-        now = self.clock()
+        now = self.core.clock()
         for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value)
                                    .order_by(JobRow.created_at)):
-            if now - job.updated_at < self.settings.grow_after_s:
+            if now - job.updated_at < self.core.settings.grow_after_s:
                 continue
-            spec, current = jobs.spec_of(job), self._plan(job)
+            spec, current = jobs.spec_of(job), self.core.plan(job)
             newcomers = offering(idle, spec)
             if not newcomers:
                 continue
@@ -120,14 +116,14 @@ class Placing(ServiceBase):
                 baseline = self._plan_on(session, spec, members).predicted_samples_per_s
             except PlanningError:
                 baseline = current.predicted_samples_per_s
-            if plan.predicted_samples_per_s >= (1 + self.settings.grow_gain) * baseline:
-                self._recover(session, job, f"{some} can speed it up: predicted "
+            if plan.predicted_samples_per_s >= (1 + self.core.settings.grow_gain) * baseline:
+                self.recoveries.recover(session, job, f"{some} can speed it up: predicted "
                                             f"{baseline:,.0f} -> {plan.predicted_samples_per_s:,.0f} samples/s",
                               kind=GROW)
                 return  # the idle nodes wait for its re-plan
             log.info("job %s stays on its nodes: with %s the planner predicts %.0f -> %.0f samples/s "
                      "(%s; it grows at +%.0f%%)", job.id, some, baseline,
-                     plan.predicted_samples_per_s, plan.reason, 100 * self.settings.grow_gain)
+                     plan.predicted_samples_per_s, plan.reason, 100 * self.core.settings.grow_gain)
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
@@ -142,7 +138,7 @@ class Placing(ServiceBase):
             return plan_equal_split(costs, sorted(infos, key=lambda n: joined[n.node_id]), spec.placement,
                                     training=spec.training, averaging=spec.averaging, links=links)
         return plan_job(costs, infos, spec.placement, training=spec.training, averaging=spec.averaging,
-                        pipeline_cap=self.settings.pipeline_cap, links=links)
+                        pipeline_cap=self.core.settings.pipeline_cap, links=links)
 
     def _plan_continuing(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         """A job under way continues on the nodes there now: where they cannot make the exact number of
@@ -165,8 +161,7 @@ class Placing(ServiceBase):
             raise refused
 
     def _reserve(self, session: Session, job: JobRow, plan: Plan, idle: list[NodeRow]) -> set[str]:
-        job.plan = plan.model_dump(mode="json")
-        self._plans[job.id] = plan
+        self.core.keep_plan(job, plan)
         by_id = {node.id: node for node in idle}
         used = set()
         for cluster in plan.clusters:

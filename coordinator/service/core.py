@@ -1,7 +1,16 @@
-"""What every part of the coordinator's service shares: settings, the store, the lock, the clock,
-and looking up jobs, plans and the node behind a token. One lock serialises every change (one
-coordinator process per store); each operation is one SQL transaction, so a refused request writes
-nothing. State that must survive a restart lives in the store; what is kept here is a cache.
+"""What every component of the coordinator is given: settings, the store, the lock, the clock, the
+failure policy, and looking up jobs, plans and the node behind a token. One lock serialises every
+change (one coordinator process per store); each operation is one SQL transaction, so a refused
+request writes nothing. State that must survive a restart lives in the store.
+
+Per-process state, all of it soft: rebuilt, or harmless to lose on a restart (which is also what a
+second coordinator would see). Each component keeps its own, and says so where it is kept:
+    Core          parsed plans (and jobs.spec_of: parsed specs), the failure policy's slow-report counts
+    Membership    the probes asked for and not yet answered
+    Placement     why a node was left out of the last placement; what a running job was last weighed
+                  with for growing
+    Recoveries    who trains alone (each heartbeat says it again)
+Everything else lives in the store.
 """
 from __future__ import annotations
 
@@ -48,9 +57,9 @@ def state_shapes_of(name: str, config_json: str) -> dict[str, tuple[tuple[int, .
     return state_shapes(build_model(name, json.loads(config_json)))
 
 
-class ServiceBase:
-    """State shared by the concerns the Coordinator is made of (see __init__.py); they call each other's
-    entry points (e.g. membership calls placement's `place_pending`, recovery's `_recover`)."""
+class Core:
+    """What the components share (see __init__.py); they call each other only through the public
+    methods of the components they are given."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -58,12 +67,7 @@ class ServiceBase:
         self.store = Store(settings.database_url)
         self.clock = settings.clock
         self.started_at = self.clock()
-        # Per-process state, each kept here because it is soft (rebuilt or harmless to lose on a restart,
-        # which is what a second coordinator would see too): parsed plans (below) and specs
-        # (jobs.spec_of), the failure policy's slow-report counts, probes asked for, why a node was left
-        # out of the last placement, who trains alone (each heartbeat says again), and what a running job
-        # was last weighed with for growing. Everything else lives in the store.
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self.policy = FailurePolicy(settings)  # when a node is gone or too slow, and what then
         self._plans: dict[str, Plan] = {}
         # secure by default: without configured tokens, the coordinator makes its own and keeps them in
@@ -73,11 +77,6 @@ class ServiceBase:
         self.join_token = settings.join_token or token_file(settings.data_dir / "join_token")
         self._secret = token_file(settings.data_dir / "secret")  # job credentials derive from it
         self._install_root_credentials()
-        self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
-        self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
-        self._training_alone: dict[str, str] = {}  # node id -> the job it trains alone (its last heartbeat)
-        # job -> (generation, idle node ids, links measured among them) it was last weighed with, to grow it
-        self._grow_considered: dict[str, tuple[int, frozenset[str], int]] = {}
 
     def _install_root_credentials(self) -> None:
         """The operator token and the default join token are credentials like any other (listed,
@@ -93,7 +92,7 @@ class ServiceBase:
                 elif row.token_hash != hash_token(token):
                     row.token_hash, row.revoked_at, row.created_at = hash_token(token), None, self.clock()
 
-    def _job(self, session: Session, job_id: str, owner: str | None = None) -> JobRow:
+    def job(self, session: Session, job_id: str, owner: str | None = None) -> JobRow:
         """The job; with `owner`, only if that key submitted it."""
         job = session.get(JobRow, job_id)
         if job is None:
@@ -102,10 +101,10 @@ class ServiceBase:
             raise Forbidden(f"job {job_id} was submitted with another key; a submitter acts on its own jobs only")
         return job
 
-    def _job_member(self, session: Session, job_id: str, authorization: str | None,
+    def job_member(self, session: Session, job_id: str, authorization: str | None,
                     claimed_node_id: str | None = None) -> tuple[JobRow, StageRow]:
-        node = self._node_by_token(session, authorization)
-        job = self._job(session, job_id)
+        node = self.node_by_token(session, authorization)
+        job = self.job(session, job_id)
         if claimed_node_id is not None and claimed_node_id != node.id:
             raise Forbidden(f"the token belongs to node {node.id}, not {claimed_node_id}")
         stage = stage_of_node(session, job.id, node.id)
@@ -118,12 +117,20 @@ class ServiceBase:
         none; the other nodes of the job get only its hash."""
         return derive_token(self._secret, "peer", job.id, str(job.generation), node_id)
 
-    def _plan(self, job: JobRow) -> Plan:
+    def plan(self, job: JobRow) -> Plan:
         if job.id not in self._plans:  # parsed once per process; the store keeps it across restarts
             self._plans[job.id] = Plan.model_validate(job.plan)
         return self._plans[job.id]
 
-    def _node_by_token(self, session: Session, authorization: str | None) -> NodeRow:
+    def keep_plan(self, job: JobRow, plan: Plan | None) -> None:
+        """Store the job's plan (None: it has none until it is placed again)."""
+        job.plan = None if plan is None else plan.model_dump(mode="json")
+        if plan is None:
+            self._plans.pop(job.id, None)
+        else:
+            self._plans[job.id] = plan
+
+    def node_by_token(self, session: Session, authorization: str | None) -> NodeRow:
         token_hash = hash_token(bearer_token(authorization))
         node = session.scalars(select(NodeRow).where(NodeRow.token_hash == token_hash)).first()
         if node is None:
