@@ -13,9 +13,9 @@ from ravnest.client.api import Api, ApiError
 from ravnest.failures import Failure
 from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           MetricsReport)
+from ravnest.timeouts import COORDINATOR_RETRY_S
 
 
-RETRY_FOR_S = 300.0
 
 
 def _worth_retrying(error: BaseException) -> bool:
@@ -25,10 +25,10 @@ def _worth_retrying(error: BaseException) -> bool:
 
 def must_arrive(call):
     """Retry a call whose result the job depends on (weights, state, failure reports) with exponential
-    backoff for up to RETRY_FOR_S seconds: a coordinator restart mid-job loses nothing."""
+    backoff for up to COORDINATOR_RETRY_S seconds: a coordinator restart mid-job loses nothing."""
     return tenacity.retry(retry=tenacity.retry_if_exception(_worth_retrying), reraise=True,
                           wait=tenacity.wait_exponential(multiplier=0.2, max=10),
-                          stop=tenacity.stop_after_delay(RETRY_FOR_S))(call)
+                          stop=tenacity.stop_after_delay(COORDINATOR_RETRY_S))(call)
 
 
 class CoordinatorClient:

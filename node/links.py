@@ -9,11 +9,11 @@ import threading
 import grpc
 
 from ravnest.spec import LATENCY, LinkReport, PeerProbe, plausible_bandwidth
+from ravnest.timeouts import LINK_PROBE_S
 from ravnest.wire import measure_link
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 20  # the first probe (about a second at 10 Mbit/s); 4x larger ones follow on fast links
-PROBE_TIMEOUT_S = 10.0
 MAX_QUEUED = 16
 
 
@@ -54,7 +54,7 @@ class LinkProber:
         while (probe := self._todo.get()) is not None:
             try:
                 latency, bandwidth = measure_link(probe.address, token=self._token, probe_bytes=self._probe_bytes,
-                                                  timeout=PROBE_TIMEOUT_S)  # the process's shared channels
+                                                  timeout=LINK_PROBE_S)  # the process's shared channels
                 report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),
                                     latency_s=min(latency, LATENCY["le"]))
             except (grpc.RpcError, ValueError) as e:  # unreachable, refused, or a malformed address

@@ -43,3 +43,15 @@ def test_relative_links_in_the_readme_and_docs_point_at_files_that_exist():
             if not re.match(r"[a-z]+://", target) and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_every_source_path_the_readme_and_docs_name_exists():
+    """A module that moved or went away leaves no page pointing at it (`ravnest/pipeline/stage.py`,
+    `coordinator/service/`, `tests/test_faults.py`; a `:line` or `::test` suffix is ignored)."""
+    top = r"(?:ravnest|coordinator|node|bench|deploy|tests|protos|examples|docs)"
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for path in re.findall(rf"`({top}/[\w./-]*\w/?)(?:[:][^`]*)?`", page.read_text()):
+            if "*" not in path and not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)} names {path}")
+    assert not missing, missing

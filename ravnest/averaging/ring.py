@@ -29,6 +29,7 @@ import torch
 from ravnest.averaging.mailbox import Mailbox
 from ravnest.averaging.shares import share_bounds
 from ravnest.errors import RavnestError
+from ravnest.timeouts import FAILED_FLUSH_S
 from ravnest.wire import (CODECS, ChannelPool, Message, OutboundStream, PeerError, Router, WireError, require_finite,
                           wait_authorized)
 from ravnest.wire.transport import AUTH_GRACE_S
@@ -37,7 +38,6 @@ KIND = "ring"
 TENSOR = "x"
 DEFAULT_CHUNK_BYTES = 4 << 20  # the wire's largest frame: one frame per ring message
 _TAGS = ("segment", "round", "step", "chunk", "numel", "sender")
-FAILED_FLUSH_TIMEOUT = 5.0  # how long a failed round waits for its queued sends before dropping them
 
 
 class RingError(RavnestError, RuntimeError):
@@ -299,7 +299,7 @@ class RingMember:
         except BaseException:
             with contextlib.suppress(PeerError):  # the round failed anyway; just release `flat`
                 for target in sends_to:
-                    self.hub.flush(self.addresses[target], min(self.step_timeout, FAILED_FLUSH_TIMEOUT))
+                    self.hub.flush(self.addresses[target], min(self.step_timeout, FAILED_FLUSH_S))
             raise
         finally:
             self.hub.end_round(self.segment, round)
@@ -345,7 +345,7 @@ class RingMember:
         except BaseException:
             failed = True
             with contextlib.suppress(PeerError):  # the round failed anyway; just release `buf`
-                self.hub.flush(self._next, min(self.step_timeout, FAILED_FLUSH_TIMEOUT))
+                self.hub.flush(self._next, min(self.step_timeout, FAILED_FLUSH_S))
             raise
         else:
             self._flush(round)

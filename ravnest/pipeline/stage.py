@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.strategy import AveragingStrategy, StageContext, make_strategy
 from ravnest.models import build_model
 from ravnest.pipeline import state
@@ -62,7 +63,7 @@ class StageRunner:
                  device: str | torch.device = "cpu",
                  on_metrics: Callable[[dict[str, float]], None] = lambda m: None,
                  averager: AveragingStrategy | None = None,
-                 peer_timeout: float = 300.0,
+                 peer_timeout: float = PEER_SILENCE_S,
                  initial_state: str | Path | None = None,
                  on_checkpoint: Callable[[int], None] = lambda step: None,
                  on_alone: Callable[[str], None] = lambda reason: None,

@@ -23,6 +23,7 @@ from typing import Callable, Collection, Iterator, Union
 import grpc
 
 from ravnest.errors import RavnestError
+from ravnest.timeouts import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
 from ravnest.wire import faults, traffic
 from ravnest.wire.codec import ByteBudget, WireError, WireLimits
@@ -32,7 +33,7 @@ from ravnest.wire.messages import (DEFAULT_CHUNK_BYTES, Message, MessageAssemble
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_MS = 20_000
+KEEPALIVE_MS = int(KEEPALIVE_S * 1000)
 # gRPC's own frame limit sits above our chunk size so oversize chunks reach our validator.
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -40,7 +41,7 @@ GRPC_OPTIONS = [
     # Liveness: a peer that stops answering pings is dropped within keepalive time + timeout (30 s),
     # also between calls; streams to it fail then, without waiting for a message's deadline.
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # A peer that was unreachable is retried within 2 s, not gRPC's up-to-120 s backoff: a volunteer

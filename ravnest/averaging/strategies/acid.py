@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingError
 from pydantic import Field
@@ -139,7 +140,7 @@ class AcidSettings(StrategySettings):
 class AsyncPairwiseMomentum(GroupStrategy):
     name = "acid"
 
-    def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
+    def __init__(self, context: StageContext, *, step_timeout: float = PEER_SILENCE_S):
         a, settings = context.assignment, context.assignment.averaging
         self.live, self.device, self._companions = context.live, torch.device(context.device), context.companions
         self.rank, self.size = a.cluster, a.num_clusters

@@ -29,6 +29,7 @@ import logging
 
 import torch
 
+from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.strategies.dsgd import GossipMixing, _Segment
 from pydantic import Field, PositiveInt, model_validator
 
@@ -64,7 +65,7 @@ class AdaSettings(StrategySettings):
 class AdaptiveGossip(GossipMixing):
     name = "ada"
 
-    def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
+    def __init__(self, context: StageContext, *, step_timeout: float = PEER_SILENCE_S):
         super().__init__(context, step_timeout=step_timeout)
         settings = context.assignment.averaging
         own: AdaSettings = settings.of("ada")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.fusion import MB, FusionTuner, fusion_groups
 from ravnest.averaging.layout import FlatLayout, block_index, canonical_keys
 from ravnest.averaging.ring import RingMember
@@ -94,7 +95,7 @@ class DecoupledAllReduce(GroupStrategy):
     name = "dear"
     defers_update = True
 
-    def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
+    def __init__(self, context: StageContext, *, step_timeout: float = PEER_SILENCE_S):
         a = context.assignment
         own: DearSettings = a.averaging.of("dear")
         if context.apply_update is None or context.module is None:

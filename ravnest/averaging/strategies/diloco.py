@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.strategies.ring import RingAveraging, _Outcome, _Segment
 from pydantic import Field
@@ -58,7 +59,7 @@ def diloco_cost(c: CostInputs) -> float:
 class OuterOptimization(RingAveraging):
     name = "diloco"
 
-    def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
+    def __init__(self, context: StageContext, *, step_timeout: float = PEER_SILENCE_S):
         super().__init__(context, step_timeout=step_timeout)
         own: DilocoSettings = context.assignment.averaging.of("diloco")
         self.lr, self.mu = own.outer_lr, own.outer_momentum

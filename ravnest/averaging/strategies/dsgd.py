@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
 from ravnest.averaging.registry import CostInputs
@@ -65,7 +66,7 @@ class GossipMixing(GroupStrategy):
 
     name = "dsgd"
 
-    def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
+    def __init__(self, context: StageContext, *, step_timeout: float = PEER_SILENCE_S):
         a, settings = context.assignment, context.assignment.averaging
         self.every, self.topology = settings.every, settings.topology
         self.paced = bool(settings.paced)  # None (no planner ran): push each vector at once

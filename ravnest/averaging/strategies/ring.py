@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.ring import RingMember
 from ravnest.averaging.registry import CostInputs
@@ -94,7 +95,7 @@ class RingAveraging(GroupStrategy):
 
     name = "ring"
 
-    def __init__(self, context: StageContext, *, step_timeout: float = 300.0):
+    def __init__(self, context: StageContext, *, step_timeout: float = PEER_SILENCE_S):
         assignment = context.assignment
         settings = assignment.averaging
         self._companions = context.companions
