@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ravnest-coordinator {__version__}: data in {data}; database {database}\n"
           f"  authentication is on: every call but /healthz needs a token. Operator key {operator} (jobs, nodes, "
           f"dashboard, metrics); join token {join} (ravnest-node join --token ...)\n"
+          f"  that join token admits any number of nodes until revoked: hand out limited ones with `ravnest "
+          f"token create --uses N --expires 7d`, then `ravnest token revoke join`\n"
           f"  dashboard at {'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 ssl_certfile=str(args.tls_cert) if args.tls_cert else None,

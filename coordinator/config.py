@@ -26,6 +26,13 @@ class Settings:
     slow_factor: float = 8.0
     slow_after_steps: int = 20
     slow_checks: int = 3
+    # no single node decides a job's fate (failure_policy.py): a job fails at a report that it cannot
+    # start only once that many different nodes said so; a node whose reports caused quarantine_after
+    # re-plans within quarantine_window_s is not placed for quarantine_s
+    fail_after_nodes: int = 2
+    quarantine_after: int = 3
+    quarantine_window_s: float = 3600.0
+    quarantine_s: float = 1800.0
     grow_after_s: float = 10.0  # a job runs this long on its nodes before new ones may join it
     grow_gain: float = 0.2  # ... and only if the planner predicts this much more throughput with them
     max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload

@@ -34,3 +34,7 @@ class Conflict(CoordinatorError):
 
 class TooLarge(CoordinatorError):
     status_code = 413
+
+
+class TooMany(CoordinatorError):
+    status_code = 429

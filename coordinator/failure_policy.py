@@ -1,6 +1,17 @@
 """The rules for nodes that fail: when a node counts as gone, when a stage counts as too slow, how many
-re-plans a job gets, and whom a re-plan leaves out. Their thresholds are named settings (config.py);
-the service's parts ask here instead of writing the arithmetic where they need it.
+re-plans a job gets, whom a re-plan leaves out, and when a node's reports are no longer believed.
+Their thresholds are named settings (config.py); the components ask here instead of writing the
+arithmetic where they need it.
+
+No single node decides a job's fate. A failure report is a claim: it re-plans the job without the
+node it names (a peer it lost) or, naming none, without the reporter itself; a stage that trains on
+alone leaves out nobody. A report that the stage could not start at all fails the job only once
+`fail_after_nodes` different nodes said so (a model that cannot run anywhere); before that, the
+job is re-planned without the reporter. Each re-plan counts against its job's
+placement.max_recoveries and against the reporter: a node whose reports caused `quarantine_after`
+re-plans within `quarantine_window_s` is quarantined, not placed and not believed, for
+`quarantine_s`, with the reason shown in `ravnest nodes`. A liar thus costs a job one re-plan, and
+the volunteer pool a few an hour.
 
 Silence: a node is gone after `heartbeat_timeout_factor` missed heartbeat intervals. While its job is
 recovering, a member silent for `recovery_silence_intervals` is not waited for: it is most likely the
@@ -20,9 +31,10 @@ stage's pace, so a stage 8x slower than planned costs its whole cluster about th
 from __future__ import annotations
 
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from ravnest.failures import Failure, FailureKind
+from ravnest.failures import PEER_KINDS, Failure, FailureKind
 
 from .config import Settings
 
@@ -75,6 +87,28 @@ class FailurePolicy:
                                   detail=f"slow_factor {factor:g}, {self.settings.slow_checks} reports in a row")
                 return stage, said, failure
         return None
+
+    @staticmethod
+    def left_out_by(failure: Failure | None, reporter_id: str, still_training: bool,
+                    members: Collection[str]) -> list[str]:
+        """Whom the re-plan a failure report causes leaves out of its job."""
+        named = failure.peer_id if failure is not None else None
+        if named is not None and named in members and named != reporter_id \
+                and failure is not None and failure.kind in (*PEER_KINDS, FailureKind.PEER_FAILED):
+            return [named]
+        return [] if still_training else [reporter_id]
+
+    def fails_job(self, could_not_start_on: Collection[str]) -> bool:
+        """Whether reports that a stage could not start, from these different nodes, end the job."""
+        return len(set(could_not_start_on)) >= self.settings.fail_after_nodes
+
+    def blame(self, caused: list[float], now: float) -> tuple[list[float], float | None]:
+        """A node's report caused a re-plan now: the re-plans it caused within the window (`caused`
+        are the earlier ones), and until when it is quarantined (None: it is not)."""
+        recent = [at for at in caused if now - at < self.settings.quarantine_window_s] + [now]
+        if len(recent) >= self.settings.quarantine_after:
+            return [], now + self.settings.quarantine_s
+        return recent, None
 
     def forget(self, job_id: str) -> None:
         self._slow_in_a_row = {k: v for k, v in self._slow_in_a_row.items() if k[0] != job_id}

@@ -130,14 +130,20 @@ _specs: OrderedDict[str, JobSpec] = OrderedDict()
 
 
 def spec_of(job: JobRow) -> JobSpec:
-    """The job's spec, typed: parsed once per process, since a spec never changes once submitted (the
-    store keeps the JSON; a restarted coordinator parses it again)."""
+    """The job's spec, typed: parsed once per process, since a spec never changes once submitted but
+    for `pin_content` (the store keeps the JSON; a restarted coordinator parses it again)."""
     spec = _specs.get(job.id)
     if spec is None:
         spec = _specs[job.id] = JobSpec.model_validate(job.spec)
         if len(_specs) > SPECS_KEPT:
             _specs.popitem(last=False)
     return spec
+
+
+def pin_content(job: JobRow, sha256: str) -> None:
+    """The job reads the file with this content from now on, whoever offers its name later."""
+    job.spec = {**job.spec, "dataset": {**job.spec["dataset"], "sha256": sha256}}
+    _specs.pop(job.id, None)
 
 
 def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,

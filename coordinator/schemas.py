@@ -30,7 +30,13 @@ class NodeView(BaseModel):
     cluster: int | None = None
     stage: int | None = None
     links: list[LinkReport] = Field(default_factory=list, description="links this node measured to peers")
-    note: str = Field("", description="why this node got no stage when a job was last placed, if it got none")
+    note: str = Field("", description="why this node got no stage when a job was last placed, if it got none; "
+                                      "why it is quarantined, if it is")
+    offers: dict[str, str] = Field(default_factory=dict, description="each file it offers -> first (the first to "
+                                                                     "offer that content), challenged, proven, or "
+                                                                     "refused with why")
+    quarantined_until: float | None = Field(None, description="its failure reports caused too many re-plans: it is "
+                                                              "not placed (nor believed) until then")
 
 
 class PlannedStage(BaseModel):
@@ -177,7 +183,10 @@ class Recovery(BaseModel):
                                                        "(after a loss: once the lost cluster was done)")
     failure: Failure | None = Field(None, description="what the node that reported the loss said, as data: its "
                                                       "kind, the peer it lost, the step, and the transport's detail")
-    left_out: list[str] = Field(default_factory=list, description="nodes the job is no longer placed on (too slow)")
+    left_out: list[str] = Field(default_factory=list, description="nodes the job is no longer placed on (too slow, "
+                                                                   "lost, or said to be by a failure report)")
+    reported_by: str | None = Field(None, description="the node whose failure report caused it")
+    could_not_start: bool = Field(False, description="the report said the stage could not start at all")
 
 
 class JobView(JobSummary):

@@ -65,6 +65,11 @@ class NodeRow(Base):
     joined_at: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float, index=True)
     job_id: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)
+    # its failure reports are claims (failure_policy.py): when the re-plans they caused happened, and
+    # until when it is not placed because they were too many
+    replans_caused: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
+    quarantined_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    quarantine_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class JobRow(Base):
@@ -112,6 +117,29 @@ class CheckpointRow(Base):
     block_end: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer, index=True)
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class OfferRow(Base):
+    """A file a node offers under a name, by its fingerprint, and whether it proved it holds it
+    (ravnest/data/proof.py): first (nobody offered this content before: it answers the bank),
+    challenged (its answer is awaited: `expected` is a banked holder's), proven, or refused."""
+    __tablename__ = "offers"
+    node_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(96), index=True)
+    state: Mapped[str] = mapped_column(String(16))
+    challenge: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # {nonce, ranges, expected}
+    offered_at: Mapped[float] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class ChallengeRow(Base):
+    """A challenge a proven holder answered, kept to check one later claimant of the same content."""
+    __tablename__ = "challenges"
+    nonce: Mapped[str] = mapped_column(String(32), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(96), index=True)
+    ranges: Mapped[list[list[int]]] = mapped_column(JSON)
+    answer: Mapped[str] = mapped_column(String(64))
 
 
 class CredentialRow(Base):

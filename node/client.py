@@ -11,8 +11,8 @@ import tenacity
 
 from ravnest.client.api import Api, ApiError
 from ravnest.failures import Failure
-from ravnest.spec import (FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
-                          MetricsReport)
+from ravnest.spec import (DataProof, FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse,
+                          LinkReport, MetricsReport)
 from ravnest.timeouts import COORDINATOR_RETRY_S
 
 
@@ -69,9 +69,10 @@ class CoordinatorClient:
         self.node_id, self._node_token = joined.node_id, joined.node_token
         return joined
 
-    def heartbeat(self, job_id: str | None, links: list[LinkReport] = (),
-                  training_alone: bool = False) -> HeartbeatResponse:
-        request = HeartbeatRequest(job_id=job_id, links=list(links), training_alone=training_alone)
+    def heartbeat(self, job_id: str | None, links: list[LinkReport] = (), training_alone: bool = False,
+                  proofs: list[DataProof] = ()) -> HeartbeatResponse:
+        request = HeartbeatRequest(job_id=job_id, links=list(links), training_alone=training_alone,
+                                   proofs=list(proofs))
         body = self._call("POST", f"/v1/nodes/{self.node_id}/heartbeat", token=self._node_token,
                           json=request.model_dump())
         return HeartbeatResponse.model_validate(body.json())

@@ -26,7 +26,8 @@ from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
-from ravnest.spec import JoinRequest, MetricsReport, StageAssignment
+from ravnest.data import proof
+from ravnest.spec import DataChallenge, DataProof, JoinRequest, MetricsReport, StageAssignment
 from ravnest.wire import PeerGate, PeerServer, Router
 
 T = TypeVar("T")
@@ -144,11 +145,15 @@ class NodeDaemon:
         # the next heartbeat goes out early when a job ends: the coordinator releases the node and may
         # have its next assignment (a re-planned job waits for its nodes to hand in and be released)
         self._beat_now = threading.Event()
+        self._proofs: list[DataProof] = []  # answers to the last heartbeat's challenges, sent with the next
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
         remove_orphaned_scratch()
-        profile = profile_node(self.client.http, self.device, self.max_memory, sorted(self.datasets))
+        fingerprints = {name: proof.fingerprint(path) for name, path in self.datasets.items()}
+        for name, found in sorted(fingerprints.items()):
+            self.progress.log(f"offering {name}: {proof.size_of(found):,} bytes, sha256 {found.split(':')[1]}")
+        profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints)
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile))
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
@@ -176,6 +181,18 @@ class NodeDaemon:
                 self._prober.close()
             self.server.stop()
 
+    def _prove(self, challenge: DataChallenge) -> DataProof | None:
+        """Answer a challenge to prove this node holds a file it offers (ravnest/data/proof.py)."""
+        path = self.datasets.get(challenge.dataset)
+        if path is None:
+            return None
+        asked = proof.Challenge(challenge.nonce, tuple((offset, length) for offset, length in challenge.ranges))
+        try:
+            return DataProof(dataset=challenge.dataset, nonce=challenge.nonce, answer=proof.answer(path, asked))
+        except OSError as e:
+            self.progress.log(f"cannot prove this node holds {challenge.dataset}: {e}")
+            return None
+
     def _running_job_id(self) -> str | None:
         if self._job and self._job.thread.is_alive() and not self._job.done.is_set():
             return self._job.assignment.job_id
@@ -185,7 +202,7 @@ class NodeDaemon:
         links = self._prober.take() if self._prober else []
         runner = self._job.runner if self._running_job_id() else None
         try:
-            reply = self.client.heartbeat(self._running_job_id(), links, bool(runner and runner.alone))
+            reply = self.client.heartbeat(self._running_job_id(), links, bool(runner and runner.alone), self._proofs)
         except ApiError as e:
             if e.status == 401:  # revoked, expired or forgotten: retrying cannot help; stop and say why
                 raise
@@ -194,6 +211,9 @@ class NodeDaemon:
         except httpx.HTTPError as e:
             self.progress.log(f"heartbeat failed, will retry: {e}")
             return
+        self._proofs = [answer for c in reply.challenges if (answer := self._prove(c)) is not None]
+        if self._proofs:
+            self._beat_now.set()  # proven sooner, placed sooner
         if reply.probe and self._prober:
             self._prober.ask(reply.probe)
         if reply.note and reply.note != self._note:

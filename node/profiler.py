@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import threading
 import time
+
+from collections.abc import Mapping
 
 import httpx
 import torch
@@ -90,16 +93,24 @@ def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20, probe_s: 
     grow while they are short (`growing_probe`)."""
     client.get("/healthz")  # opens the connection
     latency = min(_timed(lambda: client.get("/healthz")) for _ in range(3))
-    return latency, growing_probe(lambda size: _timed(lambda: _probe(client, size)), latency, probe_bytes,
-                                  max_probe_bytes, probe_s)
+    return latency, growing_probe(lambda size: _probe(client, size), latency, probe_bytes, max_probe_bytes, probe_s)
 
 
-def _probe(client: httpx.Client, size: int) -> None:
-    response = client.get("/v1/probe", params={"bytes": size})
+def _probe(client: httpx.Client, size: int, busy_retries: int = 20) -> float:
+    """Seconds one probe of `size` bytes took; a busy answer (429: other nodes joining with the same
+    token probe right now) is retried after a random pause, which is not timed."""
+    for _ in range(busy_retries):
+        start = time.perf_counter()
+        response = client.get("/v1/probe", params={"bytes": size})
+        took = time.perf_counter() - start
+        if response.status_code != 429:
+            break
+        time.sleep(0.5 + random.random())
     if response.status_code == 401:
         raise ApiError(f"the coordinator refused this node ({refusal_reason(response)}): it needs a valid "
                                "join token (--token or $RAVNEST_JOIN_TOKEN, from the coordinator's operator)", 401)
     response.raise_for_status()
+    return took
 
 
 def warm_up(device: torch.device) -> None:
@@ -132,14 +143,15 @@ def warm_up(device: torch.device) -> None:
 
 
 def profile_node(client: httpx.Client, device: torch.device, max_memory: int | None = None,
-                 datasets: list[str] = ()) -> NodeProfile:
+                 datasets: Mapping[str, str] | None = None) -> NodeProfile:
+    """`datasets`: each offered name -> its file's fingerprint (ravnest/data/proof.py)."""
     warm_up(device)
     latency, bandwidth = coordinator_link(client)
     return NodeProfile(
         flops=matmul_flops(device), memory_bytes=offered_memory(device, max_memory), device=str(device),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
         cores=torch.get_num_threads(), bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),
-        latency_s=min(latency, LATENCY["le"]), datasets=list(datasets))
+        latency_s=min(latency, LATENCY["le"]), datasets=sorted(datasets or {}), fingerprints=dict(datasets or {}))
 
 
 def _timed(fn) -> float:

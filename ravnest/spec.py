@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from ravnest.averaging.registry import (AUTO, NO_AVERAGING, available_strategies, is_strategy, registered,
                                         strategy_info)
 from ravnest.failures import Failure
+from ravnest.telemetry import MAX_FIGURES
 
 
 class _Strict(BaseModel):
@@ -53,13 +54,21 @@ class ModelRef(_Strict):
 
 
 DATASET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+FINGERPRINT = r"^[0-9]{1,15}:[0-9a-f]{64}$"  # "<size>:<sha256>" of an offered file (ravnest/data/proof.py)
+SHA256 = r"^[0-9a-f]{64}$"
+HEX_NONCE = r"^[0-9a-f]{32}$"
 
 
 class DatasetRef(_Strict):
     name: Literal["digits", "text", "npz"]
     source: str | None = Field(None, pattern=DATASET_NAME, description=(
         "for 'text' and 'npz': the name a volunteer offers a file under (`ravnest-node join --dataset "
-        "NAME=PATH`); the job runs only on nodes offering it. Never a path: a volunteer's files are theirs"))
+        "NAME=PATH`); the job runs only on nodes that proved they hold it. Never a path: a volunteer's files "
+        "are theirs"))
+    sha256: str | None = Field(None, pattern=SHA256, description=(
+        "with `source`: the sha256 of the file's bytes (`ravnest-node join --dataset` prints it). The job reads "
+        "only that content, on nodes that proved they hold it; unset, the coordinator pins the content most "
+        "proven holders offer under `source` when the job is first placed"))
     seq_len: PositiveInt = Field(64, le=1 << 16, description="'text': characters per training sequence")
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     shards: Literal["interleaved", "by-label"] = Field("interleaved", description=(
@@ -74,6 +83,12 @@ class DatasetRef(_Strict):
             raise ValueError("a job never names a file on a volunteer's machine: name a dataset the nodes offer "
                              "(dataset.source; volunteers offer files with `ravnest-node join --dataset NAME=PATH`)")
         return data
+
+    @model_validator(mode="after")
+    def _content_of_a_file(self) -> DatasetRef:
+        if self.sha256 is not None and self.source is None:
+            raise ValueError("dataset.sha256 pins the content of an offered file: give dataset.source too")
+        return self
 
     @model_validator(mode="after")
     def _labels_to_shard_by(self) -> DatasetRef:
@@ -354,6 +369,9 @@ class NodeProfile(_Measured):
     datasets: list[Annotated[str, Field(pattern=DATASET_NAME)]] = Field(
         default_factory=list, max_length=64,
         description="names of the files this volunteer offers to jobs (`--dataset NAME=PATH`)")
+    fingerprints: dict[Annotated[str, Field(pattern=DATASET_NAME)], Annotated[str, Field(pattern=FINGERPRINT)]] = \
+        Field(default_factory=dict, max_length=64, description="each offered file's '<size>:<sha256>'; a node "
+                                                               "is placed on a file only once it proved it holds it")
 
 
 class JoinRequest(_Strict):
@@ -390,12 +408,28 @@ class PeerProbe(_Strict):
     address: str
 
 
+class DataChallenge(_Strict):
+    """Prove you hold the file offered as `dataset` (ravnest/data/proof.py)."""
+    dataset: str = Field(pattern=DATASET_NAME)
+    nonce: str = Field(pattern=HEX_NONCE)
+    ranges: list[Annotated[tuple[Annotated[int, Field(ge=0, le=1 << 50)], Annotated[int, Field(ge=1, le=1 << 12)]],
+                           Field(strict=False)]] = Field(max_length=8, description="(offset, length) byte ranges")
+
+
+class DataProof(_Strict):
+    dataset: str = Field(pattern=DATASET_NAME)
+    nonce: str = Field(pattern=HEX_NONCE)
+    answer: str = Field(pattern=SHA256)
+
+
 class HeartbeatRequest(_Strict):
     job_id: str | None = Field(None, description="the job this node is running, if any")
     links: list[LinkReport] = Field(default_factory=list, max_length=64,
                                     description="links measured since the last heartbeat")
     training_alone: bool = Field(False, description="the job's stage trains on without its averaging (the "
                                                     "averaging failed, or the coordinator said `train_alone`)")
+    proofs: list[DataProof] = Field(default_factory=list, max_length=64,
+                                    description="answers to the challenges of the last heartbeat's reply")
 
 
 class HeartbeatResponse(_Strict):
@@ -408,14 +442,18 @@ class HeartbeatResponse(_Strict):
     probe: list[PeerProbe] = Field(default_factory=list, description="measure the link to these peers and "
                                                                      "report it with a later heartbeat")
     note: str = Field("", description="why this idle node got no stage when a job was last placed")
+    challenges: list[DataChallenge] = Field(default_factory=list, description="prove you hold these offered files: "
+                                                                             "answer with the next heartbeat")
 
 
 class MetricsReport(_Strict):
-    node_id: str
-    cluster: int
-    stage: int
-    step: int
-    metrics: dict[str, float]
+    node_id: str = Field(max_length=64)
+    cluster: int = Field(ge=0, le=100_000)
+    stage: int = Field(ge=0, le=100_000)
+    step: int = Field(ge=0, le=MAX_STEPS)
+    metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(
+        max_length=MAX_FIGURES, description=f"the stage's figures (ravnest/telemetry.py), at most {MAX_FIGURES}; "
+                                            "unknown names are dropped")
 
 
 class FailureReport(_Strict):

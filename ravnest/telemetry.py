@@ -22,7 +22,24 @@ STAGE_FIGURES = {
     "avg_rounds": "averaging rounds applied",
     "avg_round_s": "mean seconds per averaging round",
     "avg_stall_s": "seconds the training thread waited for averaging",
+    "elapsed_s": "seconds since the stage started",
+    "compute_s": "seconds spent computing per optimizer step, evaluation left out (the last 10 steps)",
+    "lr": "learning rate",
+    "stage": "the stage's index in its pipeline",
+    "test_loss": "test loss at the last evaluation (last stage)",
+    "training_alone": "1 while the stage trains alone (its averaging failed; the job is re-planned)",
+    "steady_utilization": "share of wall time spent computing, 20%-90% of the steps (final report)",
+    "steady_samples_per_s": "training samples per second, 20%-90% of the steps (final report)",
+    "steady_step_sd_s": "spread of single steps' wall times, 20%-90% of the steps (final report)",
 }
+STRATEGY_FIGURE = re.compile(r"avg_[a-z0-9_]{1,40}")  # an averaging strategy's own figures
+MAX_FIGURES = 64  # figures in one report; a stage sends about 25
+
+
+def is_stage_figure(name: str) -> bool:
+    """Whether the coordinator keeps a reported figure: those above and a strategy's own `avg_*`
+    (others, e.g. from a newer node, are dropped, so a report cannot grow a job's record)."""
+    return name in STAGE_FIGURES or STRATEGY_FIGURE.fullmatch(name) is not None
 
 
 def stage_metric(figure: str) -> tuple[str, str]:

@@ -25,6 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory now (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmRSS")
+
+
 class LocalCluster:
     def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = (),
                  tls: bool = False, heartbeat_timeout: float | None = None):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.memory import BIG_GPT, BIG_RUNS, OFFER_TEXT, big_job
+from ravnest.data import proof
 from ravnest.models import build_model, profile_blocks
 from scripts.local_cluster import LocalCluster
 
@@ -28,12 +29,23 @@ def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp
     config = {"vocab_size": 50_000, "seq_len": 1024, "d_model": 4096, "n_layers": 48, "n_heads": 32}
     assert sum(c.params for c in profile_blocks(build_model("gpt", config), 4)) > 10**10
     with LocalCluster(tmp_path, nodes=0, heartbeat_timeout=120) as cluster:  # REST-only nodes
-        for i in range(8):  # volunteers that joined over REST and offer 64 GiB each
+        books = Path(__file__)  # any file will do: the plan, not the data, is under test
+        fingerprint = proof.fingerprint(books)
+        nodes = []
+        for i in range(8):  # volunteers that joined over REST, offer 64 GiB each, and prove they hold the file
             response = cluster.http.post("/v1/nodes", json={
                 "name": f"big{i}", "address": f"127.0.0.{i + 1}:7000",
                 "profile": {"flops": 1e13, "memory_bytes": 64 * GIB, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.01,
-                            "datasets": ["books"]}})
+                            "datasets": ["books"], "fingerprints": {"books": fingerprint}}})
             assert response.status_code == 201, response.text
+            nodes.append(response.json())
+        for _ in range(3):
+            for node in nodes:
+                beat = f"/v1/nodes/{node['node_id']}/heartbeat"
+                auth = {"Authorization": f"Bearer {node['node_token']}"}
+                asked = cluster.http.post(beat, json={}, headers=auth).json()["challenges"]
+                if asked:
+                    cluster.http.post(beat, json={"proofs": proof.answers(books, "books", asked)}, headers=auth)
         start = time.monotonic()
         job = {"model": {"name": "gpt", "config": config}, "dataset": {"name": "text", "source": "books"},
                "training": {"batch_size": 4, "microbatches_in_flight": 1, "optimizer": {"name": "SGD"}},

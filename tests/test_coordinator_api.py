@@ -2,6 +2,7 @@
 that takes the `settings` fixture runs twice, on SQLite and on a real PostgreSQL server."""
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import re
@@ -22,6 +23,7 @@ from safetensors.torch import save as save_safetensors
 from coordinator.app import create_app
 from coordinator.config import Settings
 from coordinator.store import JobRow, NodeRow, StageRow
+from ravnest.data import proof
 from ravnest.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +40,16 @@ class FakeClock:
         return self.now
 
 
-def profile(flops: float = 1e10, memory: int = 2**30, bandwidth: float = 1e8, datasets: list[str] = ()) -> dict:
+BOOKS = Path(argparse.__file__)  # a text file every machine has: the standard library's argparse source
+BOOKS_FINGERPRINT = proof.fingerprint(BOOKS)
+
+
+def profile(flops: float = 1e10, memory: int = 2**30, bandwidth: float = 1e8, datasets: list[str] = (),
+            fingerprints: dict | None = None) -> dict:
+    """Offered datasets are the books file unless `fingerprints` says otherwise."""
     return {"flops": flops, "memory_bytes": memory, "bandwidth_bytes_per_s": bandwidth, "latency_s": 0.001,
-            "datasets": list(datasets)}
+            "datasets": list(datasets),
+            "fingerprints": fingerprints if fingerprints is not None else dict.fromkeys(datasets, BOOKS_FINGERPRINT)}
 
 
 def digits_job(**placement) -> dict:
@@ -83,10 +92,21 @@ def join(client: TestClient, name: str = "n", headers: dict | None = None, **kw)
     return body["node_id"], {"Authorization": f"Bearer {body['node_token']}"}
 
 
-def beat(client: TestClient, node_id: str, auth: dict, job_id: str | None = None, alone: bool = False) -> dict:
-    r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={"job_id": job_id, "training_alone": alone}, headers=auth)
+def beat(client: TestClient, node_id: str, auth: dict, job_id: str | None = None, alone: bool = False,
+         proofs: list[dict] = ()) -> dict:
+    r = client.post(f"/v1/nodes/{node_id}/heartbeat", json={"job_id": job_id, "training_alone": alone,
+                                                          "proofs": list(proofs)}, headers=auth)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def prove(client: TestClient, nodes: list[tuple[str, dict]], path: Path = BOOKS, dataset: str = "books") -> None:
+    """The nodes answer their challenges from `path` (the first holder fills the bank first)."""
+    for _ in range(3):
+        for node_id, auth in nodes:
+            asked = beat(client, node_id, auth)["challenges"]
+            if asked:
+                beat(client, node_id, auth, proofs=proof.answers(path, dataset, asked))
 
 
 def counts(client: TestClient) -> tuple[int, int, int]:
@@ -104,7 +124,7 @@ def placed_job(client: TestClient, nodes: int = 4, **placement) -> tuple[str, li
 def test_join_heartbeat_list_leave(client: TestClient) -> None:
     node_id, auth = join(client, "alpha")
     assert beat(client, node_id, auth) == {"assignment": None, "cancel_job": None, "recover_job": None,
-                                          "train_alone": None, "probe": [], "note": ""}
+                                          "train_alone": None, "probe": [], "note": "", "challenges": []}
     nodes = client.get("/v1/nodes").json()
     assert [(n["id"], n["name"], n["state"]) for n in nodes] == [(node_id, "alpha", "idle")]
     assert nodes[0]["profile"]["flops"] == 1e10
@@ -353,21 +373,68 @@ def test_metrics_are_checked(client: TestClient) -> None:
     assert client.get(f"/v1/jobs/{job_id}").json()["metrics"]["loss"] is None
 
 
-def test_failure_report_fails_the_job_and_cancels_the_others(client: TestClient) -> None:
-    job_id, members = placed_job(client)
+def settle(client: TestClient, members: list[tuple[str, dict]]) -> None:
+    """Every member heartbeats as a node that stopped would (then the coordinator re-plans)."""
     for node_id, auth in members:
         beat(client, node_id, auth)
-    failing_id, failing_auth = members[0]
-    r = client.post(f"/v1/jobs/{job_id}/fail", json={"node_id": failing_id, "reason": "CUDA out of memory"},
-                    headers=failing_auth)
+
+
+def test_one_nodes_word_does_not_fail_a_job_but_two_nodes_that_cannot_start_it_do(client: TestClient) -> None:
+    """A report that a stage could not start re-plans the job without the reporter; only a second node
+    saying the same fails it (a model that cannot run anywhere), and its other nodes are told to stop."""
+    job_id, members = placed_job(client, nodes=6, max_nodes=4)
+    settle(client, members)
+    where = {node["id"]: node["job_id"] for node in client.get("/v1/nodes").json()}
+    placed = [(n, h) for n, h in members if where[n] == job_id]
+    (first, first_auth), (second, second_auth) = placed[0], placed[1]
+    r = client.post(f"/v1/jobs/{job_id}/fail", json={"node_id": first, "reason": "CUDA out of memory"},
+                    headers=first_auth)
     assert r.status_code == 204
     job = client.get(f"/v1/jobs/{job_id}").json()
-    assert job["state"] == "failed" and "CUDA out of memory" in job["reason"] and failing_id in job["reason"]
-    node_id, auth = members[1]
+    assert job["state"] == "recovering" and "CUDA out of memory" in job["reason"], job["reason"]
+    [recovery] = job["recoveries"]
+    assert recovery["left_out"] == [first] and recovery["reported_by"] == first and recovery["could_not_start"]
+    settle(client, members)  # they stopped: re-planned on the others, not on the reporter
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    placed_now = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+    assert job["state"] in ("placing", "running") and first not in placed_now and second in placed_now
+    settle(client, members)
+    r = client.post(f"/v1/jobs/{job_id}/fail", json={"node_id": second, "reason": "CUDA out of memory"},
+                    headers=second_auth)
+    assert r.status_code == 204
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "failed" and "could not start on 2 different nodes" in job["reason"], job["reason"]
+    node_id, auth = next((n, h) for n, h in members if n in placed_now and n != second)
     assert beat(client, node_id, auth, job_id=job_id)["cancel_job"] == job_id  # still running: told to stop
-    assert client.get("/v1/nodes").json()[1]["state"] == "busy"
     assert beat(client, node_id, auth)["cancel_job"] == job_id  # stopped: told once more, then released
     assert {n["id"]: n["state"] for n in client.get("/v1/nodes").json()}[node_id] == "idle"
+
+
+def test_a_report_naming_a_peer_leaves_out_that_peer_and_a_node_whose_reports_keep_replanning_is_quarantined(
+        client: TestClient, settings: Settings) -> None:
+    job_id, members = placed_job(client, nodes=4, max_recoveries=10)
+    settle(client, members)
+    (reporter, auth), (named, _) = members[0], members[1]
+    failure = {"kind": "peer_lost", "message": "its stream broke", "peer_id": named}
+    r = client.post(f"/v1/jobs/{job_id}/fail", headers=auth, json={
+        "node_id": reporter, "recoverable": True, "reason": "lost a peer", "failure": failure})
+    assert r.status_code == 204
+    assert client.get(f"/v1/jobs/{job_id}").json()["recoveries"][0]["left_out"] == [named]
+    # its reports caused quarantine_after re-plans (a node training alone leaves out nobody): not placed
+    for _ in range(settings.quarantine_after - 1):
+        settle(client, members)
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        assert job["state"] in ("placing", "running") and reporter in {
+            s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+        settle(client, members)
+        r = client.post(f"/v1/jobs/{job_id}/fail", headers=auth, json={
+            "node_id": reporter, "recoverable": True, "still_training": True, "reason": "training alone"})
+        assert r.status_code == 204 and client.get(f"/v1/jobs/{job_id}").json()["state"] == "recovering"
+    [view] = [n for n in client.get("/v1/nodes").json() if n["id"] == reporter]
+    assert view["quarantined_until"] is not None and view["note"].startswith("quarantined: its failure reports")
+    settle(client, members)
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert reporter not in {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
 
 
 def test_a_stage_whose_averaging_failed_trains_on_and_reports_while_the_job_is_replanned(client: TestClient) -> None:
@@ -381,12 +448,12 @@ def test_a_stage_whose_averaging_failed_trains_on_and_reports_while_the_job_is_r
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["state"] == "recovering" and job["recoveries"][0]["kept_training"] == [1]
     # it trains on and reports: its figures reach the job's curve, and nobody counts it as recovered
-    report = {"node_id": node_id, "cluster": 1, "stage": 1, "step": 30, "metrics": {"loss": 0.25}}
+    report = {"node_id": node_id, "cluster": 1, "stage": 1, "step": 15, "metrics": {"loss": 0.25}}
     assert client.post(f"/v1/jobs/{job_id}/metrics", json=report, headers=auth).status_code == 204
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["recoveries"][0]["recovery_s"] is None and job["metrics"]["loss"] == 0.25
     assert [(p["cluster"], p["step"], p["loss"]) for p in client.get(f"/v1/jobs/{job_id}/curve").json()] == [
-        (1, 30, 0.25)]
+        (1, 15, 0.25)]
     # it goes on training alone until the others are done: told `train_alone`, not `recover_job`
     reply = beat(client, node_id, auth, job_id=job_id, alone=True)
     assert reply["train_alone"] == job_id and reply["recover_job"] is None
@@ -527,8 +594,7 @@ def test_oversized_weights_upload_is_refused(client: TestClient, settings: Setti
 
 
 def test_a_model_that_cannot_fit_the_joined_nodes_fails_with_the_figures(client: TestClient) -> None:
-    for i in range(2):
-        join(client, f"small{i}", memory=64 << 20, datasets=["books"])
+    prove(client, [join(client, f"small{i}", memory=64 << 20, datasets=["books"]) for i in range(2)])
     big = {"name": "big", "model": {"name": "gpt", "config": {"d_model": 1024, "n_layers": 8}},
            "dataset": {"name": "text", "source": "books"},
            "placement": {"min_nodes": 2}}
@@ -675,8 +741,39 @@ def test_a_job_runs_only_on_nodes_that_offer_its_dataset(client: TestClient) -> 
     job = {"model": {"name": "gpt", "config": {"n_layers": 1}}, "dataset": {"name": "text", "source": "books"}}
     job_id = client.post("/v1/jobs", json=job).json()["id"]
     view = client.get(f"/v1/jobs/{job_id}").json()
-    assert view["state"] == "pending" and "offering dataset 'books' (0 available)" in view["reason"]
+    assert view["state"] == "pending" and "proven to hold dataset 'books' (0 available)" in view["reason"]
     offering_id, _ = join(client, "library", datasets=["books"])
     view = client.get(f"/v1/jobs/{job_id}").json()
     assert view["state"] == "placing"
     assert {s["node_id"] for c in view["plan"]["clusters"] for s in c["stages"]} == {offering_id}
+    sha = BOOKS_FINGERPRINT.split(":")[1]
+    assert view["spec"]["dataset"]["sha256"] == sha  # the content it was placed on, pinned for the rest of the job
+
+
+def test_a_node_reads_a_file_only_once_it_proved_it_holds_that_content(client: TestClient, tmp_path: Path) -> None:
+    """The first to offer a content answers a bank of challenges; a node that copied its fingerprint
+    without the file fails one and is refused; a node offering other bytes under the same name holds its
+    own content, which a job reads only when it pins it."""
+    honest = join(client, "library", datasets=["books"])
+    prove(client, [honest])  # the bank is filled
+    copier = join(client, "copier", datasets=["books"])  # the same fingerprint, not the file
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"x" * 100)
+    other = join(client, "other", datasets=["books"], fingerprints={"books": proof.fingerprint(empty)})
+    prove(client, [copier], path=empty)  # it answers from what it has
+    prove(client, [other], path=empty)
+    offers = {n["name"]: n["offers"]["books"] for n in client.get("/v1/nodes").json()}
+    assert offers["library"] == "first" and offers["other"] == "first", offers
+    assert offers["copier"].startswith("refused: its proof of holding 'books' did not match"), offers
+    second = join(client, "library2", datasets=["books"])
+    prove(client, [second])
+    assert {n["name"]: n["offers"]["books"] for n in client.get("/v1/nodes").json()}["library2"] == "proven"
+
+    job = {"model": {"name": "gpt", "config": {"n_layers": 1}}, "dataset": {"name": "text", "source": "books"},
+           "placement": {"clusters": 1, "min_nodes": 1}}
+    view = client.get(f"/v1/jobs/{client.post('/v1/jobs', json=job).json()['id']}").json()
+    placed = {s["node_id"] for c in view["plan"]["clusters"] for s in c["stages"]}
+    assert placed <= {honest[0], second[0]} and placed, view["reason"]  # the content most holders proved
+    pinned = {**job, "dataset": {**job["dataset"], "sha256": proof.fingerprint(empty).split(":")[1]}}
+    view = client.get(f"/v1/jobs/{client.post('/v1/jobs', json=pinned).json()['id']}").json()
+    assert {s["node_id"] for c in view["plan"]["clusters"] for s in c["stages"]} == {other[0]}

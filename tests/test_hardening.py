@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from coordinator.app import create_app
 from coordinator.config import Settings
 from ravnest.wire import ping
-from scripts.local_cluster import LocalCluster
+from scripts.local_cluster import LocalCluster, rss_bytes
 from tests.test_coordinator_api import OPERATOR_TOKEN, FakeClock, beat, join, profile
 
 
@@ -136,13 +136,6 @@ def test_nodes_gone_past_retention_are_pruned_and_lists_come_in_pages(tmp_path: 
         assert [n["name"] for n in c.get("/v1/nodes").json()] == ["n3", "n4"]
         r = c.post(f"/v1/nodes/{joined[0][0]}/heartbeat", json={}, headers=joined[0][1])
         assert r.status_code == 401  # a forgotten node's credential is gone with it
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.mark.slow

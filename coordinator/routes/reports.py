@@ -99,15 +99,5 @@ async def upload_checkpoint(job_id: str, request: Request, cluster: int = Query(
 async def stage_state(job_id: str, request: Request, cluster: int = Query(ge=0), stage: int = Query(ge=0),
                       authorization: str | None = AUTH) -> FileResponse:
     """The state a re-planned stage continues from: its blocks' parameters and optimizer state."""
-    coordinator = service(request)
-    outgoing = coordinator.artifacts.job_dir(job_id) / "outgoing"
-    outgoing.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(dir=outgoing, suffix=".safetensors")
-    os.close(handle)
-    path = Path(name)
-    try:
-        await run_in_threadpool(coordinator.artifacts.stage_state, job_id, authorization, cluster, stage, path)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
+    path = await run_in_threadpool(service(request).artifacts.stage_state, job_id, authorization, cluster, stage)
     return FileResponse(path, media_type="application/octet-stream", background=BackgroundTask(path.unlink))

@@ -3,12 +3,13 @@ the dashboard's login and page, and Prometheus' scrape."""
 from __future__ import annotations
 
 import importlib.resources
+from collections.abc import AsyncIterator
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.staticfiles import StaticFiles
 
@@ -16,9 +17,14 @@ from ..auth import COOKIE
 from ..dashboard import ASSETS as DASHBOARD_ASSETS, render_dashboard, render_login
 from ..metrics import scrape
 from ..schemas import Health
-from . import own_jobs, service
+from ..errors import TooMany
+from ..limits import ProbeSlots
+from . import own_jobs, principal, service
 
 MAX_PROBE_BYTES = 64 << 20
+PROBE_CHUNK = bytes(64 << 10)  # every probe sends this one buffer, as often as it takes
+PROBES_PER_CREDENTIAL = 4  # (nodes joining together share the join token; each probes for a second or two)
+PROBE_SLOT_S = 120.0  # a probe slot is freed after this even if its probe never ended
 DOCS_ASSETS = "/static/docs"
 DASHBOARD_ROWS = 200
 router = APIRouter()
@@ -26,7 +32,8 @@ router = APIRouter()
 
 def mount_assets(app: FastAPI) -> None:
     """The API docs work on an offline cluster: Swagger UI's and ReDoc's assets come from an installed
-    package; the dashboard's from ours."""
+    package; the dashboard's from ours. (And the probes' slots, per app.)"""
+    app.state.probe_slots = ProbeSlots(PROBES_PER_CREDENTIAL, PROBE_SLOT_S)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")),
               name="docs-assets")
     app.mount(DASHBOARD_ASSETS, StaticFiles(directory=str(importlib.resources.files("coordinator") / "static")),
@@ -40,9 +47,21 @@ def healthz(request: Request) -> Health:
 
 @router.get("/v1/probe", tags=["nodes"], response_class=Response,
             responses={200: {"content": {"application/octet-stream": {}}, "description": "`bytes` zero bytes"}})
-def probe(size: int = Query(1 << 20, alias="bytes", ge=1, le=MAX_PROBE_BYTES)) -> Response:
-    """Bytes for a node to time: how it measures its bandwidth to the coordinator when joining."""
-    return Response(bytes(size), media_type="application/octet-stream")
+async def probe(request: Request, size: int = Query(1 << 20, alias="bytes", ge=1, le=MAX_PROBE_BYTES)) -> Response:
+    """Bytes for a node to time: how it measures its bandwidth to the coordinator when joining. At most
+    PROBES_PER_CREDENTIAL at once per credential (429 beyond)."""
+    who, slots = principal(request).id, request.app.state.probe_slots
+    if not slots.take(who):
+        raise TooMany(f"{PROBES_PER_CREDENTIAL} probes of this credential are open already; retry in a second")
+
+    async def zeros() -> AsyncIterator[bytes]:
+        try:
+            for start in range(0, size, len(PROBE_CHUNK)):
+                yield PROBE_CHUNK[:size - start] if size - start < len(PROBE_CHUNK) else PROBE_CHUNK
+        finally:
+            slots.release(who)
+
+    return StreamingResponse(zeros(), media_type="application/octet-stream", headers={"content-length": str(size)})
 
 
 @router.get("/docs", response_class=HTMLResponse, include_in_schema=False)

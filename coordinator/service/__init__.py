@@ -4,8 +4,10 @@ components they call (and nothing else) when they are built.
     Credentials   who a token belongs to; join tokens and API keys
     Artifacts     weights, checkpoints, snapshots, the merged model; where a re-plan continues from
     Recoveries    re-planning after a loss, a grow or a resume            (Artifacts)
-    Placement     planning pending jobs onto idle nodes; growing jobs     (Recoveries)
-    Membership    nodes join, beat and leave; the liveness tick           (Credentials, Placement, Recoveries)
+    Offers        the files nodes offer, and their proofs of holding them
+    Placement     planning pending jobs onto idle nodes; growing jobs     (Offers, Recoveries)
+    Membership    nodes join, beat and leave; the liveness tick           (Credentials, Offers, Placement,
+                                                                          Recoveries)
     JobLifecycle  submit, view, cancel, resume; metrics, failure reports  (Placement, Recoveries, Artifacts)
 
 Each is given the `Core` too (core.py: settings, store, lock, clock, failure policy, lookups), which
@@ -20,6 +22,7 @@ from .core import Core
 from .credentials import Credentials, Principal
 from .lifecycle import JobLifecycle
 from .membership import Membership
+from .offers import Offers
 from .placement import Placement
 from .recovery import Recoveries
 
@@ -32,8 +35,9 @@ class Coordinator:
         self.credentials = Credentials(self.core)
         self.artifacts = Artifacts(self.core)
         self.recoveries = Recoveries(self.core, self.artifacts)
-        self.placement = Placement(self.core, self.recoveries)
-        self.membership = Membership(self.core, self.credentials, self.placement, self.recoveries)
+        self.offers = Offers(self.core)
+        self.placement = Placement(self.core, self.offers, self.recoveries)
+        self.membership = Membership(self.core, self.credentials, self.offers, self.placement, self.recoveries)
         self.jobs = JobLifecycle(self.core, self.placement, self.recoveries, self.artifacts)
 
     @property

@@ -3,6 +3,8 @@ state a re-planned stage continues from, the merged model (files: coordinator/fi
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from sqlalchemy import select
@@ -131,8 +133,9 @@ class Artifacts:
                   for row in session.scalars(select(CheckpointRow).where(CheckpointRow.job_id == job.id))]
         return resume_point(stored, len(costs_of(jobs.spec_of(job))))
 
-    def stage_state(self, job_id: str, authorization: str | None, cluster: int, stage: int, target: Path) -> None:
-        """Write the state a re-planned stage continues from (its blocks, from the resume sources)."""
+    def stage_state(self, job_id: str, authorization: str | None, cluster: int, stage: int) -> Path:
+        """A temporary file (the caller removes it) with the state a re-planned stage continues from: its
+        blocks, from the resume sources. Nothing is written before the caller is known to hold the stage."""
         with self.core.store.session() as session:
             job, row = self.core.job_member(session, job_id, authorization)
             if (row.cluster, row.stage) != (cluster, stage):
@@ -141,7 +144,17 @@ class Artifacts:
                 raise NotFound(f"job {job_id} starts from fresh weights; there is no state to fetch")
             blocks = self.core.plan(job).clusters[cluster].stages[stage].blocks
             sources = job.resume["sources"]
-        files.assemble(self.job_dir(job_id), sources, blocks, target)
+        outgoing = self.job_dir(job_id) / "outgoing"
+        outgoing.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=outgoing, suffix=".safetensors")
+        os.close(handle)
+        target = Path(name)
+        try:
+            files.assemble(self.job_dir(job_id), sources, blocks, target)
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
+        return target
 
     def model_file(self, job_id: str, owner: str | None = None) -> Path:
         with self.core.store.session() as session:

@@ -151,6 +151,11 @@ def node_refusal(node: NodeRow, now: float) -> str | None:
     return None
 
 
+def quarantined(node: NodeRow, now: float) -> bool:
+    """Its failure reports caused too many re-plans (failure_policy.py): not placed, not believed."""
+    return node.quarantined_until is not None and node.quarantined_until > now
+
+
 def undelivered(session: Session, job_id: str) -> int:
     return session.scalar(select(func.count()).select_from(StageRow).where(
         StageRow.job_id == job_id, StageRow.delivered.is_(False))) or 0

@@ -7,6 +7,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ravnest.spec import FailureReport, JobSpec, MetricsReport
+from ravnest.telemetry import is_stage_figure
 
 from .. import jobs
 from ..errors import Conflict, Forbidden, InvalidRequest
@@ -17,7 +18,7 @@ from ..schemas import CurvePoint, JobCreated, JobSummary, JobView
 from ..security import new_id
 from ..store import CurvePointRow, JobRow, NodeRow, StageRow, stages_of
 from .artifacts import Artifacts
-from .core import RESUME, Core, costs_of
+from .core import RESUME, Core, costs_of, quarantined
 from .placement import Placement
 from .recovery import Recoveries
 
@@ -112,13 +113,16 @@ class JobLifecycle:
                                 f"not cluster {report.cluster} stage {report.stage}")
             if job.state in jobs.STOPPED:  # while recovering, intact clusters train on and report
                 raise Conflict(f"job {job_id} is {job.state}")
+            steps = jobs.spec_of(job).training.steps
+            if report.step > steps:
+                raise InvalidRequest(f"step {report.step} is beyond job {job_id}'s {steps} steps")
+            figures = {name: value for name, value in report.metrics.items() if is_stage_figure(name)}
             self.recoveries.training_again(job, report.step)
             stage.step = max(stage.step, report.step)
-            stage.metrics = {**stage.metrics, **report.metrics}  # keeps e.g. test_accuracy between evaluations
+            stage.metrics = {**stage.metrics, **figures}  # keeps e.g. test_accuracy between evaluations
             stage.updated_at = self.core.clock()
-            if job.state == JobState.RUNNING.value and "compute_s" in report.metrics:
+            if job.state == JobState.RUNNING.value and "compute_s" in figures:
                 self._check_speed(session, job)
-            figures = report.metrics
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
                 session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.core.clock(),
                                           loss=figures.get("loss"), test_accuracy=figures.get("test_accuracy"),
@@ -151,6 +155,10 @@ class JobLifecycle:
                     for row in reversed(list(rows))]
 
     def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:
+        """A node's failure report is a claim: it re-plans the job without whom it names (or without the
+        reporter), and counts against the reporter; it fails the job only when different nodes say
+        the job cannot start (failure_policy.py)."""
+        now, policy = self.core.clock(), self.core.policy
         with self.core.lock, self.core.store.session() as session:
             job, stage = self.core.job_member(session, job_id, authorization, report.node_id)
             reporter = session.get_one(NodeRow, report.node_id)  # (job_member checked it)
@@ -158,15 +166,30 @@ class JobLifecycle:
                 if report.still_training:
                     self.recoveries.kept_training(session, reporter)
                 return
+            if quarantined(reporter, now):
+                log.info("job %s: ignored a failure report of quarantined node %s", job.id, reporter.id)
+                return
             members = {node.id: node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(
                 select(StageRow.node_id).where(StageRow.job_id == job.id))))}
             reason = failure_reason(report.failure, report.reason, reporter, stage, members)
-            if report.recoverable:
-                self.recoveries.recover(session, job, reason, failure=report.failure)
-                if report.still_training:
-                    self.recoveries.kept_training(session, reporter)
-            else:
-                jobs.transition(job, JobState.FAILED, reason, self.core.clock())
+            could_not_start_on = {r.reported_by for r in job.faults if r.could_not_start and r.reported_by}
+            if not report.recoverable and policy.fails_job(could_not_start_on | {reporter.id}):
+                nodes = len(could_not_start_on | {reporter.id})
+                jobs.transition(job, JobState.FAILED, f"{reason} (the stage could not start on {nodes} different "
+                                                      f"nodes)", now)
+                return
+            left_out = [reporter.id] if not report.recoverable else \
+                policy.left_out_by(report.failure, reporter.id, report.still_training, members)
+            self.recoveries.recover(session, job, reason, failure=report.failure, left_out=left_out,
+                                    reported_by=reporter.id, could_not_start=not report.recoverable)
+            if report.still_training:
+                self.recoveries.kept_training(session, reporter)
+            reporter.replans_caused, reporter.quarantined_until = policy.blame(reporter.replans_caused or [], now)
+            if reporter.quarantined_until is not None:
+                reporter.quarantine_reason = (f"its failure reports caused {self.core.settings.quarantine_after} "
+                                              f"re-plans within {self.core.settings.quarantine_window_s:.0f} s; "
+                                              f"the last: {reason}")
+                log.warning("node %s quarantined: %s", reporter.id, reporter.quarantine_reason)
 
 
 def _summary(job: JobRow) -> JobSummary:

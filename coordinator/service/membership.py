@@ -16,9 +16,10 @@ from ..errors import Conflict, NotFound, Unauthorized
 from ..jobs import JobState
 from ..schemas import Health, NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
-from ..store import JobRow, LinkRow, NodeRow, StageRow, stage_of_node
-from .core import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, Core, node_refusal, undelivered
+from ..store import JobRow, LinkRow, NodeRow, OfferRow, StageRow, stage_of_node
+from .core import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, Core, node_refusal, quarantined, undelivered
 from .credentials import Credentials
+from .offers import Offers
 from .placement import Placement
 from .recovery import Recoveries
 
@@ -26,8 +27,10 @@ log = logging.getLogger(__name__)
 
 
 class Membership:
-    def __init__(self, core: Core, credentials: Credentials, placement: Placement, recoveries: Recoveries) -> None:
-        self.core, self.credentials, self.placement, self.recoveries = core, credentials, placement, recoveries
+    def __init__(self, core: Core, credentials: Credentials, offers: Offers, placement: Placement,
+                 recoveries: Recoveries) -> None:
+        self.core, self.credentials, self.offers = core, credentials, offers
+        self.placement, self.recoveries = placement, recoveries
         self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
 
     def tick(self) -> None:
@@ -66,6 +69,7 @@ class Membership:
                                token_expires_at=now + self.core.settings.node_credential_ttl_s,
                                state=IDLE, joined_at=now, last_seen=now, job_id=None)
                 session.add(node)
+                self.offers.record(session, node, request.profile)
             log.info("node %s (%s) joined from %s: %.1f GFLOP/s, %.1f GiB, %.0f MB/s", node.id, node.name or "unnamed",
                      node.address, request.profile.flops / 1e9, request.profile.memory_bytes / 2**30,
                      request.profile.bandwidth_bytes_per_s / 1e6)
@@ -80,6 +84,7 @@ class Membership:
                 node.last_seen = self.core.clock()
                 node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
                 self._record_links(session, node, request.links)
+                proven = self.offers.take_proofs(session, node, request.proofs)
                 self.recoveries.trains_alone(session, node, request.job_id if request.training_alone else None)
                 # a re-plan may wait for this node to train alone, or for a lost one to fall silent: the
                 # heartbeat of an idle node or of one in a recovering job moves it on, not only the next
@@ -99,7 +104,9 @@ class Membership:
                 if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
                     response.probe = self._probes_for(session, node)
                     response.note = self.placement.left_out_note(node.id)
-            if freed or replanned:  # a re-plan may have waited for this node; placing may give it work at once
+                response.challenges = self.offers.challenges_for(session, node)
+            # a re-plan may have waited for this node; placing may give it work at once
+            if freed or replanned or proven:
                 with self.core.store.session() as session:
                     self.recoveries.replan_recovered(session)
                 self.placement.place_pending()
@@ -204,7 +211,8 @@ class Membership:
 
     def list_nodes(self, limit: int | None = None, offset: int = 0) -> tuple[list[NodeView], int]:
         """A page of nodes in the order they joined, and how many there are."""
-        cutoff = self.core.clock() - self.core.settings.heartbeat_timeout_s
+        now = self.core.clock()
+        cutoff = now - self.core.settings.heartbeat_timeout_s
         with self.core.store.session() as session:
             total = session.scalar(select(func.count()).select_from(NodeRow)) or 0
             rows = session.execute(select(NodeRow, StageRow).outerjoin(
@@ -212,6 +220,7 @@ class Membership:
                 .order_by(NodeRow.joined_at, NodeRow.id).limit(limit).offset(offset)).all()
             links: dict[str, list[LinkReport]] = {}
             page = [node.id for node, _ in rows]
+            offers = self.offers.describe(session, page)
             for row in session.scalars(select(LinkRow).where(LinkRow.node_id.in_(page)).order_by(LinkRow.peer_id)):
                 links.setdefault(row.node_id, []).append(LinkReport(
                     peer_id=row.peer_id, bandwidth_bytes_per_s=row.bandwidth, latency_s=row.latency))
@@ -220,8 +229,10 @@ class Membership:
                              state=GONE if node.last_seen < cutoff else node.state,
                              joined_at=node.joined_at, last_seen=node.last_seen, job_id=node.job_id,
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
-                             links=links.get(node.id, []),
-                             note=self.placement.left_out_note(node.id) if node.state == IDLE else "")
+                             links=links.get(node.id, []), offers=offers.get(node.id, {}),
+                             quarantined_until=node.quarantined_until if quarantined(node, now) else None,
+                             note=f"quarantined: {node.quarantine_reason}" if quarantined(node, now)
+                             else self.placement.left_out_note(node.id) if node.state == IDLE else "")
                     for node, stage in rows], total
 
     def _node(self, session: Session, node_id: str, authorization: str | None) -> NodeRow:
@@ -243,6 +254,7 @@ class Membership:
         ids = list(session.scalars(stale))
         if ids:
             session.execute(delete(LinkRow).where(LinkRow.node_id.in_(ids) | LinkRow.peer_id.in_(ids)))
+            session.execute(delete(OfferRow).where(OfferRow.node_id.in_(ids)))
             session.execute(delete(NodeRow).where(NodeRow.id.in_(ids)))
 
     def node_lost(self, session: Session, node: NodeRow, reason: str) -> None:

@@ -1,10 +1,10 @@
-"""Placement: pending jobs are planned onto idle live nodes (those that offer the job's dataset, less
-the ones it left out), and idle nodes may grow a running job."""
+"""Placement: pending jobs are planned onto idle live nodes (those proven to hold the job's dataset,
+less the ones it left out and those quarantined), and idle nodes may grow a running job."""
 from __future__ import annotations
 
 import logging
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from ravnest.spec import JobSpec
@@ -17,14 +17,15 @@ from ..planning import PlanningError, _n, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
 from .core import BUSY, GROW, IDLE, Core, costs_of
+from .offers import Offers
 from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
 
 
 class Placement:
-    def __init__(self, core: Core, recoveries: Recoveries) -> None:
-        self.core, self.recoveries = core, recoveries
+    def __init__(self, core: Core, offers: Offers, recoveries: Recoveries) -> None:
+        self.core, self.offers, self.recoveries = core, offers, recoveries
         self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
         # job -> (generation, idle node ids, links measured among them) it was last weighed with, to grow it
         self._grow_considered: dict[str, tuple[int, frozenset[str], int]] = {}
@@ -42,7 +43,9 @@ class Placement:
                                            .order_by(JobRow.created_at)))
             idle = list(session.scalars(select(NodeRow).where(
                 NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
-                NodeRow.last_seen >= self.core.policy.gone_before(now)).order_by(NodeRow.joined_at)))
+                NodeRow.last_seen >= self.core.policy.gone_before(now),
+                or_(NodeRow.quarantined_until.is_(None), NodeRow.quarantined_until <= now))  # (failure_policy.py)
+                .order_by(NodeRow.joined_at)))
             if not idle and not pending:
                 return
             for job in pending:
@@ -54,12 +57,14 @@ class Placement:
                     continue
                 # a job already under way continues on whatever nodes there are; a new one waits for min_nodes
                 needed = 1 if job.generation else spec.placement.min_nodes or 1  # (set by the spec)
-                left_out = {node for fault in job.faults or [] for node in fault.left_out}  # too slow
-                candidates = [node for node in offering(idle, spec)  # a job reads only files volunteers offer
-                              if node.id not in left_out]
+                left_out = {node for fault in job.faults or [] for node in fault.left_out}  # slow, lost, failed
+                offered, content = self.offers.holders(session, spec, idle)  # only proven holders read a file
+                candidates = [node for node in offered if node.id not in left_out]
                 if len(candidates) < needed:
-                    source = f" offering dataset {spec.dataset.source!r}" if spec.dataset.source else ""
-                    reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available)"
+                    source = f" proven to hold dataset {spec.dataset.source!r}" if spec.dataset.source else ""
+                    excluded = len(offered) - len(candidates)
+                    also = f"; {excluded} more left out of this job after failures" if excluded else ""
+                    reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available{also})"
                     if job.reason != reason:
                         job.reason = reason
                     continue
@@ -73,6 +78,8 @@ class Placement:
                         jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
                     continue
                 jobs.transition(job, JobState.PLACING, f"placing on {_n(len(candidates), 'idle node')}", now)
+                if content is not None and spec.dataset.sha256 is None:
+                    jobs.pin_content(job, content)  # it reads this content from now on, whoever offers what
                 used = self._reserve(session, job, plan, candidates)
                 idle = [node for node in idle if node.id not in used]
             if idle:
@@ -88,7 +95,7 @@ class Placement:
             if now - job.updated_at < self.core.settings.grow_after_s:
                 continue
             spec, current = jobs.spec_of(job), self.core.plan(job)
-            newcomers = offering(idle, spec)
+            newcomers = self.offers.holders(session, spec, idle)[0]
             if not newcomers:
                 continue
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id)))
@@ -178,8 +185,3 @@ class Placement:
         job.reason = f"planned {plan.reason}; waiting for every node to fetch its stage"
         return used
 
-
-def offering(nodes: list[NodeRow], spec: JobSpec) -> list[NodeRow]:
-    """The nodes that offer the job's dataset file (all of them for built-in datasets such as digits)."""
-    source = spec.dataset.source
-    return nodes if source is None else [n for n in nodes if source in n.profile.get("datasets", [])]

@@ -34,11 +34,12 @@ class Recoveries:
         self.core, self.artifacts = core, artifacts
         self._training_alone: dict[str, str] = {}  # node id -> the job it trains alone (its last heartbeat)
 
-    def recover(self, session: Session, job: JobRow, reason: str, kind: str = LOST,
-                failure: Failure | None = None, left_out: Sequence[str] = ()) -> None:
+    def recover(self, session: Session, job: JobRow, reason: str, kind: str = LOST, failure: Failure | None = None,
+                left_out: Sequence[str] = (), **record: Any) -> None:
         """Re-plan `job`: its nodes are told to stop and hand in their state; once they did (or left),
         `replan_recovered` plans it again from the freshest state of every block. Losses since the
-        last resume are bounded by placement.max_recoveries; growing onto new nodes is not a loss."""
+        last resume are bounded by placement.max_recoveries; growing onto new nodes is not a loss.
+        `record`: more fields of the Recovery record (who reported it)."""
         spec, clock = jobs.spec_of(job), self.core.clock
         since_resume = list(itertools.takewhile(lambda r: r.kind != RESUME, reversed(job.faults or [])))
         losses = sum(r.kind == LOST for r in since_resume)
@@ -46,20 +47,20 @@ class Recoveries:
             jobs.transition(job, JobState.FAILED, f"{reason}; no recovery left (placement.max_recoveries = "
                                                   f"{spec.placement.max_recoveries})", clock())
             return
-        self.open(session, job, kind, reason, failure, left_out)
+        self.open(session, job, kind, reason, failure, left_out, **record)
         self.core.policy.forget(job.id)
         words = "intact clusters train on, then its nodes hand in their state" if kind == LOST else \
             "its nodes hand in their state"
         jobs.transition(job, JobState.RECOVERING, f"{reason}; {words}, then it is planned again", clock())
 
     def open(self, session: Session, job: JobRow, kind: str, reason: str,
-             failure: Failure | None = None, left_out: Sequence[str] = ()) -> None:
+             failure: Failure | None = None, left_out: Sequence[str] = (), **record: Any) -> None:
         """Add the job's recovery record (the job's state is the caller's to change)."""
         now = self.core.clock()
         reached = max((row.step for row in stages_of(session, job.id)), default=0)
         job.faults = [*(job.faults or []), Recovery(
             kind=kind, at=now, reason=reason, generation=job.generation, reached_step=reached,
-            hand_in_at=None if kind == LOST else now, failure=failure, left_out=list(left_out))]
+            hand_in_at=None if kind == LOST else now, failure=failure, left_out=list(left_out), **record)]
 
     def training_again(self, job: JobRow, step: int) -> None:
         """A stage of the re-planned job reported `step`: past its resume step, training goes on, and

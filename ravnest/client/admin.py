@@ -79,11 +79,17 @@ def whoami(ctx: typer.Context) -> None:
 def node_list(ctx: typer.Context) -> None:
     """Nodes that joined, their state and what they offer."""
     nodes_ = table("id", "name", "address", "state", "GFLOP/s", "GiB", "job")
+    notes = []
     for node in call(ctx, "GET", "/v1/nodes"):
-        nodes_.add_row(node["id"], node["name"], node["address"], node["state"],
+        state = "quarantined" if node.get("quarantined_until") else node["state"]
+        nodes_.add_row(node["id"], node["name"], node["address"], state,
                        f"{node['profile']['flops'] / 1e9:.1f}", f"{node['profile']['memory_bytes'] / 2**30:.1f}",
                        node["job_id"] or "")
+        if node.get("note"):
+            notes.append(f"{node['name'] or node['id']}: {node['note']}")
     out.print(nodes_)
+    for note in notes:  # below the table: a reason is a sentence, too wide for a column
+        out.print(note, highlight=False, soft_wrap=True)
 
 
 @nodes.command("revoke")

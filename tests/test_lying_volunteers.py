@@ -1,0 +1,144 @@
+"""A volunteer's word is not proof: what a node holding only the join token (and the credential it gets
+by joining) can no longer do to a real coordinator process. A liar is played over REST by the test, or
+is a real node offering a file that is not what it claims; honest nodes are real `ravnest-node`
+processes (docs/security.md, "What a malicious volunteer can do")."""
+import argparse
+import json
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from ravnest.data import proof
+from scripts.local_cluster import LocalCluster, free_port, rss_bytes
+
+pytestmark = pytest.mark.slow
+CNN_JOB = json.loads((Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json").read_text())
+PROFILE = {"flops": 1e10, "memory_bytes": 2**30, "bandwidth_bytes_per_s": 1e8, "latency_s": 0.001}
+
+
+class Liar:
+    """A node the test plays over REST: it joins, takes its assignment, and says what it likes."""
+
+    def __init__(self, cluster: LocalCluster, name: str = "liar", datasets: dict[str, str] | None = None):
+        self.http = cluster.http
+        offered = {"datasets": sorted(datasets), "fingerprints": datasets} if datasets else {}
+        joined = self.http.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{free_port()}",
+                                                   "profile": {**PROFILE, **offered}},
+                                headers={"Authorization": f"Bearer {cluster.join_token}"})
+        assert joined.status_code == 201, joined.text
+        self.id, token = joined.json()["node_id"], joined.json()["node_token"]
+        self.auth = {"Authorization": f"Bearer {token}"}
+
+    def beat(self, job_id: str | None = None, proofs: list[dict] = ()) -> dict:
+        reply = self.http.post(f"/v1/nodes/{self.id}/heartbeat", headers=self.auth,
+                               json={"job_id": job_id, **({"proofs": list(proofs)} if proofs else {})})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def post(self, path: str, body: dict):
+        return self.http.post(path, json=body, headers=self.auth)
+
+
+def test_one_nodes_false_failure_report_no_longer_ends_the_job(tmp_path):
+    """Before: `recoverable: false` from any member failed the job outright. Now the job is re-planned
+    without the reporter and completes on the honest nodes."""
+    with LocalCluster(tmp_path, nodes=2) as cluster:
+        liar = Liar(cluster)
+        spec = {**CNN_JOB, "training": {**CNN_JOB["training"], "steps": 300, "eval_every": 0},
+                "averaging": {"strategy": "none"},
+                "placement": {"clusters": 3, "stages_per_cluster": 1, "min_nodes": 3}}
+        job_id = cluster.submit(spec)
+        assignment = cluster.wait_for(lambda: liar.beat()["assignment"], 30, "the liar's assignment")
+        r = liar.post(f"/v1/jobs/{job_id}/fail", {"node_id": liar.id, "reason": "fake: disk on fire"})
+        assert r.status_code == 204
+        job = cluster.wait_job(job_id, timeout=300, on_update=lambda _: liar.beat())  # it stopped, it says
+        assert job["state"] == "completed", job["reason"]
+        [recovery] = job["recoveries"]
+        assert recovery["left_out"] == [liar.id] and "disk on fire" in recovery["reason"]
+        placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+        assert liar.id not in placed and len(placed) == 2 and assignment["cluster"] in range(3)
+        assert job["metrics"]["test_accuracy"] is None or job["metrics"]["test_accuracy"] >= 0.9
+
+
+def test_reports_are_bounded_and_unread_probes_cost_the_coordinator_no_memory(tmp_path):
+    with LocalCluster(tmp_path, nodes=0, heartbeat_timeout=120) as cluster:
+        liar = Liar(cluster)
+        job_id = cluster.submit({**CNN_JOB, "training": {**CNN_JOB["training"], "steps": 100},
+                                 "placement": {"clusters": 1, "stages_per_cluster": 1, "min_nodes": 1}})
+        a = cluster.wait_for(lambda: liar.beat()["assignment"], 30, "the liar's assignment")
+        report = {"node_id": liar.id, "cluster": a["cluster"], "stage": a["stage"], "step": 5,
+                  "metrics": {"loss": 1.5}}
+        metrics = f"/v1/jobs/{job_id}/metrics"
+        refused = {"65 figures": {**report, "metrics": {f"f{i}": 1.0 for i in range(65)}},
+                   "a 100-character name": {**report, "metrics": {"x" * 100: 1.0}},
+                   "step 2^63": {**report, "step": 2**63}, "step -5": {**report, "step": -5},
+                   "step past the job's end": {**report, "step": 101}}
+        answers = {case: liar.post(metrics, body).status_code for case, body in refused.items()}
+        assert answers == dict.fromkeys(refused, 422), answers
+        assert liar.post(metrics, {**report, "metrics": {"loss": 1.5, "bogus_figure": 7.0}}).status_code == 204
+        exported = cluster.http.get("/metrics").text
+        assert "ravnest_stage_loss{" in exported and "bogus_figure" not in exported  # unknown names are dropped
+
+        # a stage-state request for a job it is not in writes nothing (it used to create the job's folder)
+        r = cluster.http.get("/v1/jobs/0123456789abcdef/state", params={"cluster": 0, "stage": 0}, headers=liar.auth)
+        assert r.status_code == 404 and not (tmp_path / "jobs" / "0123456789abcdef").exists()
+
+        # sixteen 64 MiB probes that are never read: a few open, the rest refused, no memory held
+        pid = cluster.procs[0].pid
+        before, address = rss_bytes(pid), urlparse(cluster.url)
+        sockets, statuses = [], []
+        for _ in range(16):
+            s = socket.create_connection((address.hostname, address.port))
+            s.sendall(f"GET /v1/probe?bytes={64 << 20} HTTP/1.1\r\nHost: {address.netloc}\r\n"
+                      f"Authorization: Bearer {cluster.join_token}\r\n\r\n".encode())
+            statuses.append(s.recv(12).decode())  # the status line only: the body stays unread
+            sockets.append(s)
+        started = time.monotonic()
+        assert cluster.http.get("/healthz").status_code == 200
+        answered_s = time.monotonic() - started
+        grown = (rss_bytes(pid) - before) / 2**20
+        for s in sockets:
+            s.close()
+        print(f"probes: {statuses.count('HTTP/1.1 200')} open, {statuses.count('HTTP/1.1 429')} refused; "
+              f"coordinator {grown:+.0f} MiB; /healthz in {answered_s * 1e3:.0f} ms")
+        assert statuses.count("HTTP/1.1 200") == 4 and statuses.count("HTTP/1.1 429") == 12, statuses
+        assert grown < 48 and answered_s < 1.0
+        # once they are closed, probing works again
+        join = {"Authorization": f"Bearer {cluster.join_token}"}
+        cluster.wait_for(lambda: cluster.http.get("/v1/probe", params={"bytes": 1024}, headers=join).status_code == 200,
+                         30, "a probe slot to be free again")
+
+
+def test_a_node_offering_a_fake_dataset_gets_no_byte_of_the_real_file(tmp_path):
+    """An honest volunteer offers a private text as `gpl3`; a liar offers 100 bytes of its own under the
+    same name (another content), and a second liar copies the honest fingerprint without the file. The
+    job reads the honest content, only on its holder, and completes; neither liar gets a stage."""
+    private = tmp_path / "private.txt"
+    private.write_bytes(Path(argparse.__file__).read_bytes())
+    junk = tmp_path / "junk.txt"
+    junk.write_bytes(b"not the file " * 8)
+    with LocalCluster(tmp_path, nodes=0) as cluster:
+        [honest] = cluster.add_nodes(1, ["--dataset", f"gpl3={private}"])
+        [liar] = cluster.add_nodes(1, ["--dataset", f"gpl3={junk}"])
+        copier = Liar(cluster, "copier", datasets={"gpl3": proof.fingerprint(private)})
+        for _ in range(3):  # it answers its challenge as well as it can: from the junk it has
+            asked = copier.beat()["challenges"]
+            if asked:
+                copier.beat(proofs=proof.answers(junk, "gpl3", asked))
+        offers = {n["name"]: n["offers"].get("gpl3") for n in cluster.alive_nodes()}
+        assert offers["copier"].startswith("refused"), offers
+        job_id = cluster.submit({"model": {"name": "gpt", "config": {"vocab_size": 256, "seq_len": 32, "d_model": 32,
+                                                                    "n_layers": 2, "n_heads": 2}},
+                                 "dataset": {"name": "text", "source": "gpl3", "seq_len": 32},
+                                 "training": {"steps": 60, "batch_size": 8, "eval_every": 0},
+                                 "placement": {"clusters": "auto", "min_nodes": 1}})
+        job = cluster.wait_job(job_id, timeout=300, on_update=lambda _: copier.beat())
+        assert job["state"] == "completed", job["reason"]
+        placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+        assert placed == {honest}, (placed, honest, liar, copier.id)
+        assert job["spec"]["dataset"]["sha256"] == proof.fingerprint(private).split(":")[1]
+        liar_log = (tmp_path / "logs" / "node-1.log").read_text()
+        assert job_id not in liar_log and "offering gpl3: 104 bytes" in liar_log
