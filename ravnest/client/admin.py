@@ -85,8 +85,12 @@ def node_list(ctx: typer.Context) -> None:
         nodes_.add_row(node["id"], node["name"], node["address"], state,
                        f"{node['profile']['flops'] / 1e9:.1f}", f"{node['profile']['memory_bytes'] / 2**30:.1f}",
                        node["job_id"] or "")
+        who = node["name"] or node["id"]
+        offers = ", ".join(f"{name} ({state})" for name, state in sorted(node.get("offers", {}).items()))
+        if offers:
+            notes.append(f"{who} offers {offers}")
         if node.get("note"):
-            notes.append(f"{node['name'] or node['id']}: {node['note']}")
+            notes.append(f"{who}: {node['note']}")
     out.print(nodes_)
     for note in notes:  # below the table: a reason is a sentence, too wide for a column
         out.print(note, highlight=False, soft_wrap=True)

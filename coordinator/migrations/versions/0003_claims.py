@@ -1,5 +1,4 @@
-"""a volunteer's word is not proof: offers and their proofs, the re-plans a node's reports caused,
-quarantine
+"""volunteers' claims: offers and their proofs, the re-plans a node's reports caused, quarantine
 
 Revision ID: 0003
 Revises: 0002
