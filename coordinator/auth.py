@@ -22,7 +22,7 @@ from typing import Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse, RedirectResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = {"/healthz", "/docs", "/redoc", "/openapi.json", "/login", "/logout"}
@@ -97,6 +97,7 @@ class Authentication:
             token = _cookie(headers.get("cookie", ""), COOKIE)
         who = (await run_in_threadpool(self.identify, token) if token
                else "missing 'Authorization: Bearer <token>' header")
+        reason: str | None
         if isinstance(who, str):
             status, reason = 401, who
         else:
@@ -105,6 +106,7 @@ class Authentication:
             scope.setdefault("state", {})["principal"] = who
             await self.app(scope, receive, send)
             return
+        response: Response
         if scope["path"] == "/" and scope["method"] == "GET" and status == 401:  # a person: log in first
             response = RedirectResponse("/login", status_code=303)
         else:

@@ -19,6 +19,7 @@ import logging
 import math
 from collections import OrderedDict
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -94,11 +95,12 @@ def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:
         _check_accepts_digits(model, spec)
     _check_optimizer(spec)
     placement = spec.placement
-    if placement.max_nodes is not None and placement.max_nodes < placement.min_nodes:
+    min_nodes = placement.min_nodes or 1  # (the spec sets it from the shape when not given)
+    if placement.max_nodes is not None and placement.max_nodes < min_nodes:
         raise InvalidRequest(f"placement.max_nodes ({placement.max_nodes}) is below placement.min_nodes "
                              f"({placement.min_nodes})")
     if isinstance(placement.clusters, int):
-        if placement.min_nodes < placement.clusters:
+        if min_nodes < placement.clusters:
             raise InvalidRequest(f"placement.min_nodes ({placement.min_nodes}) must be at least "
                                  f"placement.clusters ({placement.clusters}): each cluster needs a node")
     return model
@@ -177,7 +179,7 @@ def _averaging(spec: JobSpec, plan: Plan) -> AveragingSettings:
     and its pacing where the job left it open."""
     if plan.averaging is None:
         return spec.averaging
-    update = {}
+    update: dict[str, Any] = {}
     if spec.averaging.strategy == AUTO:
         update = {"strategy": plan.averaging.strategy, "topology": plan.averaging.topology or spec.averaging.topology}
     if spec.averaging.paced is None:

@@ -35,10 +35,11 @@ def resume_point(stored: list[StoredState], num_blocks: int) -> dict[str, Any] |
             current = best[block]
             if current is None or (state.generation, state.step) > (current.generation, current.step):
                 best[block] = state
-    if any(state is None for state in best):
+    chosen = [state for state in best if state is not None]
+    if len(chosen) < len(best):
         return None
     sources: list[dict[str, Any]] = []
-    for block, state in enumerate(best):
+    for block, state in enumerate(chosen):
         if sources and sources[-1]["file"] == state.file and sources[-1]["blocks"][1] == block:
             sources[-1]["blocks"][1] = block + 1
         else:

@@ -50,7 +50,9 @@ def derive_token(secret: str, *parts: str) -> str:
 
 def matches(offered: str | None, expected: str | None) -> bool:
     """Constant-time comparison of an offered token with an expected one (None never matches)."""
-    return bool(offered and expected) and hmac.compare_digest(offered.encode(), expected.encode())
+    if not offered or not expected:
+        return False
+    return hmac.compare_digest(offered.encode(), expected.encode())
 
 
 def token_file(path: Path) -> str:

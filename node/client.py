@@ -4,6 +4,7 @@ from __future__ import annotations
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -69,8 +70,15 @@ class CoordinatorClient:
         self.node_id, self._node_token = joined.node_id, joined.node_token
         return joined
 
-    def heartbeat(self, job_id: str | None, links: list[LinkReport] = (), training_alone: bool = False,
-                  proofs: list[DataProof] = ()) -> HeartbeatResponse:
+    @property
+    def me(self) -> str:
+        """This node's id (it has joined)."""
+        if self.node_id is None:
+            raise RuntimeError("the node has not joined yet")
+        return self.node_id
+
+    def heartbeat(self, job_id: str | None, links: Sequence[LinkReport] = (), training_alone: bool = False,
+                  proofs: Sequence[DataProof] = ()) -> HeartbeatResponse:
         request = HeartbeatRequest(job_id=job_id, links=list(links), training_alone=training_alone,
                                    proofs=list(proofs))
         body = self._call("POST", f"/v1/nodes/{self.node_id}/heartbeat", token=self._node_token,
@@ -85,7 +93,7 @@ class CoordinatorClient:
     @must_arrive
     def report_failure(self, job_id: str, reason: str, recoverable: bool, still_training: bool = False,
                        failure: Failure | None = None) -> None:
-        report = FailureReport(node_id=self.node_id, reason=reason[:2000], recoverable=recoverable,
+        report = FailureReport(node_id=self.me, reason=reason[:2000], recoverable=recoverable,
                                still_training=still_training, failure=failure)
         self._call("POST", f"/v1/jobs/{job_id}/fail", token=self._node_token, json=report.model_dump())
 

@@ -9,7 +9,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Generic, TypeVar
 
 import httpx
 import torch
@@ -52,7 +52,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class BackgroundSender:
+class BackgroundSender(Generic[T]):
     """Sends items (metrics, checkpoints) from a thread of its own so the training worker never waits
     on HTTP. If the coordinator is slow, the oldest waiting items are dropped (`discard` is called on
     them) in favour of newer ones: the next report carries newer figures anyway."""
@@ -94,7 +94,7 @@ class BackgroundSender:
 class _Job:
     """The job this node works on, and why it was told to stop, if it was."""
     assignment: StageAssignment
-    thread: threading.Thread
+    thread: threading.Thread = field(init=False)  # runs _run_job(this job)
     stop: threading.Event = field(default_factory=threading.Event)
     stopped_for: str = ""  # "" | "cancel" | "recover" | "leave"
     done: threading.Event = field(default_factory=threading.Event)  # its thread has nothing left to do
@@ -117,8 +117,8 @@ class _JobRun:
     job: _Job
     prefix: str  # how the node's log names the stage, as the API counts
     scratch: Path  # checkpoints on their way out
-    reporter: BackgroundSender
-    uploader: BackgroundSender
+    reporter: BackgroundSender[MetricsReport]
+    uploader: BackgroundSender[tuple[int, Path]]
     runner: StageRunner | None = None  # once built
 
 
@@ -160,7 +160,10 @@ class NodeDaemon:
         if joined.probe_token:
             self.gate.set_probe_tokens([joined.probe_token])
             self._prober = LinkProber(joined.probe_token)
-        threading.Thread(target=lambda: (stop.wait(), self._beat_now.set()), name="stop-watch", daemon=True).start()
+        def beat_at_stop() -> None:  # the last heartbeat goes out at once
+            stop.wait()
+            self._beat_now.set()
+        threading.Thread(target=beat_at_stop, name="stop-watch", daemon=True).start()
         try:
             while not stop.is_set():
                 self._heartbeat()
@@ -200,7 +203,7 @@ class NodeDaemon:
 
     def _heartbeat(self) -> None:
         links = self._prober.take() if self._prober else []
-        runner = self._job.runner if self._running_job_id() else None
+        runner = self._job.runner if self._job is not None and self._running_job_id() else None
         try:
             reply = self.client.heartbeat(self._running_job_id(), links, bool(runner and runner.alone), self._proofs)
         except ApiError as e:
@@ -231,17 +234,18 @@ class NodeDaemon:
                 job.stop_for(why)
         assignment = reply.assignment
         if assignment and (assignment.job_id, assignment.generation) not in self._finished and job is None:
-            thread = threading.Thread(target=lambda: self._run_job(self._job), name="job", daemon=True)
-            self._job = _Job(assignment, thread)
-            thread.start()
+            job = self._job = _Job(assignment)
+            job.thread = threading.Thread(target=self._run_job, args=(job,), name="job", daemon=True)
+            job.thread.start()
 
     def _run_job(self, job: _Job) -> None:
         a = job.assignment
         run = _JobRun(job, prefix=f"job {a.job_id[:8]} cluster {a.cluster} stage {a.stage} (of {a.num_stages})",
                       scratch=Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")),
-                      reporter=BackgroundSender(lambda report: self.client.report_metrics(a.job_id, report),
-                                                capacity=64, name="metrics-reporter"),
-                      uploader=BackgroundSender(
+                      reporter=BackgroundSender[MetricsReport](
+                          lambda report: self.client.report_metrics(a.job_id, report), capacity=64,
+                          name="metrics-reporter"),
+                      uploader=BackgroundSender[tuple[int, Path]](
                           lambda item: self.client.upload_checkpoint(a.job_id, a.cluster, a.stage, a.generation,
                                                                      item[0], "periodic", item[1]),
                           capacity=1, name="checkpoint-uploader", discard=lambda item: item[1].unlink(missing_ok=True)))
@@ -264,7 +268,7 @@ class NodeDaemon:
             self.client.download_state(a.job_id, a.cluster, a.stage, state)
 
         def on_metrics(metrics: dict[str, float]) -> None:
-            run.reporter.put(MetricsReport(node_id=self.client.node_id, cluster=a.cluster, stage=a.stage,
+            run.reporter.put(MetricsReport(node_id=self.client.me, cluster=a.cluster, stage=a.stage,
                                            step=int(metrics.get("step", 0)), metrics=metrics))
             STAGES.update(a.job_id, a.cluster, a.stage, metrics)
             self.progress.update(run.prefix, metrics)
@@ -297,7 +301,7 @@ class NodeDaemon:
         run.reporter.close()
         # the final metrics reach the coordinator before the weights do (the job's result is taken then)
         self.client.report_final_metrics(a.job_id, MetricsReport(
-            node_id=self.client.node_id, cluster=a.cluster, stage=a.stage, step=int(final.get("step", 0)),
+            node_id=self.client.me, cluster=a.cluster, stage=a.stage, step=int(final.get("step", 0)),
             metrics=final))
         weights = run.scratch / "stage.safetensors"
         runner.save_weights(weights)
