@@ -96,12 +96,19 @@ def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20, probe_s: 
     return latency, growing_probe(lambda size: _probe(client, size), latency, probe_bytes, max_probe_bytes, probe_s)
 
 
-def _probe(client: httpx.Client, size: int, busy_retries: int = 20) -> float:
-    """Seconds one probe of `size` bytes took; a busy answer (429: other nodes joining with the same
-    token probe right now) is retried after a random pause, which is not timed."""
-    for _ in range(busy_retries):
+def _probe(client: httpx.Client, size: int, retries: int = 20) -> float:
+    """Seconds one probe of `size` bytes took. A busy answer (429: other nodes joining with the same
+    token probe right now) or a dropped connection is retried after a random pause, which is not
+    timed; a volunteer's join does not fail on one hiccup."""
+    for attempt in range(retries):
         start = time.perf_counter()
-        response = client.get("/v1/probe", params={"bytes": size})
+        try:
+            response = client.get("/v1/probe", params={"bytes": size})
+        except httpx.TransportError:
+            if attempt == retries - 1:
+                raise
+            time.sleep(0.5 + random.random())
+            continue
         took = time.perf_counter() - start
         if response.status_code != 429:
             break

@@ -34,7 +34,7 @@ class Mailbox:
                 self._cond.wait(remaining)
             return self._items.pop(key)
 
-    def discard(self, predicate: Callable[[Hashable], bool]) -> int:
+    def discard(self, predicate: Callable[[Any], bool]) -> int:
         """Drop every waiting item whose key matches (e.g. rounds that failed); returns how many."""
         with self._cond:
             stale = [k for k in self._items if predicate(k)]

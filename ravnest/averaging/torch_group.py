@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from typing import Any
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
@@ -99,7 +100,7 @@ class TorchMember:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _pg(self) -> ProcessGroupGloo:
+    def _pg(self) -> Any:  # a ProcessGroupGloo: torch's stubs do not list the collectives it binds
         if self._closed.is_set():
             raise RingError(f"segment {self.segment}: this member left the group")
         if self._group is None:
@@ -114,7 +115,7 @@ class TorchMember:
                                                hears_from=[0])[0][0])
                 master = self.addresses[0].rpartition(":")[0].strip("[]")
                 self._store = TCPStore(master, port, self.size, is_master=False, timeout=timeout)
-            options = ProcessGroupGloo._Options()
+            options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (bound in C++)
             options._devices = [ProcessGroupGloo.create_device(hostname=host)]
             options._timeout = timeout
             self._group = ProcessGroupGloo(PrefixStore(f"ravnest-segment-{self.segment}", self._store),

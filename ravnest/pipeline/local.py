@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Sequence
 
 import torch
@@ -41,7 +42,7 @@ def make_assignments(job: JobSpec, ranges: Ranges, addresses: list[str], token: 
     inputs = [stage_input(costs, start) for start, _ in ranges]
     return [StageAssignment(
         job_id=job_id, token=token, cluster=cluster, num_clusters=num_clusters, stage=s, num_stages=len(ranges),
-        blocks=tuple(ranges[s]), input_shape=inputs[s][0], input_dtype=inputs[s][1], model=job.model,
+        blocks=(ranges[s][0], ranges[s][1]), input_shape=inputs[s][0], input_dtype=inputs[s][1], model=job.model,
         dataset=job.dataset, training=job.training, averaging=job.averaging, prev=peers[s - 1] if s > 0 else None,
         next=peers[s + 1] if s + 1 < len(ranges) else None) for s in range(len(ranges))]
 
@@ -134,7 +135,7 @@ def enter_network_namespace(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"cannot enter network namespace {name!r} (root?)")
 
 
-def _gather(pipes: list[Connection], processes: list[mp.Process], deadline: float) -> list[Any]:
+def _gather(pipes: list[Connection], processes: list[BaseProcess], deadline: float) -> list[Any]:
     """One reply from every child, in stage order; the first failure (as it happens) raises."""
     replies: dict[int, Any] = {}
     while len(replies) < len(pipes):
@@ -149,15 +150,15 @@ def _gather(pipes: list[Connection], processes: list[mp.Process], deadline: floa
                 try:
                     reply = item.recv()
                 except EOFError:  # the child died before answering
-                    raise RuntimeError(f"stage {stage} process exited with code "
-                                       f"{processes[stage].join(5) or processes[stage].exitcode}") from None
+                    processes[stage].join(5)
+                    raise RuntimeError(f"stage {stage} process exited with code {processes[stage].exitcode}") from None
                 if isinstance(reply, dict) and "error" in reply:
                     raise RuntimeError(f"stage {stage} failed:\n{reply['error']}")
                 replies[stage] = reply
         for item in ready:
-            stage = sentinels.get(item)
-            if stage is not None and stage not in replies:
-                raise RuntimeError(f"stage {stage} process exited with code {processes[stage].exitcode}")
+            ended = sentinels.get(item) if isinstance(item, int) else None  # (sentinels are file descriptors)
+            if ended is not None and ended not in replies:
+                raise RuntimeError(f"stage {ended} process exited with code {processes[ended].exitcode}")
     return [replies[s] for s in range(len(pipes))]
 
 
@@ -188,7 +189,7 @@ def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeou
     token = secrets.token_hex(16)
     deadline = time.monotonic() + timeout
     pipes: list[Connection] = []
-    processes: list[mp.Process] = []
+    processes: list[BaseProcess] = []
     try:
         for i, _ in enumerate(flat):
             parent_end, child_end = context.Pipe()
@@ -208,13 +209,13 @@ def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeou
         results = _gather(pipes, processes, deadline)
         for pipe in pipes:
             pipe.send("shutdown")
-        for process in processes:
-            process.join(timeout=max(deadline - time.monotonic(), 5))
+        for child in processes:
+            child.join(timeout=max(deadline - time.monotonic(), 5))
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+        for child in processes:
+            if child.is_alive():
+                child.kill()
+                child.join()
     return [_result([results[i] for i, (c, _) in enumerate(flat) if c == cluster],
                     [load_tensors(results[i]["state"]) for i, (c, _) in enumerate(flat) if c == cluster])
             for cluster in range(len(cluster_ranges))]

@@ -32,7 +32,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], ref: OptimizerRef) -> 
     if cls not in OPTIMIZERS.values() and "fused" in inspect.signature(cls).parameters \
             and not {"fused", "foreach"} & ref.kwargs.keys():
         try:
-            return cls(params, **ref.kwargs, fused=True)
+            return cls(params, **ref.kwargs, fused=True)  # type: ignore[call-arg]  # (its signature has it)
         except (TypeError, ValueError, RuntimeError):
             pass  # bad kwargs are reported by the plain construction below
     try:
@@ -87,8 +87,8 @@ class StageOptimizer:
             return
         for param, values in state.items():
             self.optimizer.state[param] = dict(values)
-        self.schedule.last_epoch = step
-        for group, base_lr in zip(self.optimizer.param_groups, self.schedule.base_lrs):
+        self._schedule.last_epoch = step
+        for group, base_lr in zip(self.optimizer.param_groups, self._schedule.base_lrs):
             group["lr"] = base_lr * lr_factor(step, self.training)
 
     def micro_batch_done(self) -> bool:
@@ -106,7 +106,7 @@ class StageOptimizer:
         if self.optimizer is not None:
             if update:
                 self.optimizer.step()
-                self.schedule.step()
+                self._schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
         self._pending = 0
         self.steps += 1
@@ -128,7 +128,12 @@ class StageOptimizer:
         for param, grad in others.items():
             param.grad = grad
         if last:
-            self.schedule.step()
+            self._schedule.step()
+
+    @property
+    def _schedule(self) -> torch.optim.lr_scheduler.LambdaLR:
+        assert self.schedule is not None  # (there is one wherever there is an optimizer)
+        return self.schedule
 
     @property
     def lr(self) -> float:

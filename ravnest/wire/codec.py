@@ -193,7 +193,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray())
     # numpy has no bfloat16: reinterpret the bits; the receiver restores the dtype from the header.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def allocate(h: peer_pb2.TensorHeader) -> torch.Tensor:

@@ -9,7 +9,7 @@ that share the frame's memory (`zero_copy`) and the tensor came in one chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import grpc
 import torch
@@ -55,7 +55,7 @@ def chunk_frame(data: bytes | memoryview) -> bytes:
     return b"".join((_chunk_prefix(len(data)), data))
 
 
-def read_chunk(data: bytes) -> memoryview | None:
+def read_chunk(data: bytes | bytearray | memoryview) -> memoryview | None:
     """The chunk of a serialized Frame that holds nothing but a chunk, without copying; else None.
 
     Anything else (headers, extra or unknown fields, odd encodings) returns None and goes through
@@ -75,7 +75,7 @@ def read_chunk(data: bytes) -> memoryview | None:
     return None
 
 
-def parse_frame(data: bytes) -> peer_pb2.Frame | memoryview:
+def parse_frame(data: bytes | bytearray | memoryview) -> peer_pb2.Frame | memoryview:
     """A serialized frame: a memoryview for a data chunk, a Frame for anything else."""
     chunk = read_chunk(data)
     if chunk is not None:
@@ -106,8 +106,9 @@ def chunked_frames(parts: list[tuple[bytes, memoryview | None]],
     """The serialized frames of a prepared message, data cut into chunks as they are consumed."""
     for header, view in parts:
         yield header
-        for start in range(0, len(view or b""), chunk_bytes):
-            yield chunk_frame(view[start:start + chunk_bytes])
+        if view is not None:
+            for start in range(0, len(view), chunk_bytes):
+                yield chunk_frame(view[start:start + chunk_bytes])
 
 
 def encode_message(msg: Message, codec: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
@@ -148,7 +149,7 @@ class MessageAssembler:
             yield self._read_message(value, frames)
 
     @staticmethod
-    def _next(frames: Iterator[FrameLike]) -> tuple[str, object]:
+    def _next(frames: Iterator[FrameLike]) -> tuple[str, Any]:
         """(body kind, value) of the next frame: "message", "tensor", "chunk", "empty frame" or _END."""
         item = next(frames, None)
         if item is None:

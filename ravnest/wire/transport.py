@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Collection, Iterator, Union
+from typing import Callable, Collection, Iterable, Iterator, Union
 
 import grpc
 
@@ -473,7 +473,7 @@ class OutboundStream:
             self.cancel()
             raise PeerError(f"peer {self.address}: stream severed by fault injection")  # by this side
         parts = prepare_message(msg, self.codec if codec is None else codec)
-        frames = chunked_frames(parts, self.chunk_bytes)
+        frames: Iterable[bytes] = chunked_frames(parts, self.chunk_bytes)
         if copy:
             frames = list(frames)
         self._put(frames, None if timeout is None else time.monotonic() + timeout)

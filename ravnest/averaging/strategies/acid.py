@@ -44,7 +44,7 @@ import torch
 
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
-from ravnest.averaging.ring import RingError
+from ravnest.averaging.ring import RingError, RingMember
 from pydantic import Field
 
 from ravnest.averaging.registry import StrategySettings
@@ -112,7 +112,7 @@ def gap_averaging(gap: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.
 
 @dataclass
 class _Segment:
-    member: object
+    member: RingMember  # (or a TorchGroup: the same interface)
     layout: FlatLayout
     gap: torch.Tensor         # x~ - x
     published: torch.Tensor   # the latest x the training thread published
@@ -121,7 +121,7 @@ class _Segment:
     lock: threading.Lock = field(default_factory=threading.Lock)
     untaken: int = 0          # how many finished averagings those sums hold
     events: int = 0
-    thread: threading.Thread | None = None
+    thread: threading.Thread = field(default_factory=threading.Thread)  # replaced by its communication thread
 
 
 class AcidSettings(StrategySettings):
@@ -166,12 +166,12 @@ class AsyncPairwiseMomentum(GroupStrategy):
         else:
             arrivals = [k / self.rate for k in range(count)]
         self._arrivals = arrivals
-        self._steps_done = 0
+        self._steps_done: float = 0  # math.inf once finishing
         self._progress = threading.Condition()
         self._stopping = threading.Event()
         self._segments: list[_Segment] = []
         for ring in a.rings:
-            layout = FlatLayout(self.live, canonical_keys(self.live, tuple(ring.blocks)))
+            layout = FlatLayout(self.live, canonical_keys(self.live, ring.blocks))
             x = layout.flatten(self.live)
             self._segments.append(_Segment(group_member(context, ring, step_timeout=step_timeout), layout,
                                            torch.zeros_like(x), x, torch.zeros_like(x), torch.zeros_like(x)))

@@ -106,7 +106,7 @@ class DecoupledAllReduce(GroupStrategy):
         self._params = params
         self._segments: list[_Segment] = []
         for ring in a.rings:
-            blocks = tuple(ring.blocks)
+            blocks = ring.blocks
             keys = [k for k in canonical_keys(self.live, blocks) if k in params]
             sizes = [params[k].numel() * 4 for k in reversed(keys)]  # fp32 on the wire, backward order
             member = group_member(context, ring, step_timeout=step_timeout)  # raw fp32: see the docstring
@@ -263,7 +263,8 @@ class DecoupledAllReduce(GroupStrategy):
         member.reduce_scatter(flat, round, codec="", out=flat)
         return time.perf_counter() - started
 
-    def _gather(self, member: RingMember, flat: torch.Tensor, round: int, reduced: Future) -> torch.Tensor:
+    def _gather(self, member: RingMember, flat: torch.Tensor, round: int, reduced: Future | None) -> torch.Tensor:
+        assert reduced is not None  # (its reduce-scatter was submitted before it)
         seconds = reduced.result()  # done: the pool runs one task at a time, in order
         started = time.perf_counter()
         member.all_gather(flat, round, codec="")
@@ -283,6 +284,7 @@ class DecoupledAllReduce(GroupStrategy):
             while segment.unapplied and (block is None or segment.unapplied[0].first_block <= block):
                 group = segment.unapplied.pop(0)
                 waited = time.perf_counter()
+                assert group.gathered is not None  # (every unapplied group's all-gather was submitted)
                 with self._waiting():
                     group.gathered.result()  # re-raises the round's error, naming peer and round
                 self.stall_s += time.perf_counter() - waited

@@ -76,7 +76,7 @@ class GossipMixing(GroupStrategy):
         self._eval_averages: dict[int, list[torch.Tensor]] = {}  # evaluation round -> average per segment
         self._eval_backup: list[torch.Tensor] | None = None
         self._segments = [_Segment(group_member(context, ring, codec=settings.codec, step_timeout=step_timeout),
-                                   tuple(ring.blocks)) for ring in a.rings]
+                                   (ring.blocks[0], ring.blocks[1])) for ring in a.rings]
         self._pool = ThreadPoolExecutor(max(1, len(self._segments)), thread_name_prefix="ravnest-gossip")
         self.rounds = 0
         self.mix_s = 0.0    # seconds the exchanges took, summed
@@ -185,6 +185,7 @@ class GossipMixing(GroupStrategy):
     def _apply(self, segment: _Segment) -> None:
         """x += mixed - snapshot: the mixing, keeping what the stage trained meanwhile."""
         future, segment.running = segment.running, None
+        assert future is not None and segment.layout is not None  # (a round ran, so there is a layout)
         mixed, seconds = future.result()  # re-raises the exchange's error, naming peer and round
         self.rounds += 1
         self.mix_s += seconds

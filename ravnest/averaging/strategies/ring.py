@@ -67,8 +67,8 @@ class _Segment:
     blocks: tuple[int, int]
     layout: FlatLayout | None = None  # built at the first round: optimizer state appears at the first step
     # reused every round (rounds of one segment never overlap): fresh large buffers cost page faults
-    snapshot: torch.Tensor | None = None
-    average: torch.Tensor | None = None
+    snapshot: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    average: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     running: Future | None = None
     running_round: int = 0
     apply_at: int = 0  # step mode: the step after which the running round is applied
@@ -113,7 +113,7 @@ class RingAveraging(GroupStrategy):
         now = time.perf_counter()
         self._segments = [
             _Segment(group_member(context, ring, codec=settings.codec, step_timeout=step_timeout),
-                     tuple(ring.blocks), due_at=now + (self.every_seconds or 0.0))
+                     (ring.blocks[0], ring.blocks[1]), due_at=now + (self.every_seconds or 0.0))
             for ring in assignment.rings]
         # one thread per ring: a node serves all its rings at once
         self._pool = ThreadPoolExecutor(max(1, len(self._segments)), thread_name_prefix="ravnest-avg")
@@ -226,6 +226,7 @@ class RingAveraging(GroupStrategy):
     def _apply(self, segment: _Segment) -> None:
         """x += avg(snapshot) - snapshot for every tensor of the segment's finished round."""
         future, segment.running = segment.running, None
+        assert future is not None and segment.layout is not None  # (a round ran, so there is a layout)
         outcome: _Outcome = future.result()  # re-raises the ring's error, naming peer and step
         self.history.append(RoundRecord(segment.member.segment, segment.running_round, segment.started,
                                         outcome.ended))
