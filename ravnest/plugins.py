@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import pkgutil
+import threading
 from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -45,6 +46,10 @@ class PluginRegistry(Generic[T]):
         self.group, self.what, self.error, self.package, self.adapt = group, what, error, package, adapt
         self._items: dict[str, T] = {}
         self._imported = package is None
+        # the first lookups may come from several threads at once (a coordinator's request threads
+        # after a restart): one imports, the others wait until every built-in has registered
+        self._importing = threading.RLock()
+        self._loading = False
 
     def copy(self) -> PluginRegistry[T]:
         """Another registry with what this one holds (tests register into a copy)."""
@@ -61,10 +66,17 @@ class PluginRegistry(Generic[T]):
     def _import_built_ins(self) -> None:
         if self._imported:
             return
-        self._imported = True
-        assert self.package is not None
-        for module in pkgutil.iter_modules(importlib.import_module(self.package).__path__):
-            importlib.import_module(f"{self.package}.{module.name}")
+        with self._importing:
+            if self._imported or self._loading:  # another thread finished meanwhile; or a built-in's
+                return                            # own import looks something up (this thread)
+            assert self.package is not None
+            self._loading = True
+            try:
+                for module in pkgutil.iter_modules(importlib.import_module(self.package).__path__):
+                    importlib.import_module(f"{self.package}.{module.name}")
+                self._imported = True  # only now: a lookup before this point would miss names
+            finally:
+                self._loading = False
 
     def names(self) -> list[str]:
         """Built-in, registered and installed (entry-point) names."""

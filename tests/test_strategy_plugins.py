@@ -106,3 +106,34 @@ def test_an_installed_strategy_runs_in_training_with_the_jobs_settings(plugin) -
             before_a, before_b = a.before_finish[key], b.before_finish[key]
             # each moved a quarter of the way to the mean: (1 - 0.25 / 2) of its own + 0.25 / 2 of the other's
             torch.testing.assert_close(after, 0.875 * before_a + 0.125 * before_b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_first_lookups_from_many_threads_at_once_all_find_the_built_ins(tmp_path, monkeypatch) -> None:
+    """A restarted coordinator's first requests arrive together: before, one thread marked the
+    built-ins imported before they were, and another was told 'unknown averaging strategy ring'."""
+    import sys
+    import threading
+
+    from ravnest.plugins import PluginRegistry
+
+    package = tmp_path / "slow_builtins"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in ("alpha", "beta", "gamma"):  # each takes a while to import, then registers itself
+        (package / f"{name}.py").write_text(textwrap.dedent(f"""
+            import time
+            import test_registry_holder
+            time.sleep(0.1)
+            test_registry_holder.REGISTRY.register({name!r}, object())
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    holder = type(sys)("test_registry_holder")
+    holder.REGISTRY = PluginRegistry("ravnest.test-nothing", "thing", LookupError, package="slow_builtins")
+    monkeypatch.setitem(sys.modules, "test_registry_holder", holder)
+    answers: list[bool] = []
+    threads = [threading.Thread(target=lambda: answers.append(holder.REGISTRY.known("gamma"))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert answers == [True] * 8
