@@ -27,7 +27,7 @@ Tensors = dict[str, torch.Tensor]
 RngState = tuple[torch.Tensor, torch.Tensor | None]
 # observer(micro_batch, version, snapshot, inputs, grad_output, param_grads), a hook for tests;
 # it must copy what it keeps
-BackwardObserver = Callable[[int, int, Tensors, torch.Tensor, torch.Tensor, Tensors], None]
+BackwardObserver = Callable[[int, int, Tensors, torch.Tensor, torch.Tensor | None, Tensors], None]
 
 
 class WeightVersions:
@@ -57,7 +57,7 @@ class WeightVersions:
 
     def __init__(self, module: nn.Module, snapshots: bool = True, predict: int = 0):
         self.snapshots = snapshots
-        self._live = dict(module.named_parameters())
+        self._live: Tensors = dict(module.named_parameters())
         self._snapshots: dict[tuple[int, int], Tensors] = {}
         self._users: Counter[tuple[int, int]] = Counter()
         self._spare: list[Tensors] = []  # retired snapshots, refilled in place: no allocation per step
@@ -95,12 +95,14 @@ class WeightVersions:
         (PIECE values of each tensor at a time: what a piece's passes touch stays in cache); with `save`,
         also the copy of the live weights the next step needs (`save_previous`), into the buffer
         whose piece the prediction has just read."""
-        second = self.earlier is not None
+        previous, earlier = self.previous, self.earlier
+        assert previous is not None  # (`acquire` predicts only once there is one)
         copy_to = self._copy_target() if save else {}
         c = d * (d + 1) / 2
+        second = earlier is not None
         for name, p in self._live.items():
-            tensors = [snapshot[name], p.detach(), self.previous[name]]
-            tensors += ([self.earlier[name]] if second else []) + ([copy_to[name]] if save else [])
+            tensors = [snapshot[name], p.detach(), previous[name]]
+            tensors += ([earlier[name]] if earlier is not None else []) + ([copy_to[name]] if save else [])
             for out, w, w1, *rest in zip(*_pieces(tensors)):
                 if second:  # order 2
                     torch.lerp(rest[0], w1, (d + 2 * c) / (d + c), out=out)
@@ -141,6 +143,7 @@ class WeightVersions:
     def _copy_target(self) -> Tensors:
         """The buffer the coming step's copy goes into: order 1 its one buffer, order 2 the older of its
         two (made on the first copy into it), which then becomes `previous` (`_copied`)."""
+        assert self.previous is not None  # (`save_previous` makes it at the first step)
         if self.predict == 1:
             return self.previous
         if self.earlier is None:
@@ -314,6 +317,7 @@ class StageCompute:
         """The micro-batch's output with its graph: kept ("stash") or redone now ("recompute", with the
         same weights and RNG; throwaway buffer copies keep BatchNorm from counting it twice)."""
         if entry.output is None:
+            assert entry.rng is not None  # (recompute keeps the RNG state, stash the output)
             entry.inputs = self._prepare(entry.inputs)
             with _replayed_rng(entry.rng, self.device):
                 entry.output, _, entry.captured = self._run(entry.weights, entry.inputs, entry.loss_fn)
@@ -332,10 +336,10 @@ class StageCompute:
             entry.param_grads = grads[1]
             return grads[0]
         captured = entry.captured or []
-        grads = torch.autograd.grad(output, [entry.inputs, *(t for _, t in captured)], grad_output,
+        split = torch.autograd.grad(output, [entry.inputs, *(t for _, t in captured)], grad_output,
                                     retain_graph=True, allow_unused=True)
-        entry.owner_grads = [(index, t, g) for (index, t), g in zip(captured, grads[1:]) if g is not None]
-        return grads[0]
+        entry.owner_grads = [(index, t, g) for (index, t), g in zip(captured, split[1:]) if g is not None]
+        return split[0]
 
     def backward_weights(self, micro_batch: int) -> int:
         """W: the weight gradients of a micro-batch whose B has run, added to the live parameters'
@@ -346,6 +350,7 @@ class StageCompute:
         if entry.owner_grads is not None:
             param_grads = self._split_weight_grads(entry)
         else:
+            assert entry.param_grads is not None  # (just computed, or by B)
             param_grads = entry.param_grads
         if self.observer is not None:  # before accumulating: grads may become live .grad tensors
             self.observer(micro_batch, entry.version, entry.weights, entry.inputs.detach(), entry.grad_output,
@@ -372,8 +377,10 @@ class StageCompute:
         if not self._split_checked:
             return self._checked_weight_grads(entry)
         param_grads: Tensors = {}
-        last = len(entry.owner_grads) - 1
-        for i, (index, output, grad) in enumerate(entry.owner_grads):
+        owner_grads = entry.owner_grads
+        assert owner_grads is not None  # (B split the backward)
+        last = len(owner_grads) - 1
+        for i, (index, output, grad) in enumerate(owner_grads):
             for name, g in self._owner_weight_grads(entry, index, output, grad, keep_graph=i < last):
                 param_grads[name] = g if name not in param_grads else param_grads[name] + g
         entry.output = None  # the graph is no longer needed
@@ -384,6 +391,7 @@ class StageCompute:
         against them owner by owner through linear fingerprints, so the check never holds a
         second copy of the stage's gradients. A model that fails it is not split again."""
         self._split_checked = True
+        assert entry.output is not None and entry.owner_grads is not None  # (B split the backward, graph kept)
         _, plain = self._plain_backward(entry, entry.output, keep_graph=True)
         split: dict[str, torch.Tensor] = {}
         last = len(entry.owner_grads) - 1
