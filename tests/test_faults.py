@@ -176,8 +176,9 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
     state its stages hand in."""
     with LocalCluster(tmp_path, nodes=2) as cluster:
         # long enough that the newcomers (which start, profile and measure their links while two nodes
-        # train on the same cores) join before three quarters of it are done, when a job stops growing
-        job_id = cluster.submit(cnn_job(steps=6000, clusters="auto", min_nodes=2))
+        # train on the same cores) join before three quarters of it are done, when a job stops growing:
+        # 6000 steps were not, once, on a loaded CI machine (it completed first)
+        job_id = cluster.submit(cnn_job(steps=12000, clusters="auto", min_nodes=2))
         wait_progress(cluster, job_id, 0.01)
         assert len(cluster.job(job_id)["plan"]["clusters"]) == 1
         newcomers = cluster.add_nodes(2)
