@@ -91,26 +91,30 @@ def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20, probe_s: 
                      max_probe_bytes: int = 16 << 20) -> tuple[float, float]:
     """(round-trip seconds, bytes/s) to the coordinator, from /healthz pings and probe downloads that
     grow while they are short (`growing_probe`)."""
-    client.get("/healthz")  # opens the connection
-    latency = min(_timed(lambda: client.get("/healthz")) for _ in range(3))
-    return latency, growing_probe(lambda size: _probe(client, size), latency, probe_bytes, max_probe_bytes, probe_s)
+    _steady_get(client, "/healthz")  # opens the connection
+    latency = min(_steady_get(client, "/healthz") for _ in range(3))
+    probe = lambda size: _steady_get(client, "/v1/probe", params={"bytes": size}, expect_busy=True)  # noqa: E731
+    return latency, growing_probe(probe, latency, probe_bytes, max_probe_bytes, probe_s)
 
 
-def _probe(client: httpx.Client, size: int, retries: int = 20) -> float:
-    """Seconds one probe of `size` bytes took. A busy answer (429: other nodes joining with the same
-    token probe right now) or a dropped connection is retried after a random pause, which is not
-    timed; a volunteer's join does not fail on one hiccup."""
-    for attempt in range(retries):
+def _steady_get(client: httpx.Client, path: str, *, params: dict | None = None, expect_busy: bool = False,
+                tries: int = 20) -> float:
+    """Seconds one GET took. A dropped or reset connection (a coordinator busy with other joins
+    resets some) and, where `expect_busy`, a busy answer (429: other nodes joining with the same
+    token probe right now) are tried again after a random pause, which is not timed: a volunteer's
+    join does not fail on one hiccup."""
+    for attempt in range(tries):
+        last = attempt == tries - 1
         start = time.perf_counter()
         try:
-            response = client.get("/v1/probe", params={"bytes": size})
+            response = client.get(path, params=params)
         except httpx.TransportError:
-            if attempt == retries - 1:
+            if last:
                 raise
             time.sleep(0.5 + random.random())
             continue
         took = time.perf_counter() - start
-        if response.status_code != 429:
+        if not (expect_busy and response.status_code == 429) or last:
             break
         time.sleep(0.5 + random.random())
     if response.status_code == 401:

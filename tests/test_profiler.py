@@ -38,3 +38,47 @@ def test_a_single_threaded_node_measures_the_same_on_a_crowded_host(one_thread):
     # one physical core: busy neighbours slow each instruction, here by up to 30%); what it must not
     # count is the time the OS gave to others, which wall-clock windows did (about 0.3 of idle here)
     assert crowded >= 0.6 * idle
+
+
+def test_the_link_measurement_survives_connections_the_coordinator_resets():
+    """A coordinator busy with other joins resets some connections (CI saw 'Connection reset by peer'
+    end a node's join); the node measures on, over fresh connections."""
+    import socket
+    import struct
+    import threading
+
+    import httpx
+
+    from node.profiler import coordinator_link
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    served = {"reset": 0, "answered": 0}
+
+    def serve() -> None:  # resets the 1st and 4th connection, answers the others; stops after 40
+        for n in range(40):
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = conn.recv(65536)
+                if n in (0, 3):
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    served["reset"] += 1
+                    continue  # closed with RST
+                size = 2
+                if b"bytes=" in request:
+                    size = int(request.split(b"bytes=")[1].split(b" ")[0])
+                conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % size
+                             + bytes(size))
+                served["answered"] += 1
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{listener.getsockname()[1]}") as client:
+            latency, bandwidth = coordinator_link(client, probe_bytes=1 << 16, max_probe_bytes=1 << 18)
+    finally:
+        listener.close()
+    assert served["reset"] == 2 and served["answered"] >= 4, served
+    assert 0 < latency < 1 and bandwidth > 0
