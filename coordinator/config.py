@@ -26,6 +26,12 @@ class Settings:
     slow_factor: float = 8.0
     slow_after_steps: int = 20
     slow_checks: int = 3
+    # a stage alone in its job (no peers to compare with) this many times slower than its node's profile
+    # promised: the profile was a lie (a tiny stage on a crowded machine measured up to 9.2x), corrected
+    claim_factor: float = 100.0
+    # handed-in weights are implausible where a tensor's RMS exceeds this many times its initial RMS
+    # (at least 1): training does not grow weights a hundredfold without diverging first
+    weight_growth_bound: float = 100.0
     # no single node decides a job's fate (failure_policy.py): a job fails at a report that it cannot
     # start only once that many different nodes said so; a node whose reports caused quarantine_after
     # re-plans within quarantine_window_s is not placed for quarantine_s

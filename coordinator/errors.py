@@ -16,6 +16,14 @@ class InvalidRequest(CoordinatorError):
     status_code = 422
 
 
+class Implausible(InvalidRequest):
+    """What a node handed in cannot be what it says it is (the job re-plans without the node)."""
+
+    def __init__(self, detail: str, node_id: str) -> None:
+        super().__init__(detail)
+        self.node_id = node_id
+
+
 class Unauthorized(CoordinatorError):
     status_code = 401
 

@@ -27,14 +27,26 @@ nodes on two cores and stages of a few ms, where Python's fixed cost per action 
 not count) dominates, a normal stage measured up to 9.2x its prediction while its peers were at 2.3x.
 A node held to 8% of a core measured 30-46x (tests/test_faults.py); a pipeline runs at its slowest
 stage's pace, so a stage 8x slower than planned costs its whole cluster about that much.
+
+A stage alone in its job has no peers. Its FLOPs over its compute time, less the plan's fixed cost
+per micro-batch, are what its node computes like; it is slow once its profile claimed `claim_factor`
+(100) times that, which no crowding explains but a false profile does (1e17 FLOP/s claimed by a CPU
+is a million times off).
+
+A node's profile is a claim, and a slow stage is the measurement that refutes it: the node's figure
+is corrected to what it measured (`Slow.measured_flops`; with peers, the FLOP/s at which the plan
+would have predicted the slowness its peers showed), and the planner uses that figure from then on.
+A node that lied about its compute loses its work once measured, and keeps no advantage.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from ravnest.failures import PEER_KINDS, Failure, FailureKind
+from ravnest.partition import STAGE_OVERHEAD_S
 
 from .config import Settings
 
@@ -48,6 +60,17 @@ class StageSpeed:
     step: int
     compute_s: float | None  # measured busy seconds per micro-batch, recent (None: not reported yet)
     predicted_s: float  # the plan's seconds per micro-batch
+    flops: float  # its node's figure the plan used
+    work_flops: float  # the stage's FLOPs per micro-batch, forward and backward
+
+
+@dataclass(frozen=True)
+class Slow:
+    """A stage found too slow: the reason a user reads, the event, and its node's corrected figure."""
+    stage: StageSpeed
+    said: str
+    failure: Failure
+    measured_flops: float
 
 
 class FailurePolicy:
@@ -69,23 +92,34 @@ class FailurePolicy:
     def recoveries_left(max_recoveries: int, losses_since_resume: int) -> bool:
         return losses_since_resume < max_recoveries
 
-    def slow_stage(self, job_id: str, stages: list[StageSpeed]) -> tuple[StageSpeed, str, Failure] | None:
-        """The stage to re-plan around, with the reason a user reads and the event, or None."""
+    def slow_stage(self, job_id: str, stages: list[StageSpeed]) -> Slow | None:
+        """The stage to re-plan around, or None."""
         factor = self.settings.slow_factor
         ratios = {s: s.compute_s / s.predicted_s for s in stages if s.compute_s is not None and s.predicted_s > 0}
         for stage, ratio in ratios.items():
             key = (job_id, stage.node_id)
             others = [r for s, r in ratios.items() if s is not stage]
-            peers = statistics.median(others) if others else 0.0
-            slow = stage.step >= self.settings.slow_after_steps and bool(others) and ratio > factor * max(1.0, peers)
+            if others:
+                peers = max(1.0, statistics.median(others))
+                slow, measured = ratio > factor * peers, stage.flops * peers / ratio
+                said = (f"computes a micro-batch in {ratio * stage.predicted_s * 1e3:.0f} ms, {ratio:.1f}x the "
+                        f"{stage.predicted_s * 1e3:.0f} ms planned (the other stages: {peers:.1f}x)")
+                rule = f"slow_factor {factor:g}"
+            else:
+                compute_s = ratio * stage.predicted_s - STAGE_OVERHEAD_S
+                measured = stage.work_flops / compute_s if compute_s > 0 else math.inf
+                slow = stage.flops > self.settings.claim_factor * measured
+                said = (f"computes like {measured / 1e9:,.1f} GFLOP/s, where its profile claimed "
+                        f"{stage.flops / 1e9:,.1f} (a micro-batch in {ratio * stage.predicted_s * 1e3:,.1f} ms, "
+                        f"not {stage.predicted_s * 1e3:,.1f})")
+                rule = f"claim_factor {self.settings.claim_factor:g}"
+            slow = slow and stage.step >= self.settings.slow_after_steps
             self._slow_in_a_row[key] = self._slow_in_a_row.get(key, 0) + 1 if slow else 0
             if self._slow_in_a_row[key] >= self.settings.slow_checks:
                 del self._slow_in_a_row[key]
-                said = (f"computes a micro-batch in {ratio * stage.predicted_s * 1e3:.0f} ms, {ratio:.1f}x the "
-                        f"{stage.predicted_s * 1e3:.0f} ms planned (the other stages: {peers:.1f}x)")
                 failure = Failure(kind=FailureKind.SLOW, message=said, peer_id=stage.node_id, step=stage.step,
-                                  detail=f"slow_factor {factor:g}, {self.settings.slow_checks} reports in a row")
-                return stage, said, failure
+                                  detail=f"{rule}, {self.settings.slow_checks} reports in a row")
+                return Slow(stage, said, failure, measured)
         return None
 
     @staticmethod

@@ -9,6 +9,7 @@ checked against the model's shapes before it is kept; nothing here unpickles.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -95,6 +96,23 @@ def check_stage_tensors(tensors: dict[str, torch.Tensor], expected: Shapes, *, o
            and not bool(torch.isfinite(tensor).all())]
     if bad:
         raise InvalidRequest(f"tensors {bad[:5]} hold NaN or infinite values")
+
+
+def rms(tensor: torch.Tensor) -> float:
+    """Root mean square, summed in float64 (3e38 squared overflows float32)."""
+    if not tensor.numel():
+        return 0.0
+    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) / math.sqrt(tensor.numel())
+
+
+def implausible(tensors: dict[str, torch.Tensor], initial_rms: dict[str, float], bound: float) -> str | None:
+    """Why weights handed in as trained cannot be, or None: a tensor whose RMS is above `bound` times
+    its initial RMS (at least 1). Training does not grow weights that much without diverging first."""
+    for key, tensor in tensors.items():
+        if key in initial_rms and (value := rms(tensor)) > bound * max(1.0, initial_rms[key]):
+            return (f"{key} has an RMS of {value:.3g}, more than {bound:g} times what it started at "
+                    f"({initial_rms[key]:.3g}, counted as at least 1)")
+    return None
 
 
 def merge(files: list[Path], target: Path, metadata: dict[str, str]) -> None:

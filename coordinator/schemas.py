@@ -37,6 +37,8 @@ class NodeView(BaseModel):
                                                                      "refused with why")
     quarantined_until: float | None = Field(None, description="its failure reports caused too many re-plans: it is "
                                                               "not placed (nor believed) until then")
+    measured_flops: float | None = Field(None, description="FLOP/s its stages measured, where that was far below "
+                                                           "its profile's claim: the planner's figure since")
 
 
 class PlannedStage(BaseModel):

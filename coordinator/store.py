@@ -70,6 +70,8 @@ class NodeRow(Base):
     replans_caused: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
     quarantined_until: Mapped[float | None] = mapped_column(Float, nullable=True)
     quarantine_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # its profile is a claim: the FLOP/s its stages measured where they were far below it (failure_policy.py)
+    measured_flops: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class JobRow(Base):
@@ -246,6 +248,12 @@ def _check_columns(engine) -> None:
 def stages_of(session: Session, job_id: str) -> list[StageRow]:
     return list(session.scalars(select(StageRow).where(StageRow.job_id == job_id)
                                 .order_by(StageRow.cluster, StageRow.stage)))
+
+
+def members_of(session: Session, job_id: str) -> dict[str, NodeRow]:
+    """The nodes holding a stage of the job, by id."""
+    return {node.id: node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(
+        select(StageRow.node_id).where(StageRow.job_id == job_id))))}
 
 
 def stage_of_node(session: Session, job_id: str, node_id: str) -> StageRow | None:

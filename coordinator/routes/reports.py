@@ -70,7 +70,7 @@ async def upload_weights(job_id: str, request: Request, cluster: int = Query(ge=
     limit = await run_in_threadpool(coordinator.artifacts.upload_limit, job_id, authorization, cluster, stage)
     path = await receive(coordinator, request, job_id, limit)
     try:
-        await run_in_threadpool(coordinator.artifacts.accept_weights, job_id, authorization, cluster, stage, path)
+        await run_in_threadpool(coordinator.jobs.hand_in_weights, job_id, authorization, cluster, stage, path)
     finally:
         path.unlink(missing_ok=True)  # accepted uploads were moved away already
     return Response(status_code=204)

@@ -7,15 +7,16 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .. import files, jobs
-from ..errors import Conflict, Forbidden, NotFound
+from ..errors import Conflict, Forbidden, Implausible, NotFound
 from ..jobs import JobState
 from ..recovery import StoredState, resume_point
 from ..store import CheckpointRow, JobRow, StageRow, stages_of
-from .core import HEADER_ALLOWANCE, OPTIMIZER_STATE_FACTOR, PERIODIC, Core, costs_of, state_shapes_of
+from .core import HEADER_ALLOWANCE, OPTIMIZER_STATE_FACTOR, PERIODIC, Core, costs_of, initial_rms_of, state_shapes_of
 
 
 class Artifacts:
@@ -55,12 +56,14 @@ class Artifacts:
 
     def accept_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int, upload: Path) -> None:
         """Validate an uploaded stage state dict (safetensors, no pickle), keep it, and finish the job
-        once every stage of cluster 0 is in."""
+        once every stage of cluster 0 is in. Weights that cannot be the trained stage are refused
+        (`Implausible`: the stage has not reported its last step, or a tensor grew implausibly)."""
         tensors = files.load_upload(upload)
         with self.core.lock, self.core.store.session() as session:
             job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage)
             files.check_stage_tensors(tensors, self._stage_shapes(job, row), optimizer_state=False)
+            self._check_plausible(job, row, tensors)
             folder = self.job_dir(job.id) / "weights"
             files.commit(upload, folder / f"c{cluster}-s{stage}.safetensors")
             row.weights_uploaded, row.updated_at = True, self.core.clock()
@@ -75,6 +78,20 @@ class Artifacts:
                                     f"every node has its assignment; {self.core.plan(job).reason}", self.core.clock())
                 jobs.transition(job, JobState.COMPLETED, "every stage of cluster 0 uploaded its weights",
                                 self.core.clock())
+
+    def _check_plausible(self, job: JobRow, row: StageRow, tensors: dict[str, torch.Tensor]) -> None:
+        steps = jobs.spec_of(job).training.steps
+        if row.step < steps:
+            raise Implausible(f"final weights handed in by a stage that reported step {row.step} of {steps}",
+                              row.node_id)
+        start, end = self.core.plan(job).clusters[row.cluster].stages[row.stage].blocks
+        model = job.spec["model"]
+        config = json.dumps(model["config"], sort_keys=True)
+        initial = {key: value for index in range(start, end)
+                   for key, value in initial_rms_of(model["name"], config, index).items()}
+        why = files.implausible(tensors, initial, self.core.settings.weight_growth_bound)
+        if why is not None:
+            raise Implausible(f"implausible weights: {why}", row.node_id)
 
     def accept_checkpoint(self, job_id: str, authorization: str | None, cluster: int, stage: int, generation: int,
                           step: int, kind: str, upload: Path) -> None:

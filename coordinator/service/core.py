@@ -28,6 +28,7 @@ from ravnest.spec import JobSpec
 from ..config import Settings
 from ..errors import Forbidden, NotFound, Unauthorized
 from ..failure_policy import FailurePolicy
+from ..files import rms
 from ..schemas import Plan
 from ..security import bearer_token, derive_token, hash_token, token_file
 from ..store import CredentialRow, JobRow, NodeRow, StageRow, Store, stage_of_node
@@ -55,6 +56,14 @@ def costs_of(spec: JobSpec) -> list[BlockCost]:
 def state_shapes_of(name: str, config_json: str) -> dict[str, tuple[tuple[int, ...], int]]:
     """Every key of the full model's state dict -> (shape, bytes), from the meta device."""
     return state_shapes(build_model(name, json.loads(config_json)))
+
+
+@functools.lru_cache(maxsize=1024)
+def initial_rms_of(name: str, config_json: str, index: int) -> dict[str, float]:
+    """Block `index`'s state-dict keys ("{index}.<name>") -> the RMS of their initial values: built
+    alone on the CPU, once per model and block (the scale of an initialisation hardly depends on its seed)."""
+    block = build_model(name, json.loads(config_json)).block(index, seed=0)
+    return {f"{index}.{key}": rms(tensor) for key, tensor in block.state_dict().items() if tensor.is_floating_point()}
 
 
 class Core:
@@ -149,6 +158,11 @@ def node_refusal(node: NodeRow, now: float) -> str | None:
     if node.token_expires_at is not None and now >= node.token_expires_at:
         return f"node {node.id}'s credential expired (no heartbeat for too long); join again"
     return None
+
+
+def planning_flops(node: NodeRow) -> float:
+    """The FLOP/s the planner divides by: what its stages measured where that was far below its claim."""
+    return node.measured_flops if node.measured_flops is not None else float(node.profile["flops"])
 
 
 def quarantined(node: NodeRow, now: float) -> bool:

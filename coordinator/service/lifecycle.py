@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -10,15 +11,15 @@ from ravnest.spec import FailureReport, JobSpec, MetricsReport
 from ravnest.telemetry import is_stage_figure
 
 from .. import jobs
-from ..errors import Conflict, Forbidden, InvalidRequest
+from ..errors import Conflict, Forbidden, Implausible, InvalidRequest
 from ..failure_policy import StageSpeed
 from ..failures import failure_reason, who
 from ..jobs import JobState
 from ..schemas import CurvePoint, JobCreated, JobSummary, JobView
 from ..security import new_id
-from ..store import CurvePointRow, JobRow, NodeRow, StageRow, stages_of
+from ..store import CurvePointRow, JobRow, NodeRow, members_of, stages_of
 from .artifacts import Artifacts
-from .core import RESUME, Core, costs_of, quarantined
+from .core import RESUME, Core, costs_of, planning_flops, quarantined
 from .placement import Placement
 from .recovery import Recoveries
 
@@ -130,17 +131,21 @@ class JobLifecycle:
 
     def _check_speed(self, session: Session, job: JobRow) -> None:
         """A stage far slower than planned and than its peers: re-plan without its node (failure_policy.py)."""
-        planned = {(c.cluster, s.stage): s.predicted_seconds for c in self.core.plan(job).clusters for s in c.stages}
+        costs, nodes = costs_of(jobs.spec_of(job)), members_of(session, job.id)
+        planned = {(c.cluster, s.stage): s for c in self.core.plan(job).clusters for s in c.stages}
         speeds = [StageSpeed(row.node_id, row.cluster, row.stage, row.step, row.metrics.get("compute_s"),
-                             planned.get((row.cluster, row.stage), 0.0)) for row in stages_of(session, job.id)]
-        found = self.core.policy.slow_stage(job.id, speeds)
-        if found is None:
+                             plan.predicted_seconds, planning_flops(nodes[row.node_id]),
+                             3 * sum(c.flops for c in costs[slice(*plan.blocks)]))  # forward, backward twice
+                  for row in stages_of(session, job.id)
+                  if row.node_id in nodes and (plan := planned.get((row.cluster, row.stage)))]
+        slow = self.core.policy.slow_stage(job.id, speeds)
+        if slow is None:
             return
-        stage, said, failure = found
-        node = session.get(NodeRow, stage.node_id)
-        name = who(node) if node is not None else stage.node_id
-        reason = f"node {name} is too slow: cluster {stage.cluster} stage {stage.stage} {said}; re-planning without it"
-        self.recoveries.recover(session, job, reason, failure=failure, left_out=[stage.node_id])
+        stage, node = slow.stage, nodes[slow.stage.node_id]
+        node.measured_flops = slow.measured_flops  # the planner believes this from now on, not its profile
+        reason = (f"node {who(node)} is too slow: cluster {stage.cluster} stage {stage.stage} {slow.said}; "
+                  f"re-planning without it")
+        self.recoveries.recover(session, job, reason, failure=slow.failure, left_out=[stage.node_id])
 
     def curve(self, job_id: str, owner: str | None = None, after: int = 0,
               limit: int = CURVE_POINTS) -> list[CurvePoint]:
@@ -169,8 +174,7 @@ class JobLifecycle:
             if quarantined(reporter, now):
                 log.info("job %s: ignored a failure report of quarantined node %s", job.id, reporter.id)
                 return
-            members = {node.id: node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(
-                select(StageRow.node_id).where(StageRow.job_id == job.id))))}
+            members = members_of(session, job.id)
             reason = failure_reason(report.failure, report.reason, reporter, stage, members)
             could_not_start_on = {r.reported_by for r in job.faults if r.could_not_start and r.reported_by}
             if not report.recoverable and policy.fails_job(could_not_start_on | {reporter.id}):
@@ -184,12 +188,33 @@ class JobLifecycle:
                                     reported_by=reporter.id, could_not_start=not report.recoverable)
             if report.still_training:
                 self.recoveries.kept_training(session, reporter)
-            reporter.replans_caused, reporter.quarantined_until = policy.blame(reporter.replans_caused or [], now)
-            if reporter.quarantined_until is not None:
-                reporter.quarantine_reason = (f"its failure reports caused {self.core.settings.quarantine_after} "
-                                              f"re-plans within {self.core.settings.quarantine_window_s:.0f} s; "
-                                              f"the last: {reason}")
-                log.warning("node %s quarantined: %s", reporter.id, reporter.quarantine_reason)
+            self._blame(reporter, reason)
+
+    def hand_in_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int,
+                        upload: Path) -> None:
+        """A stage's final weights (Artifacts.accept_weights); weights it cannot believe are refused,
+        and a job still under way re-plans without their node."""
+        try:
+            self.artifacts.accept_weights(job_id, authorization, cluster, stage, upload)
+        except Implausible as refused:
+            with self.core.lock, self.core.store.session() as session:
+                job, node = self.core.job(session, job_id), session.get_one(NodeRow, refused.node_id)
+                reason = f"node {who(node)} handed in cluster {cluster} stage {stage}'s {refused.detail}"
+                log.warning("job %s: %s", job_id, reason)
+                if job.state in jobs.ACTIVE:
+                    self.recoveries.recover(session, job, f"{reason}; re-planning without it",
+                                            left_out=[node.id], reported_by=node.id)
+                    self._blame(node, reason)
+            raise
+
+    def _blame(self, node: NodeRow, reason: str) -> None:
+        """What `node` said or handed in caused a re-plan: quarantine it when that happens too often."""
+        node.replans_caused, node.quarantined_until = self.core.policy.blame(node.replans_caused or [],
+                                                                             self.core.clock())
+        if node.quarantined_until is not None:
+            node.quarantine_reason = (f"what it reported caused {self.core.settings.quarantine_after} re-plans "
+                                      f"within {self.core.settings.quarantine_window_s:.0f} s; the last: {reason}")
+            log.warning("node %s quarantined: %s", node.id, node.quarantine_reason)
 
 
 def _summary(job: JobRow) -> JobSummary:

@@ -231,6 +231,7 @@ class Membership:
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
                              links=links.get(node.id, []), offers=offers.get(node.id, {}),
                              quarantined_until=node.quarantined_until if quarantined(node, now) else None,
+                             measured_flops=node.measured_flops,
                              note=f"quarantined: {node.quarantine_reason}" if quarantined(node, now)
                              else self.placement.left_out_note(node.id) if node.state == IDLE else "")
                     for node, stage in rows], total

@@ -16,7 +16,7 @@ from ..equal_split import plan_equal_split
 from ..planning import PlanningError, _n, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
-from .core import BUSY, GROW, IDLE, Core, costs_of
+from .core import BUSY, GROW, IDLE, Core, costs_of, planning_flops
 from .offers import Offers
 from .recovery import Recoveries
 
@@ -134,7 +134,7 @@ class Placement:
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
-        infos = [NodeInfo(node.id, node.profile["flops"], node.profile["memory_bytes"],
+        infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
                           node.profile["bandwidth_bytes_per_s"], node.profile["latency_s"], node.address)
                  for node in nodes]
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite

@@ -82,10 +82,13 @@ def node_list(ctx: typer.Context) -> None:
     notes = []
     for node in call(ctx, "GET", "/v1/nodes"):
         state = "quarantined" if node.get("quarantined_until") else node["state"]
+        flops = node.get("measured_flops") or node["profile"]["flops"]
         nodes_.add_row(node["id"], node["name"], node["address"], state,
-                       f"{node['profile']['flops'] / 1e9:.1f}", f"{node['profile']['memory_bytes'] / 2**30:.1f}",
-                       node["job_id"] or "")
+                       f"{flops / 1e9:,.1f}", f"{node['profile']['memory_bytes'] / 2**30:.1f}", node["job_id"] or "")
         who = node["name"] or node["id"]
+        if node.get("measured_flops"):
+            notes.append(f"{who} computes like {flops / 1e9:,.1f} GFLOP/s, as its stages measured; its profile "
+                         f"claimed {node['profile']['flops'] / 1e9:,.1f}")
         offers = ", ".join(f"{name} ({state})" for name, state in sorted(node.get("offers", {}).items()))
         if offers:
             notes.append(f"{who} offers {offers}")
