@@ -17,16 +17,18 @@ from scripts.local_cluster import LocalCluster, free_port, rss_bytes
 pytestmark = pytest.mark.slow
 CNN_JOB = json.loads((Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json").read_text())
 PROFILE = {"flops": 1e10, "memory_bytes": 2**30, "bandwidth_bytes_per_s": 1e8, "latency_s": 0.001}
+MAXIMAL = {"flops": 1e17, "memory_bytes": 2**46, "bandwidth_bytes_per_s": 1e12, "latency_s": 0.0}  # the accepted maxima
 
 
 class Liar:
     """A node the test plays over REST: it joins, takes its assignment, and says what it likes."""
 
-    def __init__(self, cluster: LocalCluster, name: str = "liar", datasets: dict[str, str] | None = None):
+    def __init__(self, cluster: LocalCluster, name: str = "liar", datasets: dict[str, str] | None = None,
+                 profile: dict = PROFILE):
         self.http = cluster.http
         offered = {"datasets": sorted(datasets), "fingerprints": datasets} if datasets else {}
         joined = self.http.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{free_port()}",
-                                                   "profile": {**PROFILE, **offered}},
+                                                   "profile": {**profile, **offered}},
                                 headers={"Authorization": f"Bearer {cluster.join_token}"})
         assert joined.status_code == 201, joined.text
         self.id, token = joined.json()["node_id"], joined.json()["node_token"]
@@ -40,6 +42,11 @@ class Liar:
 
     def post(self, path: str, body: dict):
         return self.http.post(path, json=body, headers=self.auth)
+
+    def report(self, job_id: str, step: int, **figures: float):
+        a = self.beat(job_id)["assignment"] or {"cluster": 0, "stage": 0}
+        return self.post(f"/v1/jobs/{job_id}/metrics", {"node_id": self.id, "cluster": a["cluster"],
+                                                        "stage": a["stage"], "step": step, "metrics": figures})
 
 
 def test_one_nodes_false_failure_report_no_longer_ends_the_job(tmp_path):
@@ -142,3 +149,55 @@ def test_a_node_offering_a_fake_dataset_gets_no_byte_of_the_real_file(tmp_path):
         assert job["spec"]["dataset"]["sha256"] == proof.fingerprint(private).split(":")[1]
         liar_log = (tmp_path / "logs" / "node-1.log").read_text()
         assert job_id not in liar_log and "offering gpl3: 104 bytes" in liar_log
+
+
+def test_a_maximal_fake_profile_loses_its_work_once_measured_and_its_fabricated_upload_is_refused(tmp_path):
+    """Before: a node claiming the accepted maxima (1e17 FLOP/s, 64 TiB, 1 TB/s) got a one-node job over
+    three honest nodes, trained nothing, handed in weights that were all 3e38, and the job completed
+    with them. Now its first compute times correct its figure and the job re-plans without it; another
+    such liar's fabricated upload is refused, and that job too completes on an honest node."""
+    import torch
+    from safetensors.torch import save
+
+    from ravnest.models import build_model
+
+    spec = {**CNN_JOB, "training": {**CNN_JOB["training"], "steps": 200, "eval_every": 100},
+            "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 1, "min_nodes": 1}}
+    with LocalCluster(tmp_path, nodes=3) as cluster:
+        honest = {n["id"] for n in cluster.alive_nodes()}
+        measured = Liar(cluster, "measured", profile=MAXIMAL)
+        job_id = cluster.submit(spec)
+        cluster.wait_for(lambda: measured.beat()["assignment"], 30, "the first liar's assignment")
+        for step in (25, 30, 35):  # what a real CPU takes: 5 ms a micro-batch
+            assert measured.report(job_id, step, compute_s=0.005, loss=2.0).status_code == 204
+        job = cluster.wait_job(job_id, timeout=300)  # it says nothing more, and hands in nothing
+        assert job["state"] == "completed", job["reason"]
+        [recovery] = job["recoveries"]
+        assert recovery["left_out"] == [measured.id] and "its profile claimed 100,000,000.0" in recovery["reason"]
+        assert {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]} <= honest
+        figure = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}[measured.id]["measured_flops"]
+        assert 1e9 < figure < 1e12, figure  # what it computes like, not what it said
+
+        # a liar hands in weights of 3e38 at once, another after saying it trained to the end
+        forged, refused = None, []
+        for name, says_done, why in (("early", False, "reported step 0 of 200"),
+                                     ("fabricator", True, "has an RMS of 3e+38, more than 100 times")):
+            liar = Liar(cluster, name, profile=MAXIMAL)
+            job_id = cluster.submit(spec)
+            a = cluster.wait_for(lambda: liar.beat()["assignment"], 30, f"{name}'s assignment")
+            if forged is None:
+                weights = build_model("cnn", CNN_JOB["model"]["config"]).blocks(*a["blocks"]).state_dict()
+                forged = save({key: torch.full_like(t, 3e38) for key, t in weights.items()})
+            if says_done:
+                assert liar.report(job_id, 200, loss=0.01).status_code == 204
+            r = cluster.http.put(f"/v1/jobs/{job_id}/weights", params={"cluster": 0, "stage": 0}, content=forged,
+                                 headers={**liar.auth, "Content-Type": "application/octet-stream"})
+            assert r.status_code == 422 and why in r.json()["detail"], r.text
+            refused.append((job_id, liar.id, why))
+        for job_id, liar_id, why in refused:
+            job = cluster.wait_job(job_id, timeout=300)
+            assert job["state"] == "completed", job["reason"]
+            [recovery] = job["recoveries"]
+            assert recovery["left_out"] == [liar_id] and why in recovery["reason"], recovery
+            assert {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]} <= honest
+            assert job["metrics"]["test_accuracy"] >= 0.9

@@ -82,7 +82,7 @@ class Artifacts:
     def _check_plausible(self, job: JobRow, row: StageRow, tensors: dict[str, torch.Tensor]) -> None:
         steps = jobs.spec_of(job).training.steps
         if row.step < steps:
-            raise Implausible(f"final weights handed in by a stage that reported step {row.step} of {steps}",
+            raise Implausible(f"final weights before the last step: the stage reported step {row.step} of {steps}",
                               row.node_id)
         start, end = self.core.plan(job).clusters[row.cluster].stages[row.stage].blocks
         model = job.spec["model"]
