@@ -89,8 +89,9 @@ def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:
         raise InvalidRequest(f"dataset {dataset.name!r} needs a source: the name volunteers offer its file under "
                              f"(`ravnest-node join --dataset NAME=PATH`)")
     # the text file lives on the nodes, so its vocabulary (128 or 256 bytes) is checked there
-    if dataset.name == "text" and dataset.seq_len > model.config.get("seq_len", dataset.seq_len):
-        raise InvalidRequest(f"dataset seq_len {dataset.seq_len} exceeds the model's seq_len {model.config['seq_len']}")
+    longest = model.input.shape[0]  # an lm's tokens per sequence: gpt's seq_len, llama's max_position_embeddings
+    if dataset.name == "text" and dataset.seq_len > longest:
+        raise InvalidRequest(f"dataset seq_len {dataset.seq_len} exceeds the {longest} tokens the model takes")
     if dataset.name == "digits":
         _check_accepts_digits(model, spec)
     _check_optimizer(spec)

@@ -431,7 +431,7 @@ def test_a_report_naming_a_peer_leaves_out_that_peer_and_a_node_whose_reports_ke
             "node_id": reporter, "recoverable": True, "still_training": True, "reason": "training alone"})
         assert r.status_code == 204 and client.get(f"/v1/jobs/{job_id}").json()["state"] == "recovering"
     [view] = [n for n in client.get("/v1/nodes").json() if n["id"] == reporter]
-    assert view["quarantined_until"] is not None and view["note"].startswith("quarantined: its failure reports")
+    assert view["quarantined_until"] is not None and view["note"].startswith("quarantined: what it reported caused")
     settle(client, members)
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert reporter not in {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}

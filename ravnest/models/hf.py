@@ -1,0 +1,92 @@
+"""Hugging Face's names for a `llama` model: its config.json and the key of every tensor, both ways.
+A Ravnest key is "{block}.{name}" (block 0 the embedding, 1..L the layers, L + 1 the head); the
+decoder layers' inner names are already Llama's, so only the prefixes differ:
+
+    0.embed_tokens.weight                 <-> model.embed_tokens.weight
+    3.self_attn.q_proj.weight             <-> model.layers.2.self_attn.q_proj.weight
+    {L+1}.norm.weight                     <-> model.norm.weight
+    {L+1}.lm_head.weight                  <-> lm_head.weight
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .registry import ModelError, build_model
+
+CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+               "initializer_range")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def hf_key(key: str, layers: int) -> str:
+    """The Hugging Face name of a Ravnest llama state-dict key."""
+    block, name = key.split(".", 1)
+    index = int(block)
+    if index == 0:
+        return f"model.{name}"
+    if index <= layers:
+        return f"model.layers.{index - 1}.{name}"
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def ravnest_key(name: str, layers: int) -> str:
+    """The Ravnest key of a Hugging Face LlamaForCausalLM tensor name."""
+    if (layer := _LAYER.match(name)) is not None:
+        return f"{int(layer[1]) + 1}.{layer[2]}"
+    if name.startswith("model.embed_tokens."):
+        return f"0.{name.removeprefix('model.')}"
+    if name.startswith("model.norm.") or name.startswith("lm_head."):
+        return f"{layers + 1}.{name.removeprefix('model.')}"
+    raise ModelError(f"llama: {name!r} is not a tensor of a Hugging Face LlamaForCausalLM")
+
+
+def hf_config(cfg: dict[str, Any], dtype: str = "float32") -> dict[str, Any]:
+    """config.json for `transformers.AutoConfig`: a LlamaForCausalLM with these settings."""
+    heads = cfg["num_attention_heads"]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **{key: cfg[key] for key in CONFIG_KEYS},
+            "head_dim": cfg["head_dim"] or cfg["hidden_size"] // heads, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "rope_theta": cfg["rope_theta"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg["rope_theta"]},
+            "torch_dtype": dtype, "dtype": dtype, "use_cache": True}
+
+
+def ravnest_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A `llama` config from a Hugging Face config.json (the keys Ravnest's llama has)."""
+    if hf.get("model_type") != "llama":
+        raise ModelError(f"llama: a Hugging Face {hf.get('model_type')!r} model is not a Llama")
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    scaling = (hf.get("rope_parameters") or {}).get("rope_type", "default")
+    if scaling != "default" or hf.get("rope_scaling"):
+        raise ModelError(f"llama: rope scaling ({scaling}) is not supported; only plain rotary positions are")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ModelError("llama: attention_bias and mlp_bias are not supported")
+    config = {key: hf[key] for key in CONFIG_KEYS if key in hf}
+    return {**config, "rope_theta": float(theta), "head_dim": hf.get("head_dim") or 0}
+
+
+def write_hf_folder(model_file: Path, folder: Path) -> None:
+    """A Ravnest download of a `llama` job (`ravnest download`) as a Hugging Face model folder:
+    config.json and model.safetensors under Llama's names, which
+    `transformers.AutoModelForCausalLM.from_pretrained(folder)` loads."""
+    with safe_open(str(model_file), "pt") as handle:
+        ref = json.loads((handle.metadata() or {}).get("model", "{}"))
+        if ref.get("name") != "llama":
+            raise ModelError(f"{model_file} holds a {ref.get('name')!r} model; only llama models have a Hugging "
+                             f"Face form")
+        cfg = build_model("llama", ref.get("config") or {}).config
+        layers = cfg["num_hidden_layers"]
+        tensors = {hf_key(key, layers): handle.get_tensor(key) for key in handle.keys()}
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config(cfg, dtypes.pop() if len(dtypes) == 1 else "float32"),
+                                                   indent=2) + "\n")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

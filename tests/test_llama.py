@@ -1,0 +1,73 @@
+"""The `llama` architecture against the implementation we did not write: `transformers`'
+LlamaForCausalLM, with the same weights, gives the same logits, both ways through Hugging Face's names."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ravnest.models import ModelError, build_model, profile_blocks, state_shapes
+from ravnest.models.hf import hf_config, hf_key, ravnest_config, ravnest_key
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 3,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 32,
+         "rope_theta": 5000.0, "rms_norm_eps": 1e-6}
+
+
+def hf_model(config: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(build_model("llama", config).config)))
+    return hf.eval()
+
+
+def test_hugging_face_weights_give_the_same_logits_in_ravnest():
+    hf = hf_model(SMALL)
+    spec = build_model("llama", SMALL)
+    ours = spec.full_model(seed=1).eval()
+    layers = SMALL["num_hidden_layers"]
+    ours.load_state_dict({ravnest_key(name, layers): t for name, t in hf.state_dict().items()})
+    ids = torch.randint(0, SMALL["vocab_size"], (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs, mine = hf(ids).logits, ours(ids)
+    assert mine.shape == theirs.shape == (3, 20, SMALL["vocab_size"])
+    assert (mine - theirs).abs().max().item() <= 1e-4
+
+
+def test_ravnest_weights_load_in_transformers_under_their_names(tmp_path):
+    spec = build_model("llama", SMALL)
+    ours = spec.full_model(seed=3).eval()
+    layers = SMALL["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(spec.config)))
+    from safetensors.torch import save_file
+    save_file({hf_key(k, layers): t.contiguous() for k, t in ours.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max().item() <= 1e-4
+    assert ravnest_config(json.loads((tmp_path / "config.json").read_text())) == {
+        k: v for k, v in spec.config.items() if k != "head_dim"} | {"head_dim": 8}
+
+
+def test_blocks_are_the_embedding_each_layer_and_the_head_and_plan_on_the_meta_device():
+    spec = build_model("llama", SMALL)
+    assert spec.num_blocks == SMALL["num_hidden_layers"] + 2
+    costs = profile_blocks(spec, 4)
+    assert all(c.flops > 0 for c in costs[1:])  # (a lookup: the embedding counts none)
+    shapes = state_shapes(spec)
+    assert shapes["1.self_attn.k_proj.weight"][0] == (2 * 8, 64)  # two key/value heads of 8
+    assert shapes["4.lm_head.weight"][0] == (97, 64) and "0.embed_tokens.weight" in shapes
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"num_attention_heads": 8, "num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings is not supported yet"),
+    ({"hidden_size": 60, "num_attention_heads": 8}, "divisible by num_attention_heads"),
+    ({"n_layers": 2}, "unknown config keys ['n_layers']"),
+])
+def test_configs_that_cannot_be_built_say_why(config, words):
+    with pytest.raises(ModelError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        build_model("llama", config)
