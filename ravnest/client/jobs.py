@@ -121,15 +121,34 @@ def resume(ctx: typer.Context, job_id: str) -> None:
 
 @app.command()
 def download(ctx: typer.Context, job_id: str,
-             output: Path = typer.Option(Path("model.safetensors"), "-o", "--output",
-                                         help="where to write it")) -> None:
-    """The trained model of a completed job, as safetensors (load it with ravnest.load_model)."""
+             output: Optional[Path] = typer.Option(None, "-o", "--output", help="where to write it (default: "
+                                                   "model.safetensors, or the folder model-hf for --format hf)"),
+             format_: str = typer.Option("ravnest", "--format", help="ravnest: one safetensors file "
+                                         "(ravnest.load_model); hf: a Hugging Face folder (llama models) that "
+                                         "transformers.AutoModelForCausalLM.from_pretrained loads")) -> None:
+    """The trained model of a completed job."""
+    if format_ not in ("ravnest", "hf"):
+        err.print(f"ravnest: --format is ravnest or hf, not {format_!r}", highlight=False)
+        raise typer.Exit(2)
+    target = output or Path("model-hf" if format_ == "hf" else "model.safetensors")
+    file = target / "ravnest.safetensors" if format_ == "hf" else target
+    file.parent.mkdir(parents=True, exist_ok=True)
     try:
-        size = ctx.obj.download(f"/v1/jobs/{job_id}/model", output)
+        size = ctx.obj.download(f"/v1/jobs/{job_id}/model", file)
     except ApiError as e:
         err.print(f"ravnest: {e}", highlight=False)
         raise typer.Exit(1 if e.status else 3) from None
-    err.print(f"wrote {output} ({size / 2**20:.1f} MiB)", highlight=False)
+    if format_ == "hf":
+        from ravnest.models import ModelError
+        from ravnest.models.hf import write_hf_folder
+        try:
+            write_hf_folder(file, target)
+        except ModelError as e:
+            err.print(f"ravnest: {e}", highlight=False)
+            raise typer.Exit(1) from None
+        finally:
+            file.unlink()
+    err.print(f"wrote {target} ({size / 2**20:.1f} MiB)", highlight=False)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
