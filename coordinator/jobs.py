@@ -224,6 +224,7 @@ def metrics(stages: list[StageRow], plan: Plan | None = None) -> JobMetrics:
         bubble=_mean([row.metrics["bubble"] for row in stages if "bubble" in row.metrics]),
         staleness=_mean([row.metrics["staleness"] for row in stages if "staleness" in row.metrics]),
         test_accuracy=tails[0].get("test_accuracy") if tails else None,
+        test_loss=tails[0].get("test_loss") if tails else None,
         averaging_rounds=min((m["avg_rounds"] for m in averaging), default=None),
         averaging_round_s=_mean([m["avg_round_s"] for m in averaging if "avg_round_s" in m]),
         averaging_stall_fraction=max((m.get("avg_stall_s", 0.0) / m["elapsed_s"] for m in averaging

@@ -135,6 +135,8 @@ class JobMetrics(BaseModel):
     staleness: float | None = Field(None, description="mean over all stages of the optimizer steps between a "
                                                       "micro-batch's forward and its weight gradient")
     test_accuracy: float | None = Field(None, description="cluster 0's last stage, when evaluated")
+    test_loss: float | None = Field(None, description="cluster 0's last stage, when evaluated (a language model's "
+                                                      "perplexity is its exp)")
     averaging_rounds: float | None = Field(None, description="averaging rounds applied, fewest over the "
                                                              "stages that average")
     averaging_round_s: float | None = Field(None, description="mean seconds per round, over those stages")
