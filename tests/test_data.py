@@ -96,20 +96,25 @@ def test_text_from_a_file_on_this_machine() -> None:
     raw = Path(path).read_bytes()
     data = load_dataset({"name": "text", "source": "f", "seq_len": 32, "test_fraction": 0.1}, {"f": path})
     assert data.vocab_size == 128 and data.num_classes is None  # ASCII
-    assert data.train_x.dtype == torch.int64 and data.train_x.shape[1] == 32
-    assert torch.equal(data.train_x[:, 1:], data.train_y[:, :-1])  # targets are inputs shifted by one
-    assert torch.equal(data.train_y[:-1, -1], data.train_x[1:, 0])
-    assert bytes(data.train_x[0].tolist()) == raw[:32]
+    x, y, test_x = data.train_x.read(), data.train_y.read(), data.test_x.read()  # read from the file on demand
+    assert x.dtype == torch.int64 and x.shape[1] == 32 and data.train_x.shape == x.shape
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
+    assert torch.equal(y[:-1, -1], x[1:, 0])
+    assert bytes(x[0].tolist()) == raw[:32]
     test_start = len(raw) - round(len(raw) * 0.1)
-    assert bytes(data.test_x[0].tolist()) == raw[test_start:test_start + 32]  # the tail is the test set
-    assert len(data.train_x) == (test_start - 1) // 32
+    assert bytes(test_x[0].tolist()) == raw[test_start:test_start + 32]  # the tail is the test set
+    assert len(x) == (test_start - 1) // 32
+    shard = data.shard(1, 3)  # a replica's share: every third sequence, still read on demand
+    assert torch.equal(shard.train_x.read(), x[1::3]) and torch.equal(shard.train_y.read(), y[1::3])
+    batch_x, batch_y = next(shard.batches(4, seed=0))
+    assert batch_x.shape == (4, 32) and torch.equal(batch_x[:, 1:], batch_y[:, :-1])
 
 
 def test_text_keeps_bytes_of_non_ascii(tmp_path: Path) -> None:
     path = tmp_path / "tiny.txt"
     path.write_text("héllo wörld " * 4, encoding="utf-8")
     data = load_dataset({"name": "text", "source": "f", "seq_len": 8, "test_fraction": 0.25}, {"f": str(path)})
-    assert data.vocab_size == 256 and 127 < int(data.train_x.max()) < 256
+    assert data.vocab_size == 256 and 127 < int(data.train_x.read().max()) < 256
 
 
 def test_a_gpt_whose_vocabulary_is_smaller_than_the_texts_bytes_is_refused_with_the_fix(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def test_gpt_on_text_learns_context_across_three_stages() -> None:
         "dataset": {"name": "text", "source": "torch-module", "seq_len": 64},
         "training": {"steps": 300, "batch_size": 16, "optimizer": {"name": "Adam", "kwargs": {"lr": 3e-3}}}})
     offered = {"torch-module": torch_module_source.__file__}
-    entropy = unigram_entropy(load_dataset(job.dataset, offered).train_x)
+    entropy = unigram_entropy(load_dataset(job.dataset, offered).train_x.read())
     result = run_local_pipeline(job, [(0, 1), (1, 3), (3, 4)], timeout=300, datasets=offered)
     metrics = result["metrics"]
     print(f"\ngpt, 3 stages, 300 steps: train loss {metrics['loss']:.3f}, test loss {metrics['test_loss']:.3f}, "

@@ -26,13 +26,49 @@ class DatasetError(RavnestError, ValueError):
     """A dataset that cannot be loaded: missing file, wrong keys, too little data."""
 
 
+class Windows:
+    """Sequences read from a token file when a batch asks for them: row i is the `length` tokens at
+    `starts[i]`. A node holds a batch, never the file: rows are read with os.pread, so the file's pages
+    sit in the kernel's page cache, shared and reclaimable, not in the process (a memory map would
+    count every page it touched as resident). Indexed like the tensor of all rows: a slice is another
+    Windows (a shard), an index tensor gives the rows as int64 [len(index), length]."""
+
+    def __init__(self, path: str | os.PathLike, dtype: np.dtype, length: int, starts: range, offset: int = 0):
+        self.path, self.dtype, self.length, self.starts, self.offset = os.fspath(path), dtype, length, starts, offset
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.starts), self.length
+
+    def __getitem__(self, index: slice | torch.Tensor) -> Any:
+        if isinstance(index, slice):
+            return Windows(self.path, self.dtype, self.length, self.starts[index], self.offset)
+        size, width = self.length * self.dtype.itemsize, self.dtype.itemsize
+        handle = os.open(self.path, os.O_RDONLY)
+        try:
+            rows = [np.frombuffer(os.pread(handle, size, self.offset + self.starts[int(i)] * width), self.dtype)
+                    for i in index.reshape(-1)]
+        finally:
+            os.close(handle)
+        if any(len(row) != self.length for row in rows):
+            raise DatasetError(f"{self.path} is shorter than when it was opened: was it changed while training?")
+        return torch.from_numpy(np.stack(rows).astype(np.int64)).reshape(*index.shape, self.length)
+
+    def read(self) -> torch.Tensor:
+        """Every row (tests and small files)."""
+        return self[torch.arange(len(self))]
+
+
 @dataclass
 class Dataset:
     name: str
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
+    train_x: Any  # a tensor of examples, or Windows of token sequences
+    train_y: Any
+    test_x: Any
+    test_y: Any
     num_classes: int | None = None  # classification
     vocab_size: int | None = None   # language modelling
 
@@ -74,7 +110,8 @@ class Dataset:
         if batch_size < 1:
             raise DatasetError("batch_size must be >= 1")
         for start in range(0, len(self.test_x), batch_size):
-            yield self.test_x[start:start + batch_size], self.test_y[start:start + batch_size]
+            rows = torch.arange(start, min(start + batch_size, len(self.test_x)))
+            yield self.test_x[rows], self.test_y[rows]
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -129,30 +166,39 @@ def _load_digits(test_fraction: float) -> Dataset:
     return Dataset("digits", x[train], y[train], x[test], y[test], num_classes=10)
 
 
-def _windows(tokens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-overlapping [N, seq_len] inputs and the same windows shifted by one token as targets."""
-    count = (len(tokens) - 1) // seq_len
-    x = tokens[:count * seq_len].view(count, seq_len)
-    y = tokens[1:count * seq_len + 1].view(count, seq_len)
-    return x, y
+def _windows(path: str | os.PathLike, dtype: np.dtype, start: int, end: int, seq_len: int, offset: int = 0
+             ) -> tuple[Windows, Windows]:
+    """Non-overlapping sequences of tokens [start, end) as inputs, the same shifted by one as targets."""
+    starts = range(start, start + (end - start - 1) // seq_len * seq_len, seq_len)
+    return (Windows(path, dtype, seq_len, starts, offset),
+            Windows(path, dtype, seq_len, range(start + 1, starts.stop + 1, seq_len), offset))
+
+
+def _token_windows(name: str, path: str | os.PathLike, dtype: np.dtype, count: int, seq_len: int,
+                   test_fraction: float, label: str, vocab_size: int, offset: int = 0) -> Dataset:
+    """`count` tokens of `dtype` in a file (from byte `offset`); its tail is the test set."""
+    test_start = count - round(count * test_fraction)
+    train_x, train_y = _windows(path, dtype, 0, test_start, seq_len, offset)
+    test_x, test_y = _windows(path, dtype, test_start, count, seq_len, offset)
+    if len(train_x) == 0 or (test_fraction > 0 and len(test_x) == 0):
+        raise DatasetError(f"{label} is too short for seq_len={seq_len} with test_fraction={test_fraction}: "
+                           "it needs room for one sequence of seq_len + 1 tokens in both the training and the "
+                           "test part")
+    return Dataset(name, train_x, train_y, test_x, test_y, vocab_size=vocab_size)
 
 
 def _load_text(path: str | os.PathLike, seq_len: int, test_fraction: float, label: str) -> Dataset:
     """Byte-level language modelling: token id = byte value; the file's tail is the test set.
 
-    vocab_size is 128 for pure ASCII files (the gpt default) and 256 otherwise.
-    """
+    vocab_size is 128 for pure ASCII files (the gpt default) and 256 otherwise (one pass over the
+    file, a megabyte at a time)."""
+    ascii_only = True
     with open(path, "rb") as handle:
-        tokens = torch.from_numpy(np.frombuffer(handle.read(), dtype=np.uint8).astype(np.int64))
-    test_start = len(tokens) - round(len(tokens) * test_fraction)
-    train_x, train_y = _windows(tokens[:test_start], seq_len)
-    test_x, test_y = _windows(tokens[test_start:], seq_len)
-    if len(train_x) == 0 or (test_fraction > 0 and len(test_x) == 0):
-        raise DatasetError(f"{label} is too short for seq_len={seq_len} with test_fraction={test_fraction}: "
-                           "it needs room for one sequence of seq_len + 1 tokens in both the training and the "
-                           "test part")
-    vocab_size = 128 if int(tokens.max()) < 128 else 256
-    return Dataset("text", train_x, train_y, test_x, test_y, vocab_size=vocab_size)
+        while ascii_only and (chunk := handle.read(1 << 20)):
+            ascii_only = chunk.isascii()
+    size = os.path.getsize(path)
+    return _token_windows("text", path, np.dtype(np.uint8), size, seq_len, test_fraction, label,
+                          128 if ascii_only else 256)
 
 
 def _load_npz(path: str | os.PathLike, test_fraction: float, label: str) -> Dataset:
