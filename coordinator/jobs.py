@@ -57,7 +57,7 @@ _NEXT = {
     JobState.FAILED: {JobState.PENDING},  # resumed from its last checkpoint
     JobState.CANCELLED: {JobState.PENDING},
 }
-TASK_OF_DATASET = {"digits": "classify", "npz": "classify", "text": "lm"}
+TASK_OF_DATASET = {"digits": "classify", "npz": "classify", "text": "lm", "tokens": "lm"}
 
 
 def transition(job: JobRow, state: JobState, reason: str, now: float) -> None:
@@ -85,12 +85,12 @@ def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:
     if TASK_OF_DATASET[dataset.name] != model.task:
         raise InvalidRequest(f"dataset {dataset.name!r} needs a {TASK_OF_DATASET[dataset.name]!r} model; "
                              f"{spec.model.name!r} is a {model.task!r} model")
-    if dataset.name in ("text", "npz") and not dataset.source:
+    if dataset.name != "digits" and not dataset.source:
         raise InvalidRequest(f"dataset {dataset.name!r} needs a source: the name volunteers offer its file under "
                              f"(`ravnest-node join --dataset NAME=PATH`)")
     # the text file lives on the nodes, so its vocabulary (128 or 256 bytes) is checked there
     longest = model.input.shape[0]  # an lm's tokens per sequence: gpt's seq_len, llama's max_position_embeddings
-    if dataset.name == "text" and dataset.seq_len > longest:
+    if dataset.name in ("text", "tokens") and dataset.seq_len > longest:
         raise InvalidRequest(f"dataset seq_len {dataset.seq_len} exceeds the {longest} tokens the model takes")
     if dataset.name == "digits":
         _check_accepts_digits(model, spec)

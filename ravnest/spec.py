@@ -60,16 +60,19 @@ HEX_NONCE = r"^[0-9a-f]{32}$"
 
 
 class DatasetRef(_Strict):
-    name: Literal["digits", "text", "npz"]
+    name: Literal["digits", "text", "tokens", "npz"] = Field(description=(
+        "'digits' (scikit-learn's, on every node), 'text' (a file's bytes), 'tokens' (a token file from "
+        "`ravnest data prepare`), 'npz' (arrays)"))
     source: str | None = Field(None, pattern=DATASET_NAME, description=(
-        "for 'text' and 'npz': the name a volunteer offers a file under (`ravnest-node join --dataset "
+        "for 'text', 'tokens' and 'npz': the name a volunteer offers a file under (`ravnest-node join --dataset "
         "NAME=PATH`); the job runs only on nodes that proved they hold it. Never a path: a volunteer's files "
         "are theirs"))
     sha256: str | None = Field(None, pattern=SHA256, description=(
         "with `source`: the sha256 of the file's bytes (`ravnest-node join --dataset` prints it). The job reads "
         "only that content, on nodes that proved they hold it; unset, the coordinator pins the content most "
         "proven holders offer under `source` when the job is first placed"))
-    seq_len: PositiveInt = Field(64, le=1 << 16, description="'text': characters per training sequence")
+    seq_len: PositiveInt = Field(64, le=1 << 16, description="'text' and 'tokens': tokens (a text's bytes) per "
+                                                             "training sequence")
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     shards: Literal["interleaved", "by-label"] = Field("interleaved", description=(
         "how data-parallel replicas split the training data: 'interleaved' (every k-th example, so each "
@@ -92,7 +95,7 @@ class DatasetRef(_Strict):
 
     @model_validator(mode="after")
     def _labels_to_shard_by(self) -> DatasetRef:
-        if self.shards == "by-label" and self.name == "text":
+        if self.shards == "by-label" and self.name in ("text", "tokens"):
             raise ValueError("shards 'by-label' needs a classification dataset; 'text' has no labels")
         return self
 

@@ -1,4 +1,5 @@
-"""Datasets every node can load locally: sklearn digits, character-level text, and .npz arrays.
+"""Datasets every node can load locally: sklearn digits, character-level text, token files
+(tokens.py) and .npz arrays.
 
 Nothing is downloaded. Splits and shuffles are deterministic so every node of a job agrees on them,
 and `shard` gives each data-parallel replica a disjoint part of the training data.
@@ -18,6 +19,8 @@ import torch
 
 from ravnest.errors import RavnestError
 from ravnest.spec import DatasetRef
+
+from .tokens import TokenFileError, read_header
 
 SPLIT_SEED = 0  # fixed: the train/test split of "digits" must be the same on every node
 
@@ -142,6 +145,13 @@ def load_dataset(ref: DatasetRef | dict[str, Any], offered: Mapping[str, str | o
         raise DatasetError(f"{label} is offered, but its file is gone from this node")
     if ref.name == "text":
         return _load_text(path, ref.seq_len, ref.test_fraction, label)
+    if ref.name == "tokens":
+        try:
+            header = read_header(path, label)
+        except TokenFileError as e:
+            raise DatasetError(str(e)) from None
+        return _token_windows("tokens", path, header.dtype, header.tokens, ref.seq_len, ref.test_fraction, label,
+                              header.vocab_size, header.offset)
     return _load_npz(path, ref.test_fraction, label)
 
 
