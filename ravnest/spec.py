@@ -129,6 +129,13 @@ class TrainingSettings(_Strict):
         "along the change of the update too (second order); '2bw+predict', '2bw+predict2' both; 'none'; "
         "'auto' (default) is 'predict2' for K <= 2 and '2bw+predict2' above, as measured in docs/pipeline.md")
     codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description=(
+        "bf16: each stage computes under autocast in bfloat16 (CUDA, and CPUs torch supports it on), with float32 "
+        "weights, gradients and optimizer state; stages exchange float32 (codec 'bf16' halves that)"))
+    grad_clip: float | None = Field(None, gt=0, description=(
+        "clip each stage's gradient to this norm before its optimizer step. Per stage, not global: the "
+        "stages' gradients are never gathered in one place, so the whole model's norm stays within "
+        "grad_clip x sqrt(stages)"))
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between evaluations; 0 = only at the end")
     seed: int = Field(0, ge=0, lt=1 << 63)
 

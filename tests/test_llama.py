@@ -77,7 +77,7 @@ def test_configs_that_cannot_be_built_say_why(config, words):
 @pytest.mark.slow
 def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_face_folder(tmp_path):
     """The standard library's json and email packages prepared as a token file both nodes offer; one
-    cluster of two stages trains on it; then `ravnest download --format hf` and transformers loads the
+    cluster of two stages trains on it in bf16; then `ravnest download --format hf` and transformers loads the
     folder: its logits are the downloaded model's."""
     import math
     import os
@@ -93,7 +93,7 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
     config = {**SMALL, "vocab_size": corpus.vocab_size, "max_position_embeddings": 64}
     spec = {"model": {"name": "llama", "config": config},
             "dataset": {"name": "tokens", "source": "stdlib", "seq_len": 64},
-            "training": {"steps": 150, "batch_size": 16, "eval_every": 75,
+            "training": {"steps": 150, "batch_size": 16, "eval_every": 75, "precision": "bf16", "grad_clip": 1.0,
                          "optimizer": {"name": "Adam", "kwargs": {"lr": 3e-3}}},
             "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 2}}
     with LocalCluster(tmp_path, nodes=2, node_args=["--dataset", f"stdlib={tmp_path / 'corpus.tokens'}"]) as cluster:
@@ -102,7 +102,8 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
         assert [len(c["stages"]) for c in job["plan"]["clusters"]] == [2]
         loss = job["metrics"]["test_loss"]
         uniform = math.log(corpus.vocab_size)
-        print(f"\nllama, 2 stages, 150 steps on {corpus.tokens:,} tokens: test loss {loss:.3f} (uniform: {uniform:.3f})")
+        print(f"\nllama, 2 stages, 150 steps on {corpus.tokens:,} tokens: test loss {loss:.3f} "
+              f"(uniform: {uniform:.3f})")
         assert loss < 0.75 * uniform  # it learned the code's tokens, far below guessing
         env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token}
         for args in (["-o", "model.safetensors"], ["--format", "hf", "-o", "hf"]):
@@ -115,3 +116,36 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
     with torch.no_grad():
         assert (theirs(ids).logits - ours(ids)).abs().max().item() <= 1e-4
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_bf16_computes_under_autocast_and_keeps_float32_weights_and_outputs():
+    """precision bf16: the stage's matmuls run in bfloat16 (its output differs from float32's by
+    bfloat16's rounding, not more), what leaves the stage and the gradients are float32."""
+    from ravnest.pipeline.stash import StageCompute
+
+    spec = build_model("llama", SMALL)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    outputs = {}
+    for precision in ("fp32", "bf16"):
+        stage = spec.blocks(0, 3, seed=0)
+        compute = StageCompute(stage, mode="stash", input_grad=False, device=torch.device("cpu"),
+                               snapshots=False, precision=precision)
+        outputs[precision] = compute.forward(0, ids)
+        compute.backward_input(0, torch.ones_like(outputs[precision]))
+        compute.backward_weights(0)
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in stage.parameters())
+    assert outputs["bf16"].dtype == torch.float32
+    error = (outputs["bf16"] - outputs["fp32"]).abs().max().item()
+    assert 0 < error < 0.1 * outputs["fp32"].abs().max().item()
+
+
+def test_grad_clip_bounds_each_stages_step():
+    from ravnest.pipeline.optim import StageOptimizer
+    from ravnest.spec import TrainingSettings
+
+    weights = torch.nn.Parameter(torch.zeros(4))
+    optimizer = StageOptimizer([weights], TrainingSettings(grad_clip=0.5, optimizer={"name": "SGD",
+                                                                                      "kwargs": {"lr": 1.0}}))
+    weights.grad = torch.full((4,), 100.0)
+    optimizer.step()
+    assert torch.linalg.vector_norm(weights.detach()).item() == pytest.approx(0.5)

@@ -105,6 +105,8 @@ class StageOptimizer:
         took them and applies the update through `apply_update` (DeAR)."""
         if self.optimizer is not None:
             if update:
+                if self.training.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(self.params, self.training.grad_clip)
                 self.optimizer.step()
                 self._schedule.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -96,7 +96,7 @@ class StageRunner:
         stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
                                     device=self.device, snapshots=stale, predict=self.predict,
-                                    split=a.split_backward)
+                                    split=a.split_backward, precision=training.precision)
         self.optimizer = StageOptimizer(self.module.parameters(), training)
         if a.resume_step:
             self._resume(initial_state, a.resume_step)

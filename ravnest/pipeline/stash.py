@@ -12,6 +12,7 @@ halves, input gradient (B) and weight gradient (W), and forwards may use predict
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from contextlib import contextmanager
@@ -243,10 +244,14 @@ class StageCompute:
     """
 
     def __init__(self, module: nn.Module, *, mode: str, input_grad: bool, device: torch.device,
-                 snapshots: bool = True, predict: int = 0, split: bool = True):
+                 snapshots: bool = True, predict: int = 0, split: bool = True, precision: str = "fp32"):
         if mode not in ("stash", "recompute"):
             raise ValueError(f"unknown weight_stash mode {mode!r}")
         self.module = module
+        # bf16: matmuls and their activations in bfloat16 under autocast, the weights, their gradients
+        # and the optimizer's state in float32; what leaves the stage is float32 (the cast is in the graph)
+        self._autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" \
+            else contextlib.nullcontext
         self.mode = mode
         self.input_grad = input_grad  # False on stage 0: its input is data
         self.device = device
@@ -286,7 +291,8 @@ class StageCompute:
         buffers = {name: b.clone() for name, b in self._buffers.items()}
         self._captured = [] if self.split else None
         try:
-            output = functional_call(self.module, {**weights, **buffers}, (inputs,))
+            with self._autocast():
+                output = _wide(functional_call(self.module, {**weights, **buffers}, (inputs,)))
         finally:
             captured, self._captured = self._captured, None
         return (output if loss_fn is None else loss_fn(output)), buffers, captured
@@ -307,7 +313,8 @@ class StageCompute:
             return output.detach()
         rng = _capture_rng(self.device)
         with torch.no_grad():
-            output = functional_call(self.module, {**weights, **self._buffers}, (x,))
+            with self._autocast():
+                output = _wide(functional_call(self.module, {**weights, **self._buffers}, (x,)))
             if loss_fn is not None:
                 output = loss_fn(output)
         self._in_flight[micro_batch] = _InFlight(version, lookahead, weights, x, None, rng, loss_fn)
@@ -420,7 +427,8 @@ class StageCompute:
         """Inference on the live weights in eval mode (BatchNorm uses its running statistics)."""
         self.module.eval()
         try:
-            return self.module(x)
+            with self._autocast():
+                return _wide(self.module(x))
         finally:
             self.module.train()
 
@@ -433,3 +441,8 @@ class StageCompute:
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+
+def _wide(output: torch.Tensor) -> torch.Tensor:
+    """A stage's output in float32 (from bfloat16 under autocast): the next stage and the loss take it."""
+    return output.float() if output.dtype in (torch.bfloat16, torch.float16) else output
