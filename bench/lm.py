@@ -1,0 +1,152 @@
+"""A llama on the standard library's source, trained by an implementation we did not write and by ours:
+a plain single-process loop over `transformers.LlamaForCausalLM`, then Ravnest's pipeline (real
+processes over gRPC on loopback) as 1 cluster x 2 stages and as 2 clusters x 2 stages (ring averaging).
+Same config, same initial weights (Ravnest's seeded ones, loaded into transformers under its names),
+same token file, same optimizer and batches (cluster 0 of the 2 x 2 run sees every other batch).
+
+    python -m bench.lm [--steps 200] [--runs 3]
+
+Prints the held-out loss of each run and tokens/s, then `lm loss_gap=<max relative gap to the
+transformers loop> tokens_per_s_ratio=<1 x 2 pipeline / transformers loop> hf_roundtrip=<the
+pipeline's model, exported as a Hugging Face folder, gives the same logits in transformers>`.
+One thread per process: the pipeline's two stages use two cores, the loop one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bench.common import command_line, write_section
+from ravnest.data import load_dataset
+from ravnest.data.tokens import prepare
+from ravnest.models import build_model
+from ravnest.models.hf import hf_config, hf_key, write_hf_folder
+from ravnest.pipeline import run_local_pipeline
+from ravnest.pipeline.local import run_local_clusters
+from ravnest.pipeline.optim import StageOptimizer
+from ravnest.spec import JobSpec
+
+PACKAGES = ("json", "email", "http", "logging", "xml", "urllib")  # ~1.5 MB of Python
+CONFIG = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 128}
+RANGES = [(0, 3), (3, 6)]  # embedding + 2 layers | 2 layers + head
+
+
+def make_job(steps: int, vocab_size: int, clusters: int = 1) -> JobSpec:
+    return JobSpec.model_validate({
+        "model": {"name": "llama", "config": {**CONFIG, "vocab_size": vocab_size}},
+        "dataset": {"name": "tokens", "source": "stdlib", "seq_len": 128, "test_fraction": 0.05},
+        "training": {"steps": steps, "batch_size": 8, "optimizer": {"name": "AdamW", "kwargs": {"lr": 2e-3}},
+                     "eval_every": 0, "seed": 0},
+        "averaging": {"strategy": "ring", "every": 10} if clusters > 1 else {"strategy": "none"}})
+
+
+def transformers_loop(job: JobSpec, corpus: Path) -> tuple[float, float]:
+    """(held-out loss, tokens/s) of LlamaForCausalLM trained on the pipeline's data and optimizer."""
+    import transformers
+
+    spec = build_model("llama", job.model.config)
+    layers = spec.config["num_hidden_layers"]
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(spec.config)))
+    initial = spec.full_model(seed=job.training.seed).state_dict()
+    model.load_state_dict({hf_key(k, layers): t for k, t in initial.items()})
+    data = load_dataset(job.dataset, {"stdlib": corpus})
+    optimizer = StageOptimizer(model.parameters(), job.training)
+    batches = data.shard(0, 1).batches(job.training.batch_size, seed=job.training.seed)
+    model.train()
+    start = time.perf_counter()
+    for _ in range(job.training.steps):
+        x, y = next(batches)
+        spec.loss(model(x).logits, y).backward()
+        optimizer.micro_batch_done()
+    tokens_per_s = job.training.steps * job.training.batch_size * job.dataset.seq_len / (time.perf_counter() - start)
+    model.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for x, y in data.test_batches(job.training.batch_size):
+            total += float(spec.loss(model(x).logits, y)) * y.numel()
+            count += y.numel()
+    return total / count, tokens_per_s
+
+
+def hf_roundtrip(job: JobSpec, state: dict[str, torch.Tensor], folder: Path) -> bool:
+    """The pipeline's model, exported as a Hugging Face folder, gives its logits in transformers."""
+    import transformers
+
+    file = folder / "ravnest.safetensors"
+    save_file({k: t.contiguous() for k, t in state.items()}, str(file),
+              metadata={"model": json.dumps(job.model.model_dump())})
+    write_hf_folder(file, folder / "hf")
+    ours = build_model("llama", job.model.config).full_model()
+    ours.load_state_dict(state)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval()
+    ids = torch.randint(0, job.model.config["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (theirs(ids).logits - ours.eval()(ids)).abs().max().item() <= 1e-4
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=1, help="repeat each and quote medians")
+    parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    stdlib = Path(json.__file__).parent.parent
+    with tempfile.TemporaryDirectory() as scratch:
+        corpus = Path(scratch) / "stdlib.tokens"
+        header = prepare([stdlib / p for p in PACKAGES], corpus, vocab_size=1024, pattern="*.py")
+        print(f"corpus: {header.tokens:,} tokens of {len(header.documents):,} files, vocabulary {header.vocab_size}",
+              flush=True)
+        job, wide = make_job(args.steps, header.vocab_size), make_job(args.steps, header.vocab_size, clusters=2)
+        offered = {"stdlib": str(corpus)}
+        runs: dict[str, list[tuple[float, float]]] = {"transformers loop": [], "1 x 2 pipeline": [],
+                                                       "2 x 2 pipeline": []}
+        roundtrip = True
+        for _ in range(args.runs):
+            runs["transformers loop"].append(transformers_loop(job, corpus))
+            piped = run_local_pipeline(job, RANGES, datasets=offered)
+            runs["1 x 2 pipeline"].append((piped["metrics"]["test_loss"],
+                                           piped["metrics"]["samples_per_s"] * job.dataset.seq_len))
+            roundtrip = roundtrip and hf_roundtrip(job, piped["state_dict"], Path(scratch))
+            clusters = run_local_clusters(wide, [RANGES, RANGES], datasets=offered)
+            runs["2 x 2 pipeline"].append((clusters[0]["metrics"]["test_loss"],
+                                           sum(c["metrics"]["samples_per_s"] for c in clusters) * job.dataset.seq_len))
+            for name, results in runs.items():
+                print(f"{name:18s} held-out loss {results[-1][0]:.4f}  {results[-1][1]:8,.0f} tokens/s", flush=True)
+    medians = {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+               for name, rs in runs.items()}
+    reference = medians["transformers loop"]
+    gaps = {name: abs(loss / reference[0] - 1) for name, (loss, _) in medians.items()}
+    ratio = medians["1 x 2 pipeline"][1] / reference[1]
+    table = "\n".join(f"| {name} | {loss:.4f} | {100 * gaps[name]:.2f}% | {tps:,.0f} |"
+                      for name, (loss, tps) in medians.items())
+    summary = (f"lm loss_gap={max(gaps.values()):.4f} tokens_per_s_ratio={ratio:.2f} "
+               f"hf_roundtrip={str(roundtrip).lower()}")
+    print(summary)
+    if not args.no_docs:
+        write_section("A llama against transformers (bench.lm)", f"""
+`{command_line("bench.lm", argv)}`, CPU, one thread per process; medians of {args.runs} run(s). A llama
+({CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, {CONFIG['num_attention_heads']} heads
+sharing {CONFIG['num_key_value_heads']} key/value heads) on {header.tokens:,} tokens of the standard library's
+source ({', '.join(PACKAGES)}; byte-level BPE of {header.vocab_size}), {args.steps} steps of 8 x 128 tokens,
+AdamW 2e-3, the same initial weights and batches. Held-out loss on the corpus' last 5%.
+
+| run | held-out loss | gap to transformers | tokens/s |
+|---|---|---|---|
+{table}
+
+`{summary}`
+""")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
