@@ -19,6 +19,8 @@ def load_model(path, device="cpu"):
     if "model" not in metadata:
         raise ValueError(f"{path} does not name its model (metadata 'model'): is it a Ravnest download?")
     ref = json.loads(metadata["model"])
-    model = build_model(ref["name"], ref.get("config") or {}).full_model(device=device)
+    spec = build_model(ref["name"], ref.get("config") or {})
+    model = spec.full_model(device=device)
     model.load_state_dict(load_file(str(path), device=str(device)))
+    model.ravnest_spec = spec  # what it is: its task, input and config (ravnest generate reads it)
     return model.eval()

@@ -106,10 +106,13 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
               f"(uniform: {uniform:.3f})")
         assert loss < 0.75 * uniform  # it learned the code's tokens, far below guessing
         env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token}
-        for args in (["-o", "model.safetensors"], ["--format", "hf", "-o", "hf"]):
-            done = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "download", job["id"], *args],
+        for args in (["download", "-o", "model.safetensors"], ["download", "--format", "hf", "-o", "hf"],
+                     ["generate", "--prompt", "def ", "--tokenizer", "corpus.tokens", "--max-tokens", "30"]):
+            done = subprocess.run([sys.executable, "-m", "ravnest.client.cli", args[0], job["id"], *args[1:]],
                                   capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
             assert done.returncode == 0, done.stderr
+        print(f"generated: {done.stdout!r}")
+        assert done.stdout.startswith("def ") and len(done.stdout) > 20
     ours = ravnest.load_model(tmp_path / "model.safetensors")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(0, corpus.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -149,3 +152,18 @@ def test_grad_clip_bounds_each_stages_step():
     weights.grad = torch.full((4,), 100.0)
     optimizer.step()
     assert torch.linalg.vector_norm(weights.detach()).item() == pytest.approx(0.5)
+
+
+def test_sampling_is_greedy_at_temperature_zero_and_reproducible_with_a_seed():
+    from ravnest.sampling import ByteTokenizer, generate
+
+    model = build_model("llama", {**SMALL, "vocab_size": 256}).full_model(seed=0).eval()
+    prompt = ByteTokenizer().encode("import os")
+    greedy = generate(model, prompt, max_new_tokens=12, temperature=0, context=32)
+    with torch.no_grad():
+        assert greedy[len(prompt)] == int(model(torch.tensor([prompt]))[0, -1].argmax())
+    assert generate(model, prompt, max_new_tokens=12, top_k=1, context=32) == greedy  # top-1 is greedy
+    sampled = [generate(model, prompt, max_new_tokens=12, temperature=1.0, top_k=None, seed=s) for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2] and sampled[0][:len(prompt)] == prompt
+    long = generate(model, prompt, max_new_tokens=40, temperature=0, context=32)  # past the model's 32 positions
+    assert len(long) == len(prompt) + 40

@@ -37,3 +37,4 @@ def prepare(inputs: list[Path] = typer.Argument(..., help="text files, .jsonl or
     err.print(f"wrote {output}: {header.tokens:,} tokens of {len(header.documents):,} documents, vocabulary "
               f"{header.vocab_size:,} ({header.dtype.name}); model vocab_size must be at least {header.vocab_size}",
               highlight=False)
+
