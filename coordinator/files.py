@@ -12,16 +12,22 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .errors import InvalidRequest
 
 Shapes = dict[str, tuple[tuple[int, ...], int]]  # state-dict key -> (shape, bytes)
+MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one of ours
+COPY_CHUNK = 1 << 20
+DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # safetensors' -> torch's
 OPTIMIZER_SEPARATOR = ":"  # "{parameter key}:{state name}", e.g. "3.weight:exp_avg"
 
 
@@ -55,17 +61,58 @@ def save_tensors(tensors: dict[str, torch.Tensor], target: Path, metadata: dict[
     commit(Path(name), target)
 
 
-def load_upload(path: Path) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of a safetensors file, from its header: what it is and where its bytes are."""
+    dtype: str  # safetensors' name: F32, BF16, I64, ...
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets in the file
+    end: int
+
+
+def index(path: Path) -> tuple[dict[str, Stored], dict[str, str]]:
+    """The tensors of a safetensors file and its metadata, from its header alone: nothing is loaded."""
     try:
-        return load_file(path)
-    except (SafetensorError, OSError, ValueError) as e:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= MAX_HEADER or size + 8 > path.stat().st_size:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+        metadata = header.pop("__metadata__", None) or {}
+        base = 8 + size
+        tensors = {key: Stored(str(v["dtype"]), tuple(int(d) for d in v["shape"]), base + int(v["data_offsets"][0]),
+                               base + int(v["data_offsets"][1])) for key, v in header.items()}
+        with safe_open(str(path), "pt"):  # the library's own checks: offsets, sizes, dtypes
+            pass
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         raise InvalidRequest(f"not a valid safetensors file: {e}") from e
+    return tensors, metadata
 
 
-def check_stage_tensors(tensors: dict[str, torch.Tensor], expected: Shapes, *, optimizer_state: bool) -> None:
-    """`tensors` must hold exactly the stage's state-dict keys with their shapes and dtype class;
-    with `optimizer_state` also any "{parameter key}:{name}" entries, shaped like their parameter
-    or scalar (e.g. Adam's step)."""
+def each_tensor(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors one at a time: a stage's state is never in memory whole."""
+    with safe_open(str(path), "pt") as stored:
+        for key in stored.keys():
+            yield key, stored.get_tensor(key)
+
+
+def scan(path: Path) -> dict[str, float]:
+    """Each floating tensor's RMS, read one tensor at a time; InvalidRequest if one is not finite."""
+    scales, bad = {}, []
+    for key, tensor in each_tensor(path):
+        if tensor.is_floating_point():
+            if not bool(torch.isfinite(tensor).all()):
+                bad.append(key)
+            scales[key] = rms(tensor)
+    if bad:
+        raise InvalidRequest(f"tensors {bad[:5]} hold NaN or infinite values")
+    return scales
+
+
+def check_stage_tensors(tensors: dict[str, Stored], expected: Shapes, *, optimizer_state: bool) -> None:
+    """An upload (its `index`) must hold exactly the stage's state-dict keys with their shapes and
+    dtype width; with `optimizer_state` also any "{parameter key}:{name}" entries, shaped like their
+    parameter or scalar (e.g. Adam's step)."""
     state = {k: v for k, v in tensors.items() if OPTIMIZER_SEPARATOR not in k}
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     optimizer = {k: v for k, v in tensors.items() if OPTIMIZER_SEPARATOR in k}
@@ -76,26 +123,24 @@ def check_stage_tensors(tensors: dict[str, torch.Tensor], expected: Shapes, *, o
     if missing or extra:
         raise InvalidRequest(f"weights must hold exactly this stage's blocks; missing {missing[:5]}, "
                              f"unexpected {extra[:5]}")
-    wrong = [key for key, tensor in state.items() if tuple(tensor.shape) != expected[key][0]]
+    wrong = [key for key, stored in state.items() if stored.shape != expected[key][0]]
     if wrong:
-        raise InvalidRequest(f"wrong shapes for {wrong[:5]}, e.g. {wrong[0]}: {tuple(tensors[wrong[0]].shape)} "
+        raise InvalidRequest(f"wrong shapes for {wrong[:5]}, e.g. {wrong[0]}: {state[wrong[0]].shape} "
                              f"instead of {expected[wrong[0]][0]}")
     # a float64 upload for a float32 model would turn the merged model into float64
-    widths = [key for key, tensor in state.items() if tensor.numel() and tensor.numel() * tensor.element_size()
-              != expected[key][1]]
+    widths = [key for key, stored in state.items() if stored.end > stored.start
+              and stored.end - stored.start != expected[key][1]]
     if widths:
         key = widths[0]
-        dtype = str(tensors[key].dtype).removeprefix("torch.")
-        raise InvalidRequest(f"wrong dtype for {widths[:5]}, e.g. {key}: {dtype} ({tensors[key].element_size()} "
-                             f"bytes per element) where the model holds {expected[key][1] // tensors[key].numel()}")
-    odd = [key for key, tensor in optimizer.items()
-           if tensor.numel() > 1 and tuple(tensor.shape) != expected[key.split(OPTIMIZER_SEPARATOR, 1)[0]][0]]
+        numel = math.prod(state[key].shape)
+        dtype = DTYPE_NAMES.get(state[key].dtype, state[key].dtype)
+        raise InvalidRequest(f"wrong dtype for {widths[:5]}, e.g. {key}: {dtype} "
+                             f"({(state[key].end - state[key].start) // numel} bytes per element) where the model "
+                             f"holds {expected[key][1] // numel}")
+    odd = [key for key, stored in optimizer.items()
+           if math.prod(stored.shape) > 1 and stored.shape != expected[key.split(OPTIMIZER_SEPARATOR, 1)[0]][0]]
     if odd:
         raise InvalidRequest(f"optimizer state {odd[:5]} is neither scalar nor shaped like its parameter")
-    bad = [key for key, tensor in tensors.items() if tensor.is_floating_point()
-           and not bool(torch.isfinite(tensor).all())]
-    if bad:
-        raise InvalidRequest(f"tensors {bad[:5]} hold NaN or infinite values")
 
 
 def rms(tensor: torch.Tensor) -> float:
@@ -105,21 +150,46 @@ def rms(tensor: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) / math.sqrt(tensor.numel())
 
 
-def implausible(tensors: dict[str, torch.Tensor], initial_rms: dict[str, float], bound: float) -> str | None:
-    """Why weights handed in as trained cannot be, or None: a tensor whose RMS is above `bound` times
-    its initial RMS (at least 1). Training does not grow weights that much without diverging first."""
-    for key, tensor in tensors.items():
-        if key in initial_rms and (value := rms(tensor)) > bound * max(1.0, initial_rms[key]):
+def implausible(scales: dict[str, float], initial_rms: dict[str, float], bound: float) -> str | None:
+    """Why weights handed in as trained cannot be, or None: a tensor whose RMS (`scales`) is above
+    `bound` times its initial RMS (at least 1). Training does not grow weights that much without
+    diverging first."""
+    for key, value in scales.items():
+        if key in initial_rms and value > bound * max(1.0, initial_rms[key]):
             return (f"{key} has an RMS of {value:.3g}, more than {bound:g} times what it started at "
                     f"({initial_rms[key]:.3g}, counted as at least 1)")
     return None
 
 
 def merge(files: list[Path], target: Path, metadata: dict[str, str]) -> None:
-    merged: dict[str, torch.Tensor] = {}
-    for file in files:
-        merged.update(load_file(file))
-    save_tensors(merged, target, metadata)
+    """One safetensors file of every tensor in `files`, their bytes copied a megabyte at a time: the
+    merged model is never in memory (a model of any size goes through a coordinator of 1 GiB)."""
+    sources = [(path, index(path)[0]) for path in files]
+    header: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for _, tensors in sources:
+        for key, stored in tensors.items():
+            header[key] = {"dtype": stored.dtype, "shape": list(stored.shape),
+                           "data_offsets": [at, at + stored.end - stored.start]}
+            at += stored.end - stored.start
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    with os.fdopen(handle, "wb") as out:
+        out.write(len(encoded).to_bytes(8, "little") + encoded)
+        for path, tensors in sources:
+            with path.open("rb") as source:
+                for stored in tensors.values():
+                    source.seek(stored.start)
+                    left = stored.end - stored.start
+                    while left:
+                        chunk = source.read(min(left, COPY_CHUNK))
+                        if not chunk:
+                            raise InvalidRequest(f"{path.name} ends early")
+                        out.write(chunk)
+                        left -= len(chunk)
+    commit(Path(name), target)
 
 
 def assemble(job_dir: Path, sources: list[dict[str, Any]], blocks: tuple[int, int], target: Path) -> None:

@@ -7,7 +7,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -58,12 +57,13 @@ class Artifacts:
         """Validate an uploaded stage state dict (safetensors, no pickle), keep it, and finish the job
         once every stage of cluster 0 is in. Weights that cannot be the trained stage are refused
         (`Implausible`: the stage has not reported its last step, or a tensor grew implausibly)."""
-        tensors = files.load_upload(upload)
+        tensors, _ = files.index(upload)
+        scales = files.scan(upload)  # (outside the lock: it reads the whole file)
         with self.core.lock, self.core.store.session() as session:
             job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage)
             files.check_stage_tensors(tensors, self._stage_shapes(job, row), optimizer_state=False)
-            self._check_plausible(job, row, tensors)
+            self._check_plausible(job, row, scales)
             folder = self.job_dir(job.id) / "weights"
             files.commit(upload, folder / f"c{cluster}-s{stage}.safetensors")
             row.weights_uploaded, row.updated_at = True, self.core.clock()
@@ -79,7 +79,7 @@ class Artifacts:
                 jobs.transition(job, JobState.COMPLETED, "every stage of cluster 0 uploaded its weights",
                                 self.core.clock())
 
-    def _check_plausible(self, job: JobRow, row: StageRow, tensors: dict[str, torch.Tensor]) -> None:
+    def _check_plausible(self, job: JobRow, row: StageRow, scales: dict[str, float]) -> None:
         steps = jobs.spec_of(job).training.steps
         if row.step < steps:
             raise Implausible(f"final weights before the last step: the stage reported step {row.step} of {steps}",
@@ -89,7 +89,7 @@ class Artifacts:
         config = json.dumps(model["config"], sort_keys=True)
         initial = {key: value for index in range(start, end)
                    for key, value in initial_rms_of(model["name"], config, index).items()}
-        why = files.implausible(tensors, initial, self.core.settings.weight_growth_bound)
+        why = files.implausible(scales, initial, self.core.settings.weight_growth_bound)
         if why is not None:
             raise Implausible(f"implausible weights: {why}", row.node_id)
 
@@ -98,7 +98,8 @@ class Artifacts:
         """Keep a stage's state (parameters, optimizer state) at `step`: a periodic checkpoint, or the
         snapshot a stage hands in when its job is re-planned. A complete set of periodic checkpoints at
         one step gets a manifest, and older periodic ones are deleted."""
-        tensors = files.load_upload(upload)
+        tensors, _ = files.index(upload)
+        files.scan(upload)
         with self.core.lock, self.core.store.session() as session:
             job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage, checkpoint=True, generation=generation)
