@@ -84,3 +84,58 @@ def test_a_model_larger_than_a_node_trains_within_its_predicted_memory(tmp_path:
         print(f"  stage {stage['stage']}: predicted {predicted / 2**20:6.1f} MiB, measured peak above idle "
               f"{measured / 2**20:6.1f} MiB ({measured / predicted:.2f}x)")
         assert 0 < measured <= 1.25 * predicted
+
+
+@pytest.mark.slow
+def test_a_model_larger_than_a_gibibyte_goes_through_a_coordinator_that_stays_under_one(tmp_path: Path) -> None:
+    """Two stages of a 1.07 GiB MLP are handed in, checked, merged and downloaded; the coordinator
+    never holds a stage or the model whole (it used to load each upload, then every stage to merge:
+    about 1.6 GiB at its peak here)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ravnest.models import state_shapes
+
+    config = {"hidden": 8192, "depth": 4}
+    spec = build_model("mlp", config)
+    total = sum(size for _, size in state_shapes(spec).values())
+    assert total > GIB
+    job = {"model": {"name": "mlp", "config": config}, "dataset": {"name": "digits"},
+           "training": {"steps": 5, "batch_size": 8, "optimizer": {"name": "SGD", "kwargs": {"lr": 0.01}}},
+           "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 2, "min_nodes": 2}}
+    with LocalCluster(tmp_path, nodes=0, heartbeat_timeout=120) as cluster:  # two nodes played over REST
+        nodes = []
+        for i in range(2):
+            joined = cluster.http.post("/v1/nodes", headers={"Authorization": f"Bearer {cluster.join_token}"}, json={
+                "name": f"big{i}", "address": f"127.0.0.{i + 1}:7000",
+                "profile": {"flops": 1e12, "memory_bytes": 32 * GIB, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.01}})
+            assert joined.status_code == 201, joined.text
+            nodes.append((joined.json()["node_id"], {"Authorization": f"Bearer {joined.json()['node_token']}"}))
+        job_id = cluster.submit(job)
+        for node_id, auth in nodes:
+            beat = lambda: cluster.http.post(f"/v1/nodes/{node_id}/heartbeat", headers=auth,  # noqa: E731
+                                             json={"job_id": job_id}).json()["assignment"]
+            a = cluster.wait_for(beat, 60, f"{node_id}'s assignment")
+            report = {"node_id": node_id, "cluster": a["cluster"], "stage": a["stage"], "step": 5, "metrics": {}}
+            assert cluster.http.post(f"/v1/jobs/{job_id}/metrics", headers=auth, json=report).status_code == 204
+            file = tmp_path / f"stage{a['stage']}.safetensors"
+            stage = spec.blocks(*a["blocks"], device="meta").state_dict()
+            save_file({k: torch.zeros(t.shape) for k, t in stage.items()}, str(file))
+            with file.open("rb") as body:
+                r = cluster.http.put(f"/v1/jobs/{job_id}/weights", params={"cluster": 0, "stage": a["stage"]},
+                                     content=body, headers={**auth, "Content-Type": "application/octet-stream"},
+                                     timeout=300)
+            assert r.status_code == 204, r.text
+            file.unlink()
+        assert cluster.job(job_id)["state"] == "completed"
+        with cluster.http.stream("GET", f"/v1/jobs/{job_id}/model", timeout=300) as response, \
+                (tmp_path / "model.safetensors").open("wb") as out:
+            for chunk in response.iter_bytes(1 << 20):
+                out.write(chunk)
+        peak = peak_rss_bytes(cluster.procs[0].pid)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as merged:
+        assert sorted(merged.keys()) == sorted(state_shapes(spec))
+        assert merged.get_slice("2.0.weight").get_shape() == [8192, 8192]
+    print(f"\n{total / GIB:.2f} GiB model through the coordinator: its peak resident memory {peak / GIB:.2f} GiB")
+    assert peak < GIB

@@ -173,7 +173,7 @@ def test_nodes_serve_three_jobs_back_to_back_and_release_everything(tmp_path):
 def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
     """A job running as one 2-stage pipeline; two nodes join: the planner predicts twice the
     throughput with a second replica, so the job is re-planned onto all four and continues from the
-    state its stages hand in."""
+    state its stages hand in, on all four."""
     with LocalCluster(tmp_path, nodes=2) as cluster:
         # long enough that the newcomers (which start, profile and measure their links while two nodes
         # train on the same cores) join before three quarters of it are done, when a job stops growing:
@@ -194,10 +194,16 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
         job = cluster.wait_for(working, 120, "the newcomers to be training", ignore_exits=True)
         print(f"newcomers training {time.monotonic() - joined:.1f} s after joining: {job['recoveries'][-1]}")
         assert time.monotonic() - joined < 30 and job["recoveries"][-1]["kind"] == "grow"
-        assert len(job["plan"]["clusters"]) == 2 and job["recoveries"][-1]["resume_step"] > 0
-        job = cluster.wait_job(job_id, timeout=600)
-        assert job["state"] == "completed", job["reason"]
-        assert job["metrics"]["test_accuracy"] >= 0.95
+        resumed = job["recoveries"][-1]["resume_step"]
+        assert len(job["plan"]["clusters"]) == 2 and resumed > 0
+
+        def trained_on(job: dict) -> bool:  # every stage of the grown plan, the newcomers' included
+            return all(s["step"] >= resumed + 300 for s in job["metrics"]["stages"]) and \
+                {s["node_id"] for s in job["metrics"]["stages"]} >= newcomers
+        cluster.wait_for(lambda: trained_on(cluster.job(job_id)), 120, "300 steps more on all four nodes")
+        # (the rest of its 12000 steps would only take minutes: jobs that complete after a re-plan, with
+        # their accuracy, are the other tests in this file)
+        assert cluster.http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
 
 
 def test_training_converges_with_a_slow_link_that_breaks_once(tmp_path):
