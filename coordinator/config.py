@@ -29,6 +29,9 @@ class Settings:
     # a stage alone in its job (no peers to compare with) this many times slower than its node's profile
     # promised: the profile was a lie (a tiny stage on a crowded machine measured up to 9.2x), corrected
     claim_factor: float = 100.0
+    # a stage alone in its cluster that reports nothing for this long while its job runs (nobody else
+    # would notice it stalled; a pipeline's neighbours time out after 300 s and name it) is left out
+    stall_s: float = 900.0
     # handed-in weights are implausible where a tensor's RMS exceeds this many times its initial RMS
     # (at least 1): training does not grow weights a hundredfold without diverging first
     weight_growth_bound: float = 100.0

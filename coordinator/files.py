@@ -26,8 +26,9 @@ from .errors import InvalidRequest
 Shapes = dict[str, tuple[tuple[int, ...], int]]  # state-dict key -> (shape, bytes)
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one of ours
 COPY_CHUNK = 1 << 20
-DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # safetensors' -> torch's
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}  # safetensors' names
 OPTIMIZER_SEPARATOR = ":"  # "{parameter key}:{state name}", e.g. "3.weight:exp_avg"
 
 
@@ -90,10 +91,18 @@ def index(path: Path) -> tuple[dict[str, Stored], dict[str, str]]:
 
 
 def each_tensor(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors one at a time: a stage's state is never in memory whole."""
-    with safe_open(str(path), "pt") as stored:
-        for key in stored.keys():
-            yield key, stored.get_tensor(key)
+    """The file's tensors one at a time, read (not memory-mapped: a map's pages count as the process's
+    until it closes): a stage's state is never in the coordinator's memory whole."""
+    tensors, _ = index(path)
+    with path.open("rb") as f:
+        for key, stored in tensors.items():
+            f.seek(stored.start)
+            raw = bytearray(f.read(stored.end - stored.start))
+            dtype = TORCH_DTYPES.get(stored.dtype)
+            if dtype is None:
+                raise InvalidRequest(f"tensor {key} has dtype {stored.dtype}, which a model's state never holds")
+            tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+            yield key, tensor.reshape(stored.shape)
 
 
 def scan(path: Path) -> dict[str, float]:
@@ -133,7 +142,7 @@ def check_stage_tensors(tensors: dict[str, Stored], expected: Shapes, *, optimiz
     if widths:
         key = widths[0]
         numel = math.prod(state[key].shape)
-        dtype = DTYPE_NAMES.get(state[key].dtype, state[key].dtype)
+        dtype = str(TORCH_DTYPES.get(state[key].dtype, state[key].dtype)).removeprefix("torch.")
         raise InvalidRequest(f"wrong dtype for {widths[:5]}, e.g. {key}: {dtype} "
                              f"({(state[key].end - state[key].start) // numel} bytes per element) where the model "
                              f"holds {expected[key][1] // numel}")

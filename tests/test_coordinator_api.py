@@ -459,6 +459,28 @@ def test_a_stage_whose_averaging_failed_trains_on_and_reports_while_the_job_is_r
     assert reply["train_alone"] == job_id and reply["recover_job"] is None
 
 
+def test_a_lone_stage_that_heartbeats_but_reports_no_progress_is_left_out(client: TestClient, clock: FakeClock,
+                                                                         settings: Settings) -> None:
+    """Two clusters of one stage each, no averaging: nobody would notice a node that only heartbeats.
+    After stall_s without a report it is left out; the one that reports is not."""
+    job_id, members = placed_job(client, nodes=2, clusters=2, stages_per_cluster=1, min_nodes=2)
+    for node_id, auth in members:
+        beat(client, node_id, auth, job_id=job_id)
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "running"
+    (worker, worker_auth), (idler, _) = members
+    cluster = beat(client, worker, worker_auth, job_id=job_id)["assignment"]["cluster"]
+    for step in (5, 10):
+        clock.now += settings.stall_s / 2 + 1
+        report = {"node_id": worker, "cluster": cluster, "stage": 0, "step": step, "metrics": {"loss": 1.0}}
+        assert client.post(f"/v1/jobs/{job_id}/metrics", json=report, headers=worker_auth).status_code == 204
+        for node_id, auth in members:
+            beat(client, node_id, auth, job_id=job_id)
+        client.app.state.service.tick()
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "recovering" and job["recoveries"][0]["left_out"] == [idler], job["reason"]
+    assert "node node1" in job["reason"] and "reported no progress for" in job["reason"]
+
+
 def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestClient, clock: FakeClock) -> None:
     job_id, members = placed_job(client)
     first_token = beat(client, *members[1], job_id=None)["assignment"]["token"]
