@@ -152,11 +152,14 @@ def check_stage_tensors(tensors: dict[str, Stored], expected: Shapes, *, optimiz
         raise InvalidRequest(f"optimizer state {odd[:5]} is neither scalar nor shaped like its parameter")
 
 
-def rms(tensor: torch.Tensor) -> float:
-    """Root mean square, summed in float64 (3e38 squared overflows float32)."""
+def rms(tensor: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """Root mean square, summed in float64 (3e38 squared overflows float32) a million elements at a
+    time (a float64 copy of the whole tensor would double what it costs)."""
     if not tensor.numel():
         return 0.0
-    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) / math.sqrt(tensor.numel())
+    flat = tensor.reshape(-1)
+    squares = sum(float(flat[i:i + chunk].double().square().sum()) for i in range(0, flat.numel(), chunk))
+    return math.sqrt(squares / flat.numel())
 
 
 def implausible(scales: dict[str, float], initial_rms: dict[str, float], bound: float) -> str | None:
