@@ -97,7 +97,9 @@ def each_tensor(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     with path.open("rb") as f:
         for key, stored in tensors.items():
             f.seek(stored.start)
-            raw = bytearray(f.read(stored.end - stored.start))
+            raw = bytearray(stored.end - stored.start)
+            if f.readinto(raw) != len(raw):  # (into one buffer: read() then bytearray() would hold two)
+                raise InvalidRequest(f"{path.name} ends inside tensor {key}")
             dtype = TORCH_DTYPES.get(stored.dtype)
             if dtype is None:
                 raise InvalidRequest(f"tensor {key} has dtype {stored.dtype}, which a model's state never holds")
@@ -110,9 +112,9 @@ def scan(path: Path) -> dict[str, float]:
     scales, bad = {}, []
     for key, tensor in each_tensor(path):
         if tensor.is_floating_point():
-            if not bool(torch.isfinite(tensor).all()):
-                bad.append(key)
             scales[key] = rms(tensor)
+            if not math.isfinite(scales[key]):  # (float64 squares of any finite float32 are finite)
+                bad.append(key)
     if bad:
         raise InvalidRequest(f"tensors {bad[:5]} hold NaN or infinite values")
     return scales
@@ -154,7 +156,8 @@ def check_stage_tensors(tensors: dict[str, Stored], expected: Shapes, *, optimiz
 
 def rms(tensor: torch.Tensor, chunk: int = 1 << 20) -> float:
     """Root mean square, summed in float64 (3e38 squared overflows float32) a million elements at a
-    time (a float64 copy of the whole tensor would double what it costs)."""
+    time (a float64 copy of the whole tensor would double what it costs); NaN or infinite where the
+    tensor holds one."""
     if not tensor.numel():
         return 0.0
     flat = tensor.reshape(-1)
