@@ -49,11 +49,8 @@ class FileTokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
 
-        from ravnest.data.tokens import MAGIC, read_header
-        with open(path, "rb") as f:
-            is_token_file = f.read(len(MAGIC)) == MAGIC
-        self.tokenizer = Tokenizer.from_str(read_header(path).tokenizer) if is_token_file \
-            else Tokenizer.from_file(str(path))
+        from ravnest.data.tokens import tokenizer_json
+        self.tokenizer = Tokenizer.from_str(tokenizer_json(path))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids

@@ -106,7 +106,8 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
               f"(uniform: {uniform:.3f})")
         assert loss < 0.75 * uniform  # it learned the code's tokens, far below guessing
         env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token}
-        for args in (["download", "-o", "model.safetensors"], ["download", "--format", "hf", "-o", "hf"],
+        for args in (["download", "-o", "model.safetensors"],
+                     ["download", "--format", "hf", "-o", "hf", "--tokenizer", "corpus.tokens"],
                      ["generate", "--prompt", "def ", "--tokenizer", "corpus.tokens", "--max-tokens", "30"]):
             done = subprocess.run([sys.executable, "-m", "ravnest.client.cli", args[0], job["id"], *args[1:]],
                                   capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
@@ -118,7 +119,11 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
     ids = torch.randint(0, corpus.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (theirs(ids).logits - ours(ids)).abs().max().item() <= 1e-4
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors",
+                                                                   "tokenizer.json", "tokenizer_config.json"]
+    words = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # the job's tokenizer, beside its model
+    from ravnest.sampling import FileTokenizer
+    assert words("def main():\n")["input_ids"] == FileTokenizer(tmp_path / "corpus.tokens").encode("def main():\n")
 
 
 def test_bf16_computes_under_autocast_and_keeps_float32_weights_and_outputs():

@@ -125,7 +125,10 @@ def download(ctx: typer.Context, job_id: str,
                                                    "model.safetensors, or the folder model-hf for --format hf)"),
              format_: str = typer.Option("ravnest", "--format", help="ravnest: one safetensors file "
                                          "(ravnest.load_model); hf: a Hugging Face folder (llama models) that "
-                                         "transformers.AutoModelForCausalLM.from_pretrained loads")) -> None:
+                                         "transformers.AutoModelForCausalLM.from_pretrained loads"),
+             tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="with --format hf: the job's token "
+                                                      "file (ravnest data prepare) or a tokenizer.json, written "
+                                                      "beside the model for AutoTokenizer")) -> None:
     """The trained model of a completed job."""
     if format_ not in ("ravnest", "hf"):
         err.print(f"ravnest: --format is ravnest or hf, not {format_!r}", highlight=False)
@@ -139,11 +142,12 @@ def download(ctx: typer.Context, job_id: str,
         err.print(f"ravnest: {e}", highlight=False)
         raise typer.Exit(1 if e.status else 3) from None
     if format_ == "hf":
+        from ravnest.data.tokens import TokenFileError, tokenizer_json
         from ravnest.models import ModelError
         from ravnest.models.hf import write_hf_folder
         try:
-            write_hf_folder(file, target)
-        except ModelError as e:
+            write_hf_folder(file, target, tokenizer_json(tokenizer) if tokenizer else None)
+        except (ModelError, TokenFileError, OSError) as e:
             err.print(f"ravnest: {e}", highlight=False)
             raise typer.Exit(1) from None
         finally:

@@ -74,6 +74,13 @@ def read_header(path: str | os.PathLike, label: str | None = None) -> Header:
     return header
 
 
+def tokenizer_json(path: str | os.PathLike) -> str:
+    """The tokenizer (Hugging Face tokenizer.json text) in a token file's header, or in a tokenizer.json."""
+    with open(path, "rb") as f:
+        is_token_file = f.read(len(MAGIC)) == MAGIC
+    return read_header(path).tokenizer if is_token_file else Path(path).read_text()
+
+
 def _aligned(size: int) -> int:
     return (size + 7) // 8 * 8
 

@@ -17,6 +17,8 @@ from typing import Any
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ravnest.data.tokens import EOS
+
 from .registry import ModelError, build_model
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -73,10 +75,11 @@ def ravnest_config(hf: dict[str, Any]) -> dict[str, Any]:
     return {**config, "rope_theta": float(theta), "head_dim": hf.get("head_dim") or 0}
 
 
-def write_hf_folder(model_file: Path, folder: Path) -> None:
+def write_hf_folder(model_file: Path, folder: Path, tokenizer: str | None = None) -> None:
     """A Ravnest download of a `llama` job (`ravnest download`) as a Hugging Face model folder:
     config.json and model.safetensors under Llama's names, which
-    `transformers.AutoModelForCausalLM.from_pretrained(folder)` loads."""
+    `transformers.AutoModelForCausalLM.from_pretrained(folder)` loads; with `tokenizer` (its
+    tokenizer.json text) also the files `transformers.AutoTokenizer.from_pretrained(folder)` loads."""
     with safe_open(str(model_file), "pt") as handle:
         ref = json.loads((handle.metadata() or {}).get("model", "{}"))
         if ref.get("name") != "llama":
@@ -90,3 +93,8 @@ def write_hf_folder(model_file: Path, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(hf_config(cfg, dtypes.pop() if len(dtypes) == 1 else "float32"),
                                                    indent=2) + "\n")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        (folder / "tokenizer.json").write_text(tokenizer)
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "model_max_length":
+             cfg["max_position_embeddings"]}, indent=2) + "\n")
