@@ -9,12 +9,10 @@ from sqlalchemy.orm import Session
 
 from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           NodeProfile, PeerProbe)
-from ravnest.failures import Failure, FailureKind
 from ravnest.wire.gate import credential_hash
 
 from .. import jobs
 from ..errors import Conflict, NotFound, Unauthorized
-from ..failures import who
 from ..jobs import JobState
 from ..schemas import Health, NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
@@ -47,26 +45,10 @@ class Membership:
                         self.node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped sending "
                                                       f"heartbeats (last seen {now - node.last_seen:.0f} s ago)")
                     self._prune_nodes(session, now - core.settings.node_retention_s)
-                    self._stalled(session, now)
+                    self.recoveries.replan_stalled(session, now)
             with core.store.session() as session:
                 self.recoveries.replan_recovered(session)
             self.placement.place_pending()
-
-    def _stalled(self, session: Session, now: float) -> None:
-        """A stage alone in its cluster that reported nothing for `stall_s` while its job ran: its node
-        heartbeats but does no work (or lies about it). Nobody else would notice; re-plan without it."""
-        before = now - self.core.settings.stall_s
-        for row in session.scalars(select(StageRow).join(JobRow, JobRow.id == StageRow.job_id).where(
-                JobRow.state == JobState.RUNNING.value, StageRow.updated_at < before, JobRow.updated_at < before)):
-            job, node = session.get_one(JobRow, row.job_id), session.get(NodeRow, row.node_id)
-            if job.state != JobState.RUNNING.value or node is None or \
-                    len(self.core.plan(job).clusters[row.cluster].stages) > 1:
-                continue
-            said = f"reported no progress for {now - max(row.updated_at, job.updated_at):.0f} s (at step {row.step})"
-            self.recoveries.recover(session, job, f"node {who(node)} {said}: cluster {row.cluster} stage "
-                                                  f"{row.stage}; re-planning without it", left_out=[node.id],
-                                    failure=Failure(kind=FailureKind.TIMEOUT, message=said, peer_id=node.id,
-                                                    step=row.step, detail=f"stall_s {self.core.settings.stall_s:g}"))
 
     def join(self, authorization: str | None, request: JoinRequest) -> JoinResponse:
         offered = bearer_token(authorization)

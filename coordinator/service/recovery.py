@@ -19,9 +19,10 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from ravnest.failures import Failure
+from ravnest.failures import Failure, FailureKind
 
 from .. import jobs
+from ..failures import who
 from ..jobs import JobState
 from ..schemas import Recovery
 from ..store import CheckpointRow, JobRow, NodeRow, StageRow, stage_of_node, stages_of
@@ -52,6 +53,22 @@ class Recoveries:
         words = "intact clusters train on, then its nodes hand in their state" if kind == LOST else \
             "its nodes hand in their state"
         jobs.transition(job, JobState.RECOVERING, f"{reason}; {words}, then it is planned again", clock())
+
+    def replan_stalled(self, session: Session, now: float) -> None:
+        """A stage alone in its cluster that reported nothing for `stall_s` while its job ran: its node
+        heartbeats but does no work (or lies about it). Nobody else would notice; re-plan without it."""
+        before = now - self.core.settings.stall_s
+        for row in session.scalars(select(StageRow).join(JobRow, JobRow.id == StageRow.job_id).where(
+                JobRow.state == JobState.RUNNING.value, StageRow.updated_at < before, JobRow.updated_at < before)):
+            job, node = session.get_one(JobRow, row.job_id), session.get(NodeRow, row.node_id)
+            if job.state != JobState.RUNNING.value or node is None or \
+                    len(self.core.plan(job).clusters[row.cluster].stages) > 1:
+                continue
+            said = f"reported no progress for {now - max(row.updated_at, job.updated_at):.0f} s (at step {row.step})"
+            self.recover(session, job, f"node {who(node)} {said}: cluster {row.cluster} stage {row.stage}; "
+                                       f"re-planning without it", left_out=[node.id],
+                         failure=Failure(kind=FailureKind.TIMEOUT, message=said, peer_id=node.id, step=row.step,
+                                         detail=f"stall_s {self.core.settings.stall_s:g}"))
 
     def open(self, session: Session, job: JobRow, kind: str, reason: str,
              failure: Failure | None = None, left_out: Sequence[str] = (), **record: Any) -> None:
