@@ -46,7 +46,7 @@ from ravnest.pipeline.neighbours import MESSAGE_KINDS, Neighbours
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (batch_parts, check_stage_schedule, prediction_order, stage_actions,
                                        staleness_method, warmup)
-from ravnest.pipeline.stash import StageCompute
+from ravnest.pipeline.stash import StageCompute, usable_precision
 from ravnest.spec import StageAssignment
 from ravnest.wire import Router
 
@@ -96,7 +96,8 @@ class StageRunner:
         stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
                                     device=self.device, snapshots=stale, predict=self.predict,
-                                    split=a.split_backward, precision=training.precision)
+                                    split=a.split_backward,
+                                    precision=usable_precision(training.precision, self.device))
         self.optimizer = StageOptimizer(self.module.parameters(), training)
         if a.resume_step:
             self._resume(initial_state, a.resume_step)
