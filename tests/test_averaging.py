@@ -634,3 +634,23 @@ def test_a_ring_in_another_order_gives_the_same_mean_and_shares_that_partition_t
     run_all([lambda m=m, buf=buf: m.all_gather(buf, 1) for m, (buf, _) in zip(members, scattered)])
     with pytest.raises(ValueError, match="not an order"):
         RingMember(0, group.addresses, group.routers[0], TOKEN, order=[0, 1, 1, 2])
+
+
+def test_a_chunk_for_a_segment_this_node_joins_a_moment_later_waits_for_it():
+    """A peer's first round can reach a node that is still setting up its rings, one segment at a time
+    (CI once saw 'no ring for segment 2 on this node' re-plan a healthy job): the chunk is held, bounded,
+    and handed over when the segment joins; one past the bound is refused as before."""
+    from ravnest.averaging.ring import EARLY_BYTES, KIND, TENSOR, RingHub
+    from ravnest.wire import Message, WireError
+
+    hub = RingHub(Router(), "t")
+
+    def chunk(segment: int, numel: int = 4) -> Message:
+        return Message(KIND, tensors={TENSOR: torch.ones(numel)},
+                       tags={"segment": segment, "round": 1, "step": 0, "chunk": 0, "numel": numel, "sender": 1})
+
+    hub._deliver(chunk(2), "peer")  # segment 2 is not joined yet
+    hub.join(2)
+    assert hub.mailbox.take((2, 1, 0, 0), timeout=1)[0] == 4
+    with pytest.raises(WireError, match="no ring for segment 3"):
+        hub._deliver(chunk(3, EARLY_BYTES // 4 + 1), "peer")

@@ -38,6 +38,7 @@ KIND = "ring"
 TENSOR = "x"
 DEFAULT_CHUNK_BYTES = 4 << 20  # the wire's largest frame: one frame per ring message
 _TAGS = ("segment", "round", "step", "chunk", "numel", "sender")
+EARLY_BYTES = 64 << 20  # chunks held for segments this node is about to join (see RingHub._early)
 
 
 class RingError(RavnestError, RuntimeError):
@@ -63,6 +64,9 @@ class RingHub:
         self.lanes = lanes
         self.mailbox = Mailbox()
         self._segments: dict[int, int] = {}  # segment -> lowest round still accepted
+        # chunks for a segment this node has not joined yet: a peer's first round can come before this
+        # node's stage has set up all its rings (it joins them one by one); bounded, handed over at join
+        self._early: list[tuple[int, tuple, tuple]] = []
         self._streams: dict[str, list[OutboundStream]] = {}
         self._address_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -92,6 +96,10 @@ class RingHub:
             if segment in self._segments:
                 raise ValueError(f"this node already serves the ring of segment {segment}")
             self._segments[segment] = 0
+            arrived = [(key, value) for s, key, value in self._early if s == segment]
+            self._early = [entry for entry in self._early if entry[0] != segment]
+        for key, value in arrived:
+            self.mailbox.put(key, value)
 
     def leave(self, segment: int) -> None:
         """Forget a segment; the last one to leave closes the outbound streams."""
@@ -116,18 +124,23 @@ class RingHub:
         if missing or list(msg.tensors) != [TENSOR]:
             raise WireError(f"ring message from {peer} lacks tags {missing} or its single tensor")
         tags = msg.tags
-        with self._lock:
-            floor = self._segments.get(tags["segment"])
-        if floor is None:
-            raise WireError(f"no ring for segment {tags['segment']} on this node",
-                            grpc.StatusCode.FAILED_PRECONDITION)
-        if tags["round"] < floor:
-            return  # a straggler of a round this node already finished or gave up
         require_finite(msg.tensors[TENSOR], f"ring chunk from {peer} (segment {tags['segment']}, "
                                             f"round {tags['round']})")
         key = (tags["segment"], tags["round"], tags["step"], tags["chunk"])
+        value = (tags["numel"], tags["sender"], msg.tensors[TENSOR])
+        with self._lock:
+            floor = self._segments.get(tags["segment"])
+            if floor is None:
+                held = sum(entry[2][2].nbytes for entry in self._early)
+                if held + msg.tensors[TENSOR].nbytes > EARLY_BYTES:
+                    raise WireError(f"no ring for segment {tags['segment']} on this node",
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+                self._early.append((tags["segment"], key, value))
+                return
+        if tags["round"] < floor:
+            return  # a straggler of a round this node already finished or gave up
         try:
-            self.mailbox.put(key, (tags["numel"], tags["sender"], msg.tensors[TENSOR]))
+            self.mailbox.put(key, value)
         except KeyError as e:
             raise WireError(f"from {peer}: {e}") from None
 
