@@ -35,9 +35,10 @@ def test_a_single_threaded_node_measures_the_same_on_a_crowded_host(one_thread):
             hog.wait()
     print(f"idle {idle / 1e9:.1f} GFLOP/s, crowded {crowded / 1e9:.1f}")
     # CPU time cannot see the hardware itself being shared (a VM's cores are often hyperthreads of
-    # one physical core: busy neighbours slow each instruction, here by up to 30%); what it must not
-    # count is the time the OS gave to others, which wall-clock windows did (about 0.3 of idle here)
-    assert crowded >= 0.6 * idle
+    # one physical core: busy neighbours slow each instruction, by 30-40% on the machines seen; CI
+    # once measured 0.597 of idle); what it must not count is the time the OS gave to others, which
+    # wall-clock windows did: one runnable thread of seven on two cores, about 2/7 = 0.29 of idle
+    assert crowded >= 0.45 * idle
 
 
 def test_the_link_measurement_survives_connections_the_coordinator_resets():
