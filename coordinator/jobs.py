@@ -15,6 +15,7 @@ is kept in the job's history with its time and reason.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections import OrderedDict
@@ -143,10 +144,18 @@ def spec_of(job: JobRow) -> JobSpec:
     return spec
 
 
-def pin_content(job: JobRow, sha256: str) -> None:
-    """The job reads the file with this content from now on, whoever offers its name later."""
-    job.spec = {**job.spec, "dataset": {**job.spec["dataset"], "sha256": sha256}}
-    _specs.pop(job.id, None)
+def pin_content(job: JobRow, contents: dict[str, str]) -> None:
+    """The job reads the files with these contents (field, e.g. "model.weights" -> sha256) from now on,
+    whoever offers their names later."""
+    spec = copy.deepcopy(job.spec)
+    for field, sha256 in contents.items():
+        part = spec
+        for key in field.split("."):
+            part = part[key]
+        part["sha256"] = sha256
+    if spec != job.spec:
+        job.spec = spec
+        _specs.pop(job.id, None)
 
 
 def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,

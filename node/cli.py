@@ -36,6 +36,16 @@ def _offered(text: str) -> tuple[str, Path]:
     return name, file
 
 
+def _offers(files: list[tuple[str, Path]]) -> dict[str, Path]:
+    """Datasets and model files share one namespace: a job names what it reads, never a path."""
+    offered: dict[str, Path] = {}
+    for name, path in files:
+        if offered.get(name, path) != path:
+            raise SystemExit(f"ravnest-node: {name!r} is offered twice, as {offered[name]} and {path}")
+        offered[name] = path
+    return offered
+
+
 def _faults(text: str):
     from ravnest.wire.faults import LinkFaults
     try:
@@ -66,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--dataset", action="append", type=_offered, default=[], metavar="NAME=PATH",
                       help="offer a file to jobs under NAME (repeatable): jobs name datasets, never paths, so "
                            "nothing else on this machine can be read (default: only the built-in datasets)")
+    join.add_argument("--model-file", action="append", type=_offered, default=[], metavar="NAME=PATH",
+                      help="offer a model's weights (a safetensors file: a Hugging Face checkpoint's or a `ravnest "
+                           "download`) under NAME to jobs that start from it (model.weights.source; repeatable)")
     join.add_argument("--inject-fault", type=_faults, default=None, metavar="SPEC",
                       help="for fault tests: 'delay=SECONDS,sever_after=N,to=HOST:PORT' slows this node's "
                            "outbound messages and cuts one stream off (see ravnest/wire/faults.py; default: off)")
@@ -112,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.log(f"metrics at http://{args.metrics_host}:{port}/metrics")
     stop = threading.Event()
     # Ctrl-C and SIGTERM end the node gracefully: stop the stage, tell the coordinator, exit.
+    offered = _offers(args.dataset + args.model_file)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     client = CoordinatorClient(args.coordinator, join_token=args.token,
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         client.wait_until_reachable(args.wait, stop)
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
                             advertise=args.advertise, name=args.name, progress=progress,
-                            max_memory=args.max_memory, datasets=dict(args.dataset),
+                            max_memory=args.max_memory, datasets=offered,
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         daemon.serve(stop)
     except (ApiError, httpx.HTTPError) as e:

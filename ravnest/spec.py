@@ -43,20 +43,34 @@ def _plain_json(value: Any, where: str) -> Any:
     return value
 
 
+DATASET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+FINGERPRINT = r"^[0-9]{1,15}:[0-9a-f]{64}$"  # "<size>:<sha256>" of an offered file (ravnest/data/proof.py)
+SHA256 = r"^[0-9a-f]{64}$"
+HEX_NONCE = r"^[0-9a-f]{32}$"
+
+
+class StartingWeights(_Strict):
+    """Weights a job starts from (fine-tuning): a safetensors file volunteers offer, read by each stage
+    for its own tensors only (ravnest/models/weights.py)."""
+    source: str = Field(pattern=DATASET_NAME, description=(
+        "the name volunteers offer the file under (`ravnest-node join --model-file NAME=PATH`): a Hugging Face "
+        "checkpoint's model.safetensors (llama) or a `ravnest download`. The job runs only on nodes that proved "
+        "they hold it"))
+    sha256: str | None = Field(None, pattern=SHA256, description=(
+        "the sha256 of the file's bytes (`ravnest-node join` prints it); unset, the coordinator pins the content "
+        "most proven holders offer when the job is first placed"))
+
+
 class ModelRef(_Strict):
     name: str = Field(max_length=64, description="architecture in the registry, e.g. 'cnn', 'mlp', 'gpt'")
     config: dict[str, Any] = Field(default_factory=dict, description="JSON config for the builder")
+    weights: StartingWeights | None = Field(None, description=(
+        "start from these weights instead of the seed's random ones (fine-tuning)"))
 
     @field_validator("config")
     @classmethod
     def _small(cls, config: dict[str, Any]) -> dict[str, Any]:
         return _plain_json(config, "model.config")
-
-
-DATASET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-FINGERPRINT = r"^[0-9]{1,15}:[0-9a-f]{64}$"  # "<size>:<sha256>" of an offered file (ravnest/data/proof.py)
-SHA256 = r"^[0-9a-f]{64}$"
-HEX_NONCE = r"^[0-9a-f]{32}$"
 
 
 class DatasetRef(_Strict):

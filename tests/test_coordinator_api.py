@@ -772,6 +772,29 @@ def test_a_job_runs_only_on_nodes_that_offer_its_dataset(client: TestClient) -> 
     assert view["spec"]["dataset"]["sha256"] == sha  # the content it was placed on, pinned for the rest of the job
 
 
+def test_a_job_with_starting_weights_runs_only_on_nodes_that_offer_its_data_and_its_weights(
+        client: TestClient, tmp_path: Path) -> None:
+    """Fine-tuning reads two offered files: a node needs both, and both contents are pinned."""
+    weights = tmp_path / "llama.safetensors"
+    weights.write_bytes(b"w" * 64)
+    both = {"books": BOOKS_FINGERPRINT, "tiny-llama": proof.fingerprint(weights)}
+    prove(client, [join(client, "data only", datasets=["books"])])  # the first holder: its bank is filled
+    job = {"model": {"name": "llama", "config": {"num_hidden_layers": 1}, "weights": {"source": "tiny-llama"}},
+           "dataset": {"name": "tokens", "source": "books", "seq_len": 32}, "placement": {"clusters": 1}}
+    job_id = client.post("/v1/jobs", json=job).json()["id"]
+    view = client.get(f"/v1/jobs/{job_id}").json()
+    assert view["state"] == "pending", view
+    assert "proven to hold dataset 'books' and model weights 'tiny-llama' (0 available)" in view["reason"]
+    holder = join(client, "both", datasets=["books", "tiny-llama"], fingerprints=both)
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "pending"  # its copy of 'books' is not proven yet
+    prove(client, [holder])  # (a challenge on 'books'; it was first to offer the weights)
+    view = client.get(f"/v1/jobs/{job_id}").json()
+    assert view["state"] in ("placing", "running") and {s["node_id"] for c in view["plan"]["clusters"] for s in c["stages"]} == {
+        holder[0]}
+    assert view["spec"]["model"]["weights"]["sha256"] == proof.fingerprint(weights).split(":")[1]
+    assert view["spec"]["dataset"]["sha256"] == BOOKS_FINGERPRINT.split(":")[1]
+
+
 def test_a_node_reads_a_file_only_once_it_proved_it_holds_that_content(client: TestClient, tmp_path: Path) -> None:
     """The first to offer a content answers a bank of challenges; a node that copied its fingerprint
     without the file fails one and is refused; a node offering other bytes under the same name holds its

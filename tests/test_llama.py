@@ -3,6 +3,7 @@ LlamaForCausalLM, with the same weights, gives the same logits, both ways throug
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,93 @@ def test_bf16_is_used_only_where_the_hardware_has_it(monkeypatch):
     assert usable_precision("fp32", cpu) == "fp32"
     monkeypatch.setenv("RAVNEST_BF16_ANYWAY", "1")
     assert usable_precision("bf16", cpu) == "bf16"
+
+
+def test_a_stage_starts_from_its_own_slice_of_a_hugging_face_checkpoint(tmp_path):
+    """Fine-tuning: a stage of blocks 1..2 copies exactly its tensors out of a checkpoint
+    `transformers` saved (under Llama's names) or a `ravnest download` (under Ravnest's); a checkpoint
+    that does not fit the job's model says where."""
+    from safetensors.torch import save_file
+
+    from ravnest.models.weights import load_starting_weights
+
+    hf = hf_model(SMALL)
+    hf.save_pretrained(tmp_path / "hf")
+    spec, layers = build_model("llama", SMALL), SMALL["num_hidden_layers"]
+    theirs = hf.state_dict()
+    stage = spec.blocks(1, 3, seed=5)
+    load_starting_weights(stage, spec, tmp_path / "hf" / "model.safetensors", "model file 'tiny'")
+    assert all(torch.equal(t, theirs[hf_key(k, layers)]) for k, t in stage.state_dict().items())
+
+    ours = spec.full_model(seed=7)
+    save_file({k: t.contiguous() for k, t in ours.state_dict().items()}, str(tmp_path / "download.safetensors"),
+              metadata={"model": json.dumps({"name": "llama", "config": SMALL})})
+    last = spec.blocks(3, 5, seed=5)
+    load_starting_weights(last, spec, tmp_path / "download.safetensors", "model file 'mine'")
+    assert all(torch.equal(t, ours.state_dict()[k]) for k, t in last.state_dict().items())
+
+    wider = build_model("llama", {**SMALL, "intermediate_size": 160})
+    with pytest.raises(ModelError, match=r"'model.layers.0.mlp.gate_proj.weight' is \[176, 64\], this job's model "
+                                         r"has \[160, 64\] there: its config does not match"):
+        load_starting_weights(wider.blocks(1, 2), wider, tmp_path / "hf" / "model.safetensors", "model file 'tiny'")
+    deeper = build_model("llama", {**SMALL, "num_hidden_layers": 4})
+    with pytest.raises(ModelError, match="model file 'tiny' has no tensor 'model.layers.3."):
+        load_starting_weights(deeper.blocks(4, 5), deeper, tmp_path / "hf" / "model.safetensors", "model file 'tiny'")
+    gpt = build_model("gpt", {"n_layers": 1})
+    for file, words in (("hf/model.safetensors", "is neither a `ravnest download` nor a Hugging Face Llama"),
+                        ("download.safetensors", "holds a 'llama' model; this job trains a 'gpt'"),
+                        ("hf/config.json", "is not a readable safetensors file")):
+        with pytest.raises(ModelError, match=re.escape(f"model file 'x' {words}")):
+            load_starting_weights(gpt.blocks(0, 1), gpt, tmp_path / file, "model file 'x'")
+
+
+@pytest.mark.slow
+def test_fine_tuning_a_hugging_face_llama_starts_from_the_loss_transformers_computes(tmp_path):
+    """A random LlamaForCausalLM saved by `transformers`, described by `ravnest model from-hf`, offered by
+    both nodes with --model-file, trained
+    as 1 cluster x 2 stages at learning rate 0: the held-out loss the pipeline reports is what
+    `transformers` computes on the same tokens, and the downloaded weights are the checkpoint's, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from ravnest.data.datasets import load_dataset
+    from ravnest.data.tokens import prepare
+    from scripts.local_cluster import LocalCluster
+
+    stdlib = Path(json.__file__).parent.parent
+    corpus = prepare([stdlib / "json"], tmp_path / "corpus.tokens", vocab_size=300, pattern="*.py")
+    config = {**SMALL, "vocab_size": corpus.vocab_size, "max_position_embeddings": 32}
+    hf = hf_model(config)
+    hf.save_pretrained(tmp_path / "hf")
+    section = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "model", "from-hf", "hf", "--source",
+                              "tiny-llama"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert section.returncode == 0, section.stderr
+    model = json.loads(section.stdout)  # the job's model section, as a user makes it
+    assert model["config"]["hidden_size"] == config["hidden_size"] and len(model["weights"]["sha256"]) == 64
+    dataset = {"name": "tokens", "source": "stdlib", "seq_len": 32}
+    spec = {"model": model, "dataset": dataset,
+            "training": {"steps": 4, "batch_size": 8, "optimizer": {"name": "SGD", "kwargs": {"lr": 0.0}}},
+            "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 2}}
+    offers = ["--dataset", f"stdlib={tmp_path / 'corpus.tokens'}",
+              "--model-file", f"tiny-llama={tmp_path / 'hf' / 'model.safetensors'}"]
+    with LocalCluster(tmp_path, nodes=2, node_args=offers) as cluster:
+        job = cluster.wait_job(cluster.submit(spec), timeout=300)
+        assert job["state"] == "completed", job["reason"]
+        assert [len(c["stages"]) for c in job["plan"]["clusters"]] == [2]
+        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token}
+        done = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "download", job["id"], "-o", "out.st"],
+                              capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    held_out = load_dataset(dataset, {"stdlib": tmp_path / "corpus.tokens"}).test_batches(64)
+    with torch.no_grad():
+        losses = [(torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten(), reduction="sum"),
+                   y.numel()) for x, y in held_out]
+    expected = sum(float(s) for s, _ in losses) / sum(n for _, n in losses)
+    print(f"\nheld-out loss: transformers {expected:.6f}, ravnest {job['metrics']['test_loss']:.6f}")
+    assert job["metrics"]["test_loss"] == pytest.approx(expected, rel=1e-5)
+    trained, layers = load_file(str(tmp_path / "out.st")), config["num_hidden_layers"]
+    assert {hf_key(k, layers) for k in trained} == set(hf.state_dict())
+    assert all(torch.equal(t, hf.state_dict()[hf_key(k, layers)]) for k, t in trained.items())

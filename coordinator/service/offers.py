@@ -4,9 +4,9 @@ A node's offer of a file is a claim until it answers a challenge. The first node
 (a fingerprint no live node holds and no challenge is banked for) is its reference: it answers a
 bank of challenges, and holders refill the bank whenever it runs low. Every later claimant of that
 content gets one banked challenge, used once, and is proven when its answer matches, refused when
-it does not. A job that reads a file is placed only on proven holders of one content: the one its
-spec pins (`dataset.sha256`), else the one most proven holders offer under its name, which is then
-pinned for the rest of the job.
+it does not. A job that reads files (a dataset, starting weights) is placed only on proven holders
+of one content of each: the one its spec pins (`dataset.sha256`, `model.weights.sha256`), else the
+one most proven holders offer under its name, which is then pinned for the rest of the job.
 
     join ──► first ──(answers bank challenges)──► first
         └──► challenged ──(answer matches)──► proven
@@ -106,18 +106,20 @@ class Offers:
             offer.challenge = None
         return proven
 
-    def holders(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> tuple[list[NodeRow], str | None]:
-        """The nodes among `nodes` that may read the job's data, and the sha256 of the content they hold:
-        all of them for built-in datasets (None); for a file, the proven holders of the content the job
-        pins, else of the content most proven holders offer under its name (the caller pins it once
-        the job is placed)."""
-        source = spec.dataset.source
-        if source is None:
-            return nodes, None
-        offers = list(session.scalars(select(OfferRow).where(OfferRow.name == source, OfferRow.state.in_(HOLDS))))
-        sha = spec.dataset.sha256 or _most_held(offers)
-        holding = {offer.node_id for offer in offers if sha is not None and offer.fingerprint.endswith(":" + sha)}
-        return [node for node in nodes if node.id in holding], sha
+    def holders(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> tuple[list[NodeRow], dict[str, str]]:
+        """The nodes among `nodes` that may read every file the job reads (its dataset, its starting
+        weights), and the content (sha256) each of those files is to have: for each file the content the
+        job pins, else the one most proven holders offer under its name (the caller pins it once the job
+        is placed). Built-in datasets need nothing: all of `nodes`, {}."""
+        holding, contents = {node.id for node in nodes}, {}
+        for field, source, pinned in files_read(spec):
+            offers = list(session.scalars(select(OfferRow).where(OfferRow.name == source,
+                                                                 OfferRow.state.in_(HOLDS))))
+            sha = pinned or _most_held(offers)
+            if sha is not None:
+                contents[field] = sha
+            holding &= {offer.node_id for offer in offers if sha is not None and offer.fingerprint.endswith(":" + sha)}
+        return [node for node in nodes if node.id in holding], contents
 
     def describe(self, session: Session, node_ids: list[str]) -> dict[str, dict[str, str]]:
         """node id -> each file it offers -> its state (and why, where it was refused)."""
@@ -126,6 +128,16 @@ class Offers:
             described.setdefault(offer.node_id, {})[offer.name] = offer.state + (
                 f": {offer.reason}" if offer.reason else "")
         return described
+
+
+def files_read(spec: JobSpec) -> list[tuple[str, str, str | None]]:
+    """(field, offered name, pinned sha256 or None) of each offered file the job reads."""
+    files = []
+    if spec.dataset.source is not None:
+        files.append(("dataset", spec.dataset.source, spec.dataset.sha256))
+    if spec.model.weights is not None:
+        files.append(("model.weights", spec.model.weights.source, spec.model.weights.sha256))
+    return files
 
 
 def _most_held(offers: list[OfferRow]) -> str | None:

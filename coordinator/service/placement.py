@@ -17,7 +17,7 @@ from ..planning import PlanningError, _n, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
 from .core import BUSY, GROW, IDLE, Core, costs_of, planning_flops
-from .offers import Offers
+from .offers import Offers, files_read
 from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ class Placement:
                 offered, content = self.offers.holders(session, spec, idle)  # only proven holders read a file
                 candidates = [node for node in offered if node.id not in left_out]
                 if len(candidates) < needed:
-                    source = f" proven to hold dataset {spec.dataset.source!r}" if spec.dataset.source else ""
+                    files = " and ".join(f"{field.replace('.', ' ')} {name!r}" for field, name, _ in files_read(spec))
+                    source = f" proven to hold {files}" if files else ""
                     excluded = len(offered) - len(candidates)
                     also = f"; {excluded} more left out of this job after failures" if excluded else ""
                     reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available{also})"
@@ -78,8 +79,7 @@ class Placement:
                         jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
                     continue
                 jobs.transition(job, JobState.PLACING, f"placing on {_n(len(candidates), 'idle node')}", now)
-                if content is not None and spec.dataset.sha256 is None:
-                    jobs.pin_content(job, content)  # it reads this content from now on, whoever offers what
+                jobs.pin_content(job, content)  # it reads this content from now on, whoever offers what
                 used = self._reserve(session, job, plan, candidates)
                 idle = [node for node in idle if node.id not in used]
             if idle:

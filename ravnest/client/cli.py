@@ -8,7 +8,7 @@ Exit codes: 0 done, 1 refused (the reason is printed), 2 wrong usage, 3 coordina
 """
 from __future__ import annotations
 
-from ravnest.client import admin, data, generate, jobs  # noqa: F401 -- their commands register on `app`
+from ravnest.client import admin, data, generate, jobs, models  # noqa: F401 -- their commands register on `app`
 from ravnest.client.app import app
 
 app.info.help = __doc__

@@ -32,7 +32,8 @@ import torch
 
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.strategy import AveragingStrategy, StageContext, make_strategy
-from ravnest.models import build_model
+from ravnest.models import ModelError, ModelSpec, build_model
+from ravnest.models.weights import load_starting_weights
 from ravnest.pipeline import state
 from ravnest.pipeline.averaging_hooks import AveragingHooks
 from ravnest.pipeline.checkpoint_timing import CheckpointTiming
@@ -92,6 +93,8 @@ class StageRunner:
         self.memory = PeakMemory(self.device)
         # only this stage's blocks, built on its device; weights depend on (seed, block index) alone
         self.module = spec.blocks(start, end, seed=training.seed, device=self.device)
+        if a.model.weights is not None and not a.resume_step:  # fine-tuning: or from the weights given
+            self._start_from(spec, a.model.weights.source, datasets or {})
         self.predict = prediction_order(method)
         stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
@@ -113,6 +116,12 @@ class StageRunner:
         self._executor: StageExecutor | None = None  # while and after `run`
         self._stop_reason = ""
         self.neighbours.listen(router)  # last: a stage that could not be built takes no messages
+
+    def _start_from(self, spec: ModelSpec, source: str, offered: Mapping[str, str | Path]) -> None:
+        label = f"model file {source!r}"
+        if source not in offered:
+            raise ModelError(f"this node does not offer {label} (`ravnest-node join --model-file NAME=PATH`)")
+        load_starting_weights(self.module, spec, offered[source], label)
 
     def _resume(self, initial_state: str | Path | None, step: int) -> None:
         if initial_state is None:
