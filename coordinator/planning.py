@@ -99,7 +99,8 @@ class Shape:
     pace: float
 
     def describe(self) -> str:
-        plain = "" if self.load.split_backward else " (backward not split, to fit memory)"
+        fitted = not self.load.split_backward and not self.load.checkpoint_blocks  # (checkpointing never splits)
+        plain = " (backward not split, to fit memory)" if fitted else ""
         shape = f"{_n(len(self.replicas), 'replica')} x {_n(len(self.ranges), 'stage')}"
         return f"{shape}{plain}: {_rate(self.samples_per_s)}"
 

@@ -20,6 +20,10 @@ flight, is what the stage runner really holds:
     + a base: what any stage costs a node whatever its blocks (gRPC threads' heaps, stream buffers,
       Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
 
+With activation checkpointing (`training.activation_checkpointing`) a micro-batch keeps only each
+block's input in place of the block's saved activations, its backward recomputes one block at a time
+(one more workspace), and the backward is not split (a deferred W would need what was dropped).
+
 with activations, workspace and the split backward's gradients taken `heap_slack` times: many
 short-lived tensors of mixed sizes leave holes in the allocator's heap that later ones do not fit
 (`pipeline.memory.HEAP_SLACK` for real jobs).
@@ -54,6 +58,7 @@ class Load:
     predict: int = 0                 # weight prediction's order: the buffers it keeps (schedule.prediction_order)
     heap_slack: float = 1.0          # what the allocator really takes per activation byte (see memory.py)
     split_backward: bool = True      # B/W split: owners' output gradients held from B to W (stages > 0)
+    checkpoint_blocks: bool = False  # activation checkpointing: keep block inputs, recompute a block in backward
 
 
 MESSAGE_OVERHEAD_S = 0.001  # fixed cost of one activation or gradient message between stages
@@ -88,8 +93,16 @@ class PartitionError(RavnestError, ValueError):
 def stage_memory_bytes(costs: list[BlockCost], start: int, end: int, load: Load) -> int:
     """Bytes a node needs to train blocks [start, end) under `load` (see the module docstring)."""
     blocks = costs[start:end]
-    return _memory(costs, sum(c.param_bytes for c in blocks), sum(c.saved_bytes for c in blocks),
+    return _memory(costs, sum(c.param_bytes for c in blocks), sum(kept_bytes(costs, load)[start:end]),
                    max(c.saved_bytes for c in blocks), sum(c.owner_output_bytes for c in blocks), start, end, load)
+
+
+def kept_bytes(costs: list[BlockCost], load: Load) -> list[int]:
+    """Bytes a micro-batch keeps per block from forward to backward: what autograd saves, or with
+    activation checkpointing the block's input (the previous block's output; block 0's are token ids)."""
+    if load.checkpoint_blocks:
+        return [costs[i - 1].activation_bytes if i else 0 for i in range(len(costs))]
+    return [c.saved_bytes for c in costs]
 
 
 def stage_seconds(costs: list[BlockCost], node: NodeCapacity, start: int, end: int) -> float:
@@ -106,7 +119,9 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     weights = param_bytes * (2 + load.optimizer_state + versions + load.averaging_copies)
     share = 1 / load.parts  # of a batch's activations, per micro-batch
     saved_bytes, workspace = math.ceil(saved_bytes * share), math.ceil(workspace * share)
-    split = math.ceil(owner_outputs * share) if start > 0 and load.split_backward else 0  # stage 0's is not
+    split = math.ceil(owner_outputs * share) if start > 0 and load.split_backward and not load.checkpoint_blocks \
+        else 0  # stage 0's backward is not split
+    recomputed = workspace if load.checkpoint_blocks else 0  # one block's activations, redone for its backward
     received = math.ceil((costs[start - 1].activation_bytes if start > 0 else 0) * share)
     sent = math.ceil(costs[end - 1].activation_bytes * share)
     if last:
@@ -116,7 +131,7 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     else:
         activations = k * saved_bytes
     queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
-    return int(weights + load.heap_slack * (activations + workspace + split) + queues + load.stage_base)
+    return int(weights + load.heap_slack * (activations + recomputed + workspace + split) + queues + load.stage_base)
 
 
 class _RangeMax:
@@ -158,7 +173,7 @@ def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load |
     count = len(costs)
     flops = [0.0, *itertools.accumulate(c.flops for c in costs)]
     params = [0, *itertools.accumulate(c.param_bytes for c in costs)]
-    saved = [0, *itertools.accumulate(c.saved_bytes for c in costs)]
+    saved = [0, *itertools.accumulate(kept_bytes(costs, load))]
     owner_outputs = [0, *itertools.accumulate(c.owner_output_bytes for c in costs)]
     largest_saved = _RangeMax([c.saved_bytes for c in costs])
 

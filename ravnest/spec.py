@@ -150,6 +150,10 @@ class TrainingSettings(_Strict):
         "clip each stage's gradient to this norm before its optimizer step. Per stage, not global: the "
         "stages' gradients are never gathered in one place, so the whole model's norm stays within "
         "grad_clip x sqrt(stages)"))
+    activation_checkpointing: bool = Field(False, description=(
+        "keep only each block's input from forward to backward and recompute the block's activations in its "
+        "backward: far less memory for about a third more compute; the backward is then not split into input "
+        "and weight halves (a deferred weight gradient would need what was dropped)"))
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between evaluations; 0 = only at the end")
     seed: int = Field(0, ge=0, lt=1 << 63)
 

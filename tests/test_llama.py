@@ -177,8 +177,8 @@ def test_sampling_is_greedy_at_temperature_zero_and_reproducible_with_a_seed():
 
 @pytest.mark.slow
 def test_a_bf16_llama_learns_as_a_two_stage_pipeline():
-    """precision bf16 through the pipeline's machinery (a process per stage, the real schedule, stash
-    and split backward): the held-out loss falls far below guessing, the weights stay float32. This
+    """precision bf16 and activation checkpointing through the pipeline's machinery (a process per stage,
+    the real schedule and stash, each block recomputed under autocast in its backward): the held-out loss falls far below guessing, the weights stay float32. This
     CPU has no bfloat16 arithmetic, where a stage computes in float32 and says so (bf16 emulated was
     8x slower, and once tripped the coordinator's slow-stage rule): RAVNEST_BF16_ANYWAY forces it."""
     import argparse
@@ -192,6 +192,7 @@ def test_a_bf16_llama_learns_as_a_two_stage_pipeline():
         "model": {"name": "llama", "config": {**SMALL, "vocab_size": 128, "max_position_embeddings": 32}},
         "dataset": {"name": "text", "source": "argparse", "seq_len": 32},
         "training": {"steps": 120, "batch_size": 8, "precision": "bf16", "grad_clip": 1.0,
+                     "activation_checkpointing": True,
                      "optimizer": {"name": "Adam", "kwargs": {"lr": 3e-3}}}})
     os.environ["RAVNEST_BF16_ANYWAY"] = "1"  # (the stage processes inherit it)
     try:
@@ -303,3 +304,66 @@ def test_fine_tuning_a_hugging_face_llama_starts_from_the_loss_transformers_comp
     trained, layers = load_file(str(tmp_path / "out.st")), config["num_hidden_layers"]
     assert {hf_key(k, layers) for k in trained} == set(hf.state_dict())
     assert all(torch.equal(t, hf.state_dict()[hf_key(k, layers)]) for k, t in trained.items())
+
+
+KEPT_PER_MICRO_BATCH = """
+import sys, torch
+from ravnest.models import build_model, profile_blocks
+from ravnest.partition import Load, kept_bytes
+from ravnest.pipeline.stash import StageCompute
+torch.set_num_threads(1)
+checkpointing = sys.argv[1] == "1"
+spec = build_model("llama", {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+                             "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256})
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+compute = StageCompute(spec.blocks(1, 3, seed=0), mode="stash", input_grad=True, device=torch.device("cpu"),
+                       snapshots=False, checkpoint_blocks=checkpointing)
+inputs = [torch.randn(8, 256, 256) for _ in range(5)]
+compute.forward(0, inputs[0]); compute.backward_input(0, torch.ones(8, 256, 256)); compute.backward_weights(0)
+before = rss()
+for i in range(1, 5):
+    compute.forward(i, inputs[i])
+print((rss() - before) / 4, sum(kept_bytes(profile_blocks(spec, 8), Load(checkpoint_blocks=checkpointing))[1:3]))
+"""
+
+
+def test_activation_checkpointing_keeps_block_inputs_as_planned_and_gives_the_same_gradients():
+    """Each block keeps only its input from forward to backward and is recomputed in its backward: the
+    gradients are exactly those of the plain backward (split or not), and what a micro-batch in flight
+    holds is what the planner counts per micro-batch in flight (measured in a process whose
+    large tensors come straight from mmap, so its resident memory follows them)."""
+    import os
+    import subprocess
+    import sys
+
+    from ravnest.pipeline.stash import StageCompute
+
+    spec = build_model("llama", SMALL)
+    inputs, grad = [torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)], \
+        torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(9))
+    reference = spec.blocks(1, 3, seed=0)
+    for x in inputs:
+        reference(x).backward(grad)
+    for split in (True, False):
+        stage = spec.blocks(1, 3, seed=0)
+        compute = StageCompute(stage, mode="stash", input_grad=True, device=torch.device("cpu"), snapshots=False,
+                               split=split, checkpoint_blocks=True)
+        for i, x in enumerate(inputs):
+            compute.forward(i, x)
+        for i in range(len(inputs)):
+            compute.backward_input(i, grad)
+            compute.backward_weights(i)
+        assert all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+                   for p, q in zip(stage.parameters(), reference.parameters()))
+    held = {}
+    for checkpointing in ("0", "1"):
+        done = subprocess.run([sys.executable, "-c", KEPT_PER_MICRO_BATCH, checkpointing], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        assert done.returncode == 0, done.stderr
+        held[checkpointing] = [float(v) for v in done.stdout.split()]
+    (plain, plain_predicted), (kept, predicted) = held["0"], held["1"]
+    print(f"\nper micro-batch in flight: {plain / 2**20:.1f} MiB (predicted {plain_predicted / 2**20:.1f}), "
+          f"with activation checkpointing {kept / 2**20:.1f} MiB (predicted {predicted / 2**20:.1f})")
+    assert 0.8 * predicted <= kept <= 1.25 * predicted and 0 < plain <= 1.25 * plain_predicted
+    assert kept < plain / 10

@@ -62,7 +62,8 @@ def training_load(training: TrainingSettings, num_stages: int, *, averaging: boo
                 recompute=training.weight_stash == "recompute",
                 averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE,
                 parts=batch_parts(method, k, training.batch_size), predict=prediction_order(method),
-                heap_slack=HEAP_SLACK)
+                heap_slack=HEAP_SLACK, checkpoint_blocks=training.activation_checkpointing,
+                split_backward=not training.activation_checkpointing)
 
 
 _STATUS = Path("/proc/self/status")

@@ -100,7 +100,8 @@ class StageRunner:
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
                                     device=self.device, snapshots=stale, predict=self.predict,
                                     split=a.split_backward,
-                                    precision=usable_precision(training.precision, self.device))
+                                    precision=usable_precision(training.precision, self.device),
+                                    checkpoint_blocks=training.activation_checkpointing)
         self.optimizer = StageOptimizer(self.module.parameters(), training)
         if a.resume_step:
             self._resume(initial_state, a.resume_step)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
@@ -246,7 +247,8 @@ class StageCompute:
     """
 
     def __init__(self, module: nn.Module, *, mode: str, input_grad: bool, device: torch.device,
-                 snapshots: bool = True, predict: int = 0, split: bool = True, precision: str = "fp32"):
+                 snapshots: bool = True, predict: int = 0, split: bool = True, precision: str = "fp32",
+                 checkpoint_blocks: bool = False):
         if mode not in ("stash", "recompute"):
             raise ValueError(f"unknown weight_stash mode {mode!r}")
         self.module = module
@@ -270,7 +272,10 @@ class StageCompute:
         self._captured: list[tuple[int, torch.Tensor]] | None = None
         for index, (_, owner) in enumerate(owners):
             owner.register_forward_hook(self._capture_hook(index))
-        self.split = split and input_grad and bool(owners)  # `split` off: memory does not allow it
+        # activation checkpointing drops the owners' outputs a deferred W would differentiate: no split
+        self.split = split and input_grad and bool(owners) and not checkpoint_blocks
+        # blocks (children "0", "1", ...) and their keys, to run each under torch.utils.checkpoint
+        self._blocks = [(block, f"{name}.") for name, block in module.named_children()] if checkpoint_blocks else []
         self._split_checked = False
 
     def _capture_hook(self, index: int) -> Callable:
@@ -294,10 +299,20 @@ class StageCompute:
         self._captured = [] if self.split else None
         try:
             with self._autocast():
-                output = _wide(functional_call(self.module, {**weights, **buffers}, (inputs,)))
+                output = _wide(self._call({**weights, **buffers}, inputs))
         finally:
             captured, self._captured = self._captured, None
         return (output if loss_fn is None else loss_fn(output)), buffers, captured
+
+    def _call(self, tensors: Tensors, x: torch.Tensor) -> torch.Tensor:
+        """The stage's blocks on `x` with these weights and buffers; with activation checkpointing each
+        block keeps only its input, and its backward recomputes it (same RNG, same autocast)."""
+        if not self._blocks:
+            return functional_call(self.module, tensors, (x,))
+        for block, prefix in self._blocks:
+            own = {key.removeprefix(prefix): t for key, t in tensors.items() if key.startswith(prefix)}
+            x = checkpoint(functional_call, block, own, (x,), use_reentrant=False)
+        return x
 
     def forward(self, micro_batch: int, x: torch.Tensor, lookahead: int = 0, last: bool = False,
                 loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
