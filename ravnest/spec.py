@@ -143,9 +143,11 @@ class TrainingSettings(_Strict):
         "along the change of the update too (second order); '2bw+predict', '2bw+predict2' both; 'none'; "
         "'auto' (default) is 'predict2' for K <= 2 and '2bw+predict2' above, as measured in docs/pipeline.md")
     codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description=(
-        "bf16: each stage computes under autocast in bfloat16 where its hardware has bfloat16 arithmetic (else in "
-        "float32, saying so), with float32 weights, gradients and optimizer state; stages exchange float32"))
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
+        "bf16, fp16: each stage computes under autocast in that type where its hardware has its arithmetic (else "
+        "in float32, saying so), with float32 weights, gradients and optimizer state. bf16's stages exchange "
+        "bf16 (unless `codec` says otherwise); fp16 scales each stage's gradients (dynamic loss scaling, per "
+        "stage) and exchanges float32"))
     grad_clip: float | None = Field(None, gt=0, description=(
         "clip each stage's gradient to this norm before its optimizer step. Per stage, not global: the "
         "stages' gradients are never gathered in one place, so the whole model's norm stays within "

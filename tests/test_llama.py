@@ -176,11 +176,13 @@ def test_sampling_is_greedy_at_temperature_zero_and_reproducible_with_a_seed():
 
 
 @pytest.mark.slow
-def test_a_bf16_llama_learns_as_a_two_stage_pipeline():
-    """precision bf16 and activation checkpointing through the pipeline's machinery (a process per stage,
-    the real schedule and stash, each block recomputed under autocast in its backward): the held-out loss falls far below guessing, the weights stay float32. This
-    CPU has no bfloat16 arithmetic, where a stage computes in float32 and says so (bf16 emulated was
-    8x slower, and once tripped the coordinator's slow-stage rule): RAVNEST_BF16_ANYWAY forces it."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_16_bit_llama_learns_as_a_two_stage_pipeline(precision):
+    """bf16 and fp16 (with its loss scaling) and activation checkpointing through the pipeline's
+    machinery (a process per stage, the real schedule and stash, each block recomputed under autocast
+    in its backward): the held-out loss falls far below guessing, the weights stay float32. This CPU has
+    neither's arithmetic, where a stage computes in float32 and says so (bf16 emulated was 8x slower,
+    and once tripped the coordinator's slow-stage rule): RAVNEST_PRECISION_ANYWAY forces it."""
     import argparse
     import math
     import os
@@ -191,29 +193,29 @@ def test_a_bf16_llama_learns_as_a_two_stage_pipeline():
     job = JobSpec.model_validate({
         "model": {"name": "llama", "config": {**SMALL, "vocab_size": 128, "max_position_embeddings": 32}},
         "dataset": {"name": "text", "source": "argparse", "seq_len": 32},
-        "training": {"steps": 120, "batch_size": 8, "precision": "bf16", "grad_clip": 1.0,
+        "training": {"steps": 120, "batch_size": 8, "precision": precision, "grad_clip": 1.0,
                      "activation_checkpointing": True,
                      "optimizer": {"name": "Adam", "kwargs": {"lr": 3e-3}}}})
-    os.environ["RAVNEST_BF16_ANYWAY"] = "1"  # (the stage processes inherit it)
+    os.environ["RAVNEST_PRECISION_ANYWAY"] = "1"  # (the stage processes inherit it)
     try:
         result = run_local_pipeline(job, [(0, 2), (2, 5)], timeout=300, datasets={"argparse": argparse.__file__})
     finally:
-        del os.environ["RAVNEST_BF16_ANYWAY"]
+        del os.environ["RAVNEST_PRECISION_ANYWAY"]
     loss = result["metrics"]["test_loss"]
-    print(f"\nbf16 llama, 2 stages, 120 steps: test loss {loss:.3f} (uniform {math.log(128):.3f})")
+    print(f"\n{precision} llama, 2 stages, 120 steps: test loss {loss:.3f} (uniform {math.log(128):.3f})")
     assert loss < 0.7 * math.log(128)
     assert all(t.dtype == torch.float32 for t in result["state_dict"].values())
 
 
-def test_bf16_is_used_only_where_the_hardware_has_it(monkeypatch):
-    from ravnest.pipeline.stash import usable_precision
+def test_16_bit_precisions_are_used_only_where_the_hardware_has_them(monkeypatch):
+    from ravnest.pipeline.precision import usable_precision
 
-    cpu = torch.device("cpu")
-    native = any(f in open("/proc/cpuinfo").read() for f in (" avx512_bf16", " amx_bf16"))
-    assert usable_precision("bf16", cpu) == ("bf16" if native else "fp32")
+    cpu, flags = torch.device("cpu"), open("/proc/cpuinfo").read()
+    for precision, wanted in (("bf16", (" avx512_bf16", " amx_bf16")), ("fp16", (" avx512_fp16", " amx_fp16"))):
+        assert usable_precision(precision, cpu) == (precision if any(f in flags for f in wanted) else "fp32")
     assert usable_precision("fp32", cpu) == "fp32"
-    monkeypatch.setenv("RAVNEST_BF16_ANYWAY", "1")
-    assert usable_precision("bf16", cpu) == "bf16"
+    monkeypatch.setenv("RAVNEST_PRECISION_ANYWAY", "1")
+    assert usable_precision("bf16", cpu) == "bf16" and usable_precision("fp16", cpu) == "fp16"
 
 
 def test_a_stage_starts_from_its_own_slice_of_a_hugging_face_checkpoint(tmp_path):
@@ -367,3 +369,42 @@ def test_activation_checkpointing_keeps_block_inputs_as_planned_and_gives_the_sa
           f"with activation checkpointing {kept / 2**20:.1f} MiB (predicted {predicted / 2**20:.1f})")
     assert 0.8 * predicted <= kept <= 1.25 * predicted and 0 < plain <= 1.25 * plain_predicted
     assert kept < plain / 10
+
+
+def test_fp16_scales_each_stages_gradients_so_small_ones_survive_and_drops_a_micro_batch_that_overflows():
+    """Gradients of 1e-9 underflow in float16 (its smallest is 6e-8): unscaled, a stage learns almost
+    nothing from them; with its loss scale, its weight and input gradients match float32's. A micro-batch
+    whose gradients overflow is dropped from the update, sends zeros upstream and halves the scale."""
+    from ravnest.pipeline.precision import INITIAL_SCALE
+    from ravnest.pipeline.stash import StageCompute
+
+    spec = build_model("llama", SMALL)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    tiny = 1e-9 * torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+
+    def backward(precision: str, grad: torch.Tensor, scaled: bool = True):
+        stage = spec.blocks(1, 3, seed=0)
+        compute = StageCompute(stage, mode="stash", input_grad=True, device=torch.device("cpu"), snapshots=False,
+                               precision=precision)
+        if not scaled:
+            compute.loss_scale = None
+        compute.forward(0, x)
+        input_grad = compute.backward_input(0, grad)
+        compute.backward_weights(0)
+        return torch.cat([p.grad.flatten() for p in stage.parameters() if p.grad is not None]) \
+            if any(p.grad is not None for p in stage.parameters()) else None, input_grad, compute
+
+    def error(ours, reference):
+        return float((ours - reference).norm() / reference.norm())
+
+    exact, exact_input, _ = backward("fp32", tiny)
+    scaled, scaled_input, _ = backward("fp16", tiny)
+    unscaled, unscaled_input, _ = backward("fp16", tiny, scaled=False)
+    print(f"\nfp16 gradient error against float32: scaled {error(scaled, exact):.4f}, "
+          f"unscaled {error(unscaled, exact):.4f}")
+    assert error(scaled, exact) < 0.02 and error(scaled_input, exact_input) < 0.02
+    assert error(unscaled, exact) > 0.5  # most of it flushed to zero
+
+    dropped, zeros, compute = backward("fp16", torch.full((2, 16, 64), 1e36))
+    assert dropped is None and torch.equal(zeros, torch.zeros_like(zeros))
+    assert compute.loss_scale.scale == INITIAL_SCALE / 2 and compute.loss_scale.overflows == 1

@@ -65,6 +65,16 @@ def test_stage_memory_formula() -> None:
     split = [dataclasses.replace(c, owner_output_bytes=100 * (i + 1)) for i, c in enumerate(costs)]
     assert stage_memory_bytes(split, 1, 3, adam_k2) == stage_memory_bytes(costs, 1, 3, adam_k2) + 200 + 300
     assert stage_memory_bytes(split, 0, 2, adam_k2) == stage_memory_bytes(costs, 0, 2, adam_k2)
+    # activation checkpointing keeps each block's input (block 0's: none) in place of its saved
+    # activations, recomputes one block in the backward, and never splits it
+    checkpointed = Load(in_flight=2, checkpoint_blocks=True)
+    assert stage_memory_bytes(split, 0, 2, checkpointed) == 30 * 6 + 2 * (0 + 3) + 11 + 11 + 3 * 5
+    assert stage_memory_bytes(split, 1, 3, checkpointed) == 60 * 4 + (3 + 5) + 2 * 2 + 13 + 13 + 4 * 3
+    # bf16/fp16: each micro-batch in flight keeps autocast's 16-bit weights (the last stage: one)
+    assert stage_memory_bytes(costs, 0, 2, Load(in_flight=2, cast_weights=0.5)) == \
+        stage_memory_bytes(costs, 0, 2, adam_k2) + 2 * 30 // 2
+    assert stage_memory_bytes(costs, 2, 3, Load(in_flight=2, cast_weights=0.5)) == \
+        stage_memory_bytes(costs, 2, 3, adam_k2) + 40 // 2
     # and every stage costs a node its base, whatever its blocks
     assert stage_memory_bytes(costs, 0, 2, Load(in_flight=2, stage_base=1000)) == \
         stage_memory_bytes(costs, 0, 2, adam_k2) + 1000

@@ -63,6 +63,7 @@ def training_load(training: TrainingSettings, num_stages: int, *, averaging: boo
                 averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE,
                 parts=batch_parts(method, k, training.batch_size), predict=prediction_order(method),
                 heap_slack=HEAP_SLACK, checkpoint_blocks=training.activation_checkpointing,
+                cast_weights=0.5 if training.precision in ("bf16", "fp16") else 0.0,
                 split_backward=not training.activation_checkpointing)
 
 

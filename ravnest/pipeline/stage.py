@@ -47,7 +47,8 @@ from ravnest.pipeline.neighbours import MESSAGE_KINDS, Neighbours
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (batch_parts, check_stage_schedule, prediction_order, stage_actions,
                                        staleness_method, warmup)
-from ravnest.pipeline.stash import StageCompute, usable_precision
+from ravnest.pipeline.precision import WIRE_CODEC, usable_precision
+from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment
 from ravnest.wire import Router
 
@@ -85,7 +86,7 @@ class StageRunner:
         spec = build_model(a.model.name, a.model.config)
         self.neighbours = Neighbours(a, task=spec.task, window=self.window,
                                      total_micro_batches=self.total_micro_batches, peer_timeout=peer_timeout,
-                                     codec=training.codec)
+                                     codec=training.codec or WIRE_CODEC.get(training.precision, ""))
         start, end = a.blocks
         if not 0 <= start < end <= spec.num_blocks:
             raise ValueError(f"block range {a.blocks} is outside the model's {spec.num_blocks} blocks")

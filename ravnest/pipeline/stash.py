@@ -12,19 +12,18 @@ halves, input gradient (B) and weight gradient (W), and forwards may use predict
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
+
+from .precision import LossScale, all_finite, autocast_for, wide
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
@@ -209,6 +208,8 @@ class _InFlight:
     # parameters' gradients themselves (backward not split)
     owner_grads: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
     param_grads: Tensors | None = None
+    scale: float | None = None  # fp16: the loss scale its backward ran under
+    overflow: bool = False      # fp16: its input gradient overflowed (its weight gradients are dropped)
 
 
 def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
@@ -252,10 +253,9 @@ class StageCompute:
         if mode not in ("stash", "recompute"):
             raise ValueError(f"unknown weight_stash mode {mode!r}")
         self.module = module
-        # bf16: matmuls and their activations in bfloat16 under autocast, the weights, their gradients
-        # and the optimizer's state in float32; what leaves the stage is float32 (the cast is in the graph)
-        self._autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" \
-            else contextlib.nullcontext
+        # bf16, fp16: autocast, float32 weights and what leaves the stage; fp16 scales its gradients
+        self._autocast = autocast_for(precision, device)
+        self.loss_scale = LossScale() if precision == "fp16" else None
         self.mode = mode
         self.input_grad = input_grad  # False on stage 0: its input is data
         self.device = device
@@ -299,7 +299,7 @@ class StageCompute:
         self._captured = [] if self.split else None
         try:
             with self._autocast():
-                output = _wide(self._call({**weights, **buffers}, inputs))
+                output = wide(self._call({**weights, **buffers}, inputs))
         finally:
             captured, self._captured = self._captured, None
         return (output if loss_fn is None else loss_fn(output)), buffers, captured
@@ -331,7 +331,7 @@ class StageCompute:
         rng = _capture_rng(self.device)
         with torch.no_grad():
             with self._autocast():
-                output = _wide(functional_call(self.module, {**weights, **self._buffers}, (x,)))
+                output = wide(functional_call(self.module, {**weights, **self._buffers}, (x,)))
             if loss_fn is not None:
                 output = loss_fn(output)
         self._in_flight[micro_batch] = _InFlight(version, lookahead, weights, x, None, rng, loss_fn)
@@ -358,12 +358,12 @@ class StageCompute:
         if not self.split:
             grads = self._plain_backward(entry, output, keep_graph=False)
             entry.param_grads = grads[1]
-            return grads[0]
+            return self._unscaled_input(entry, grads[0])
         captured = entry.captured or []
-        split = torch.autograd.grad(output, [entry.inputs, *(t for _, t in captured)], grad_output,
+        split = torch.autograd.grad(output, [entry.inputs, *(t for _, t in captured)], self._seed(entry, output),
                                     retain_graph=True, allow_unused=True)
         entry.owner_grads = [(index, t, g) for (index, t), g in zip(captured, split[1:]) if g is not None]
-        return split[0]
+        return self._unscaled_input(entry, split[0])
 
     def backward_weights(self, micro_batch: int) -> int:
         """W: the weight gradients of a micro-batch whose B has run, added to the live parameters'
@@ -376,6 +376,8 @@ class StageCompute:
         else:
             assert entry.param_grads is not None  # (just computed, or by B)
             param_grads = entry.param_grads
+        if entry.scale is not None:
+            param_grads = self._unscaled_weights(entry, param_grads)
         if self.observer is not None:  # before accumulating: grads may become live .grad tensors
             self.observer(micro_batch, entry.version, entry.weights, entry.inputs.detach(), entry.grad_output,
                           param_grads)
@@ -393,9 +395,40 @@ class StageCompute:
         names = [name for name, w in entry.weights.items() if w.requires_grad]
         wants_input = entry.inputs.requires_grad
         targets = ([entry.inputs] if wants_input else []) + [entry.weights[name] for name in names]
-        grads = torch.autograd.grad(output, targets, entry.grad_output, allow_unused=True, retain_graph=keep_graph)
+        grads = torch.autograd.grad(output, targets, self._seed(entry, output), allow_unused=True,
+                                    retain_graph=keep_graph)
         param_grads = {name: g for name, g in zip(names, grads[int(wants_input):]) if g is not None}
         return (grads[0] if wants_input else None), param_grads
+
+    def _seed(self, entry: _InFlight, output: torch.Tensor) -> torch.Tensor | None:
+        """The gradient to backpropagate: the one received (None on the last stage: the loss's own 1),
+        times the loss scale under fp16 (precision.py)."""
+        if self.loss_scale is None:
+            return entry.grad_output
+        if entry.scale is None:
+            entry.scale = self.loss_scale.scale
+        received = entry.grad_output if entry.grad_output is not None else torch.ones_like(output)
+        return received * entry.scale
+
+    def _unscaled_input(self, entry: _InFlight, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """fp16: the input gradient divided by the scale; zero where it overflowed (nothing is learned
+        upstream from this micro-batch rather than inf)."""
+        if entry.scale is None or grad is None:
+            return grad
+        grad = grad / entry.scale
+        if all_finite([grad]):
+            return grad
+        entry.overflow = True
+        return torch.zeros_like(grad)
+
+    def _unscaled_weights(self, entry: _InFlight, grads: Tensors) -> Tensors:
+        """fp16: the weight gradients divided by the scale, or none where they (or the input's) overflowed;
+        the scale learns either way."""
+        assert self.loss_scale is not None and entry.scale is not None
+        unscaled = {name: g / entry.scale for name, g in grads.items()}
+        finite = not entry.overflow and all_finite(list(unscaled.values()))
+        self.loss_scale.update(finite)
+        return unscaled if finite else {}
 
     def _split_weight_grads(self, entry: _InFlight) -> Tensors:
         if not self._split_checked:
@@ -414,9 +447,12 @@ class StageCompute:
         """Once per stage: a plain backward gives the weight gradients, and the split ones are checked
         against them owner by owner through linear fingerprints, so the check never holds a
         second copy of the stage's gradients. A model that fails it is not split again."""
-        self._split_checked = True
         assert entry.output is not None and entry.owner_grads is not None  # (B split the backward, graph kept)
         _, plain = self._plain_backward(entry, entry.output, keep_graph=True)
+        if not all_finite(list(plain.values())):  # fp16 overflowed: no comparison; this micro-batch is dropped
+            entry.output = None
+            return plain
+        self._split_checked = True
         split: dict[str, torch.Tensor] = {}
         last = len(entry.owner_grads) - 1
         for i, (index, output, grad) in enumerate(entry.owner_grads):
@@ -445,7 +481,7 @@ class StageCompute:
         self.module.eval()
         try:
             with self._autocast():
-                return _wide(self.module(x))
+                return wide(self.module(x))
         finally:
             self.module.train()
 
@@ -458,30 +494,3 @@ class StageCompute:
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
-
-
-def _wide(output: torch.Tensor) -> torch.Tensor:
-    """A stage's output in float32 (from bfloat16 under autocast): the next stage and the loss take it."""
-    return output.float() if output.dtype in (torch.bfloat16, torch.float16) else output
-
-
-def usable_precision(asked: str, device: torch.device) -> str:
-    """The precision a stage computes in: bf16 only where the hardware has bfloat16 arithmetic (a GPU
-    that supports it; a CPU with AVX512-BF16 or AMX). On a CPU without it, autocast emulates bf16 and
-    a llama layer ran 8x slower than in float32 (measured on this project's AVX2 machine), so the
-    stage computes in float32 and says so. RAVNEST_BF16_ANYWAY=1 forces bf16 (to measure it)."""
-    if asked != "bf16" or os.environ.get("RAVNEST_BF16_ANYWAY") == "1":
-        return asked
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
-    else:
-        try:
-            flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            flags = ""
-        native = " avx512_bf16" in flags or " amx_bf16" in flags
-    if not native:
-        log.warning("training.precision is bf16, but this %s has no bfloat16 arithmetic: computing in float32 "
-                    "(emulated bf16 is several times slower)", "GPU" if device.type == "cuda" else "CPU")
-        return "fp32"
-    return asked
