@@ -39,7 +39,9 @@ activations to the right and gradients back. Dashed lines join the stages that a
 across clusters.</p>
 <svg id="pipelines" role="img" preserveAspectRatio="xMinYMin meet"></svg>
 <div class="charts"><figure><figcaption>training loss by step</figcaption><svg id="loss-chart"></svg></figure>
-<figure><figcaption>test accuracy by step</figcaption><svg id="accuracy-chart"></svg></figure></div>
+<figure><figcaption>test accuracy by step</figcaption><svg id="accuracy-chart"></svg></figure>
+<figure id="perplexity" hidden><figcaption>held-out perplexity by step</figcaption><svg id="perplexity-chart"></svg>
+</figure></div>
 </section>
 <section><h2>Jobs <span id="job-count">({len(jobs)})</span></h2>
 {_table("jobs", ["id", "name", "model", "state", "reason", ""], job_rows)}

@@ -225,10 +225,12 @@ def metrics(stages: list[StageRow], plan: Plan | None = None) -> JobMetrics:
             last[row.cluster] = row
     tails = [last[c].metrics for c in sorted(last)]
     throughput = [m["samples_per_s"] for m in tails if "samples_per_s" in m]
+    tokens = [m["tokens_per_s"] for m in tails if "tokens_per_s" in m]
     averaging = [row.metrics for row in stages if "avg_rounds" in row.metrics]
     return JobMetrics(
         loss=_mean([m["loss"] for m in tails if "loss" in m]),
         samples_per_s=sum(throughput) if throughput else None,
+        tokens_per_s=sum(tokens) if tokens else None, mfu=_mfu([row.metrics for row in stages]),
         utilization=_mean([row.metrics["utilization"] for row in stages if "utilization" in row.metrics]),
         bubble=_mean([row.metrics["bubble"] for row in stages if "bubble" in row.metrics]),
         staleness=_mean([row.metrics["staleness"] for row in stages if "staleness" in row.metrics]),
@@ -247,6 +249,14 @@ def metrics(stages: list[StageRow], plan: Plan | None = None) -> JobMetrics:
                              utilization=row.metrics.get("utilization"), bubble=row.metrics.get("bubble"),
                              staleness=row.metrics.get("staleness"))
                 for row in stages])
+
+
+def _mfu(figures: list[dict[str, float]]) -> float | None:
+    """All stages' model FLOPs per second over the sum of their peaks (each stage's is its figures'
+    model_flops_per_s / mfu); None unless every stage reported one."""
+    if not figures or not all(m.get("mfu", 0) > 0 and "model_flops_per_s" in m for m in figures):
+        return None
+    return sum(m["model_flops_per_s"] for m in figures) / sum(m["model_flops_per_s"] / m["mfu"] for m in figures)
 
 
 def _predicted_memory(plan: Plan | None, row: StageRow) -> int | None:

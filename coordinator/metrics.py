@@ -3,7 +3,8 @@
     ravnest_nodes{state}                       nodes idle, busy, gone
     ravnest_jobs{state}                        jobs per state
     ravnest_job_<figure>{job}                  an active job's progress_ratio, loss, test_accuracy,
-                                               samples_per_s, step_s, utilization, bubble, staleness,
+                                               samples_per_s, tokens_per_s, mfu, step_s, utilization,
+                                               bubble, staleness,
                                                averaging_round_s, averaging_rounds, generation
     ravnest_stage_<figure>{job,cluster,stage,node}
                                                each stage's latest report (as the node exports it)
@@ -27,6 +28,8 @@ JOB_FIGURES = {
     "loss": "mean of the clusters' last-stage training loss",
     "test_accuracy": "test accuracy at the last evaluation",
     "samples_per_s": "training samples per second, summed over clusters",
+    "tokens_per_s": "a language model's training tokens per second, summed over clusters",
+    "mfu": "model FLOPs utilization over the stages' GPU peaks",
     "step_s": "seconds per optimizer step, slowest cluster",
     "utilization": "share of wall time the stages spend computing (mean)",
     "bubble": "share of wall time the stages spend waiting (mean)",

@@ -130,6 +130,10 @@ class StageMetrics(BaseModel):
 class JobMetrics(BaseModel):
     loss: float | None = Field(None, description="mean of the clusters' last-stage training loss")
     samples_per_s: float | None = Field(None, description="sum over clusters (last stage)")
+    tokens_per_s: float | None = Field(None, description="a language model's training tokens per second, sum over "
+                                                         "clusters")
+    mfu: float | None = Field(None, description="model FLOPs utilization: all stages' model FLOPs per second over "
+                                                "their GPUs' 16-bit peaks (only where every stage knows its peak)")
     utilization: float | None = Field(None, description="mean over all stages")
     bubble: float | None = Field(None, description="mean over all stages of the share of time spent waiting")
     staleness: float | None = Field(None, description="mean over all stages of the optimizer steps between a "
@@ -155,6 +159,8 @@ class CurvePoint(BaseModel):
     at: float
     loss: float | None = None
     test_accuracy: float | None = Field(None, description="set where the stage had just evaluated")
+    test_loss: float | None = Field(None, description="set where the stage had just evaluated (a language "
+                                                      "model's perplexity is its exp)")
     samples_per_s: float | None = None
 
 

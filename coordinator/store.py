@@ -162,7 +162,7 @@ class CredentialRow(Base):
 
 class CurvePointRow(Base):
     """A point of a job's training curve: what a last stage reported at a step (its training loss,
-    and its test accuracy when it had just evaluated)."""
+    and its test accuracy and loss when it had just evaluated)."""
     __tablename__ = "curve_points"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ID, ForeignKey("jobs.id"), index=True)
@@ -172,6 +172,7 @@ class CurvePointRow(Base):
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     test_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     samples_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    test_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class LinkRow(Base):

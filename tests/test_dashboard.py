@@ -37,7 +37,9 @@ def node_metrics_url(cluster: LocalCluster, index: int) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """One coordinator and four nodes (serving metrics) for both tests; each starts on idle nodes."""
-    with LocalCluster(tmp_path_factory.mktemp("dashboard"), nodes=4, node_args=["--metrics-port", "0"]) as cluster:
+    import argparse
+    offers = ["--metrics-port", "0", "--dataset", f"argparse={argparse.__file__}"]  # (a text for a language model)
+    with LocalCluster(tmp_path_factory.mktemp("dashboard"), nodes=4, node_args=offers) as cluster:
         yield cluster
 
 
@@ -157,3 +159,38 @@ def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_cur
             assert page.locator("#jobs button").count() == 0
         finally:
             browser.close()
+
+
+def test_a_language_models_dashboard_shows_its_tokens_per_second_and_held_out_perplexity(cluster):
+    """For a language model the page adds what its users watch: tokens/s, and the held-out
+    perplexity as a figure and as a curve (the exp of the test loss each evaluation reports)."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    executable = chromium()
+    idle(cluster)
+    spec = {"model": {"name": "gpt", "config": {"n_layers": 2, "seq_len": 32, "d_model": 64}},
+            "dataset": {"name": "text", "source": "argparse", "seq_len": 32},
+            "training": {"steps": 400, "batch_size": 16, "eval_every": 40},
+            "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 2}}
+    job_id = cluster.submit(spec)
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(f"{cluster.url}/login")
+            page.fill("input[name=token]", cluster.operator_token)
+            page.click("button")
+            page.goto(f"{cluster.url}/#{job_id}")
+            page.wait_for_function("Number((document.querySelector('#perplexity-chart polyline.series') || "
+                                   "{dataset: {points: 0}}).dataset.points) >= 2", timeout=120_000)
+            assert page.locator("#perplexity").is_visible()
+            figures = page.locator("#job-figures").inner_text()
+            perplexity = float(re.search(r"held-out perplexity ([0-9.]+)", figures).group(1))
+            tokens = float(re.search(r"tokens/s ([0-9,]+)", figures).group(1).replace(",", ""))
+            view = cluster.job(job_id)
+            assert tokens > 0 and view["metrics"]["tokens_per_s"] > 0
+            assert 1 < perplexity < 256  # below guessing among the text's bytes
+            shown = [float(t) for t in page.locator("#perplexity-chart text").all_text_contents()[:2]]
+            assert all(1 < value < 256 for value in shown), shown  # the axis is perplexity, not loss
+        finally:
+            browser.close()
+            cluster.http.post(f"/v1/jobs/{job_id}/cancel")

@@ -408,3 +408,22 @@ def test_fp16_scales_each_stages_gradients_so_small_ones_survive_and_drops_a_mic
     dropped, zeros, compute = backward("fp16", torch.full((2, 16, 64), 1e36))
     assert dropped is None and torch.equal(zeros, torch.zeros_like(zeros))
     assert compute.loss_scale.scale == INITIAL_SCALE / 2 and compute.loss_scale.overflows == 1
+
+
+def test_model_flops_are_the_textbook_count_and_mfu_is_them_over_the_peak():
+    """A stage's model FLOPs per sample are what the scaling-law papers count: per token, 6 x the
+    layers' parameters plus attention's 12 x T x d per layer (forward and backward), at the job's
+    sequence length; tokens/s and MFU follow from samples/s. The job's MFU is every stage's model
+    FLOPs over every stage's peak."""
+    from coordinator.jobs import _mfu
+    from ravnest.pipeline.throughput import figures, training_flops_per_sample
+
+    spec, tokens, d = build_model("llama", SMALL), 16, SMALL["hidden_size"]
+    layers = SMALL["num_hidden_layers"]
+    layer_params = sum(c.params for c in profile_blocks(spec, 1)[1:layers + 1])
+    textbook = tokens * (6 * layer_params + 12 * tokens * d * layers)
+    assert training_flops_per_sample(spec, 1, layers + 1, tokens) == pytest.approx(textbook, rel=0.01)
+    assert figures(10.0, 1e9, tokens, 1e12) == {"model_flops_per_s": 1e10, "tokens_per_s": 160.0, "mfu": 0.01}
+    assert figures(10.0, 1e9, None, None) == {"model_flops_per_s": 1e10}  # a classifier, a CPU
+    stages = [{"model_flops_per_s": 1e10, "mfu": 0.01}, {"model_flops_per_s": 3e10, "mfu": 0.1}]
+    assert _mfu(stages) == pytest.approx(4e10 / (1e12 + 3e11)) and _mfu(stages + [{"model_flops_per_s": 1}]) is None

@@ -127,6 +127,7 @@ class JobLifecycle:
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
                 session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.core.clock(),
                                           loss=figures.get("loss"), test_accuracy=figures.get("test_accuracy"),
+                                          test_loss=figures.get("test_loss"),
                                           samples_per_s=figures.get("samples_per_s")))
 
     def _check_speed(self, session: Session, job: JobRow) -> None:
@@ -156,7 +157,8 @@ class JobLifecycle:
                                                                CurvePointRow.id > after)
                                    .order_by(CurvePointRow.id.desc()).limit(limit))
             return [CurvePoint(id=row.id, cluster=row.cluster, step=row.step, at=row.at, loss=row.loss,
-                               test_accuracy=row.test_accuracy, samples_per_s=row.samples_per_s)
+                               test_accuracy=row.test_accuracy, test_loss=row.test_loss,
+                               samples_per_s=row.samples_per_s)
                     for row in reversed(list(rows))]
 
     def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:

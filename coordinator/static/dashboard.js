@@ -162,10 +162,15 @@ function drawJob() {
   document.getElementById("job-progress").style.width = `${Math.round(100 * job.progress.fraction)}%`;
   const figures = [`${Math.round(100 * job.progress.fraction)}% of ${job.progress.steps_total} steps`];
   for (const [key, label, digits] of [["loss", "loss", 4], ["test_accuracy", "test accuracy", 4],
-                                       ["samples_per_s", "samples/s", 0], ["utilization", "utilization", 2],
+                                       ["samples_per_s", "samples/s", 0], ["tokens_per_s", "tokens/s", 0],
+                                       ["mfu", "MFU", 3], ["utilization", "utilization", 2],
                                        ["staleness", "staleness", 2], ["averaging_round_s", "averaging round s", 3]]) {
     if (m[key] !== null && m[key] !== undefined) figures.push(`${label} ${fixed(m[key], digits)}`);
   }
+  if (isLanguageModel(job) && m.test_loss !== null && m.test_loss !== undefined) {
+    figures.push(`held-out perplexity ${fixed(Math.exp(m.test_loss), 2)}`);
+  }
+  document.getElementById("perplexity").hidden = !isLanguageModel(job);
   document.getElementById("job-figures").textContent = figures.join(" · ");
   // each re-plan: what was lost, and how long training stood still (intact clusters train on meanwhile)
   document.getElementById("job-recoveries").replaceChildren(...job.recoveries.map((r) => el("li", {},
@@ -240,7 +245,11 @@ function drawPipelines(job) {
 
 const COLOURS = ["#3b7ddd", "#d1495b", "#17803d", "#a15c00", "#6f42c1", "#00798c"];
 
-function drawChart(id, key) {
+function isLanguageModel(job) {
+  return ["text", "tokens"].includes(job.spec.dataset.name);  // (a dataset of token sequences)
+}
+
+function drawChart(id, key, shown = (v) => v) {
   const svg = document.getElementById(id);
   svg.replaceChildren();
   const W = 420, H = 220, pad = {l: 46, r: 10, t: 10, b: 24};
@@ -250,7 +259,7 @@ function drawChart(id, key) {
     svg.append(el("svg:text", {x: pad.l, y: H / 2}, "no points yet"));
     return;
   }
-  const steps = points.map((p) => p.step), values = points.map((p) => p[key]);
+  const steps = points.map((p) => p.step), values = points.map((p) => shown(p[key]));
   const x0 = Math.min(...steps), x1 = Math.max(...steps, x0 + 1);
   let y0 = Math.min(...values), y1 = Math.max(...values);
   if (y1 - y0 < 1e-9) { y0 -= 0.5; y1 += 0.5; }
@@ -267,14 +276,15 @@ function drawChart(id, key) {
     const colour = COLOURS[cluster % COLOURS.length];
     svg.append(el("svg:polyline", {fill: "none", stroke: colour, "stroke-width": 1.5, class: "series",
                                    "data-cluster": cluster, "data-points": mine.length,
-                                   points: mine.map((p) => `${sx(p.step).toFixed(1)},${sy(p[key]).toFixed(1)}`).join(" ")}));
-    if (mine.length === 1) svg.append(el("svg:circle", {cx: sx(mine[0].step), cy: sy(mine[0][key]), r: 3, fill: colour}));
+                                   points: mine.map((p) => `${sx(p.step).toFixed(1)},${sy(shown(p[key])).toFixed(1)}`).join(" ")}));
+    if (mine.length === 1) svg.append(el("svg:circle", {cx: sx(mine[0].step), cy: sy(shown(mine[0][key])), r: 3, fill: colour}));
   }
 }
 
 function drawCharts() {
   drawChart("loss-chart", "loss");
   drawChart("accuracy-chart", "test_accuracy");
+  if (selected.view && isLanguageModel(selected.view)) drawChart("perplexity-chart", "test_loss", Math.exp);
 }
 
 async function identify() {

@@ -7,6 +7,7 @@ ravnest download ...`.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -195,6 +196,12 @@ def _figures(metrics: dict) -> str:
         parts.append(f"loss {metrics['loss']:.3f}")
     if metrics.get("test_accuracy") is not None:
         parts.append(f"accuracy {metrics['test_accuracy']:.4f}")
-    if metrics.get("samples_per_s") is not None:
+    if metrics.get("test_loss") is not None and metrics.get("tokens_per_s") is not None:  # a language model
+        parts.append(f"held-out perplexity {math.exp(min(metrics['test_loss'], 700)):.2f}")
+    if metrics.get("tokens_per_s") is not None:
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+    elif metrics.get("samples_per_s") is not None:
         parts.append(f"{metrics['samples_per_s']:,.0f} samples/s")
+    if metrics.get("mfu") is not None:
+        parts.append(f"MFU {metrics['mfu']:.1%}")
     return ", ".join(parts)

@@ -34,7 +34,7 @@ from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.strategy import AveragingStrategy, StageContext, make_strategy
 from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.models.weights import load_starting_weights
-from ravnest.pipeline import state
+from ravnest.pipeline import state, throughput
 from ravnest.pipeline.averaging_hooks import AveragingHooks
 from ravnest.pipeline.checkpoint_timing import CheckpointTiming
 from ravnest.pipeline.evaluation import StageEvaluation
@@ -98,11 +98,15 @@ class StageRunner:
             self._start_from(spec, a.model.weights.source, datasets or {})
         self.predict = prediction_order(method)
         stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
+        precision = usable_precision(training.precision, self.device)
         self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
                                     device=self.device, snapshots=stale, predict=self.predict,
-                                    split=a.split_backward,
-                                    precision=usable_precision(training.precision, self.device),
+                                    split=a.split_backward, precision=precision,
                                     checkpoint_blocks=training.activation_checkpointing)
+        # tokens/s and MFU (throughput.py): this stage's model FLOPs per sample, the hardware's peak
+        self.tokens_per_sample = a.dataset.seq_len if spec.task == "lm" else None
+        self.flops_per_sample = throughput.training_flops_per_sample(spec, start, end, self.tokens_per_sample)
+        self.peak_flops = throughput.peak_flops(self.device, precision)
         self.optimizer = StageOptimizer(self.module.parameters(), training)
         if a.resume_step:
             self._resume(initial_state, a.resume_step)
@@ -236,6 +240,8 @@ class StageRunner:
                 "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
                 # computing, not waiting: what the coordinator compares with the plan (failure_policy.py)
                 **({"compute_s": busy / self.per_step} if busy is not None else {}),
+                **throughput.figures(clock["samples_per_s"], self.flops_per_sample, self.tokens_per_sample,
+                                     self.peak_flops),
                 **self.averaging.metrics()}
 
     # --- state in and out (state.py) ------------------------------------------------------------------
