@@ -12,7 +12,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,14 @@ def commit(source: Path, target: Path) -> None:
 
 
 def write_json(target: Path, data: Any) -> None:
+    write_text(target, json.dumps(data, indent=1))
+
+
+def write_text(target: Path, text: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     with os.fdopen(handle, "w") as out:
-        json.dump(data, out, indent=1)
+        out.write(text)
     commit(Path(name), target)
 
 
@@ -90,10 +94,12 @@ def index(path: Path) -> tuple[dict[str, Stored], dict[str, str]]:
     return tensors, metadata
 
 
-def each_tensor(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors one at a time, read (not memory-mapped: a map's pages count as the process's
-    until it closes): a stage's state is never in the coordinator's memory whole."""
-    tensors, _ = index(path)
+def each_tensor(path: Path, tensors: dict[str, Stored] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors (its `index`, read here unless given) one at a time, read (not memory-mapped:
+    a map's pages count as the process's until it closes): a stage's state is never in the
+    coordinator's memory whole."""
+    if tensors is None:
+        tensors, _ = index(path)
     with path.open("rb") as f:
         for key, stored in tensors.items():
             f.seek(stored.start)
@@ -107,10 +113,11 @@ def each_tensor(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield key, tensor.reshape(stored.shape)
 
 
-def scan(path: Path) -> dict[str, float]:
-    """Each floating tensor's RMS, read one tensor at a time; InvalidRequest if one is not finite."""
+def scan(path: Path, tensors: dict[str, Stored]) -> dict[str, float]:
+    """Each floating tensor (of the file's `index`) with its RMS, read one tensor at a time;
+    InvalidRequest if one is not finite."""
     scales, bad = {}, []
-    for key, tensor in each_tensor(path):
+    for key, tensor in each_tensor(path, tensors):
         if tensor.is_floating_point():
             scales[key] = rms(tensor)
             if not math.isfinite(scales[key]):  # (float64 squares of any finite float32 are finite)
@@ -176,15 +183,17 @@ def implausible(scales: dict[str, float], initial_rms: dict[str, float], bound: 
     return None
 
 
-def merge(files: list[Path], target: Path, metadata: dict[str, str]) -> None:
-    """One safetensors file of every tensor in `files`, their bytes copied a megabyte at a time: the
-    merged model is never in memory (a model of any size goes through a coordinator of 1 GiB)."""
+def merge(files: list[Path], target: Path, metadata: dict[str, str],
+          rename: Callable[[str], str] = lambda key: key) -> None:
+    """One safetensors file of every tensor in `files` (under `rename`'s names), their bytes copied a
+    megabyte at a time: the merged model is never in memory (a model of any size goes through a
+    coordinator of 1 GiB)."""
     sources = [(path, index(path)[0]) for path in files]
     header: dict[str, Any] = {"__metadata__": metadata}
     at = 0
     for _, tensors in sources:
         for key, stored in tensors.items():
-            header[key] = {"dtype": stored.dtype, "shape": list(stored.shape),
+            header[rename(key)] = {"dtype": stored.dtype, "shape": list(stored.shape),
                            "data_offsets": [at, at + stored.end - stored.start]}
             at += stored.end - stored.start
     encoded = json.dumps(header, separators=(",", ":")).encode()

@@ -44,13 +44,17 @@ class ByteTokenizer:
 
 class FileTokenizer:
     """A Hugging Face tokenizer from a tokenizer.json, or from the header of a token file
-    (`ravnest data prepare`)."""
+    (`ravnest data prepare`); or, with `text`, from a tokenizer.json's text (one a job recorded)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path | None = None, *, text: str | None = None):
         from tokenizers import Tokenizer
 
         from ravnest.data.tokens import tokenizer_json
-        self.tokenizer = Tokenizer.from_str(tokenizer_json(path))
+        if text is None:
+            if path is None:
+                raise ValueError("FileTokenizer needs a path or a tokenizer.json's text")
+            text = tokenizer_json(path)
+        self.tokenizer = Tokenizer.from_str(text)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids

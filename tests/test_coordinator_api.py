@@ -329,6 +329,11 @@ def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
     stranger_id, stranger_auth = join(client, "stranger")
     assert client.put(url, content=stage_weights(a, trained), headers=stranger_auth).status_code == 403
     assert client.get(f"/v1/jobs/{job_id}/model").status_code == 409
+    first = next(x for x in assignments if x[2]["stage"] == 0)
+    r = client.put(f"/v1/jobs/{job_id}/weights?cluster={first[2]['cluster']}&stage=0", headers=first[1],
+                   content=save_safetensors(load_safetensors(stage_weights(first[2], trained)),
+                                            metadata={"tokenizer": "{not a tokenizer"}))
+    assert r.status_code == 422 and "not a tokenizer.json" in r.json()["detail"]
 
     for node_id, auth, a in sorted(assignments, key=lambda x: (x[2]["cluster"], x[2]["stage"])):
         last = a["stage"] == a["num_stages"] - 1
@@ -353,6 +358,8 @@ def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
     model = build_model("cnn", {"channels": [8, 8]}).full_model()
     model.load_state_dict(load_safetensors(r.content), strict=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+    r = client.get(job["model_url"], params={"format": "hf"})  # (a llama's: tests/test_llama.py)
+    assert r.status_code == 422 and "has no Hugging Face form: only llama models" in r.json()["detail"]
     # finished nodes go idle once they report no job
     for node_id, auth, _ in assignments:
         reply = beat(client, node_id, auth)

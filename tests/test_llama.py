@@ -78,8 +78,9 @@ def test_configs_that_cannot_be_built_say_why(config, words):
 @pytest.mark.slow
 def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_face_folder(tmp_path):
     """The standard library's json and email packages prepared as a token file both nodes offer; one
-    cluster of two stages trains on it; then `ravnest download --format hf` and transformers loads the
-    folder: its logits are the downloaded model's."""
+    cluster of two stages trains on it; then `ravnest download --format hf` (the coordinator's zip of a
+    Hugging Face folder, with the tokenizer the job recorded) and transformers loads the folder: its
+    logits are the downloaded model's, its tokenizer the token file's."""
     import math
     import os
     import subprocess
@@ -107,9 +108,8 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
               f"(uniform: {uniform:.3f})")
         assert loss < 0.75 * uniform  # it learned the code's tokens, far below guessing
         env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token}
-        for args in (["download", "-o", "model.safetensors"],
-                     ["download", "--format", "hf", "-o", "hf", "--tokenizer", "corpus.tokens"],
-                     ["generate", "--prompt", "def ", "--tokenizer", "corpus.tokens", "--max-tokens", "30"]):
+        for args in (["download", "-o", "model.safetensors"],  # the tokenizer: the one the job recorded
+                     ["download", "--format", "hf", "-o", "hf"], ["generate", "--prompt", "def ", "--max-tokens", "30"]):
             done = subprocess.run([sys.executable, "-m", "ravnest.client.cli", args[0], job["id"], *args[1:]],
                                   capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
             assert done.returncode == 0, done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -91,7 +92,15 @@ def resume(job_id: str, request: Request) -> JobView:
 
 
 @router.get("/v1/jobs/{job_id}/model", response_class=FileResponse,
-            responses={200: {"content": {"application/octet-stream": {}}, "description": "safetensors"}})
-def download_model(job_id: str, request: Request) -> FileResponse:
-    return FileResponse(service(request).artifacts.model_file(job_id, acting_on(request)),
+            responses={200: {"content": {"application/octet-stream": {}, "application/zip": {}},
+                             "description": "safetensors; with format=hf a zip of a Hugging Face folder"}})
+def download_model(job_id: str, request: Request, format: Literal["ravnest", "hf"] = "ravnest") -> FileResponse:
+    """The trained model: one safetensors file (`ravnest.load_model`), or with format=hf (llama models)
+    a zip of the folder `transformers.AutoModelForCausalLM.from_pretrained` loads, with the job's
+    tokenizer where it recorded one."""
+    artifacts = service(request).artifacts
+    if format == "hf":
+        return FileResponse(artifacts.hf_folder(job_id, acting_on(request)), media_type="application/zip",
+                            filename=f"{job_id}-hf.zip")
+    return FileResponse(artifacts.model_file(job_id, acting_on(request)),
                         media_type="application/octet-stream", filename=f"{job_id}.safetensors")

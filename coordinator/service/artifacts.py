@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ravnest.models import ModelError, build_model
+from ravnest.models.hf import hf_key, hf_texts
+
 from .. import files, jobs
-from ..errors import Conflict, Forbidden, Implausible, NotFound
+from ..errors import Conflict, Forbidden, Implausible, InvalidRequest, NotFound
 from ..jobs import JobState
 from ..recovery import StoredState, resume_point
 from ..store import CheckpointRow, JobRow, StageRow, stages_of
@@ -33,7 +37,9 @@ class Artifacts:
             self._check_upload_target(job, row, cluster, stage, checkpoint=checkpoint)
             expected = sum(size for _, size in self._stage_shapes(job, row).values())
         copies = 1 + OPTIMIZER_STATE_FACTOR if checkpoint else 1
-        return min(self.core.settings.max_upload_bytes, copies * expected + HEADER_ALLOWANCE)
+        sends_tokenizer = row.stage == 0 and not checkpoint and job.spec["dataset"]["name"] == "tokens"
+        tokenizer = MAX_TOKENIZER if sends_tokenizer else 0  # (stage 0 sends its token file's with its weights)
+        return min(self.core.settings.max_upload_bytes, copies * expected + HEADER_ALLOWANCE + tokenizer)
 
     def _check_upload_target(self, job: JobRow, row: StageRow, cluster: int, stage: int, *,
                              checkpoint: bool = False, generation: int | None = None) -> None:
@@ -57,8 +63,9 @@ class Artifacts:
         """Validate an uploaded stage state dict (safetensors, no pickle), keep it, and finish the job
         once every stage of cluster 0 is in. Weights that cannot be the trained stage are refused
         (`Implausible`: the stage has not reported its last step, or a tensor grew implausibly)."""
-        tensors, _ = files.index(upload)
-        scales = files.scan(upload)  # (outside the lock: it reads the whole file)
+        tensors, metadata = files.index(upload)
+        scales = files.scan(upload, tensors)  # (outside the lock: it reads the whole file)
+        tokenizer = _tokenizer(metadata) if stage == 0 else None
         with self.core.lock, self.core.store.session() as session:
             job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage)
@@ -66,12 +73,16 @@ class Artifacts:
             self._check_plausible(job, row, scales)
             folder = self.job_dir(job.id) / "weights"
             files.commit(upload, folder / f"c{cluster}-s{stage}.safetensors")
+            if tokenizer is not None and cluster == 0:  # the model's tokenizer: cluster 0's, as its weights
+                files.write_text(self.job_dir(job.id) / "tokenizer.json", tokenizer)
             row.weights_uploaded, row.updated_at = True, self.core.clock()
             cluster0 = [s for s in stages_of(session, job.id) if s.cluster == 0]
             if job.state != JobState.COMPLETED.value and all(s.weights_uploaded for s in cluster0):
+                recorded = self.job_dir(job.id) / "tokenizer.json"
                 files.merge([folder / f"c0-s{s}.safetensors" for s in range(len(cluster0))],
-                                self.job_dir(job.id) / "model.safetensors",
-                                {"job_id": job.id, "model": json.dumps(job.spec["model"])})
+                            self.job_dir(job.id) / "model.safetensors",
+                            {"job_id": job.id, "model": json.dumps(job.spec["model"]),
+                             **({"tokenizer": recorded.read_text()} if recorded.is_file() else {})})
                 job.final_metrics = dict(cluster0[-1].metrics)
                 if job.state == JobState.PLACING.value:  # every node is done, so every node was told
                     jobs.transition(job, JobState.RUNNING,
@@ -99,7 +110,7 @@ class Artifacts:
         snapshot a stage hands in when its job is re-planned. A complete set of periodic checkpoints at
         one step gets a manifest, and older periodic ones are deleted."""
         tensors, _ = files.index(upload)
-        files.scan(upload)
+        files.scan(upload, tensors)  # no NaN (outside the lock: it reads the whole file)
         with self.core.lock, self.core.store.session() as session:
             job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage, checkpoint=True, generation=generation)
@@ -174,6 +185,36 @@ class Artifacts:
             raise
         return target
 
+    def hf_folder(self, job_id: str, owner: str | None = None) -> Path:
+        """The trained model as a Hugging Face folder in a zip (made once, then kept): config.json,
+        model.safetensors under Llama's names (copied by offset: never in memory whole) and the
+        tokenizer the job recorded (ravnest/models/hf.py)."""
+        model = self.model_file(job_id, owner)
+        target = model.with_name("model-hf.zip")
+        if target.is_file():
+            return target
+        tensors, metadata = files.index(model)
+        try:
+            ref = json.loads(metadata["model"])
+            dtypes = {stored.dtype for stored in tensors.values()}
+            texts = hf_texts(ref, "bfloat16" if dtypes == {"BF16"} else "float32", metadata.get("tokenizer"))
+        except (ModelError, KeyError, ValueError) as e:
+            raise InvalidRequest(f"job {job_id} has no Hugging Face form: {e}") from None
+        layers = build_model("llama", ref["config"]).config["num_hidden_layers"]
+        weights = target.with_name(".model-hf.safetensors")
+        files.merge([model], weights, {"format": "pt"}, rename=lambda key: hf_key(key, layers))
+        handle, name = tempfile.mkstemp(dir=target.parent, prefix=".model-hf.zip.")
+        os.close(handle)
+        try:
+            with zipfile.ZipFile(name, "w", zipfile.ZIP_STORED, allowZip64=True) as folder:
+                for file, text in texts.items():
+                    folder.writestr(file, text)
+                folder.write(weights, "model.safetensors")  # (streamed from disk)
+        finally:
+            weights.unlink(missing_ok=True)
+        files.commit(Path(name), target)
+        return target
+
     def model_file(self, job_id: str, owner: str | None = None) -> Path:
         with self.core.store.session() as session:
             job = self.core.job(session, job_id, owner)
@@ -182,3 +223,20 @@ class Artifacts:
                                + (" (`ravnest resume` continues it from its last checkpoint)"
                                   if job.state in jobs.STOPPED else ""))
         return self.job_dir(job_id) / "model.safetensors"
+
+
+MAX_TOKENIZER = 32 << 20  # bytes of a tokenizer.json stage 0 may send with its weights (Llama 3's: 9 MB)
+
+
+def _tokenizer(metadata: dict[str, str]) -> str | None:
+    """The tokenizer.json a first stage sent with its weights (its token file's), checked to be one."""
+    text = metadata.get("tokenizer")
+    if text is None:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(text)
+    except Exception as e:  # (tokenizers raises its own exception types)
+        raise InvalidRequest(f"the tokenizer sent with the weights is not a tokenizer.json: {e}") from None
+    return text

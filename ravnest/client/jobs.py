@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -127,33 +128,49 @@ def download(ctx: typer.Context, job_id: str,
              format_: str = typer.Option("ravnest", "--format", help="ravnest: one safetensors file "
                                          "(ravnest.load_model); hf: a Hugging Face folder (llama models) that "
                                          "transformers.AutoModelForCausalLM.from_pretrained loads"),
-             tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="with --format hf: the job's token "
-                                                      "file (ravnest data prepare) or a tokenizer.json, written "
-                                                      "beside the model for AutoTokenizer")) -> None:
+             tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="with --format hf: a token file "
+                                                      "(ravnest data prepare) or a tokenizer.json, written beside "
+                                                      "the model for AutoTokenizer; default: the one the job "
+                                                      "recorded (jobs on a token file record theirs)")) -> None:
     """The trained model of a completed job."""
     if format_ not in ("ravnest", "hf"):
         err.print(f"ravnest: --format is ravnest or hf, not {format_!r}", highlight=False)
         raise typer.Exit(2)
     target = output or Path("model-hf" if format_ == "hf" else "model.safetensors")
-    file = target / "ravnest.safetensors" if format_ == "hf" else target
+    file = target.with_name(target.name + ".zip") if format_ == "hf" else target
     file.parent.mkdir(parents=True, exist_ok=True)
     try:
-        size = ctx.obj.download(f"/v1/jobs/{job_id}/model", file)
+        size = ctx.obj.download(f"/v1/jobs/{job_id}/model", file, params={"format": format_})
     except ApiError as e:
         err.print(f"ravnest: {e}", highlight=False)
         raise typer.Exit(1 if e.status else 3) from None
     if format_ == "hf":
-        from ravnest.data.tokens import TokenFileError, tokenizer_json
-        from ravnest.models import ModelError
-        from ravnest.models.hf import write_hf_folder
         try:
-            write_hf_folder(file, target, tokenizer_json(tokenizer) if tokenizer else None)
-        except (ModelError, TokenFileError, OSError) as e:
+            _unpack_hf(file, target, tokenizer)
+        except (ValueError, OSError, zipfile.BadZipFile) as e:
             err.print(f"ravnest: {e}", highlight=False)
             raise typer.Exit(1) from None
         finally:
             file.unlink()
     err.print(f"wrote {target} ({size / 2**20:.1f} MiB)", highlight=False)
+
+
+def _unpack_hf(archive: Path, folder: Path, tokenizer: Optional[Path]) -> None:
+    """The coordinator's Hugging Face folder (a zip of plain file names) into `folder`; `tokenizer`
+    (a token file or tokenizer.json) replaces the one the job recorded, or adds one."""
+    from ravnest.data.tokens import tokenizer_json
+    from ravnest.models.hf import tokenizer_texts
+
+    with zipfile.ZipFile(archive) as zipped:
+        names = zipped.namelist()
+        if any(Path(name).name != name or name.startswith(".") for name in names):
+            raise ValueError(f"the coordinator's archive holds unexpected paths: {names}")
+        folder.mkdir(parents=True, exist_ok=True)
+        zipped.extractall(folder)
+    if tokenizer is not None:
+        length = json.loads((folder / "config.json").read_text())["max_position_embeddings"]
+        for name, text in tokenizer_texts(tokenizer_json(tokenizer), length).items():
+            (folder / name).write_text(text)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

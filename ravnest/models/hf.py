@@ -58,7 +58,8 @@ def hf_config(cfg: dict[str, Any], dtype: str = "float32") -> dict[str, Any]:
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "rope_theta": cfg["rope_theta"],
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg["rope_theta"]},
-            "torch_dtype": dtype, "dtype": dtype, "use_cache": True}
+            "dtype": dtype, "torch_dtype": dtype,  # (transformers 5 reads the first, earlier versions the second)
+            "use_cache": True}
 
 
 def ravnest_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -75,26 +76,38 @@ def ravnest_config(hf: dict[str, Any]) -> dict[str, Any]:
     return {**config, "rope_theta": float(theta), "head_dim": hf.get("head_dim") or 0}
 
 
+def hf_texts(ref: dict[str, Any], dtype: str = "float32", tokenizer: str | None = None) -> dict[str, str]:
+    """The text files of a Hugging Face folder for the model `ref` ({"name": "llama", "config": ...}):
+    config.json, and with `tokenizer` (a tokenizer.json's text) the files `AutoTokenizer` loads.
+    The weights (model.safetensors, under `hf_key`'s names) are written by the caller."""
+    if ref.get("name") != "llama":
+        raise ModelError(f"only llama models have a Hugging Face form, not {ref.get('name')!r}")
+    cfg = build_model("llama", ref.get("config") or {}).config
+    texts = {"config.json": json.dumps(hf_config(cfg, dtype), indent=2) + "\n"}
+    return {**texts, **(tokenizer_texts(tokenizer, cfg["max_position_embeddings"]) if tokenizer else {})}
+
+
+def tokenizer_texts(tokenizer: str, max_length: int) -> dict[str, str]:
+    """tokenizer.json (its text as given) and the tokenizer_config.json that makes `AutoTokenizer` load it."""
+    return {"tokenizer.json": tokenizer,
+            "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS,
+                                                 "model_max_length": max_length}, indent=2) + "\n"}
+
+
 def write_hf_folder(model_file: Path, folder: Path, tokenizer: str | None = None) -> None:
-    """A Ravnest download of a `llama` job (`ravnest download`) as a Hugging Face model folder:
-    config.json and model.safetensors under Llama's names, which
-    `transformers.AutoModelForCausalLM.from_pretrained(folder)` loads; with `tokenizer` (its
-    tokenizer.json text) also the files `transformers.AutoTokenizer.from_pretrained(folder)` loads."""
+    """A Ravnest model file (`ravnest download`) as a Hugging Face model folder, here: config.json and
+    model.safetensors under Llama's names, which `transformers.AutoModelForCausalLM.from_pretrained`
+    loads, and the tokenizer: `tokenizer` (a tokenizer.json's text), else the one the job recorded
+    (the model file's metadata). The coordinator makes the same folder for `?format=hf`."""
     with safe_open(str(model_file), "pt") as handle:
-        ref = json.loads((handle.metadata() or {}).get("model", "{}"))
-        if ref.get("name") != "llama":
-            raise ModelError(f"{model_file} holds a {ref.get('name')!r} model; only llama models have a Hugging "
-                             f"Face form")
-        cfg = build_model("llama", ref.get("config") or {}).config
-        layers = cfg["num_hidden_layers"]
+        metadata = handle.metadata() or {}
+        ref = json.loads(metadata.get("model", "{}"))
+        hf_texts(ref)  # (a llama, with a valid config)
+        layers = build_model("llama", ref["config"]).config["num_hidden_layers"]
         tensors = {hf_key(key, layers): handle.get_tensor(key) for key in handle.keys()}
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config(cfg, dtypes.pop() if len(dtypes) == 1 else "float32"),
-                                                   indent=2) + "\n")
+    texts = hf_texts(ref, dtypes.pop() if len(dtypes) == 1 else "float32", tokenizer or metadata.get("tokenizer"))
+    for name, text in texts.items():
+        (folder / name).write_text(text)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        (folder / "tokenizer.json").write_text(tokenizer)
-        (folder / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "model_max_length":
-             cfg["max_position_embeddings"]}, indent=2) + "\n")

@@ -33,6 +33,7 @@ import torch
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.strategy import AveragingStrategy, StageContext, make_strategy
 from ravnest.models import ModelError, ModelSpec, build_model
+from ravnest.data.tokens import tokenizer_json
 from ravnest.models.weights import load_starting_weights
 from ravnest.pipeline import state, throughput
 from ravnest.pipeline.averaging_hooks import AveragingHooks
@@ -119,6 +120,8 @@ class StageRunner:
         self.clock = StageClock(training.batch_size * training.accumulation)
         self.final_metrics: dict[str, float] = {}
         self.feed = BatchFeed(a, self.parts, datasets, token_limit=spec.input.high) if self.is_first else None
+        self._token_file = (datasets or {}).get(a.dataset.source or "") \
+            if self.is_first and a.dataset.name == "tokens" else None
         self._executor: StageExecutor | None = None  # while and after `run`
         self._stop_reason = ""
         self.neighbours.listen(router)  # last: a stage that could not be built takes no messages
@@ -251,7 +254,10 @@ class StageRunner:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def save_weights(self, path: str | Path) -> None:
-        state.save_weights(self.module, path)
+        """The final weights; stage 0 of a job on a token file adds its tokenizer, which the coordinator
+        records so the model's Hugging Face form carries it."""
+        tokenizer = tokenizer_json(self._token_file) if self._token_file is not None else None
+        state.save_weights(self.module, path, {"tokenizer": tokenizer} if tokenizer else None)
 
     def save_state(self, path: str | Path) -> int:
         """Weights and optimizer state, to continue from later; returns the step it holds. Call between

@@ -42,8 +42,8 @@ def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
 
-def save_weights(module: nn.Module, path: str | Path) -> None:
-    save_file(_on_cpu(module.state_dict()), str(path))
+def save_weights(module: nn.Module, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    save_file(_on_cpu(module.state_dict()), str(path), metadata=metadata)
 
 
 def save_state(module: nn.Module, optimizer: StageOptimizer, path: str | Path) -> int:
