@@ -53,8 +53,10 @@ def equal_parameter_cuts(params: Sequence[int], stages: int) -> list[tuple[int, 
 
 
 def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
-                     training: TrainingSettings, averaging: AveragingSettings, links: Links | None = None) -> Plan:
-    """The equal-split plan over `nodes` (in join order); PlanningError with the reason if impossible."""
+                     training: TrainingSettings, averaging: AveragingSettings, links: Links | None = None,
+                     max_depth: int | None = None) -> Plan:
+    """The equal-split plan over `nodes` (in join order), with at most `max_depth` stages per pipeline;
+    PlanningError with the reason if impossible."""
     if not nodes:
         raise PlanningError("no idle nodes")
     whole = stage_memory_bytes(costs, 0, len(costs), training_load(training, 1))
@@ -66,7 +68,7 @@ def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placemen
         while held < whole and size < len(by_memory):
             held += by_memory[size].memory_bytes
             size += 1
-    size = min(size, len(costs))
+    size = min(size, len(costs), max_depth or len(costs))
     k = placement.clusters if isinstance(placement.clusters, int) else len(nodes) // size
     if k < 1 or k * size > len(nodes):
         raise PlanningError(f"equal-split: {_n(k, 'cluster')} of {_n(size, 'node')} need {k * size} nodes; "

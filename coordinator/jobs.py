@@ -82,6 +82,11 @@ def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:
     if model.num_blocks > max_blocks:
         raise InvalidRequest(f"model {spec.model.name!r} has {model.num_blocks:,} blocks; this coordinator plans "
                              f"at most {max_blocks:,} (its max_blocks limit)")
+    deepest = model.stages_at_most
+    if deepest is not None and (spec.placement.stages_per_cluster or 1) > deepest:
+        raise InvalidRequest(f"model {spec.model.name!r} ties its first and last blocks' weights (tied embeddings), so "
+                             f"a pipeline has {deepest} stage at most, not placement.stages_per_cluster = "
+                             f"{spec.placement.stages_per_cluster}: set it to {deepest}, or untie them")
     dataset = spec.dataset
     if TASK_OF_DATASET[dataset.name] != model.task:
         raise InvalidRequest(f"dataset {dataset.name!r} needs a {TASK_OF_DATASET[dataset.name]!r} model; "

@@ -107,9 +107,10 @@ class Shape:
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
              training: TrainingSettings | None = None, averaging: AveragingSettings | None = None,
-             pipeline_cap: int = 16, links: Links | None = None) -> Plan:
+             pipeline_cap: int = 16, links: Links | None = None, max_depth: int | None = None) -> Plan:
     """Clusters, stages and rings for a job over `nodes`; PlanningError with the reason if impossible.
-    `links` are the peer links the nodes measured (see `link`)."""
+    `links` are the peer links the nodes measured (see `link`); `max_depth` bounds the stages per
+    pipeline whatever the memory (a model whose first and last blocks share a tensor: 1)."""
     training, averaging = training or TrainingSettings(), averaging or AveragingSettings()
     single_load = training_load(training, 1)
     smallest = min(stage_memory_bytes(costs, i, i + 1, single_load) for i in range(len(costs)))
@@ -135,7 +136,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     why: list[str] = []
     for group in groups:
         chain = chain_order([usable[i] for i in group])
-        options = _depths(len(costs), len(chain), placement, pipeline_cap)
+        options = _depths(min(len(costs), max_depth or len(costs)), len(chain), placement, pipeline_cap)
         shape, considered = _choose_shape(costs, chain, options, many=exact is None, averaged=len(groups) > 1,
                                           training=training, averaging=averaging, links=links)
         used = {n.node_id for replica in shape.replicas for n in replica}

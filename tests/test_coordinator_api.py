@@ -829,3 +829,25 @@ def test_a_node_reads_a_file_only_once_it_proved_it_holds_that_content(client: T
     pinned = {**job, "dataset": {**job["dataset"], "sha256": proof.fingerprint(empty).split(":")[1]}}
     view = client.get(f"/v1/jobs/{client.post('/v1/jobs', json=pinned).json()['id']}").json()
     assert {s["node_id"] for c in view["plan"]["clusters"] for s in c["stages"]} == {other[0]}
+
+
+def test_a_model_with_tied_embeddings_is_planned_as_one_node_pipelines_or_refused_saying_why(
+        client: TestClient) -> None:
+    """Tied embeddings put the first and last blocks on one stage: a job asking for deeper pipelines is
+    refused at once, and one too big for any single node waits saying why, where the same model untied
+    is cut into stages over the same nodes."""
+    config = {"vocab_size": 8000, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4}
+    job = {"dataset": {"name": "text", "source": "books", "seq_len": 32},
+           "training": {"batch_size": 4}, "averaging": {"strategy": "none"}, "placement": {"clusters": 1}}
+    tied = {**job, "model": {"name": "llama", "config": {**config, "tie_word_embeddings": True}}}
+    r = client.post("/v1/jobs", json={**tied, "placement": {"clusters": 1, "stages_per_cluster": 2}})
+    assert r.status_code == 422, r.text
+    assert "tied embeddings" in r.json()["detail"] and "set it to 1" in r.json()["detail"]
+    nodes = [join(client, f"small{i}", memory=256 << 20, datasets=["books"]) for i in range(4)]
+    prove(client, nodes)
+    view = client.get(f"/v1/jobs/{client.post('/v1/jobs', json=tied).json()['id']}").json()
+    assert view["state"] == "failed", view
+    assert "first and last blocks share a tensor, tied embeddings" in view["reason"], view["reason"]
+    untied = {**job, "model": {"name": "llama", "config": config}}
+    view = client.get(f"/v1/jobs/{client.post('/v1/jobs', json=untied).json()['id']}").json()
+    assert view["state"] in ("placing", "running") and len(view["plan"]["clusters"][0]["stages"]) >= 2, view["reason"]

@@ -66,7 +66,6 @@ def test_blocks_are_the_embedding_each_layer_and_the_head_and_plan_on_the_meta_d
 
 @pytest.mark.parametrize("config, words", [
     ({"num_attention_heads": 8, "num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings is not supported yet"),
     ({"hidden_size": 60, "num_attention_heads": 8}, "divisible by num_attention_heads"),
     ({"n_layers": 2}, "unknown config keys ['n_layers']"),
 ])
@@ -427,3 +426,25 @@ def test_model_flops_are_the_textbook_count_and_mfu_is_them_over_the_peak():
     assert figures(10.0, 1e9, None, None) == {"model_flops_per_s": 1e10}  # a classifier, a CPU
     stages = [{"model_flops_per_s": 1e10, "mfu": 0.01}, {"model_flops_per_s": 3e10, "mfu": 0.1}]
     assert _mfu(stages) == pytest.approx(4e10 / (1e12 + 3e11)) and _mfu(stages + [{"model_flops_per_s": 1}]) is None
+
+
+def test_tied_embeddings_are_one_tensor_on_one_stage_as_in_transformers(tmp_path):
+    """tie_word_embeddings: the head's weight is the embedding's. A stage holding both ties them
+    (transformers' tied checkpoint, saved without the head, loads and gives its logits); a range holding
+    one of them is refused, and the coordinator plans one-stage pipelines for it (test_planning)."""
+    from ravnest.models.weights import load_starting_weights
+
+    tied = {**SMALL, "tie_word_embeddings": True}
+    hf = hf_model(tied)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    hf.save_pretrained(tmp_path)
+    spec = build_model("llama", tied)
+    assert spec.stages_at_most == 1 and build_model("llama", SMALL).stages_at_most is None
+    ours = spec.full_model(seed=1).eval()
+    load_starting_weights(ours, spec, tmp_path / "model.safetensors", "model file 'tied'")
+    assert ours[4].lm_head.weight is ours[0].embed_tokens.weight
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max().item() <= 1e-4
+    with pytest.raises(ModelError, match=r"are one tensor \(tied\), so blocks 0 and 4 must be on one stage"):
+        spec.blocks(0, 3)

@@ -7,6 +7,7 @@ import logging
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
+from ravnest.models import build_model
 from ravnest.spec import JobSpec
 
 from .. import jobs
@@ -140,12 +141,20 @@ class Placement:
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))
                  if row.node_id in ids and row.peer_id in ids}
-        if spec.placement.policy == "equal-split":
-            joined = {node.id: (node.joined_at, node.id) for node in nodes}
-            return plan_equal_split(costs, sorted(infos, key=lambda n: joined[n.node_id]), spec.placement,
-                                    training=spec.training, averaging=spec.averaging, links=links)
-        return plan_job(costs, infos, spec.placement, training=spec.training, averaging=spec.averaging,
-                        pipeline_cap=self.core.settings.pipeline_cap, links=links)
+        deepest = build_model(spec.model.name, spec.model.config).stages_at_most  # (tied embeddings: 1)
+        try:
+            if spec.placement.policy == "equal-split":
+                joined = {node.id: (node.joined_at, node.id) for node in nodes}
+                return plan_equal_split(costs, sorted(infos, key=lambda n: joined[n.node_id]), spec.placement,
+                                        training=spec.training, averaging=spec.averaging, links=links,
+                                        max_depth=deepest)
+            return plan_job(costs, infos, spec.placement, training=spec.training, averaging=spec.averaging,
+                            pipeline_cap=self.core.settings.pipeline_cap, links=links, max_depth=deepest)
+        except PlanningError as e:
+            if deepest == 1:
+                raise PlanningError(f"{e} (its first and last blocks share a tensor, tied embeddings, so each "
+                                    f"pipeline is one node holding the whole model)") from None
+            raise
 
     def _plan_continuing(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         """A job under way continues on the nodes there now: where they cannot make the exact number of

@@ -151,11 +151,6 @@ def build_llama(config: dict[str, Any]) -> ModelSpec:
     require(head_dim % 2 == 0, "llama", f"the head dimension ({head_dim}) must be even: rotary positions rotate pairs")
     require(cfg["rms_norm_eps"] > 0 and cfg["rope_theta"] > 0 and cfg["initializer_range"] > 0, "llama",
             "rms_norm_eps, rope_theta and initializer_range must be positive")
-    # block 0 and the last block are built alone and usually land on different nodes: one tensor
-    # cannot be both without summing their gradients across stages every step, which is not built yet
-    require(not cfg["tie_word_embeddings"], "llama",
-            "tie_word_embeddings is not supported yet: the embedding (block 0) and the head (the last block) "
-            "are built alone, usually on different nodes; set it to false (the head gets its own weights)")
     layers = cfg["num_hidden_layers"]
 
     def make_block(index: int) -> nn.Module:
@@ -168,4 +163,8 @@ def build_llama(config: dict[str, Any]) -> ModelSpec:
         return _initialise(block, cfg["initializer_range"])
 
     tokens = InputSpec((cfg["max_position_embeddings"],), torch.int64, high=cfg["vocab_size"])
-    return ModelSpec("llama", cfg, layers + 2, make_block, "lm", tokens)
+    # tied embeddings: the head's weight is the embedding's, so the two blocks share one stage (the
+    # planner then plans one-stage pipelines; several would have to sum the tensor's gradients across
+    # the first and last stage every step, as Megatron does, which Ravnest does not)
+    tied = (("0.embed_tokens.weight", f"{layers + 1}.lm_head.weight"),) if cfg["tie_word_embeddings"] else ()
+    return ModelSpec("llama", cfg, layers + 2, make_block, "lm", tokens, tied)

@@ -71,6 +71,9 @@ class ModelSpec:
     make_block: Callable[[int], nn.Module]
     task: str  # "classify": output [B, C], target [B]; "lm": output [B, T, V], target [B, T]
     input: InputSpec
+    # (key, tied key) pairs of state-dict keys in different blocks that are one tensor (a language model's
+    # tied embeddings): `blocks` makes the second the first, and refuses a range holding only one of them
+    tied: tuple[tuple[str, str], ...] = ()
 
     def block(self, index: int, *, seed: int | None = None, device: str | torch.device = "cpu") -> nn.Module:
         """Block `index` alone. With `seed` its initial weights are the same on every machine and
@@ -95,7 +98,24 @@ class ModelSpec:
         if not 0 <= start < end <= self.num_blocks:
             raise ModelError(f"{self.name}: block range [{start}, {end}) is outside the model's "
                              f"{self.num_blocks} blocks")
-        return nn.Sequential(OrderedDict((str(i), self.block(i, seed=seed, device=device)) for i in range(start, end)))
+        module = nn.Sequential(OrderedDict((str(i), self.block(i, seed=seed, device=device))
+                                           for i in range(start, end)))
+        for key, tied in self.tied:
+            held = [start <= int(k.split(".", 1)[0]) < end for k in (key, tied)]
+            if held == [True, True]:
+                owner, name = tied.rsplit(".", 1)
+                setattr(module.get_submodule(owner), name, module.get_parameter(key))
+            elif any(held):
+                raise ModelError(f"{self.name}: {key} and {tied} are one tensor (tied), so blocks "
+                                 f"{key.split('.', 1)[0]} and {tied.split('.', 1)[0]} must be on one stage; blocks "
+                                 f"[{start}, {end}) hold only one of them")
+        return module
+
+    @property
+    def stages_at_most(self) -> int | None:
+        """The deepest pipeline the model allows: 1 where the first and last blocks share a tensor."""
+        return 1 if any({int(k.split(".", 1)[0]) for k in pair} == {0, self.num_blocks - 1} for pair in self.tied) \
+            else None
 
     def full_model(self, *, seed: int | None = None, device: str | torch.device = "cpu") -> nn.Sequential:
         """Every block (for one machine: tests, single-process baselines, loading a trained model)."""

@@ -32,8 +32,11 @@ def load_starting_weights(module: nn.Module, spec: ModelSpec, path: str | os.Pat
             names = set(handle.keys())
             name_of = _naming(spec, names, handle.metadata() or {}, label)
             own = module.state_dict()
+            tied = {second for _, second in spec.tied}
             for key, target in own.items():
                 name = name_of(key)
+                if name not in names and key in tied:  # (one tensor: Hugging Face saves a tied head once)
+                    continue
                 if name not in names:
                     raise ModelError(f"{label} has no tensor {name!r}: it is not the weights of this job's "
                                      f"{spec.name} model ({key} in Ravnest's names)")
