@@ -151,7 +151,7 @@ class TrainingSettings(_Strict):
     grad_clip: float | None = Field(None, gt=0, description=(
         "clip each stage's gradient to this norm before its optimizer step. Per stage, not global: the "
         "stages' gradients are never gathered in one place, so the whole model's norm stays within "
-        "grad_clip x sqrt(stages)"))
+        "grad_clip x sqrt(stages). Under DeAR, which applies a stage's update in parts, per part"))
     activation_checkpointing: bool = Field(False, description=(
         "keep only each block's input from forward to backward and recompute the block's activations in its "
         "backward: far less memory for about a third more compute; the backward is then not split into input "

@@ -157,6 +157,9 @@ def test_grad_clip_bounds_each_stages_step():
     weights.grad = torch.full((4,), 100.0)
     optimizer.step()
     assert torch.linalg.vector_norm(weights.detach()).item() == pytest.approx(0.5)
+    before = weights.detach().clone()  # DeAR applies the update in parts: each part is clipped
+    optimizer.apply_update({weights: torch.full((4,), -100.0)}, last=True)
+    assert torch.linalg.vector_norm(weights.detach() - before).item() == pytest.approx(0.5)
 
 
 def test_sampling_is_greedy_at_temperature_zero_and_reproducible_with_a_seed():

@@ -66,11 +66,14 @@ class Artifacts:
         tensors, metadata = files.index(upload)
         scales = files.scan(upload, tensors)  # (outside the lock: it reads the whole file)
         tokenizer = _tokenizer(metadata) if stage == 0 else None
+        with self.core.store.session() as session:  # the initial weights' scale, built outside the lock
+            job, row = self.core.job_member(session, job_id, authorization)
+            initial = self._initial_rms(job, row)
         with self.core.lock, self.core.store.session() as session:
             job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage)
             files.check_stage_tensors(tensors, self._stage_shapes(job, row), optimizer_state=False)
-            self._check_plausible(job, row, scales)
+            self._check_plausible(job, row, scales, initial)
             folder = self.job_dir(job.id) / "weights"
             files.commit(upload, folder / f"c{cluster}-s{stage}.safetensors")
             if tokenizer is not None and cluster == 0:  # the model's tokenizer: cluster 0's, as its weights
@@ -90,16 +93,20 @@ class Artifacts:
                 jobs.transition(job, JobState.COMPLETED, "every stage of cluster 0 uploaded its weights",
                                 self.core.clock())
 
-    def _check_plausible(self, job: JobRow, row: StageRow, scales: dict[str, float]) -> None:
+    def _initial_rms(self, job: JobRow, row: StageRow) -> dict[str, float]:
+        """The RMS of each of the stage's tensors at initialisation (built a block at a time, cached)."""
+        start, end = self.core.plan(job).clusters[row.cluster].stages[row.stage].blocks
+        model = job.spec["model"]
+        config = json.dumps(model["config"], sort_keys=True)
+        return {key: value for index in range(start, end)
+                for key, value in initial_rms_of(model["name"], config, index).items()}
+
+    def _check_plausible(self, job: JobRow, row: StageRow, scales: dict[str, float],
+                         initial: dict[str, float]) -> None:
         steps = jobs.spec_of(job).training.steps
         if row.step < steps:
             raise Implausible(f"final weights before the last step: the stage reported step {row.step} of {steps}",
                               row.node_id)
-        start, end = self.core.plan(job).clusters[row.cluster].stages[row.stage].blocks
-        model = job.spec["model"]
-        config = json.dumps(model["config"], sort_keys=True)
-        initial = {key: value for index in range(start, end)
-                   for key, value in initial_rms_of(model["name"], config, index).items()}
         why = files.implausible(scales, initial, self.core.settings.weight_growth_bound)
         if why is not None:
             raise Implausible(f"implausible weights: {why}", row.node_id)

@@ -67,6 +67,7 @@ class RingHub:
         # chunks for a segment this node has not joined yet: a peer's first round can come before this
         # node's stage has set up all its rings (it joins them one by one); bounded, handed over at join
         self._early: list[tuple[int, tuple, tuple]] = []
+        self._early_bytes = 0
         self._streams: dict[str, list[OutboundStream]] = {}
         self._address_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -98,6 +99,7 @@ class RingHub:
             self._segments[segment] = 0
             arrived = [(key, value) for s, key, value in self._early if s == segment]
             self._early = [entry for entry in self._early if entry[0] != segment]
+            self._early_bytes -= sum(value[2].nbytes for _, value in arrived)
         for key, value in arrived:
             self.mailbox.put(key, value)
 
@@ -131,11 +133,11 @@ class RingHub:
         with self._lock:
             floor = self._segments.get(tags["segment"])
             if floor is None:
-                held = sum(entry[2][2].nbytes for entry in self._early)
-                if held + msg.tensors[TENSOR].nbytes > EARLY_BYTES:
+                if self._early_bytes + msg.tensors[TENSOR].nbytes > EARLY_BYTES:
                     raise WireError(f"no ring for segment {tags['segment']} on this node",
                                     grpc.StatusCode.FAILED_PRECONDITION)
                 self._early.append((tags["segment"], key, value))
+                self._early_bytes += msg.tensors[TENSOR].nbytes
                 return
         if tags["round"] < floor:
             return  # a straggler of a round this node already finished or gave up

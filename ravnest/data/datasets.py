@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -65,13 +65,16 @@ class Windows:
         return self[torch.arange(len(self))]
 
 
+Examples = Union[torch.Tensor, Windows]  # a tensor of examples, or a token file's sequences read on demand
+
+
 @dataclass
 class Dataset:
     name: str
-    train_x: Any  # a tensor of examples, or Windows of token sequences
-    train_y: Any
-    test_x: Any
-    test_y: Any
+    train_x: Examples
+    train_y: Examples
+    test_x: Examples
+    test_y: Examples
     num_classes: int | None = None  # classification
     vocab_size: int | None = None   # language modelling
 
@@ -85,7 +88,7 @@ class Dataset:
             raise DatasetError(f"{self.name}: {len(self.train_x)} training examples cannot make {count} shards")
         if not by_label:
             return replace(self, train_x=self.train_x[index::count], train_y=self.train_y[index::count])
-        if self.num_classes is None:
+        if self.num_classes is None or not isinstance(self.train_y, torch.Tensor):
             raise DatasetError(f"{self.name}: shards 'by-label' need a classification dataset")
         order = torch.sort(self.train_y, stable=True).indices
         part = order[index * len(order) // count:(index + 1) * len(order) // count]

@@ -124,6 +124,8 @@ class StageOptimizer:
             param.grad = None
         for param, grad in grads.items():
             param.grad = grad
+        if self.training.grad_clip is not None:  # per part: the stage's whole gradient is never here at once
+            torch.nn.utils.clip_grad_norm_(list(grads), self.training.grad_clip)
         self.optimizer.step()
         for param in grads:
             param.grad = None
