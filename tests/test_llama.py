@@ -106,6 +106,10 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
         print(f"\nllama, 2 stages, 150 steps on {corpus.tokens:,} tokens: test loss {loss:.3f} "
               f"(uniform: {uniform:.3f})")
         assert loss < 0.75 * uniform  # it learned the code's tokens, far below guessing
+        for stage in job["metrics"]["stages"]:  # the memory planner's llama, against each node's measured peak
+            predicted, measured = stage["predicted_memory_bytes"], stage["peak_memory_bytes"]
+            print(f"  stage {stage['stage']}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f}")
+            assert 0 < measured <= 1.25 * predicted
         env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token}
         for args in (["download", "-o", "model.safetensors"],  # the tokenizer: the one the job recorded
                      ["download", "--format", "hf", "-o", "hf"], ["generate", "--prompt", "def ", "--max-tokens", "30"]):
