@@ -455,3 +455,17 @@ def test_tied_embeddings_are_one_tensor_on_one_stage_as_in_transformers(tmp_path
         assert (hf(ids).logits - ours(ids)).abs().max().item() <= 1e-4
     with pytest.raises(ModelError, match=r"are one tensor \(tied\), so blocks 0 and 4 must be on one stage"):
         spec.blocks(0, 3)
+
+    from ravnest.pipeline.stash import StageCompute  # the head's use of the tensor reaches its gradient,
+    y = torch.randint(0, SMALL["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(4))
+    reference = spec.full_model(seed=0)  # block by block under activation checkpointing too
+    spec.loss(reference(ids), y).backward()
+    for checkpointing in (False, True):
+        model = spec.full_model(seed=0)
+        compute = StageCompute(model, mode="stash", input_grad=False, device=torch.device("cpu"),
+                               checkpoint_blocks=checkpointing)
+        compute.forward(0, ids, loss_fn=lambda out: spec.loss(out, y))
+        compute.backward_input(0, None)
+        compute.backward_weights(0)
+        assert all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(model.parameters(),
+                                                                              reference.parameters()))

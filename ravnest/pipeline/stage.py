@@ -32,8 +32,8 @@ import torch
 
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.strategy import AveragingStrategy, StageContext, make_strategy
-from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.data.tokens import tokenizer_json
+from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.models.weights import load_starting_weights
 from ravnest.pipeline import state, throughput
 from ravnest.pipeline.averaging_hooks import AveragingHooks
@@ -95,7 +95,7 @@ class StageRunner:
         self.memory = PeakMemory(self.device)
         # only this stage's blocks, built on its device; weights depend on (seed, block index) alone
         self.module = spec.blocks(start, end, seed=training.seed, device=self.device)
-        if a.model.weights is not None and not a.resume_step:  # fine-tuning: or from the weights given
+        if a.model.weights is not None and not a.resume_step:  # fine-tuning: from the weights the job names
             self._start_from(spec, a.model.weights.source, datasets or {})
         self.predict = prediction_order(method)
         stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?

@@ -274,8 +274,12 @@ class StageCompute:
             owner.register_forward_hook(self._capture_hook(index))
         # activation checkpointing drops the owners' outputs a deferred W would differentiate: no split
         self.split = split and input_grad and bool(owners) and not checkpoint_blocks
-        # blocks (children "0", "1", ...) and their keys, to run each under torch.utils.checkpoint
+        # blocks (children "0", "1", ...) and their keys, to run each under torch.utils.checkpoint; a tied
+        # parameter is named once in the weights and again, by its alias, in the block that shares it
         self._blocks = [(block, f"{name}.") for name, block in module.named_children()] if checkpoint_blocks else []
+        named = {id(p): name for name, p in module.named_parameters()}
+        self._aliases = {alias: named[id(p)] for alias, p in module.named_parameters(remove_duplicate=False)
+                         if named[id(p)] != alias}
         self._split_checked = False
 
     def _capture_hook(self, index: int) -> Callable:
@@ -309,6 +313,7 @@ class StageCompute:
         block keeps only its input, and its backward recomputes it (same RNG, same autocast)."""
         if not self._blocks:
             return functional_call(self.module, tensors, (x,))
+        tensors = {**tensors, **{alias: tensors[name] for alias, name in self._aliases.items() if name in tensors}}
         for block, prefix in self._blocks:
             own = {key.removeprefix(prefix): t for key, t in tensors.items() if key.startswith(prefix)}
             x = checkpoint(functional_call, block, own, (x,), use_reentrant=False)
