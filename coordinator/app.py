@@ -15,8 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+
+from ravnest.errors import did_you_mean
+from ravnest.spec import JobSpec, field_names
 
 from .auth import Authentication, required
 from .config import Settings
@@ -27,15 +31,21 @@ from .schemas import ErrorBody
 from .service import Coordinator
 
 
-def _validation_reason(error: RequestValidationError) -> str:
+def _validation_reason(error: RequestValidationError, body: type[BaseModel] | None = None) -> str:
+    """One line for a refused body; with `body` (the model it was read as) a mistyped field gets a
+    "did you mean"."""
     parts = []
     for item in error.errors():
         if item.get("type") == "json_invalid":  # loc is (body, character offset)
             offset = item.get("loc", ("body", "?"))[-1]
             parts.append(f"the body is not valid JSON (at character {offset}: {item.get('ctx', {}).get('error')})")
             continue
-        where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+        loc = [p for p in item.get("loc", ()) if p != "body"]
+        where = ".".join(str(p) for p in loc)
+        hint = ""
+        if item.get("type") == "extra_forbidden" and body is not None and loc and isinstance(loc[-1], str):
+            hint = did_you_mean(loc[-1], field_names(body, loc[:-1]))
+        parts.append(f"{where}: {item.get('msg')}{hint}" if where else str(item.get("msg")))
     return "; ".join(parts) or "invalid request"
 
 
@@ -102,8 +112,9 @@ def _answer_refusals(app: FastAPI) -> None:
         return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": _validation_reason(error)}, status_code=422)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        submitted = request.method == "POST" and request.url.path == "/v1/jobs"  # (a job spec)
+        return JSONResponse({"detail": _validation_reason(error, JobSpec if submitted else None)}, status_code=422)
 
 
 def document_refusals(app: FastAPI) -> None:

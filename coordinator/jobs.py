@@ -94,7 +94,11 @@ def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:
     if dataset.name != "digits" and not dataset.source:
         raise InvalidRequest(f"dataset {dataset.name!r} needs a source: the name volunteers offer its file under "
                              f"(`ravnest-node join --dataset NAME=PATH`)")
-    # the text file lives on the nodes, so its vocabulary (128 or 256 bytes) is checked there
+    # the text file lives on the nodes, so whether its bytes fit 128 ids or need 256 is checked there
+    if dataset.name == "text" and (model.input.high or 0) > 256:
+        raise InvalidRequest(f"dataset 'text' is a file's bytes, 256 ids at most, but the model's vocab_size is "
+                             f"{model.input.high}: set it to 256 (128 for ASCII text), or tokenize the text into a "
+                             f"token file with `ravnest data prepare` and use dataset 'tokens'")
     longest = model.input.shape[0]  # an lm's tokens per sequence: gpt's seq_len, llama's max_position_embeddings
     if dataset.name in ("text", "tokens") and dataset.seq_len > longest:
         raise InvalidRequest(f"dataset seq_len {dataset.seq_len} exceeds the {longest} tokens the model takes")

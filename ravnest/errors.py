@@ -7,3 +7,11 @@ from __future__ import annotations
 
 class RavnestError(Exception):
     """Raised on purpose by Ravnest, with a reason a user can read."""
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """" (did you mean 'x'?)" for the closest of `choices` to a mistyped `word`, else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -12,6 +12,8 @@ import pkgutil
 import threading
 from typing import Any, Callable, Generic, TypeVar
 
+from ravnest.errors import did_you_mean
+
 T = TypeVar("T")
 
 
@@ -99,7 +101,8 @@ class PluginRegistry(Generic[T]):
             return self._items[name]
         loaded = load_plugin(self.group, name, self.what, self.error)
         if loaded is None:
-            raise self.error(f"unknown {self.what} {name!r}; known: {', '.join(self.names())}")
+            raise self.error(f"unknown {self.what} {name!r}{did_you_mean(name, self.names())}; "
+                             f"known: {', '.join(self.names())}")
         item = self.adapt(name, loaded)
         if item is None:
             raise self.error(f"{self.what} plugin {name!r} does not provide a {self.what} (it is not callable)")

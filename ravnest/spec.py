@@ -5,6 +5,7 @@ Everything here is plain data: architecture names and configs, never code.
 """
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
@@ -494,3 +495,16 @@ class FailureReport(_Strict):
     still_training: bool = Field(False, description="the stage trains on alone: its averaging failed")
     failure: Failure | None = Field(None, description="the failure as data (ravnest/failures.py); nodes before it "
                                                       "sent only `reason`")
+
+
+def field_names(model: type[BaseModel], path: list[str | int]) -> list[str]:
+    """The field names of the model found at `path` inside `model` (e.g. ["training"] in a JobSpec:
+    steps, batch_size, ...), or [] where the path leads to no model: for "did you mean" on a typo."""
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        inner = field and next((t for t in (field.annotation, *typing.get_args(field.annotation))
+                                if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        if not inner:
+            return []
+        model = inner
+    return list(model.model_fields)

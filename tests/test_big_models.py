@@ -47,7 +47,7 @@ def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp
                 if asked:
                     cluster.http.post(beat, json={"proofs": proof.answers(books, "books", asked)}, headers=auth)
         start = time.monotonic()
-        job = {"model": {"name": "gpt", "config": config}, "dataset": {"name": "text", "source": "books"},
+        job = {"model": {"name": "gpt", "config": config}, "dataset": {"name": "tokens", "source": "books"},
                "training": {"batch_size": 4, "microbatches_in_flight": 1, "optimizer": {"name": "SGD"}},
                "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "min_nodes": 4}}
         response = cluster.http.post("/v1/jobs", json=job)

@@ -118,6 +118,9 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
         shown = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, env=env)
         assert shown.returncode == 0 and shown.stdout.strip().endswith(ravnest.__version__), module
 
+    config.write_text(f'coordinator = "{cluster.url}"\n')  # no key anywhere: the refusal says where one comes from
+    refused = ravnest_cli("status")
+    assert refused.returncode == 1 and "set RAVNEST_KEY or pass --key" in refused.stderr, refused.stderr
     config.write_text(f'coordinator = "{cluster.url}"\nkey = "{cluster.operator_token}"\n')
     assert ravnest_cli("whoami").stdout.startswith(f"operator key operator token (data directory) at {cluster.url}")
     created = ravnest_cli("token", "create", "--name", "lab machines", "--uses", "3")
@@ -191,3 +194,13 @@ def test_ravnest_demo_runs_the_newcomers_job_end_to_end(tmp_path: Path) -> None:
     reloaded = float(re.search(r"reloaded in one process: ([\d.]+)", demo.stdout)[1])
     assert reported == reloaded >= 0.95
     assert "are averaged across clusters by cluster 0 stage" in demo.stdout  # the plan, in words
+
+
+def test_flags_read_as_flags_in_the_help() -> None:
+    """typer shows a type after every option; a flag takes no value, so none is shown for it."""
+    for args in (["--help"], ["submit", "--help"]):
+        shown = subprocess.run([sys.executable, "-m", "ravnest.client.cli", *args], capture_output=True, text=True,
+                               timeout=60, env={**os.environ, "COLUMNS": "100"})
+        assert shown.returncode == 0, shown.stderr
+        flags = [line for line in shown.stdout.splitlines() if "--version" in line or "--watch" in line]
+        assert flags and not any("<bool>" in line for line in flags), flags

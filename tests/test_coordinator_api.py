@@ -851,3 +851,22 @@ def test_a_model_with_tied_embeddings_is_planned_as_one_node_pipelines_or_refuse
     untied = {**job, "model": {"name": "llama", "config": config}}
     view = client.get(f"/v1/jobs/{client.post('/v1/jobs', json=untied).json()['id']}").json()
     assert view["state"] in ("placing", "running") and len(view["plan"]["clusters"][0]["stages"]) >= 2, view["reason"]
+
+
+def test_typos_in_a_job_spec_get_a_did_you_mean(client: TestClient) -> None:
+    job = digits_job()
+    for body, words in (({**job, "trainig": {}}, "trainig: Extra inputs are not permitted (did you mean 'training'?)"),
+                        ({**job, "training": {"stpes": 3}}, "training.stpes: Extra inputs are not permitted (did "
+                                                            "you mean 'steps'?)"),
+                        ({**job, "model": {"name": "cnnn"}}, "unknown model 'cnnn' (did you mean 'cnn'?)"),
+                        ({**job, "model": {"name": "cnn", "config": {"chanels": [8]}}},
+                         "unknown config keys ['chanels'] (did you mean 'channels'?)")):
+        r = client.post("/v1/jobs", json=body)
+        assert r.status_code == 422 and words in r.json()["detail"], r.text
+
+
+def test_a_text_job_whose_vocabulary_is_larger_than_bytes_is_refused_saying_what_to_do(client: TestClient) -> None:
+    job = {"model": {"name": "gpt", "config": {"vocab_size": 50257}}, "dataset": {"name": "text", "source": "books"}}
+    r = client.post("/v1/jobs", json=job)
+    assert r.status_code == 422 and "256 ids at most, but the model's vocab_size is 50257" in r.json()["detail"]
+    assert "ravnest data prepare" in r.json()["detail"]

@@ -20,6 +20,10 @@ def refusal_reason(response: httpx.Response) -> str:
     return str(detail) if detail is not None else response.text[:500]
 
 
+NO_KEY_HINT = ("; no API key was given: set RAVNEST_KEY or pass --key (an operator's key is the file "
+               "operator_token in the coordinator's data directory)")
+
+
 class ApiError(RavnestError, RuntimeError):
     def __init__(self, message: str, status: int = 0):
         super().__init__(message)
@@ -31,7 +35,7 @@ class Api:
     ssl.create_default_context(cafile=...) for a coordinator a private CA certified."""
 
     def __init__(self, url: str, key: str | None, timeout: float = 30.0, verify: ssl.SSLContext | bool = True):
-        self.url = url.rstrip("/")
+        self.url, self.keyed = url.rstrip("/"), bool(key)
         self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=verify,
                                  headers={"Authorization": f"Bearer {key}"} if key else None)
 
@@ -45,8 +49,12 @@ class Api:
         except httpx.HTTPError as e:
             raise ApiError(f"{prefix}cannot reach the coordinator at {self.url}: {e}") from e
         if response.is_error:
-            raise ApiError(f"{prefix}{response.status_code}: {refusal_reason(response)}", response.status_code)
+            raise self._refused(response, token, prefix)
         return response
+
+    def _refused(self, response: httpx.Response, token: str | None, prefix: str = "") -> ApiError:
+        hint = NO_KEY_HINT if response.status_code == 401 and not (self.keyed or token) else ""
+        return ApiError(f"{prefix}{response.status_code}: {refusal_reason(response)}{hint}", response.status_code)
 
     def call(self, method: str, path: str, **kwargs) -> Any:
         """The JSON body of the answer (None when it has none)."""
@@ -61,7 +69,7 @@ class Api:
             with self.http.stream("GET", path, params=params, headers=headers) as response:
                 if response.is_error:
                     response.read()
-                    raise ApiError(f"{response.status_code}: {refusal_reason(response)}", response.status_code)
+                    raise self._refused(response, token)
                 with partial.open("wb") as out:
                     for chunk in response.iter_bytes(1 << 20):
                         out.write(chunk)

@@ -73,7 +73,7 @@ def connect(ctx: typer.Context,
                                               help="your API key (an operator's for tokens, keys and nodes; "
                                                    "default: the config file's)"),
             version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
-                                         help="print the version and exit")) -> None:
+                                         metavar="", help="print the version and exit")) -> None:  # (a flag)
     if ctx.invoked_subcommand == "demo":
         return  # the demo starts its own coordinator
     settings = configured() if coordinator is None or key is None else {}

@@ -27,7 +27,7 @@ ENDED = ("completed", "failed", "cancelled")
 
 @app.command()
 def submit(ctx: typer.Context, spec: Path = typer.Argument(..., help="a job file, e.g. examples/jobs/digits-cnn.json"),
-           watch_it: bool = typer.Option(False, "--watch", help="then follow it to the end")) -> None:
+           watch_it: bool = typer.Option(False, "--watch", metavar="", help="then follow it to the end")) -> None:
     """Submit a job; prints its id (alone on stdout)."""
     try:
         body = json.loads(spec.read_text())

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ravnest.errors import RavnestError
+from ravnest.errors import RavnestError, did_you_mean
 from ravnest.plugins import PluginRegistry
 
 ENTRY_POINT_GROUP = "ravnest.models"
@@ -169,7 +169,8 @@ def resolve_config(name: str, defaults: dict[str, Any], config: dict[str, Any]) 
     """Defaults overlaid with `config`; unknown keys and values of the wrong type raise ModelError."""
     unknown = sorted(set(config) - set(defaults))
     if unknown:
-        raise ModelError(f"{name}: unknown config keys {unknown}; allowed: {sorted(defaults)}")
+        hints = "".join(did_you_mean(key, sorted(defaults)) for key in unknown)
+        raise ModelError(f"{name}: unknown config keys {unknown}{hints}; allowed: {sorted(defaults)}")
     resolved = dict(defaults)
     for key, value in config.items():
         expected = type(defaults[key])
