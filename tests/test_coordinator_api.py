@@ -771,6 +771,8 @@ def test_a_job_runs_only_on_nodes_that_offer_its_dataset(client: TestClient) -> 
     job_id = client.post("/v1/jobs", json=job).json()["id"]
     view = client.get(f"/v1/jobs/{job_id}").json()
     assert view["state"] == "pending" and "proven to hold dataset 'books' (0 available)" in view["reason"]
+    assert view["reason"].startswith("no node offers dataset 'books' (volunteers offer it with `ravnest-node join "
+                                     "--dataset books=PATH`) yet; waiting for 1 idle node"), view["reason"]
     offering_id, _ = join(client, "library", datasets=["books"])
     view = client.get(f"/v1/jobs/{job_id}").json()
     assert view["state"] == "placing"
@@ -792,6 +794,8 @@ def test_a_job_with_starting_weights_runs_only_on_nodes_that_offer_its_data_and_
     view = client.get(f"/v1/jobs/{job_id}").json()
     assert view["state"] == "pending", view
     assert "proven to hold dataset 'books' and model weights 'tiny-llama' (0 available)" in view["reason"]
+    assert view["reason"].startswith("no node offers model weights 'tiny-llama' (volunteers offer it with "
+                                     "`ravnest-node join --model-file tiny-llama=PATH`) yet")
     holder = join(client, "both", datasets=["books", "tiny-llama"], fingerprints=both)
     assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "pending"  # its copy of 'books' is not proven yet
     prove(client, [holder])  # (a challenge on 'books'; it was first to offer the weights)

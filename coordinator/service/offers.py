@@ -121,6 +121,19 @@ class Offers:
             holding &= {offer.node_id for offer in offers if sha is not None and offer.fingerprint.endswith(":" + sha)}
         return [node for node in nodes if node.id in holding], contents
 
+    def unoffered(self, session: Session, spec: JobSpec) -> str:
+        """The files the job reads that no live node offers, as a user reads it ("" when each is offered):
+        `dataset 'books' (volunteers offer it with: ravnest-node join --dataset books=PATH)`."""
+        missing = []
+        for field, source, _ in files_read(spec):
+            offered = session.scalar(select(func.count()).select_from(OfferRow).join(
+                NodeRow, NodeRow.id == OfferRow.node_id).where(OfferRow.name == source, NodeRow.state != GONE))
+            if not offered:
+                flag = "--model-file" if field == "model.weights" else "--dataset"
+                missing.append(f"{field.replace('.', ' ')} {source!r} (volunteers offer it with `ravnest-node join "
+                               f"{flag} {source}=PATH`)")
+        return " nor ".join(missing)
+
     def describe(self, session: Session, node_ids: list[str]) -> dict[str, dict[str, str]]:
         """node id -> each file it offers -> its state (and why, where it was refused)."""
         described: dict[str, dict[str, str]] = {}

@@ -67,6 +67,9 @@ class Placement:
                     excluded = len(offered) - len(candidates)
                     also = f"; {excluded} more left out of this job after failures" if excluded else ""
                     reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available{also})"
+                    unoffered = self.offers.unoffered(session, spec)
+                    if unoffered:  # the likeliest reason first: nobody has the file
+                        reason = f"no node offers {unoffered} yet; {reason}"
                     if job.reason != reason:
                         job.reason = reason
                     continue
