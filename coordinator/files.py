@@ -184,11 +184,15 @@ def implausible(scales: dict[str, float], initial_rms: dict[str, float], bound: 
 
 
 def merge(files: list[Path], target: Path, metadata: dict[str, str],
-          rename: Callable[[str], str] = lambda key: key) -> None:
-    """One safetensors file of every tensor in `files` (under `rename`'s names), their bytes copied a
-    megabyte at a time: the merged model is never in memory (a model of any size goes through a
-    coordinator of 1 GiB)."""
-    sources = [(path, index(path)[0]) for path in files]
+          rename: Callable[[str], str] = lambda key: key, keep: Callable[[str], bool] = lambda key: True) -> None:
+    """One safetensors file of every tensor in `files` that `keep` keeps (under `rename`'s names; a key
+    in several files is taken from the first), their bytes copied a megabyte at a time: the merged
+    model is never in memory (a model of any size goes through a coordinator of 1 GiB)."""
+    sources, taken = [], set()
+    for path in files:
+        tensors = {key: stored for key, stored in index(path)[0].items() if keep(key) and key not in taken}
+        taken |= set(tensors)
+        sources.append((path, tensors))
     header: dict[str, Any] = {"__metadata__": metadata}
     at = 0
     for _, tensors in sources:

@@ -80,6 +80,15 @@ def test_a_torn_checkpoint_upload_changes_nothing_and_resume_uses_the_last_compl
         assert len(stored) == 2 and all("-50." in name for name in stored)
 
         assert http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        r = http.get(f"/v1/jobs/{job_id}/model")  # a cancelled job's training is not lost: its last checkpoint
+        assert r.status_code == 200, r.text
+        weights = {k: v for stage in saved.values() for k, v in stage.items() if ":" not in k}
+        partial = load_safetensors(r.content)
+        assert partial.keys() == weights.keys() and all(torch.equal(partial[k], v) for k, v in weights.items())
+        from safetensors import safe_open
+        (tmp_path / "partial.safetensors").write_bytes(r.content)
+        with safe_open(str(tmp_path / "partial.safetensors"), "pt") as handle:
+            assert handle.metadata()["step"] == "50"
         for node in nodes:
             beat(node)  # not running it: released
         resumed = http.post(f"/v1/jobs/{job_id}/resume").json()

@@ -147,6 +147,8 @@ class Artifacts:
         files.write_json(self.job_dir(job.id) / "checkpoints" / "manifest.json", {
             "job_id": job.id, "generation": generation, "step": step, "model": job.spec["model"],
             "files": [{"file": row.file, "blocks": [row.block_start, row.block_end]} for row in rows]})
+        for made in (self.job_dir(job.id) / "checkpoints").glob("model-*"):  # an older checkpoint's model
+            made.unlink(missing_ok=True)
         keep = {row.file for row in rows}
         for old in session.scalars(select(CheckpointRow).where(
                 CheckpointRow.job_id == job.id, CheckpointRow.kind == PERIODIC,
@@ -197,7 +199,7 @@ class Artifacts:
         model.safetensors under Llama's names (copied by offset: never in memory whole) and the
         tokenizer the job recorded (ravnest/models/hf.py)."""
         model = self.model_file(job_id, owner)
-        target = model.with_name("model-hf.zip")
+        target = model.with_name(f"{model.stem}-hf.zip")
         if target.is_file():
             return target
         tensors, metadata = files.index(model)
@@ -223,13 +225,29 @@ class Artifacts:
         return target
 
     def model_file(self, job_id: str, owner: str | None = None) -> Path:
+        """The trained model of a completed job; of any other, the model of its last complete checkpoint
+        (its metadata says the step), so a cancelled or failed job's training is not lost."""
         with self.core.store.session() as session:
             job = self.core.job(session, job_id, owner)
-            if job.state != JobState.COMPLETED.value:
-                raise Conflict(f"job {job_id} is {job.state}; the model is available once it is completed"
-                               + (" (`ravnest resume` continues it from its last checkpoint)"
-                                  if job.state in jobs.STOPPED else ""))
-        return self.job_dir(job_id) / "model.safetensors"
+            state = job.state
+        if state == JobState.COMPLETED.value:
+            return self.job_dir(job_id) / "model.safetensors"
+        manifest = self.manifest(job_id)
+        if not manifest:
+            raise Conflict(f"job {job_id} is {state} and has no checkpoint yet; the model is available once it is "
+                           f"completed" + (" (`ravnest resume` continues it from its last checkpoint)"
+                                           if state in jobs.STOPPED else ""))
+        return self._checkpointed_model(job_id, manifest)
+
+    def _checkpointed_model(self, job_id: str, manifest: dict) -> Path:
+        """The parameters of a checkpoint's stage files as one model file (made once per checkpoint)."""
+        step, generation = manifest["step"], manifest["generation"]
+        target = self.job_dir(job_id) / "checkpoints" / f"model-g{generation}-step{step}.safetensors"
+        if not target.is_file():
+            files.merge([self.job_dir(job_id) / entry["file"] for entry in manifest["files"]], target,
+                        {"job_id": job_id, "model": json.dumps(manifest["model"]), "step": str(step)},
+                        keep=lambda key: files.OPTIMIZER_SEPARATOR not in key)  # (weights, not optimizer state)
+        return target
 
 
 MAX_TOKENIZER = 32 << 20  # bytes of a tokenizer.json stage 0 may send with its weights (Llama 3's: 9 MB)

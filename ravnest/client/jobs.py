@@ -132,10 +132,12 @@ def download(ctx: typer.Context, job_id: str,
                                                       "(ravnest data prepare) or a tokenizer.json, written beside "
                                                       "the model for AutoTokenizer; default: the one the job "
                                                       "recorded (jobs on a token file record theirs)")) -> None:
-    """The trained model of a completed job."""
+    """The trained model of a completed job; of a cancelled, failed or running one, the model of its last
+    checkpoint."""
     if format_ not in ("ravnest", "hf"):
         err.print(f"ravnest: --format is ravnest or hf, not {format_!r}", highlight=False)
         raise typer.Exit(2)
+    job = call(ctx, "GET", f"/v1/jobs/{job_id}")
     target = output or Path("model-hf" if format_ == "hf" else "model.safetensors")
     file = target.with_name(target.name + ".zip") if format_ == "hf" else target
     file.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +155,9 @@ def download(ctx: typer.Context, job_id: str,
         finally:
             file.unlink()
     err.print(f"wrote {target} ({size / 2**20:.1f} MiB)", highlight=False)
+    if job["state"] != "completed":
+        err.print(f"job {job_id} is {job['state']}: this is its last checkpoint, from step {job['checkpoint_step']} "
+                  f"of {job['progress']['steps_total']}", highlight=False)
 
 
 def _unpack_hf(archive: Path, folder: Path, tokenizer: Optional[Path]) -> None:
