@@ -841,7 +841,7 @@ def test_a_model_with_tied_embeddings_is_planned_as_one_node_pipelines_or_refuse
     refused at once, and one too big for any single node waits saying why, where the same model untied
     is cut into stages over the same nodes."""
     config = {"vocab_size": 8000, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4}
-    job = {"dataset": {"name": "text", "source": "books", "seq_len": 32},
+    job = {"dataset": {"name": "tokens", "source": "books", "seq_len": 32},
            "training": {"batch_size": 4}, "averaging": {"strategy": "none"}, "placement": {"clusters": 1}}
     tied = {**job, "model": {"name": "llama", "config": {**config, "tie_word_embeddings": True}}}
     r = client.post("/v1/jobs", json={**tied, "placement": {"clusters": 1, "stages_per_cluster": 2}})
