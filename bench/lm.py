@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -29,7 +30,7 @@ from safetensors.torch import save_file
 from bench.common import command_line, write_section
 from ravnest.data import load_dataset
 from ravnest.data.tokens import prepare
-from ravnest.models import build_model, profile_blocks
+from ravnest.models import ModelSpec, build_model, profile_blocks
 from ravnest.partition import NodeCapacity, partition
 from ravnest.models.hf import hf_config, hf_key, write_hf_folder
 from ravnest.pipeline import run_local_pipeline
@@ -58,8 +59,8 @@ def make_job(steps: int, vocab_size: int, clusters: int = 1, lr: float = 7e-4, i
         "averaging": {"strategy": "ring", "every": 10} if clusters > 1 else {"strategy": "none"}})
 
 
-def transformers_loop(job: JobSpec, corpus: Path) -> tuple[float, float]:
-    """(held-out loss, tokens/s) of LlamaForCausalLM trained on the pipeline's data and optimizer."""
+def transformers_model(job: JobSpec) -> tuple[Any, ModelSpec]:
+    """LlamaForCausalLM holding the job's seeded initial weights (Ravnest's, under transformers' names)."""
     import transformers
 
     spec = build_model("llama", job.model.config)
@@ -67,6 +68,12 @@ def transformers_loop(job: JobSpec, corpus: Path) -> tuple[float, float]:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(spec.config)))
     initial = spec.full_model(seed=job.training.seed).state_dict()
     model.load_state_dict({hf_key(k, layers): t for k, t in initial.items()})
+    return model, spec
+
+
+def transformers_loop(job: JobSpec, corpus: Path) -> tuple[float, float]:
+    """(held-out loss, tokens/s) of LlamaForCausalLM trained on the pipeline's data and optimizer."""
+    model, spec = transformers_model(job)
     data = load_dataset(job.dataset, {"stdlib": corpus})
     optimizer = StageOptimizer(model.parameters(), job.training)
     batches = data.shard(0, 1).batches(job.training.batch_size, seed=job.training.seed)
