@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from ravnest.averaging.registry import (AUTO, NO_AVERAGING, available_strategies, is_strategy, registered,
                                         strategy_info)
+from ravnest.errors import did_you_mean
 from ravnest.failures import Failure
 from ravnest.telemetry import MAX_FIGURES
 
@@ -27,6 +28,16 @@ BlockRange = Annotated[tuple[int, int], Field(strict=False)]
 MAX_STEPS = 100_000_000  # hard bounds on what any spec may say; the coordinator's own limits are tighter
 MAX_CONFIG_BYTES = 16 << 10
 MAX_NESTING = 4
+
+
+def _known_codec(name: str, use: str) -> str:
+    from ravnest.wire import codecs  # the wire's package imports this module's neighbours
+
+    if name not in codecs.names(use):
+        raise ValueError(f"{name[:32]!r} is not a codec for {'the pipeline' if use == 'pipeline' else use}"
+                         f"{did_you_mean(name, codecs.names(use))}; choose one of "
+                         f"{', '.join(repr(n) for n in codecs.names(use))}")
+    return name
 
 
 def _plain_json(value: Any, where: str) -> Any:
@@ -143,7 +154,9 @@ class TrainingSettings(_Strict):
         "forwards with the weights extrapolated to when the gradient is applied (SpecTrain/XPipe), 'predict2' "
         "along the change of the update too (second order); '2bw+predict', '2bw+predict2' both; 'none'; "
         "'auto' (default) is 'predict2' for K <= 2 and '2bw+predict2' above, as measured in docs/pipeline.md")
-    codec: Literal["", "fp16", "bf16"] = Field("", description="activation/gradient compression")
+    codec: str = Field("", max_length=32, description=(
+        "how activations and their gradients cross the wire: '' as computed, 'fp16', 'bf16' "
+        "(ravnest/wire/codecs, docs/links.md)"))
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "bf16, fp16: each stage computes under autocast in that type where its hardware has its arithmetic (else "
         "in float32, saying so), with float32 weights, gradients and optimizer state. bf16's stages exchange "
@@ -159,6 +172,11 @@ class TrainingSettings(_Strict):
         "and weight halves (a deferred weight gradient would need what was dropped)"))
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between evaluations; 0 = only at the end")
     seed: int = Field(0, ge=0, lt=1 << 63)
+
+    @field_validator("codec")
+    @classmethod
+    def _pipeline_codec(cls, name: str) -> str:
+        return _known_codec(name, "pipeline")
 
 
 class AveragingSettings(_Strict):
@@ -183,7 +201,9 @@ class AveragingSettings(_Strict):
     every: PositiveInt = Field(50, le=MAX_STEPS, description="local optimizer steps between averaging rounds")
     every_seconds: float | None = Field(
         None, gt=0, le=86400, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")
-    codec: Literal["", "fp16", "bf16", "int8"] = ""
+    codec: str = Field("", max_length=32, description=(
+        "how replicas' vectors cross the wire: '' raw, 'fp16', 'bf16', 'int8', or 'topk' (1.56% of the values "
+        "with error feedback, all-gathered; diloco only; ravnest/wire/codecs, docs/links.md)"))
     backend: Literal["grpc", "torch"] = Field(
         "grpc", description="'grpc': collectives over the authenticated peer wire (the default, and the only "
                             "choice across the internet); 'torch': over torch.distributed's gloo, for trusted "
@@ -211,6 +231,11 @@ class AveragingSettings(_Strict):
             given = rest.get(name, {})
             rest[name] = {**options, **given} if isinstance(given, dict) else given
         return rest
+
+    @field_validator("codec")
+    @classmethod
+    def _averaging_codec(cls, name: str) -> str:
+        return _known_codec(name, "averaging")
 
     @field_validator("strategy")
     @classmethod

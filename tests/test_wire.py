@@ -154,14 +154,29 @@ def test_encode_refuses_bad_input() -> None:
 
 # --- header validation ---------------------------------------------------------------------------
 
+def topk(**fields) -> dict:
+    """A valid top-k header's fields (one chunk of 4096 kept 64) but for `fields`."""
+    return {**dict(dtype="uint8", nbytes=144, codec="topk", decoded_dtype="float32", params=[4096, 64]), **fields}
+
+
 @pytest.mark.parametrize("fields, code, words", [
     (dict(dtype="complex64"), "INVALID_ARGUMENT", "unknown dtype"),
     (dict(dtype="object"), "INVALID_ARGUMENT", "unknown dtype"),
     (dict(codec="zip"), "INVALID_ARGUMENT", "unknown codec"),
     (dict(codec="fp16"), "INVALID_ARGUMENT", "needs wire dtype float16"),
     (dict(dtype="int8", nbytes=6, codec="int8", decoded_dtype="int32"), "INVALID_ARGUMENT", "float dtype"),
-    (dict(dtype="int8", nbytes=6, codec="int8", decoded_dtype="float32", scale=float("nan")),
+    (dict(dtype="int8", nbytes=6, codec="int8", decoded_dtype="float32", params=[float("nan")]),
      "INVALID_ARGUMENT", "not finite"),
+    (dict(dtype="int8", nbytes=6, codec="int8", decoded_dtype="float32"), "INVALID_ARGUMENT", "takes 1 parameters"),
+    (dict(params=[1.0]), "INVALID_ARGUMENT", "takes 0 parameters"),
+    # top-k: its payload's size follows from the shape and its two parameters, checked before allocating
+    (topk(params=[4096, 48]), "INVALID_ARGUMENT", "multiple of 32"),
+    (topk(params=[4096, float("nan")]), "INVALID_ARGUMENT", "multiple of 32"),
+    (topk(params=[1e9, 64]), "INVALID_ARGUMENT", "whole number"),
+    (topk(nbytes=145), "INVALID_ARGUMENT", "as topk needs 144"),
+    (topk(dtype="float32"), "INVALID_ARGUMENT", "needs wire dtype uint8"),
+    # 4 GiB once decoded, 36 MiB on the wire
+    (topk(shape=[1 << 30], nbytes=(1 << 18) * 144), "RESOURCE_EXHAUSTED", "exceeds the limit"),
     (dict(decoded_dtype="float16"), "INVALID_ARGUMENT", "without a codec"),
     (dict(decoded_dtype="pickle"), "INVALID_ARGUMENT", "unknown decoded dtype"),
     (dict(shape=[2, -3]), "INVALID_ARGUMENT", "negative dimension"),
@@ -174,7 +189,7 @@ def test_encode_refuses_bad_input() -> None:
     (dict(shape=[0, 2**62, 2**62], nbytes=0), "RESOURCE_EXHAUSTED", "exceeds the limit"),
     (dict(shape=[2**32, 2**32], nbytes=0), "RESOURCE_EXHAUSTED", "exceeds the limit"),  # product overflows int64
     # int8 on the wire, float64 in memory: what we allocate counts.
-    (dict(dtype="int8", shape=[256, 1024], nbytes=256 << 10, codec="int8", decoded_dtype="float64", scale=1.0),
+    (dict(dtype="int8", shape=[256, 1024], nbytes=256 << 10, codec="int8", decoded_dtype="float64", params=[1.0]),
      "RESOURCE_EXHAUSTED", "exceeds the limit"),
     (dict(name="n" * 1000), "INVALID_ARGUMENT", "name longer"),
 ])

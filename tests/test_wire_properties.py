@@ -64,10 +64,12 @@ frames = st.one_of(
     st.binary(max_size=256).map(chunk_frame),  # a data chunk, in or out of place
     st.builds(lambda kind, n, note: peer_pb2.Frame(message=peer_pb2.MessageHeader(
         kind=kind, num_tensors=n, note=note)).SerializeToString(), names, st.integers(-3, 6), st.text(max_size=80)),
-    st.builds(lambda name, dtype, shape, nbytes: peer_pb2.Frame(tensor=peer_pb2.TensorHeader(
-        name=name, dtype=dtype, shape=shape, nbytes=nbytes)).SerializeToString(),
+    st.builds(lambda name, dtype, shape, nbytes, codec, params: peer_pb2.Frame(tensor=peer_pb2.TensorHeader(
+        name=name, dtype=dtype, shape=shape, nbytes=nbytes, codec=codec, decoded_dtype="float32" if codec else "",
+        params=params)).SerializeToString(),
         names, st.sampled_from([*DTYPES, "complex64", ""]), st.lists(st.integers(-2, 2**40), max_size=4),
-        st.integers(-1, 2**40)),
+        st.integers(-1, 2**40), st.sampled_from(["", "fp16", "int8", "topk", "zip"]),
+        st.lists(st.floats(width=32) | st.sampled_from([64.0, 32.0, 4096.0]), max_size=3)),
 )
 
 

@@ -30,8 +30,9 @@ from ravnest.averaging.mailbox import Mailbox
 from ravnest.averaging.shares import share_bounds
 from ravnest.errors import RavnestError
 from ravnest.timeouts import FAILED_FLUSH_S
-from ravnest.wire import (CODECS, ChannelPool, Message, OutboundStream, PeerError, Router, WireError, require_finite,
+from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, Router, WireError, require_finite,
                           wait_authorized)
+from ravnest.wire import codecs
 from ravnest.wire.transport import AUTH_GRACE_S
 
 KIND = "ring"
@@ -225,8 +226,7 @@ class RingMember:
         order = list(range(len(addresses))) if order is None else list(order)
         if sorted(order) != list(range(len(addresses))):
             raise ValueError(f"ring order {order} is not an order of the {len(addresses)} members")
-        if codec not in CODECS:
-            raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
+        codecs.codec(codec)  # ValueError naming the known ones
         if chunk_bytes < 4:
             raise ValueError("chunk_bytes must hold at least one fp32 element")
         self.rank, self.addresses, self.size = rank, list(addresses), len(addresses)
@@ -337,6 +337,8 @@ class RingMember:
         """Run ring steps `steps` on `buf` (see the module docstring): at step L send share (r - L)
         and receive share (r - 1 - L); reduce below n - 1, copy from there on."""
         codec = self.codec if codec is None else codec
+        if not codecs.codec(codec).reduces and steps.start < self.size - 1:
+            raise ValueError(f"codec {codec!r} cannot be summed hop by hop in a ring; its replicas all-gather")
         n, r = self.size, self.position
         if n == 1:
             return buf

@@ -1,8 +1,9 @@
-"""Tensors on the wire: dtype + shape + raw bytes, with optional lossy codecs.
+"""Tensors on the wire: dtype + shape + the payload a codec made of them (ravnest/wire/codecs).
 
-A tensor is described by a `TensorHeader` and followed by exactly `nbytes` raw bytes. Receivers call
-`validate_header` before allocating anything, so a hostile or broken peer cannot make us allocate
-more than the configured limits, nor build a tensor whose bytes do not match its shape.
+A tensor is described by a `TensorHeader` and followed by exactly `nbytes` payload bytes: the codec
+says how many a tensor of that shape takes. Receivers call `validate_header` before allocating
+anything, so a hostile or broken peer cannot make us allocate more than the configured limits, nor
+build a tensor whose bytes do not match its shape.
 """
 from __future__ import annotations
 
@@ -12,39 +13,17 @@ import warnings
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 import torch
 
-from ravnest.errors import RavnestError
 from ravnest.v1 import peer_pb2
+from ravnest.wire import codecs
+from ravnest.wire.codecs import CodecState
+from ravnest.wire.dtypes import DTYPE_NAMES, DTYPES, ITEMSIZES, WireError
 
-# Every dtype we are willing to put on the wire, by its wire name. Nothing else is accepted.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-ITEMSIZES = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
-CODECS = ("", "fp16", "bf16", "int8")
-_CODEC_WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
+__all__ = ["DTYPES", "DTYPE_NAMES", "ITEMSIZES", "WireError", "WireLimits", "ByteBudget", "CodecState", "encode",
+           "decode", "validate_header", "allocate", "wrap", "restore", "byte_view", "require_finite"]
 # `wrap` views received bytes on purpose (read-only by contract); torch would warn about it once.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-
-class WireError(RavnestError):
-    """A malformed or oversized message. Carries the gRPC status the receiver answers with."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
-        super().__init__(message)
-        self.code = code
 
 
 def require_finite(tensor: torch.Tensor, what: str) -> None:
@@ -96,10 +75,6 @@ class ByteBudget:
             self.used -= n
 
 
-def itemsize(dtype_name: str) -> int:
-    return ITEMSIZES[dtype_name]
-
-
 def decoded_dtype(h: peer_pb2.TensorHeader) -> str:
     """The dtype the receiver hands out: `decoded_dtype`, or the wire dtype when it is empty."""
     return h.decoded_dtype or h.dtype
@@ -112,21 +87,23 @@ def validate_header(h: peer_pb2.TensorHeader, limits: WireLimits) -> None:
     where = f"tensor {h.name!r}"
     if h.dtype not in DTYPES:
         raise WireError(f"{where}: unknown dtype {h.dtype[:40]!r}")
-    if h.codec not in CODECS:
+    if not codecs.known(h.codec):
         raise WireError(f"{where}: unknown codec {h.codec[:40]!r}")
     if h.decoded_dtype and h.decoded_dtype not in DTYPES:
         raise WireError(f"{where}: unknown decoded dtype {h.decoded_dtype[:40]!r}")
+    codec = codecs.codec(h.codec)
     if h.codec:
-        if h.dtype != _CODEC_WIRE_DTYPE[h.codec]:
-            raise WireError(f"{where}: codec {h.codec} needs wire dtype "
-                            f"{_CODEC_WIRE_DTYPE[h.codec]}, got {h.dtype}")
+        if h.dtype != codec.wire_dtype:
+            raise WireError(f"{where}: codec {h.codec} needs wire dtype {codec.wire_dtype}, got {h.dtype}")
         if not DTYPES[decoded_dtype(h)].is_floating_point:
             raise WireError(f"{where}: codec {h.codec} decodes only to a float dtype, "
                             f"not {decoded_dtype(h)}")
-        if h.codec == "int8" and not math.isfinite(h.scale):
-            raise WireError(f"{where}: int8 scale {h.scale} is not finite")
     elif h.decoded_dtype not in ("", h.dtype):
         raise WireError(f"{where}: decoded dtype {h.decoded_dtype} without a codec")
+    if len(h.params) != codec.params:
+        raise WireError(f"{where}: codec {h.codec or 'raw'} takes {codec.params} parameters, got {len(h.params)}")
+    if codec.params and (problem := codec.check(list(h.params))):
+        raise WireError(f"{where}: {problem}")
     if len(h.shape) > limits.max_dims:
         raise WireError(f"{where}: {len(h.shape)} dims exceed the limit of {limits.max_dims}")
     if any(d < 0 for d in h.shape):
@@ -136,10 +113,14 @@ def validate_header(h: peer_pb2.TensorHeader, limits: WireLimits) -> None:
     if math.prod(max(d, 1) for d in h.shape) * largest > limits.max_tensor_bytes:
         raise WireError(f"{where}: shape {list(h.shape)} of {decoded_dtype(h)} exceeds the limit of "
                         f"{limits.max_tensor_bytes} bytes", grpc.StatusCode.RESOURCE_EXHAUSTED)
-    expected = math.prod(h.shape) * ITEMSIZES[h.dtype]
+    expected = codec.payload_numel(math.prod(h.shape), list(h.params)) * ITEMSIZES[h.dtype]
     if h.nbytes != expected:
-        raise WireError(f"{where}: declares {h.nbytes} bytes but {h.dtype}{list(h.shape)} "
+        coded = f" as {h.codec}" if h.codec else ""
+        raise WireError(f"{where}: declares {h.nbytes} bytes but {decoded_dtype(h)}{list(h.shape)}{coded} "
                         f"needs {expected}")
+    if expected > limits.max_tensor_bytes:
+        raise WireError(f"{where}: {expected} bytes on the wire exceed the limit of {limits.max_tensor_bytes}",
+                        grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def decoded_nbytes(h: peer_pb2.TensorHeader) -> int:
@@ -147,45 +128,30 @@ def decoded_nbytes(h: peer_pb2.TensorHeader) -> int:
     return math.prod(h.shape) * ITEMSIZES[decoded_dtype(h)]
 
 
-def encode(name: str, tensor: torch.Tensor, codec: str = "") -> tuple[peer_pb2.TensorHeader, memoryview]:
-    """Return the header and a memoryview over the bytes to send (CPU, contiguous).
+def encode(name: str, tensor: torch.Tensor, codec: str = "", state: CodecState | None = None,
+           ) -> tuple[peer_pb2.TensorHeader, memoryview]:
+    """Return the header and a memoryview over the bytes to send (CPU, contiguous). `state` is the
+    link's (one direction's) for a codec that keeps some, by tensor name.
 
     The view may alias `tensor` itself when no conversion was needed.
     """
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
+    chosen = codecs.codec(codec)
     t = tensor.detach()
     if t.dtype not in DTYPE_NAMES:
         raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot go on the wire")
     decoded = DTYPE_NAMES[t.dtype]
-    scale = 0.0
-    if codec and t.is_floating_point():
-        if codec == "fp16":
-            t = t.to(torch.float16)
-        elif codec == "bf16":
-            t = t.to(torch.bfloat16)
-        else:
-            t, scale = _quantize_int8(name, t)
-    else:
-        codec = ""  # lossy codecs only apply to floats; integers travel raw
-    t = t.to("cpu").contiguous()
+    if not t.is_floating_point():
+        chosen, codec = codecs.codec(""), ""  # lossy codecs only apply to floats; integers travel raw
+    try:
+        payload, params = chosen.encode(t, state, name)
+    except ValueError as exc:
+        raise ValueError(f"tensor {name!r}: {exc}") from None
+    payload = payload.to("cpu").contiguous()
     header = peer_pb2.TensorHeader(
-        name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), nbytes=t.numel() * t.element_size(),
-        codec=codec, decoded_dtype=decoded if codec else "", scale=scale)
-    return header, byte_view(t)
-
-
-def _quantize_int8(name: str, t: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Symmetric per-tensor int8: value ≈ q * scale, |error| <= scale / 2. Receivers accumulate in fp32."""
-    amax = float(t.abs().max()) if t.numel() else 0.0
-    if not math.isfinite(amax):
-        raise ValueError(f"tensor {name!r}: int8 codec needs finite values")
-    # The header carries the scale as float32; quantize with exactly that value.
-    scale = float(np.float32(amax / 127.0)) if amax > 0 else 1.0
-    if not 0 < scale < math.inf:
-        raise ValueError(f"tensor {name!r}: magnitude {amax} does not fit an int8 scale")
-    q = torch.round(t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) / scale)
-    return q.clamp_(-127, 127).to(torch.int8), scale
+        name=name, dtype=DTYPE_NAMES[payload.dtype], shape=list(t.shape),
+        nbytes=payload.numel() * payload.element_size(), codec=codec, decoded_dtype=decoded if codec else "",
+        params=params)
+    return header, byte_view(payload)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -197,36 +163,31 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 def allocate(h: peer_pb2.TensorHeader) -> torch.Tensor:
-    """Uninitialised wire-dtype tensor for a validated header; fill it through `byte_view`."""
-    return torch.empty(tuple(h.shape), dtype=DTYPES[h.dtype])
+    """Uninitialised flat payload for a validated header; fill it through `byte_view`."""
+    return torch.empty(h.nbytes // ITEMSIZES[h.dtype], dtype=DTYPES[h.dtype])
 
 
 def wrap(h: peer_pb2.TensorHeader, buffer: bytes | memoryview) -> torch.Tensor | None:
-    """A tensor sharing memory with exactly `h.nbytes` bytes of a validated header, without copying,
-    or None when the bytes are not aligned for its dtype. It must be treated as read-only."""
+    """A flat payload sharing memory with exactly `h.nbytes` bytes of a validated header, without
+    copying, or None when the bytes are not aligned for its dtype. It must be treated as read-only."""
     if len(buffer) != h.nbytes or not h.nbytes:
         return None
     raw = torch.frombuffer(buffer, dtype=torch.uint8)
     if raw.data_ptr() % ITEMSIZES[h.dtype]:
         return None
-    return raw.view(DTYPES[h.dtype]).view(tuple(h.shape))
+    return raw.view(DTYPES[h.dtype])
 
 
-def restore(h: peer_pb2.TensorHeader, wire: torch.Tensor) -> torch.Tensor:
-    """Undo the header's codec on a tensor that holds the wire bytes."""
-    if h.codec == "int8":  # scale in fp32 (fp64 for fp64), then round once to the decoded dtype
-        target = DTYPES[decoded_dtype(h)]
-        return (wire.to(torch.float64 if target == torch.float64 else torch.float32) * h.scale).to(target)
-    if h.codec:
-        return wire.to(DTYPES[decoded_dtype(h)])
-    return wire
+def restore(h: peer_pb2.TensorHeader, payload: torch.Tensor) -> torch.Tensor:
+    """The tensor a validated header describes, from its flat payload (the codec decodes it)."""
+    return codecs.codec(h.codec).decode(payload, list(h.shape), DTYPES[decoded_dtype(h)], list(h.params))
 
 
 def decode(h: peer_pb2.TensorHeader, buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     """Build the tensor from a validated header and exactly `h.nbytes` bytes (copied)."""
     if len(buffer) != h.nbytes:
         raise WireError(f"tensor {h.name!r}: got {len(buffer)} bytes, header declares {h.nbytes}")
-    wire = allocate(h)
+    payload = allocate(h)
     if h.nbytes:
-        byte_view(wire)[:] = buffer
-    return restore(h, wire)
+        byte_view(payload)[:] = buffer
+    return restore(h, payload)

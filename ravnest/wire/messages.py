@@ -16,7 +16,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from ravnest.v1 import peer_pb2
-from ravnest.wire.codec import (ByteBudget, WireError, WireLimits, allocate, decoded_nbytes, encode,
+from ravnest.wire.codec import (ByteBudget, CodecState, WireError, WireLimits, allocate, decoded_nbytes, encode,
                                 restore, validate_header, wrap)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -86,8 +86,10 @@ def parse_frame(data: bytes | bytearray | memoryview) -> peer_pb2.Frame | memory
         raise WireError(f"malformed frame of {len(data)} bytes") from None
 
 
-def prepare_message(msg: Message, codec: str = "") -> list[tuple[bytes, memoryview | None]]:
-    """Encode a message up to its chunks: [(serialized header frame, bytes of its tensor or None)].
+def prepare_message(msg: Message, codec: str = "", state: CodecState | None = None,
+                    ) -> list[tuple[bytes, memoryview | None]]:
+    """Encode a message up to its chunks: [(serialized header frame, bytes of its tensor or None)];
+    `state` is the link's for a codec that keeps some (error feedback).
 
     Bad input (unknown codec, unsupported dtype, out-of-range tag) raises ValueError/TypeError here.
     A raw-codec view aliases the caller's tensor: chunk it before the tensor changes.
@@ -96,7 +98,7 @@ def prepare_message(msg: Message, codec: str = "") -> list[tuple[bytes, memoryvi
         kind=msg.kind, id=msg.id, tags=msg.tags, num_tensors=len(msg.tensors), note=msg.note,
     )).SerializeToString(), None)]
     for name, tensor in msg.tensors.items():
-        header, view = encode(name, tensor, codec)
+        header, view = encode(name, tensor, codec, state)
         parts.append((peer_pb2.Frame(tensor=header).SerializeToString(), view))
     return parts
 

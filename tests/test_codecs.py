@@ -1,0 +1,123 @@
+"""Every codec of ravnest/wire/codecs round-trips within its stated error, through real frames, and a
+stateful one loses nothing (what it leaves out is carried to the next tensor of the same name); every
+decoder refuses a malformed payload with a WireError, never another exception."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ravnest.spec import JobSpec
+from ravnest.v1 import peer_pb2
+from ravnest.wire import Message, WireError, WireLimits, codecs
+from ravnest.wire.codec import ByteBudget, encode
+from ravnest.wire.codecs.topk import chunk_bytes
+from ravnest.wire.messages import MessageAssembler, chunk_frame, encode_message
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LIMITS = WireLimits(max_tensor_bytes=1 << 22, max_message_bytes=1 << 23)
+
+
+@st.composite
+def floats(draw, low: float = -1e4, high: float = 1e4) -> torch.Tensor:
+    shape = draw(st.lists(st.integers(0, 70), max_size=3).filter(lambda s: math.prod(s) <= 20000))
+    seed = draw(st.integers(0, 2**31))
+    scale = draw(st.sampled_from([1e-3, 1.0, 100.0]))
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+    return t.clamp(low, high)
+
+
+def through_the_wire(t: torch.Tensor, codec: str, state: dict | None = None) -> torch.Tensor:
+    budget = ByteBudget(1 << 24)
+    frames = encode_message(Message("m", tensors={"t": t}), codec) if state is None else \
+        _stateful_frames(t, codec, state)
+    (out,) = MessageAssembler(LIMITS, budget=budget).messages(frames)
+    assert budget.used == 0
+    return out.tensors["t"]
+
+
+def _stateful_frames(t: torch.Tensor, codec: str, state: dict):
+    from ravnest.wire.messages import chunked_frames, prepare_message
+    return chunked_frames(prepare_message(Message("m", tensors={"t": t}), codec, state))
+
+
+@SETTINGS
+@given(t=floats())
+def test_element_wise_codecs_keep_their_stated_error(t: torch.Tensor) -> None:
+    assert torch.equal(through_the_wire(t, ""), t)
+    for codec, relative in (("fp16", 2**-11), ("bf16", 2**-8)):
+        out = through_the_wire(t, codec)
+        assert out.dtype == t.dtype and out.shape == t.shape
+        assert torch.all((out - t).abs() <= relative * t.abs() + 2**-24 * (codec == "fp16") + 1e-38)
+    out = through_the_wire(t, "int8")
+    step = float(t.abs().max()) / 127 if t.numel() else 0.0
+    assert out.shape == t.shape and torch.all((out - t).abs() <= step / 2 * (1 + 1e-6) + 1e-30)
+
+
+@SETTINGS
+@given(t=floats())
+def test_topk_loses_nothing_it_only_delays(t: torch.Tensor) -> None:
+    state: dict[str, torch.Tensor] = {}
+    sent = through_the_wire(t, "topk", state)
+    assert sent.shape == t.shape and sent.dtype == t.dtype
+    # what arrived plus what the sender kept back is what it had
+    residual = state["t"].view(t.shape) if t.numel() else torch.zeros(t.shape)
+    assert torch.allclose(sent + residual, t, rtol=1e-6, atol=1e-6 * float(t.abs().max() if t.numel() else 0))
+    flat = sent.reshape(-1)
+    for start in range(0, flat.numel(), 4096):  # at most k values per chunk
+        assert int(flat[start:start + 4096].ne(0).sum()) <= 64
+    # sent again and again, the same tensor arrives in full on average: the residual stays bounded
+    total = sent.clone()
+    for _ in range(7):
+        total += through_the_wire(t, "topk", state)
+    assert torch.allclose(total / 8, t, atol=float(state["t"].abs().max()) / 8 + 1e-6) if t.numel() else True
+
+
+def test_topk_sends_at_least_100_times_fewer_bytes_than_float32() -> None:
+    t = torch.randn(1 << 20)
+    header, view = encode("t", t, "topk")
+    assert len(view) == header.nbytes == 256 * chunk_bytes(64)
+    assert t.numel() * 4 / len(view) >= 100
+    assert codecs.codec("topk").wire_bytes(t.numel()) == len(view)
+
+
+@pytest.mark.parametrize("name", codecs.names())
+def test_each_codec_says_the_bytes_it_sends(name: str) -> None:
+    t = torch.randn(3, 1000)
+    header, view = encode("t", t, name)
+    assert codecs.codec(name).wire_bytes(t.numel()) == len(view) == header.nbytes
+
+
+def test_a_job_names_only_codecs_that_fit_its_use() -> None:
+    with pytest.raises(ValueError, match="not a codec for the pipeline.*'bf16'"):
+        JobSpec.model_validate({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
+                                "training": {"codec": "topk"}})
+    with pytest.raises(ValueError, match=r"did you mean 'topk'"):
+        JobSpec.model_validate({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
+                                "averaging": {"codec": "topl"}})
+
+
+# hostile payloads behind headers that pass validation: a WireError, or a tensor of the declared shape
+topk_frames = st.builds(
+    lambda numel, payload: [peer_pb2.Frame(message=peer_pb2.MessageHeader(kind="m", num_tensors=1)).SerializeToString(),
+                            peer_pb2.Frame(tensor=peer_pb2.TensorHeader(
+                                name="t", dtype="uint8", shape=[numel], nbytes=chunk_bytes(32) * math.ceil(numel / 64),
+                                codec="topk", decoded_dtype="float32", params=[64, 32])).SerializeToString(),
+                            *[chunk_frame(payload[:chunk_bytes(32) * math.ceil(numel / 64)])]],
+    st.integers(1, 300), st.binary(min_size=chunk_bytes(32) * 5, max_size=chunk_bytes(32) * 5))
+
+
+@SETTINGS
+@given(frames=topk_frames)
+def test_any_topk_payload_gives_a_wire_error_or_the_declared_tensor(frames: list[bytes]) -> None:
+    try:
+        (out,) = MessageAssembler(LIMITS).messages(iter(frames))
+    except WireError as e:
+        assert str(e) and e.code is not None
+        return
+    t = out.tensors["t"]
+    assert t.dtype == torch.float32 and t.numel() == peer_pb2.Frame.FromString(frames[1]).tensor.shape[0]
+    assert bool(torch.isfinite(t).all())  # its magnitudes were checked finite
