@@ -14,6 +14,7 @@ from ravnest.averaging.registry import (AUTO, NO_AVERAGING, available_strategies
                                         strategy_info)
 from ravnest.errors import did_you_mean
 from ravnest.failures import Failure
+from ravnest.wire import codecs
 from ravnest.telemetry import MAX_FIGURES
 
 
@@ -31,8 +32,6 @@ MAX_NESTING = 4
 
 
 def _known_codec(name: str, use: str) -> str:
-    from ravnest.wire import codecs  # the wire's package imports this module's neighbours
-
     if name not in codecs.names(use):
         raise ValueError(f"{name[:32]!r} is not a codec for {'the pipeline' if use == 'pipeline' else use}"
                          f"{did_you_mean(name, codecs.names(use))}; choose one of "
@@ -266,6 +265,10 @@ class AveragingSettings(_Strict):
                 problems = "; ".join(("".join(f"{part}: " for part in e["loc"][:1]) + e["msg"])
                                      .replace("Value error, ", "") for e in exc.errors())
                 raise ValueError(f"averaging.{name}: {problems}") from None
+        if self.codec and not codecs.codec(self.codec).reduces and not strategy_info(self.strategy).averages_changes:
+            raise ValueError(f"codec {self.codec!r} keeps a few of a vector's values and delays the rest, which "
+                             f"suits changes, not weights: use it with a strategy that averages changes: "
+                             f"{', '.join(i.name for i in registered() if i.averages_changes)}")
         if self.every_seconds is not None and not strategy_info(self.strategy).by_seconds:
             raise ValueError(f"'{self.strategy}' averages by steps; `every_seconds` is for strategies that "
                              f"average by the clock: {', '.join(i.name for i in registered() if i.by_seconds)}")

@@ -95,6 +95,11 @@ def test_a_job_names_only_codecs_that_fit_its_use() -> None:
     with pytest.raises(ValueError, match="not a codec for the pipeline.*'bf16'"):
         JobSpec.model_validate({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
                                 "training": {"codec": "topk"}})
+    with pytest.raises(ValueError, match="suits changes, not weights.*diloco"):
+        JobSpec.model_validate({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
+                                "averaging": {"strategy": "ring", "codec": "topk"}})
+    JobSpec.model_validate({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
+                            "averaging": {"strategy": "diloco", "codec": "topk"}})
     with pytest.raises(ValueError, match=r"did you mean 'topk'"):
         JobSpec.model_validate({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
                                 "averaging": {"codec": "topl"}})

@@ -195,7 +195,8 @@ def test_diloco_outer_step_is_sgd_with_nesterov_momentum_on_the_pseudo_gradient(
 @pytest.mark.parametrize("averaging,cluster_ranges", [
     ({"strategy": "diloco", "every": 10, "codec": "int8"}, [[(0, 4)]] * 4),
     ({"strategy": "diloco", "every": 10, "codec": "fp16", "streaming": True}, CLUSTER_RANGES),
-], ids=["4-replicas-int8", "3-cuts-fp16-streaming"])
+    ({"strategy": "diloco", "every": 10, "codec": "topk"}, [[(0, 4)]] * 4),
+], ids=["4-replicas-int8", "3-cuts-fp16-streaming", "4-replicas-topk"])
 def test_diloco_trains_with_an_outer_optimizer_and_ends_identical(reference, averaging, cluster_ranges) -> None:
     """H = 10 local Adam steps, then the int8 (fp16) mean pseudo-gradient and one Nesterov outer
     step: the replicas learn as well as the single process and end with the same weights."""

@@ -12,6 +12,8 @@ A strategy module declares everything about its strategy where it registers it:
 - `by_seconds`: it may average every `averaging.every_seconds` instead of every `every` steps;
 - `waits_for_peers`: replicas wait for each other at its rounds, so the slowest sets everyone's pace
   (False for asynchronous strategies: the planner then adds the replicas' rates);
+- `averages_changes`: what it averages are changes that error feedback may delay (diloco's pseudo-
+  gradient), not weights, so a sparsifying codec (`topk`) may carry them;
 - `cost`: its runtime-model figure, seconds per optimizer step (`runtime.py`); None: the model has none,
   the planner takes it as free and `auto` never picks it;
 - `flat_keys`: the flat names its options had in job specs before they were nested, still read.
@@ -71,6 +73,7 @@ class StrategyInfo:
     waits_for_peers: bool = True
     cost: Callable[[CostInputs], float] | None = None
     flat_keys: dict[str, str] = field(default_factory=dict)
+    averages_changes: bool = False
 
 
 def _adapt(name: str, loaded: Any) -> StrategyInfo | None:
@@ -90,7 +93,7 @@ _RESERVED = {NO_AVERAGING: StrategyInfo(NO_AVERAGING, lambda context: None, wait
 def register_strategy(name: str, *, settings: type[StrategySettings] = StrategySettings, gossip: bool = False,
                       by_seconds: bool = False, waits_for_peers: bool = True,
                       cost: Callable[[CostInputs], float] | None = None,
-                      flat_keys: dict[str, str] | None = None) -> Callable:
+                      flat_keys: dict[str, str] | None = None, averages_changes: bool = False) -> Callable:
     """Decorator registering `factory(context) -> AveragingStrategy` (a class will do) under `name`,
     with what the strategy declares about itself (the module docstring)."""
     if name in _RESERVED:
@@ -98,7 +101,7 @@ def register_strategy(name: str, *, settings: type[StrategySettings] = StrategyS
 
     def decorate(factory: Callable) -> Callable:
         _REGISTRY.register(name, StrategyInfo(name, factory, settings, gossip, by_seconds, waits_for_peers, cost,
-                                              dict(flat_keys or {})))
+                                              dict(flat_keys or {}), averages_changes))
         return factory
     return decorate
 

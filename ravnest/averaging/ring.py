@@ -33,6 +33,7 @@ from ravnest.timeouts import FAILED_FLUSH_S
 from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, Router, WireError, require_finite,
                           wait_authorized)
 from ravnest.wire import codecs
+from ravnest.wire.codec import decode, encode
 from ravnest.wire.transport import AUTH_GRACE_S
 
 KIND = "ring"
@@ -241,6 +242,7 @@ class RingMember:
         self._next = self.addresses[order[(self.position + 1) % self.size]]
         self._prev = order[(self.position - 1) % self.size]
         self._closed = threading.Event()
+        self._residual: torch.Tensor | None = None  # what a top-k round left out of this member's vector
 
     def allreduce(self, flat: torch.Tensor, round: int, *, codec: str | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
@@ -251,8 +253,32 @@ class RingMember:
         `round` tags the messages: every member must call with the same round number, each round
         once, in increasing order. `codec` overrides the member's codec for this round. Raises
         RingTimeout/RingError/PeerError naming the peer and the step."""
+        if not codecs.codec(self.codec if codec is None else codec).reduces:
+            return self._gathered_mean(flat, round, self.codec if codec is None else codec, out)
         # one pass over all 2n - 2 steps: a share completed by the reduce-scatter is sent on at once
         return self._steps(_work_buffer(flat, out), round, range(2 * self.size - 2), codec, ends_round=True)
+
+    def _gathered_mean(self, flat: torch.Tensor, round: int, codec: str, out: torch.Tensor | None) -> torch.Tensor:
+        """The mean of a codec whose values cannot be summed hop by hop (top-k): every member sends its
+        encoded vector to every other and averages what arrived with what the others got from it, so
+        all compute the same mean. Error feedback is this member's: what its vector left out this round
+        is added to its next (the link state of a broadcast, one direction, every peer alike)."""
+        fed = flat.detach().reshape(-1).float()
+        if self._residual is not None and self._residual.shape == fed.shape:
+            fed = fed + self._residual
+        own = torch.empty_like(fed)
+        for a, b in self._chunk_bounds(0, fed.numel()):  # the pieces the wire encodes, one by one
+            header, view = encode(TENSOR, fed[a:b], codec)
+            own[a:b] = decode(header, view)
+        self._residual = fed - own
+        others = [r for r in range(self.size) if r != self.rank]
+        received = self.exchange(fed, round, others, others, codec=codec)
+        received[self.rank] = own
+        total = sum(self.weights)
+        mean = torch.zeros_like(own) if out is None else out.zero_()
+        for rank in range(self.size):  # in one order everywhere: the same sum to the last bit
+            mean.add_(received[rank], alpha=self.weights[rank] / total)
+        return mean
 
     def reduce_scatter(self, flat: torch.Tensor, round: int, *, codec: str | None = None,
                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, int]]:

@@ -26,7 +26,7 @@ from ravnest.errors import RavnestError
 from ravnest.timeouts import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from ravnest.v1 import peer_pb2, peer_pb2_grpc
 from ravnest.wire import faults, traffic
-from ravnest.wire.codec import ByteBudget, CodecState, WireError, WireLimits
+from ravnest.wire.codec import ByteBudget, WireError, WireLimits
 from ravnest.wire.gate import PeerGate, Refusal
 from ravnest.wire.messages import (DEFAULT_CHUNK_BYTES, Message, MessageAssembler, chunked_frames,
                                    prepare_message)
@@ -392,7 +392,6 @@ class OutboundStream:
         keep_freed_buffers()
         self.address = address
         self.codec = codec
-        self.codec_state: CodecState = {}  # this link's, this direction's (a codec's error feedback)
         self.chunk_bytes = chunk_bytes
         self._queue: queue.Queue = queue.Queue(max_pending)
         self._closed = False
@@ -473,7 +472,7 @@ class OutboundStream:
         if injected is not None and injected.before_send(self.address):
             self.cancel()
             raise PeerError(f"peer {self.address}: stream severed by fault injection")  # by this side
-        parts = prepare_message(msg, self.codec if codec is None else codec, self.codec_state)
+        parts = prepare_message(msg, self.codec if codec is None else codec)
         frames: Iterable[bytes] = chunked_frames(parts, self.chunk_bytes)
         if copy:
             frames = list(frames)

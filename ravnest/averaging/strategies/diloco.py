@@ -5,7 +5,8 @@ and take one step of an outer optimizer with it.
 Every member of a group starts round r from the same weights theta_r. After H local steps it holds
 theta_local; the pseudo-gradient is delta = theta_r - theta_local, its mean over the group is
 all-reduced (small values: `averaging.codec` int8 or fp16 loses little on them, where it would on the
-weights), and the outer optimizer, SGD with Nesterov momentum by default, steps from theta_r:
+weights; `topk` sends 1.56% of them, with error feedback, and the replicas all-gather), and the outer
+optimizer, SGD with Nesterov momentum by default, steps from theta_r:
 
     m <- mu m + mean(delta)          theta_{r+1} = theta_r - lr (mean(delta) + mu m)
 
@@ -21,6 +22,8 @@ as the other strategies do, so the final model is one model.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ravnest.timeouts import PEER_SILENCE_S
@@ -31,6 +34,7 @@ from pydantic import Field
 from ravnest.averaging.registry import CostInputs, StrategySettings
 from ravnest.averaging.runtime import ring_round_s
 from ravnest.averaging.strategy import StageContext, register_strategy
+from ravnest.wire import codecs
 
 
 def outer_step(start: torch.Tensor, mean_delta: torch.Tensor, momentum: torch.Tensor, lr: float,
@@ -54,7 +58,7 @@ def diloco_cost(c: CostInputs) -> float:
     return ring_round_s(c, max(1, c.every // 2) if c.spare_core and c.settings.streaming else 0)
 
 
-@register_strategy("diloco", settings=DilocoSettings, cost=diloco_cost,
+@register_strategy("diloco", settings=DilocoSettings, cost=diloco_cost, averages_changes=True,
                    flat_keys={"outer_lr": "outer_lr", "outer_momentum": "outer_momentum", "streaming": "streaming"})
 class OuterOptimization(RingAveraging):
     name = "diloco"
@@ -70,6 +74,11 @@ class OuterOptimization(RingAveraging):
         self._round_start: dict[int, torch.Tensor] = {}
         self._momentum: dict[int, torch.Tensor] = {}
         self._delta: dict[int, torch.Tensor] = {}
+        # a sparsifying codec delays what it leaves out; running statistics (BatchNorm's buffers) are
+        # not changes to delay (a variance pushed part way goes negative), so they stay each
+        # replica's own until `finish` averages them exactly
+        self._buffers: dict[int, torch.Tensor] = {}
+        sparse = not codecs.codec(context.assignment.averaging.codec).reduces
         for segment in self._segments:
             segment.layout = FlatLayout(self.live, canonical_keys(self.live, segment.blocks))
             segment.snapshot, segment.average = torch.empty(segment.layout.numel), torch.empty(segment.layout.numel)
@@ -77,15 +86,21 @@ class OuterOptimization(RingAveraging):
             self._round_start[key] = segment.layout.flatten(self.live)
             self._momentum[key] = torch.zeros(segment.layout.numel)
             self._delta[key] = torch.empty(segment.layout.numel)
+            if sparse:
+                self._buffers[key] = torch.cat([torch.full((math.prod(shape),), not self.live[k].requires_grad)
+                                                for k, shape in zip(segment.layout.keys, segment.layout.shapes)])
 
     def _round_input(self, segment: _Segment) -> torch.Tensor:
         """The pseudo-gradient theta_r - theta_local."""
         key = segment.member.segment
-        return torch.sub(self._round_start[key], segment.snapshot, out=self._delta[key])
+        delta = torch.sub(self._round_start[key], segment.snapshot, out=self._delta[key])
+        return delta.masked_fill_(self._buffers[key], 0.0) if key in self._buffers else delta
 
     def _correction(self, segment: _Segment, outcome: _Outcome) -> torch.Tensor:
         """theta_{r+1} - theta_local(at the round's end); theta_{r+1} starts the next round."""
         key = segment.member.segment
         new = outer_step(self._round_start[key], outcome.average, self._momentum[key], self.lr, self.mu)
+        if key in self._buffers:  # kept as they are
+            new = torch.where(self._buffers[key], outcome.snapshot, new)
         self._round_start[key].copy_(new)
         return new.sub_(outcome.snapshot)
