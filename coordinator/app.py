@@ -45,7 +45,8 @@ def _validation_reason(error: RequestValidationError, body: type[BaseModel] | No
         hint = ""
         if item.get("type") == "extra_forbidden" and body is not None and loc and isinstance(loc[-1], str):
             hint = did_you_mean(loc[-1], field_names(body, loc[:-1]))
-        parts.append(f"{where}: {item.get('msg')}{hint}" if where else str(item.get("msg")))
+        message = str(item.get("msg")).removeprefix("Value error, ")  # pydantic's prefix to our own words
+        parts.append(f"{where}: {message}{hint}" if where else message)
     return "; ".join(parts) or "invalid request"
 
 

@@ -864,9 +864,12 @@ def test_typos_in_a_job_spec_get_a_did_you_mean(client: TestClient) -> None:
                                                             "you mean 'steps'?)"),
                         ({**job, "model": {"name": "cnnn"}}, "unknown model 'cnnn' (did you mean 'cnn'?)"),
                         ({**job, "model": {"name": "cnn", "config": {"chanels": [8]}}},
-                         "unknown config keys ['chanels'] (did you mean 'channels'?)")):
+                         "unknown config keys ['chanels'] (did you mean 'channels'?)"),
+                        ({**job, "averaging": {"codec": "topl"}},
+                         "averaging.codec: 'topl' is not a codec for averaging (did you mean 'topk'?)")):
         r = client.post("/v1/jobs", json=body)
         assert r.status_code == 422 and words in r.json()["detail"], r.text
+        assert "Value error" not in r.json()["detail"]  # pydantic's words, not ours
 
 
 def test_a_text_job_whose_vocabulary_is_larger_than_bytes_is_refused_saying_what_to_do(client: TestClient) -> None:
