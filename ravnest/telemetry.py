@@ -22,6 +22,7 @@ STAGE_FIGURES = {
     "avg_rounds": "averaging rounds applied",
     "avg_round_s": "mean seconds per averaging round",
     "avg_stall_s": "seconds the training thread waited for averaging",
+    "avg_round_bytes": "bytes a stage sent per averaging round, as its codec encoded them",
     "elapsed_s": "seconds since the stage started",
     "compute_s": "seconds spent computing per optimizer step, evaluation left out (the last 10 steps)",
     "lr": "learning rate",

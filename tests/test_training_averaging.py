@@ -206,9 +206,15 @@ def test_diloco_trains_with_an_outer_optimizer_and_ends_identical(reference, ave
     print(f"\n{averaging}: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
     assert min(accuracies) >= reference["test_accuracy"] - 0.03
     assert_identical(clusters)
+    replicas = len(cluster_ranges)
     for cluster in clusters:
         for averager, metrics in zip(cluster["averagers"], cluster["stages"]):
             assert metrics["avg_rounds"] == STEPS // 10 * len(averager._segments)  # every round applied
+            # against a float32 ring all-reduce, which sends 2 (n - 1) / n x 4 bytes per value
+            values = sum(segment.layout.numel for segment in averager._segments) / len(averager._segments)
+            fewer = 2 * (replicas - 1) / replicas * 4 * values / metrics["avg_round_bytes"]
+            expected = {"int8": 4, "fp16": 2, "topk": 113.8 * 2 / replicas}[averaging["codec"]]
+            assert expected * 0.9 <= fewer <= expected * 1.01, (averaging["codec"], fewer)
 
 
 def test_consensus_distance_from_the_all_reduced_sample() -> None:

@@ -243,6 +243,7 @@ class RingMember:
         self._prev = order[(self.position - 1) % self.size]
         self._closed = threading.Event()
         self._residual: torch.Tensor | None = None  # what a top-k round left out of this member's vector
+        self.sent_bytes = 0  # payload bytes this member has sent, as its codecs encode them
 
     def allreduce(self, flat: torch.Tensor, round: int, *, codec: str | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
@@ -415,6 +416,7 @@ class RingMember:
                 "numel": numel, "sender": self.rank}
         try:
             self.hub.send(address, Message(KIND, step, {TENSOR: part}, tags), codec, self.step_timeout)
+            self.sent_bytes += codecs.codec(codec).wire_bytes(part.numel(), part.element_size())
         except PeerError as e:
             raise PeerError(f"{self._where(round, step, chunk)}: sending to {address}: {e}", address=address) from None
 

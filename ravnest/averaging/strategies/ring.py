@@ -51,6 +51,7 @@ class RoundRecord:
     number: int
     started: float
     ended: float
+    sent_bytes: int = 0  # what this member put on the wire for it (payloads, as its codec encodes them)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _Outcome:
     average: torch.Tensor
     ended: float
     anyone_finished: bool = False  # time mode: a member had finished training when it joined
+    sent_bytes: int = 0
 
 
 @dataclass
@@ -170,6 +172,7 @@ class RingAveraging(GroupStrategy):
         figures = {"avg_rounds": float(len(self.history)), "avg_stall_s": self.stall_s}
         if self.history:
             figures["avg_round_s"] = sum(r.ended - r.started for r in self.history) / len(self.history)
+            figures["avg_round_bytes"] = sum(r.sent_bytes for r in self.history) / len(self.history)
         return figures
 
     # --- internals ------------------------------------------------------------------------------
@@ -229,7 +232,7 @@ class RingAveraging(GroupStrategy):
         assert future is not None and segment.layout is not None  # (a round ran, so there is a layout)
         outcome: _Outcome = future.result()  # re-raises the ring's error, naming peer and step
         self.history.append(RoundRecord(segment.member.segment, segment.running_round, segment.started,
-                                        outcome.ended))
+                                        outcome.ended, outcome.sent_bytes))
         if self.every_seconds is not None:
             segment.committed = None if outcome.anyone_finished else segment.running_round + 1
         delta = self._correction(segment, outcome).to(self.device)
@@ -242,10 +245,12 @@ def _average(segment: _Segment, vector: torch.Tensor, number: int, codec: str | 
     from it). Time mode (`finishing` not None) also all-reduces the finished flag, exactly (raw
     fp32), under the odd wire round next to the data's even one."""
     wire_round = number if finishing is None else 2 * number
+    sent_before = getattr(segment.member, "sent_bytes", 0)  # (gloo's members do not count)
     average = segment.member.allreduce(vector, wire_round, codec=codec, out=segment.average)
+    sent = getattr(segment.member, "sent_bytes", 0) - sent_before
     anyone_finished = False
     if finishing is not None:
         flag = torch.tensor([1.0 if finishing else 0.0])
         anyone_finished = bool(segment.member.allreduce(flag, wire_round + 1, codec="")[0] > 0)
-    return _Outcome(segment.snapshot, average, time.perf_counter(), anyone_finished)
+    return _Outcome(segment.snapshot, average, time.perf_counter(), anyone_finished, sent)
 
