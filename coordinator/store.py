@@ -59,6 +59,9 @@ class NodeRow(Base):
     address: Mapped[str] = mapped_column(String(256))
     profile: Mapped[dict[str, Any]] = mapped_column(JSON)
     token_hash: Mapped[str] = mapped_column(String(64), index=True)
+    # the hash of the secret in the node's identity file (`ravnest-node join --identity`): a node that
+    # restarts with it gets this row back, its id and history (None: a new row at every join)
+    identity_hash: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     token_expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # pushed on by every heartbeat
     credential_ended: Mapped[str | None] = mapped_column(String(16), nullable=True)  # None | "left" | "revoked"
     state: Mapped[str] = mapped_column(String(16), index=True)  # idle | busy | gone

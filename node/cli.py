@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
 import signal
 import ssl
 import sys
@@ -69,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
     join.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list (default: none)")
+    join.add_argument("--identity", type=Path, default=os.environ.get("RAVNEST_NODE_IDENTITY"), metavar="FILE",
+                      help="this node's identity file, made on first use (a secret: keep it private): joining "
+                           "again with it keeps the node's id and history (default: $RAVNEST_NODE_IDENTITY; "
+                           "none: a new node at every start)")
     join.add_argument("--max-memory", type=_size, default=None, metavar="SIZE",
                       help="most memory this node offers for training, e.g. 6GiB (default: 80%% of what is "
                            "free now); no stage that needs more is assigned here")
@@ -94,6 +99,18 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--metrics-host", default="127.0.0.1",
                       help="address the metrics server binds to (default: 127.0.0.1, this machine only)")
     return parser
+
+
+def read_identity(path: Path) -> str:
+    """The secret in a node's identity file, which is made (readable by its owner only) if missing."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+            file.write(secrets.token_hex(32) + "\n")
+    secret = path.read_text().strip()
+    if len(secret) != 64 or any(c not in "0123456789abcdef" for c in secret):
+        raise SystemExit(f"{path} is not a ravnest node identity file (64 hex digits); move it away to make a new one")
+    return secret
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
                             advertise=args.advertise, name=args.name, progress=progress,
                             max_memory=args.max_memory, datasets=offered,
+                            identity=read_identity(args.identity) if args.identity else "",
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         daemon.serve(stop)
     except (ApiError, httpx.HTTPError) as e:

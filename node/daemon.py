@@ -126,8 +126,10 @@ class NodeDaemon:
     def __init__(self, client: CoordinatorClient, *, device: torch.device, host: str = "127.0.0.1",
                  port: int = 0, advertise: str | None = None, name: str = "",
                  progress: Progress | None = None, max_memory: int | None = None,
-                 datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None):
+                 datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None,
+                 identity: str = ""):
         self.client = client
+        self.identity = identity  # the secret of its identity file: joining again keeps its id
         self.datasets = dict(datasets or {})  # name -> file this volunteer offers to jobs
         self.max_memory = max_memory
         self.device = device
@@ -154,7 +156,8 @@ class NodeDaemon:
         for name, found in sorted(fingerprints.items()):
             self.progress.log(f"offering {name}: {proof.size_of(found):,} bytes, sha256 {found.split(':')[1]}")
         profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints)
-        joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile))
+        joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile,
+                                              identity=self.identity))
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
         if joined.probe_token:

@@ -438,6 +438,9 @@ class JoinRequest(_Strict):
     address: str = Field(pattern=ADDRESS, description="host:port (or [v6]:port) where this node's gRPC server "
                                                       "listens; no other live node may hold it")
     profile: NodeProfile
+    identity: str = Field("", pattern=r"^([0-9a-f]{64})?$", description=(
+        "the secret in this node's identity file (64 hex digits): a node that joins again with it keeps its "
+        "id, row and history; empty: a new node"))
 
     @field_validator("address")
     @classmethod

@@ -877,3 +877,41 @@ def test_a_text_job_whose_vocabulary_is_larger_than_bytes_is_refused_saying_what
     r = client.post("/v1/jobs", json=job)
     assert r.status_code == 422 and "256 ids at most, but the model's vocab_size is 50257" in r.json()["detail"]
     assert "ravnest data prepare" in r.json()["detail"]
+
+
+def join_with_identity(client: TestClient, identity: str, name: str = "n"):
+    return client.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{next(_ports)}",
+                                          "profile": profile(), "identity": identity})
+
+
+def test_a_node_that_joins_again_with_its_identity_keeps_its_id_and_row(client: TestClient) -> None:
+    secret = "ab" * 32
+    first = join_with_identity(client, secret).json()
+    old = {"Authorization": f"Bearer {first['node_token']}"}
+    # it restarted faster than the heartbeat timeout: the same row, its old session over
+    again = join_with_identity(client, secret, name="renamed")
+    assert again.status_code == 201 and again.json()["node_id"] == first["node_id"]
+    assert client.post(f"/v1/nodes/{first['node_id']}/heartbeat", json={}, headers=old).status_code == 401
+    rows = client.get("/v1/nodes").json()
+    assert [(n["id"], n["name"], n["state"]) for n in rows] == [(first["node_id"], "renamed", "idle")]
+    assert join_with_identity(client, "cd" * 32).json()["node_id"] != first["node_id"]  # another machine
+    assert join_with_identity(client, "").json()["node_id"] != first["node_id"]  # none: a new node
+    refused = join_with_identity(client, "not hex")
+    assert refused.status_code == 422 and "identity" in refused.json()["detail"]
+    # the operator revoked it: its identity file cannot bring it back
+    assert client.post(f"/v1/nodes/{first['node_id']}/revoke").status_code == 204
+    again = join_with_identity(client, secret)
+    assert again.status_code == 401 and "was revoked" in again.json()["detail"]
+
+
+def test_a_node_that_restarts_while_holding_work_is_lost_to_its_job_saying_so(client: TestClient) -> None:
+    secret = "ef" * 32
+    volunteer = join_with_identity(client, secret, name="v").json()["node_id"]
+    for i in range(3):
+        join(client, f"n{i}")
+    job_id = client.post("/v1/jobs", json=digits_job()).json()["id"]
+    placed = client.get(f"/v1/jobs/{job_id}").json()
+    assert volunteer in {s["node_id"] for c in placed["plan"]["clusters"] for s in c["stages"]}
+    assert join_with_identity(client, secret, name="v").json()["node_id"] == volunteer
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["reason"].startswith(f"node v ({volunteer}) restarted while holding cluster"), job["reason"]

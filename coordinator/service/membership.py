@@ -13,6 +13,7 @@ from ravnest.wire.gate import credential_hash
 
 from .. import jobs
 from ..errors import Conflict, NotFound, Unauthorized
+from ..failures import who
 from ..jobs import JobState
 from ..schemas import Health, NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
@@ -24,6 +25,11 @@ from .placement import Placement
 from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
+
+
+def known_as(request: JoinRequest) -> str | None:
+    """What the coordinator keeps of a node's identity secret: its hash, as of any credential."""
+    return hash_token(request.identity) if request.identity else None
 
 
 class Membership:
@@ -58,6 +64,7 @@ class Membership:
                 admitted = self.credentials.consume_join(session, offered)
                 if isinstance(admitted, str):
                     raise Unauthorized(admitted)
+                known = self._known_identity(session, request)
                 holder = session.scalars(select(NodeRow).where(
                     NodeRow.address == request.address, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
                     NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s)).first()
@@ -65,18 +72,35 @@ class Membership:
                     raise Conflict(f"address {request.address} is held by node {holder.id}, which is alive; "
                                    f"advertise this node's own address (a restarted node may retry once the "
                                    f"old one times out)")
-                node = NodeRow(id=new_id(), name=request.name, address=request.address,
-                               profile=request.profile.model_dump(mode="json"), token_hash=hash_token(token),
-                               token_expires_at=now + self.core.settings.node_credential_ttl_s,
-                               state=IDLE, joined_at=now, last_seen=now, job_id=None)
+                node = known or NodeRow(id=new_id(), joined_at=now, identity_hash=known_as(request))
+                node.name, node.address = request.name, request.address
+                node.profile = request.profile.model_dump(mode="json")
+                node.token_hash = hash_token(token)
+                node.token_expires_at = now + self.core.settings.node_credential_ttl_s
+                node.state, node.last_seen, node.job_id, node.credential_ended = IDLE, now, None, None
                 session.add(node)
                 self.offers.record(session, node, request.profile)
-            log.info("node %s (%s) joined from %s: %.1f GFLOP/s, %.1f GiB, %.0f MB/s", node.id, node.name or "unnamed",
-                     node.address, request.profile.flops / 1e9, request.profile.memory_bytes / 2**30,
-                     request.profile.bandwidth_bytes_per_s / 1e6)
+            log.info("node %s (%s) %s from %s: %.1f GFLOP/s, %.1f GiB, %.0f MB/s", node.id, node.name or "unnamed",
+                     "joined again" if known else "joined", node.address, request.profile.flops / 1e9,
+                     request.profile.memory_bytes / 2**30, request.profile.bandwidth_bytes_per_s / 1e6)
             self.placement.place_pending()
         return JoinResponse(node_id=node.id, node_token=token, probe_token=self.core.probe_token,
                             heartbeat_interval_s=self.core.settings.heartbeat_interval_s)
+
+    def _known_identity(self, session: Session, request: JoinRequest) -> NodeRow | None:
+        """The row of a node joining again with its identity file, its old session ended: a node that
+        restarted while it held work is lost to that job, which re-plans as for any lost node."""
+        if not request.identity:
+            return None
+        node = session.scalars(select(NodeRow).where(NodeRow.identity_hash == known_as(request))).first()
+        if node is None:
+            return None
+        if node.credential_ended == "revoked":
+            raise Unauthorized(f"node {who(node)} was revoked by this coordinator's operator; its identity file "
+                               f"cannot join again")
+        if node.state != GONE:
+            self.node_lost(session, node, f"node {who(node)} restarted")
+        return node
 
     def heartbeat(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse:
         with self.core.lock:

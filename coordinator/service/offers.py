@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ravnest.data import proof
@@ -41,8 +41,10 @@ class Offers:
         self._filling: dict[str, tuple[str, str, tuple[tuple[int, int], ...], float]] = {}
 
     def record(self, session: Session, node: NodeRow, profile: NodeProfile) -> None:
-        """A node joined offering files: each is first, challenged, or refused (no fingerprint)."""
+        """A node joined offering files: each is first, challenged, or refused (no fingerprint). A node
+        that joins again under its identity offers anew: its files may have changed meanwhile."""
         now = self.core.clock()
+        session.execute(delete(OfferRow).where(OfferRow.node_id == node.id))
         for name in profile.datasets:
             found = profile.fingerprints.get(name)
             if found is None:

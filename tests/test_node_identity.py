@@ -1,0 +1,38 @@
+"""A volunteer's machine keeps one identity across restarts (`ravnest-node join --identity FILE`): a real
+node process, killed and started again, comes back under the same id and row; the job it held re-plans
+naming it first, and it takes the next job."""
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from scripts.local_cluster import LocalCluster
+from tests.test_faults import cnn_job, wait_progress
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_restarted_node_comes_back_under_its_id_and_its_job_goes_on(tmp_path):
+    identity = tmp_path / "volunteer" / "node.key"
+    with LocalCluster(tmp_path / "cluster", nodes=1) as cluster:
+        [volunteer] = cluster.add_nodes(1, ["--identity", str(identity)])
+        assert stat.S_IMODE(identity.stat().st_mode) == 0o600  # a secret: its owner's alone
+        job_id = cluster.submit(cnn_job(steps=600, clusters=1, stages_per_cluster=2, min_nodes=2, max_nodes=2))
+        job = wait_progress(cluster, job_id, 0.3)
+        assert volunteer in {s["node_id"] for s in job["plan"]["clusters"][0]["stages"]}
+        cluster.kill(cluster.node_process(volunteer))  # the machine rebooted, say
+        assert cluster.add_nodes(1, ["--identity", str(identity)]) == {volunteer}  # back faster than a timeout
+        job = cluster.wait_job(job_id, timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        [recovery] = job["recoveries"]
+        print(f"recovery: {recovery['reason']}")
+        # its neighbour's report or its own return, whichever came first, names it first
+        assert recovery["reason"].startswith(f"node node-1 ({volunteer}) ")
+        rows = cluster.http.get("/v1/nodes").json()
+        assert len(rows) == 2 and {n["id"] for n in rows} >= {volunteer}  # one row per machine
+        # left out of the job it was lost to, it takes the next one under the same id
+        job = cluster.wait_job(cluster.submit(cnn_job(steps=100, clusters=1, stages_per_cluster=2, min_nodes=2)),
+                               timeout=300)
+        assert job["state"] == "completed", job["reason"]
+        assert volunteer in {s["node_id"] for s in job["plan"]["clusters"][0]["stages"]}
