@@ -2,7 +2,7 @@
 
     open       /healthz, the API docs and their assets, /login, /logout
     join       POST /v1/nodes (joining), GET /v1/probe (bandwidth, before joining): a join token
-    node       a node's own calls: heartbeat and leave (/v1/nodes/{id}/...), its job reports and
+    node       a node's own calls: heartbeat, offers and leave (/v1/nodes/{id}/...), its job reports and
                uploads (/v1/jobs/{id}/metrics|fail|weights|checkpoint|state): that node's credential
     reader     seeing jobs and nodes (GET /v1/jobs[/{id}[/curve|/events]], GET /v1/nodes, the dashboard,
                /metrics, GET /v1/whoami): any API key; a submitter's key sees its own jobs only
@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 OPEN_PATHS = {"/healthz", "/docs", "/redoc", "/openapi.json", "/login", "/logout"}
 OPEN_PREFIXES = ("/static/",)  # the docs' assets
 NODE_REPORTS = {"metrics", "fail", "weights", "checkpoint", "state"}
+NODE_CALLS = {"heartbeat", "offers"}  # /v1/nodes/{id}/heartbeat|offers
 SUBMITTER_ACTIONS = {"cancel", "resume", "model"}
 JOB_VIEWS = {"curve", "events"}  # GET /v1/jobs/{id}/curve|events: what the job view shows, live
 COOKIE = "ravnest_key"
@@ -45,7 +46,7 @@ def required(method: str, path: str) -> str:
     if parts[:2] == ["v1", "nodes"]:
         if len(parts) == 2:
             return "join" if method == "POST" else "reader"
-        if (len(parts) == 3 and method == "DELETE") or (len(parts) == 4 and parts[3] == "heartbeat"):
+        if (len(parts) == 3 and method == "DELETE") or (len(parts) == 4 and parts[3] in NODE_CALLS):
             return "node"
     if parts[:2] == ["v1", "jobs"]:
         if len(parts) == 4 and parts[3] in NODE_REPORTS:

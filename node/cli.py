@@ -42,9 +42,20 @@ def _offers(files: list[tuple[str, Path]]) -> dict[str, Path]:
     offered: dict[str, Path] = {}
     for name, path in files:
         if offered.get(name, path) != path:
-            raise SystemExit(f"ravnest-node: {name!r} is offered twice, as {offered[name]} and {path}")
+            raise ValueError(f"{name!r} is offered twice, as {offered[name]} and {path}")
         offered[name] = path
     return offered
+
+
+def read_offers(path: Path | None) -> list[tuple[str, Path]]:
+    """The NAME=PATH lines of an offers file (blank lines and # comments skipped)."""
+    if path is None:
+        return []
+    lines = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+    try:
+        return [_offered(line) for line in lines if line]
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _faults(text: str):
@@ -81,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--dataset", action="append", type=_offered, default=[], metavar="NAME=PATH",
                       help="offer a file to jobs under NAME (repeatable): jobs name datasets, never paths, so "
                            "nothing else on this machine can be read (default: only the built-in datasets)")
+    join.add_argument("--offers", type=Path, default=None, metavar="FILE",
+                      help="a file of NAME=PATH lines offered as --dataset is; the node reads it again on SIGHUP "
+                           "and tells the coordinator, keeping its id")
     join.add_argument("--model-file", action="append", type=_offered, default=[], metavar="NAME=PATH",
                       help="offer a model's weights (a safetensors file: a Hugging Face checkpoint's or a `ravnest "
                            "download`) under NAME to jobs that start from it (model.weights.source; repeatable)")
@@ -142,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         progress.log(f"metrics at http://{args.metrics_host}:{port}/metrics")
     stop = threading.Event()
     # Ctrl-C and SIGTERM end the node gracefully: stop the stage, tell the coordinator, exit.
-    offered = _offers(args.dataset + args.model_file)
+    def offered_now() -> dict[str, Path]:
+        return _offers(args.dataset + args.model_file + read_offers(args.offers))
+    try:
+        offered = offered_now()
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     client = CoordinatorClient(args.coordinator, join_token=args.token,
@@ -153,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                             advertise=args.advertise, name=args.name, progress=progress,
                             max_memory=args.max_memory, datasets=offered,
                             identity=read_identity(args.identity) if args.identity else "",
+                            reload_offers=offered_now,
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
+        signal.signal(signal.SIGHUP, lambda *_: daemon.reread_offers())  # kill -HUP after editing --offers
         daemon.serve(stop)
     except (ApiError, httpx.HTTPError) as e:
         progress.log(f"error: cannot work with the coordinator at {args.coordinator}: {e}")

@@ -13,7 +13,7 @@ import tenacity
 from ravnest.client.api import Api, ApiError
 from ravnest.failures import Failure
 from ravnest.spec import (DataProof, FailureReport, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse,
-                          LinkReport, MetricsReport)
+                          LinkReport, MetricsReport, Offered)
 from ravnest.timeouts import COORDINATOR_RETRY_S
 
 
@@ -84,6 +84,10 @@ class CoordinatorClient:
         body = self._call("POST", f"/v1/nodes/{self.node_id}/heartbeat", token=self._node_token,
                           json=request.model_dump())
         return HeartbeatResponse.model_validate(body.json())
+
+    def offer(self, offered: Offered) -> None:
+        """What this node offers from now on (a volunteer changed its offers file)."""
+        self._call("PUT", f"/v1/nodes/{self.node_id}/offers", token=self._node_token, json=offered.model_dump())
 
     def report_metrics(self, job_id: str, report: MetricsReport) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/metrics", token=self._node_token, json=report.model_dump())

@@ -27,7 +27,7 @@ from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
 from ravnest.data import proof
-from ravnest.spec import DataChallenge, DataProof, JoinRequest, MetricsReport, StageAssignment
+from ravnest.spec import DataChallenge, DataProof, JoinRequest, MetricsReport, Offered, StageAssignment
 from ravnest.wire import PeerGate, PeerServer, Router
 
 T = TypeVar("T")
@@ -127,8 +127,10 @@ class NodeDaemon:
                  port: int = 0, advertise: str | None = None, name: str = "",
                  progress: Progress | None = None, max_memory: int | None = None,
                  datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None,
-                 identity: str = ""):
+                 identity: str = "", reload_offers: Callable[[], dict[str, Path]] | None = None):
         self.client = client
+        self.reload_offers = reload_offers  # what a volunteer offers now (its offers file, re-read on SIGHUP)
+        self._offers_changed = threading.Event()
         self.identity = identity  # the secret of its identity file: joining again keeps its id
         self.datasets = dict(datasets or {})  # name -> file this volunteer offers to jobs
         self.max_memory = max_memory
@@ -169,6 +171,9 @@ class NodeDaemon:
         threading.Thread(target=beat_at_stop, name="stop-watch", daemon=True).start()
         try:
             while not stop.is_set():
+                if self._offers_changed.is_set():
+                    self._offers_changed.clear()
+                    self._offer_again()
                 self._heartbeat()
                 if self._running_job_id() is None:
                     trim_heap()  # what peers' probes made the wire buffer (kept for speed) goes back
@@ -186,6 +191,23 @@ class NodeDaemon:
             if self._prober:
                 self._prober.close()
             self.server.stop()
+
+    def reread_offers(self) -> None:
+        """Read what this node offers again (its offers file) and tell the coordinator at once."""
+        self._offers_changed.set()
+        self._beat_now.set()
+
+    def _offer_again(self) -> None:
+        """Tell the coordinator what this node offers now, keeping its id (no rejoin needed)."""
+        try:
+            offered = self.reload_offers() if self.reload_offers else self.datasets
+            fingerprints = {name: proof.fingerprint(path) for name, path in offered.items()}
+            self.client.offer(Offered(datasets=sorted(offered), fingerprints=fingerprints))
+        except (OSError, ValueError, httpx.HTTPError, ApiError) as e:
+            self.progress.log(f"offers unchanged: {e}")
+            return
+        self.datasets = dict(offered)  # a running stage keeps the file it opened
+        self.progress.log(f"now offering {', '.join(sorted(offered)) or 'nothing'}")
 
     def _prove(self, challenge: DataChallenge) -> DataProof | None:
         """Answer a challenge to prove this node holds a file it offers (ravnest/data/proof.py)."""

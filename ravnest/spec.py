@@ -416,8 +416,19 @@ LATENCY: dict[str, Any] = dict(ge=0, le=60)  # seconds, round trip
 ADDRESS = r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}$"
 
 
-class NodeProfile(_Measured):
-    """What a node measured about itself when it joined."""
+class Offered(_Measured):
+    """The files a node offers to jobs by name (`--dataset`, `--model-file`, `--offers`), each with its
+    fingerprint; sent at join, and again whenever the volunteer changes them (PUT /v1/nodes/{id}/offers)."""
+    datasets: list[Annotated[str, Field(pattern=DATASET_NAME)]] = Field(
+        default_factory=list, max_length=64,
+        description="names of the files this volunteer offers to jobs (`--dataset NAME=PATH`)")
+    fingerprints: dict[Annotated[str, Field(pattern=DATASET_NAME)], Annotated[str, Field(pattern=FINGERPRINT)]] = \
+        Field(default_factory=dict, max_length=64, description="each offered file's '<size>:<sha256>'; a node "
+                                                               "is placed on a file only once it proved it holds it")
+
+
+class NodeProfile(Offered):
+    """What a node measured about itself when it joined, and what it offers."""
     flops: float = Field(description="matmul FLOP/s on the chosen device", **FLOPS)
     memory_bytes: int = Field(ge=1 << 20, le=1 << 46, description="memory free for training on the chosen device")
     device: str = Field("cpu", pattern=r"^(cpu|mps|cuda(:[0-9]{1,3})?)$", description="'cpu' or 'cuda[:i]'")
@@ -425,12 +436,6 @@ class NodeProfile(_Measured):
     cores: int = Field(1, ge=1, le=4096)
     bandwidth_bytes_per_s: float = Field(description="measured to the coordinator", **BANDWIDTH)
     latency_s: float = Field(description="round trip to the coordinator", **LATENCY)
-    datasets: list[Annotated[str, Field(pattern=DATASET_NAME)]] = Field(
-        default_factory=list, max_length=64,
-        description="names of the files this volunteer offers to jobs (`--dataset NAME=PATH`)")
-    fingerprints: dict[Annotated[str, Field(pattern=DATASET_NAME)], Annotated[str, Field(pattern=FINGERPRINT)]] = \
-        Field(default_factory=dict, max_length=64, description="each offered file's '<size>:<sha256>'; a node "
-                                                               "is placed on a file only once it proved it holds it")
 
 
 class JoinRequest(_Strict):

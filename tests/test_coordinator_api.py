@@ -915,3 +915,17 @@ def test_a_node_that_restarts_while_holding_work_is_lost_to_its_job_saying_so(cl
     assert join_with_identity(client, secret, name="v").json()["node_id"] == volunteer
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["reason"].startswith(f"node v ({volunteer}) restarted while holding cluster"), job["reason"]
+
+
+def test_a_node_changes_its_offers_without_rejoining_and_only_its_own(client: TestClient) -> None:
+    node, auth = join(client, "a")
+    other, other_auth = join(client, "b")
+    body = {"datasets": ["books"], "fingerprints": {"books": BOOKS_FINGERPRINT}}
+    assert client.put(f"/v1/nodes/{node}/offers", json=body, headers=auth).status_code == 204
+    [row] = [n for n in client.get("/v1/nodes").json() if n["id"] == node]
+    assert "books" in row["offers"]
+    assert client.put(f"/v1/nodes/{node}/offers", json=body, headers=other_auth).status_code in (401, 403)
+    assert client.put(f"/v1/nodes/{node}/offers", json={"datasets": ["../etc"]}, headers=auth).status_code == 422
+    assert client.put(f"/v1/nodes/{node}/offers", json={}, headers=auth).status_code == 204  # withdrawn
+    [row] = [n for n in client.get("/v1/nodes").json() if n["id"] == node]
+    assert row["offers"] == {}

@@ -3,12 +3,17 @@ node process, killed and started again, comes back under the same id and row; th
 naming it first, and it takes the next job."""
 from __future__ import annotations
 
+import json
+import signal
 import stat
+from pathlib import Path
 
 import pytest
 
 from scripts.local_cluster import LocalCluster
 from tests.test_faults import cnn_job, wait_progress
+
+TEXT_JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "text-gpt.json"
 
 pytestmark = pytest.mark.slow
 
@@ -36,3 +41,26 @@ def test_a_restarted_node_comes_back_under_its_id_and_its_job_goes_on(tmp_path):
                                timeout=300)
         assert job["state"] == "completed", job["reason"]
         assert volunteer in {s["node_id"] for s in job["plan"]["clusters"][0]["stages"]}
+
+
+def test_a_running_node_offers_a_file_without_rejoining(tmp_path):
+    """The volunteer adds a line to its offers file and sends SIGHUP: the node keeps its id, proves it
+    holds the file, and a job waiting for that file starts on it."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(Path(json.__file__).read_bytes() * 20)  # some real text, ~30 kB
+    offers = tmp_path / "offers"
+    offers.write_text("# NAME=PATH, one per line\n")
+    with LocalCluster(tmp_path / "cluster", nodes=0) as cluster:
+        [volunteer] = cluster.add_nodes(1, ["--offers", str(offers)])
+        job = json.loads(TEXT_JOB.read_text())
+        job["dataset"]["source"] = "stdlib-json"
+        job["training"].update(steps=30, eval_every=0)
+        job["placement"] = {"clusters": 1, "stages_per_cluster": 1, "min_nodes": 1}
+        job_id = cluster.submit(job)
+        assert "no node offers dataset 'stdlib-json'" in cluster.job(job_id)["reason"]
+        offers.write_text(f"# NAME=PATH, one per line\nstdlib-json={corpus}\n")
+        cluster.node_process(volunteer).send_signal(signal.SIGHUP)
+        job = cluster.wait_job(job_id, timeout=300)
+        assert job["state"] == "completed", job["reason"]
+        [row] = cluster.http.get("/v1/nodes").json()
+        assert row["id"] == volunteer and "stdlib-json" in row["offers"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ravnest.spec import HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse
+from ravnest.spec import HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, Offered
 
 from ..schemas import NodeView
 from . import AUTH, LIMIT, OFFSET, paged, service
@@ -21,6 +21,13 @@ def join(request: Request, body: JoinRequest, authorization: str | None = AUTH) 
 def heartbeat(request: Request, node_id: str, body: HeartbeatRequest,
               authorization: str | None = AUTH) -> HeartbeatResponse:
     return service(request).membership.heartbeat(node_id, authorization, body)
+
+
+@router.put("/v1/nodes/{node_id}/offers", status_code=204)
+def offer(request: Request, node_id: str, body: Offered, authorization: str | None = AUTH) -> Response:
+    """The files this node offers from now on (it keeps its id): each must be proven again, as at join."""
+    service(request).membership.offer(node_id, authorization, body)
+    return Response(status_code=204)
 
 
 @router.get("/v1/nodes", response_model=list[NodeView])

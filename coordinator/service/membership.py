@@ -8,7 +8,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
-                          NodeProfile, PeerProbe)
+                          NodeProfile, Offered, PeerProbe)
 from ravnest.wire.gate import credential_hash
 
 from .. import jobs
@@ -101,6 +101,16 @@ class Membership:
         if node.state != GONE:
             self.node_lost(session, node, f"node {who(node)} restarted")
         return node
+
+    def offer(self, node_id: str, authorization: str | None, offered: Offered) -> None:
+        """A running node changed what it offers: recorded as at join, to be proven again."""
+        with self.core.lock:
+            with self.core.store.session() as session:
+                node = self._node(session, node_id, authorization)
+                node.profile = {**node.profile, **offered.model_dump(mode="json")}
+                self.offers.record(session, node, offered)
+            log.info("node %s now offers %s", node_id, ", ".join(offered.datasets) or "nothing")
+            self.placement.place_pending()  # a job waiting for one of them may start
 
     def heartbeat(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse:
         with self.core.lock:

@@ -21,7 +21,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ravnest.data import proof
-from ravnest.spec import DataChallenge, DataProof, JobSpec, NodeProfile
+from ravnest.spec import DataChallenge, DataProof, JobSpec, Offered
 
 from ..store import ChallengeRow, NodeRow, OfferRow
 from .core import GONE, Core
@@ -40,7 +40,7 @@ class Offers:
         # not answered yet. Soft: one lost on a restart is asked again.
         self._filling: dict[str, tuple[str, str, tuple[tuple[int, int], ...], float]] = {}
 
-    def record(self, session: Session, node: NodeRow, profile: NodeProfile) -> None:
+    def record(self, session: Session, node: NodeRow, profile: Offered) -> None:
         """A node joined offering files: each is first, challenged, or refused (no fingerprint). A node
         that joins again under its identity offers anew: its files may have changed meanwhile."""
         now = self.core.clock()
