@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
                            "none: a new node at every start)")
     join.add_argument("--max-memory", type=_size, default=None, metavar="SIZE",
                       help="most memory this node offers for training, e.g. 6GiB (default: 80%% of what is "
-                           "free now); no stage that needs more is assigned here")
+                           "free now); no stage that needs more is assigned here. The node's own process takes "
+                           "about 0.5 GB more when idle (torch), shown as idle in `ravnest nodes`")
     join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     join.add_argument("--dataset", action="append", type=_offered, default=[], metavar="NAME=PATH",
                       help="offer a file to jobs under NAME (repeatable): jobs name datasets, never paths, so "

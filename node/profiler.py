@@ -13,6 +13,7 @@ import httpx
 import torch
 
 from ravnest.client.api import ApiError, refusal_reason
+from ravnest.pipeline.memory import status_bytes
 from ravnest.spec import LATENCY, NodeProfile, plausible_bandwidth
 from ravnest.wire.transport import growing_probe
 
@@ -162,7 +163,8 @@ def profile_node(client: httpx.Client, device: torch.device, max_memory: int | N
         flops=matmul_flops(device), memory_bytes=offered_memory(device, max_memory), device=str(device),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
         cores=torch.get_num_threads(), bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),
-        latency_s=min(latency, LATENCY["le"]), datasets=sorted(datasets or {}), fingerprints=dict(datasets or {}))
+        latency_s=min(latency, LATENCY["le"]), datasets=sorted(datasets or {}), fingerprints=dict(datasets or {}),
+        idle_bytes=status_bytes("VmRSS") or 0)
 
 
 def _timed(fn) -> float:

@@ -436,6 +436,9 @@ class NodeProfile(Offered):
     cores: int = Field(1, ge=1, le=4096)
     bandwidth_bytes_per_s: float = Field(description="measured to the coordinator", **BANDWIDTH)
     latency_s: float = Field(description="round trip to the coordinator", **LATENCY)
+    idle_bytes: int = Field(0, ge=0, le=1 << 46, description=(
+        "the node process's own resident memory when it joined (torch and the node, about 0.5 GB on a CPU), "
+        "on top of memory_bytes, which is for training only"))
 
 
 class JoinRequest(_Strict):

@@ -64,3 +64,5 @@ def test_a_running_node_offers_a_file_without_rejoining(tmp_path):
         assert job["state"] == "completed", job["reason"]
         [row] = cluster.http.get("/v1/nodes").json()
         assert row["id"] == volunteer and "stdlib-json" in row["offers"]
+        # what the node's own process took when it joined, besides what it offers for training
+        assert 100 << 20 < row["profile"]["idle_bytes"] < 4 << 30

@@ -78,13 +78,15 @@ def whoami(ctx: typer.Context) -> None:
 @nodes.command("list")
 def node_list(ctx: typer.Context) -> None:
     """Nodes that joined, their state and what they offer."""
-    nodes_ = table("id", "name", "address", "state", "GFLOP/s", "GiB", "job")
+    nodes_ = table("id", "name", "address", "state", "GFLOP/s", "GiB+idle", "job")
     notes = []
     for node in call(ctx, "GET", "/v1/nodes"):
         state = "quarantined" if node.get("quarantined_until") else node["state"]
         flops = node.get("measured_flops") or node["profile"]["flops"]
-        nodes_.add_row(node["id"], node["name"], node["address"], state,
-                       f"{flops / 1e9:,.1f}", f"{node['profile']['memory_bytes'] / 2**30:.1f}", node["job_id"] or "")
+        idle = node["profile"].get("idle_bytes", 0) / 2**30
+        nodes_.add_row(node["id"], node["name"], node["address"], state, f"{flops / 1e9:,.1f}",
+                       f"{node['profile']['memory_bytes'] / 2**30:.1f}" + (f"+{idle:.1f}" if idle else ""),
+                       node["job_id"] or "")
         who = node["name"] or node["id"]
         if node.get("measured_flops"):
             notes.append(f"{who} computes like {flops / 1e9:,.1f} GFLOP/s, as its stages measured; its profile "

@@ -87,7 +87,8 @@ def trim_heap() -> None:
         pass
 
 
-def _status_bytes(field: str) -> int | None:
+def status_bytes(field: str) -> int | None:
+    """A byte figure of this process from /proc/self/status (VmRSS, VmHWM), where Linux has one."""
     try:
         for line in _STATUS.read_text().splitlines():
             if line.startswith(field + ":"):
@@ -112,11 +113,11 @@ class PeakMemory:
                 Path("/proc/self/clear_refs").write_text("5")
             except OSError:
                 pass
-            self._base = _status_bytes("VmRSS") or 0
+            self._base = status_bytes("VmRSS") or 0
 
     def peak_bytes(self) -> int | None:
         """Bytes above the starting level at the peak so far; None where it cannot be measured."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self._base
-        peak = _status_bytes("VmHWM")
+        peak = status_bytes("VmHWM")
         return None if peak is None else max(0, peak - self._base)
