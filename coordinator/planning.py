@@ -46,6 +46,7 @@ from ravnest.models.profile import BlockCost, stage_input
 from ravnest.partition import Load, NodeCapacity, PartitionError, partition, stage_memory_bytes, stage_seconds
 from ravnest.pipeline.memory import training_load
 from ravnest.spec import AveragingSettings, Placement, TrainingSettings
+from ravnest.wire import codecs
 
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
 from .ring_order import best_ring
@@ -185,7 +186,7 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
                 for s, (node, blocks, seconds) in enumerate(zip(replica, shape.ranges, stage_times))]))
     rings = [_planned_ring(i, blocks, stages, [pipelines[c][0][s] for c, s in enumerate(stages)], links, order_rings)
              for i, (blocks, stages) in enumerate(segment_rings([shape.ranges for _, shape in pipelines]))]
-    ring_groups = [_ring_group(ring, pipelines, costs, links) for ring in rings]
+    ring_groups = [_ring_group(ring, pipelines, costs, links, averaging) for ring in rings]
     averaging_plan = _planned_averaging(averaging, training, max(step_s), ring_groups) if len(clusters) > 1 else None
     throughput = _throughput(shapes, averaging)
     depths = sorted({len(s.ranges) for s in shapes})
@@ -243,13 +244,23 @@ def _planned_ring(segment: int, blocks: tuple[int, int], stages: list[int], memb
                                        order=None if order == sorted(order) else order)
 
 
+def coded_bytes(param_bytes: float, codec: str, members: int) -> float:
+    """A segment's float32 bytes as the runtime model prices a round of them under `codec`: what the
+    codec sends (ravnest/wire/codecs); one whose replicas all-gather (topk) sends n - 1 copies where a
+    ring's two halves send 2 (n - 1) / n, as n / 2 times its bytes would in a ring."""
+    coded = codecs.codec(codec)
+    sent = coded.wire_bytes(int(param_bytes) // 4)
+    return sent if coded.reduces else sent * members / 2
+
+
 def _ring_group(ring: PlannedRing, pipelines: list[tuple[list[NodeInfo], Shape]], costs: list[BlockCost],
-                links: Links | None) -> runtime.Group:
+                links: Links | None, averaging: AveragingSettings) -> runtime.Group:
     """A planned ring as the runtime model sees it: its members, its segment's bytes, its slowest link."""
     members = [pipelines[c][0][s] for c, s in enumerate(ring.stages)]
     members = [members[c] for c in ring.order] if ring.order else members
     around = [link(here, after, links) for here, after in zip(members, [*members[1:], members[0]])]
-    return runtime.Group(len(members), sum(c.param_bytes for c in costs[ring.blocks[0]:ring.blocks[1]]),
+    param_bytes = sum(c.param_bytes for c in costs[ring.blocks[0]:ring.blocks[1]])
+    return runtime.Group(len(members), coded_bytes(param_bytes, averaging.codec, len(members)),
                          min(b for b, _ in around), max(lat for _, lat in around),
                          fine_overlap=all(len(shape.ranges) == 1 for _, shape in pipelines))
 
@@ -347,7 +358,8 @@ def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: 
     their number."""
     merged = _merge_stages(costs, ranges)
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
-    groups = [runtime.Group(len(replicas), merged[s].param_bytes, min(r[s].bandwidth for r in replicas),
+    groups = [runtime.Group(len(replicas), coded_bytes(merged[s].param_bytes, averaging.codec, len(replicas)),
+                            min(r[s].bandwidth for r in replicas),
                             max(r[s].latency for r in replicas), fine_overlap=len(ranges) == 1)
               for s in range(len(ranges))]
     compute_step = _compute_step_s(times, load, training)
