@@ -33,6 +33,7 @@ Rules (see also docs/jobs.md):
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -143,8 +144,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         used = {n.node_id for replica in shape.replicas for n in replica}
         unused.update({n.node_id: "spare: the chosen shape leaves it over" for n in chain if n.node_id not in used})
         shapes.append(shape)
-        asked = f" (stages_per_cluster = {placement.stages_per_cluster})" if placement.stages_per_cluster else ""
-        why.append(f"{_n(len(chain), 'node')} -> {shape.describe()}{asked}"
+        why.append(f"{_n(len(chain), 'node')} -> {shape.describe()}"
                    + (f" (considered {'; '.join(considered)})" if len(considered) > 1 else ""))
     if exact is None and _paced_by_slowest(averaging):
         kept = _without_laggards(shapes)
@@ -155,6 +155,8 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                                           f"faster ones, averaging waits for the slowest"
                                for replica in shape.replicas for n in replica})
         shapes = [shapes[i] for i in sorted(kept)]
+    if placement.stages_per_cluster:
+        why.append(f"stages_per_cluster = {placement.stages_per_cluster}")
     return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links)
 
 
@@ -191,7 +193,7 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
     throughput = _throughput(shapes, averaging)
     depths = sorted({len(s.ranges) for s in shapes})
     reason = (f"{_n(len(clusters), 'cluster')} x {'/'.join(map(str, depths))} stage{'s' if depths != [1] else ''}, "
-              f"predicted {_rate(throughput)}; " + "; ".join(why))
+              f"predicted {_rate(throughput)}; " + "; ".join(_counted(why)))
     if averaging_plan is not None and averaging.strategy == "auto":
         reason += f"; averaging: {averaging_plan.strategy}" + (f" ({averaging_plan.topology})" if
                                                                averaging_plan.topology else "") + \
@@ -263,6 +265,11 @@ def _ring_group(ring: PlannedRing, pipelines: list[tuple[list[NodeInfo], Shape]]
     return runtime.Group(len(members), coded_bytes(param_bytes, averaging.codec, len(members)),
                          min(b for b, _ in around), max(lat for _, lat in around),
                          fine_overlap=all(len(shape.ranges) == 1 for _, shape in pipelines))
+
+
+def _counted(lines: list[str]) -> list[str]:
+    """Each line once, in order, those said of several groups with how many: '3 groups: 2 nodes -> ...'."""
+    return [line if count == 1 else f"{count} groups: {line}" for line, count in Counter(lines).items()]
 
 
 def _n(count: int, thing: str) -> str:

@@ -294,3 +294,11 @@ def test_the_planner_prices_the_averaging_codec() -> None:
         {"strategy": "ring", "every": 1, "codec": codec})).averaging.predicted_step_s["ring"]
         for codec in ("", "fp16", "int8")}
     assert step[""] > 1.9 * step["fp16"] > 3.6 * step["int8"]  # link-bound: the bytes set the pace
+
+
+def test_the_plan_says_a_line_said_of_several_groups_once() -> None:
+    plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)],
+                    Placement(clusters=4, min_nodes=4, stages_per_cluster=1))
+    assert plan.reason.count("1 node -> 1 replica x 1 stage") == 1, plan.reason
+    assert "; 4 groups: 1 node -> 1 replica x 1 stage: " in plan.reason
+    assert plan.reason.count("stages_per_cluster") == 1
