@@ -214,7 +214,9 @@ def test_training_converges_with_a_slow_link_that_breaks_once(tmp_path):
         job = cluster.wait_job(cluster.submit(cnn_job(steps=600, min_nodes=4)), timeout=600)
         assert job["state"] == "completed", job["reason"]
         [recovery] = job["recoveries"]
-        assert "severed by fault injection" in recovery["reason"] and recovery["recovery_s"] < 30
+        # the faulted node's own report or its neighbour's, whichever arrives first: the cause is kept
+        assert "severed by fault injection" in recovery["reason"] + recovery["failure"]["detail"]
+        assert recovery["recovery_s"] < 30
         print(f"recovered in {recovery['recovery_s']:.1f} s; test accuracy {job['metrics']['test_accuracy']:.4f}")
         assert job["metrics"]["test_accuracy"] >= 0.95
 
