@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                             identity=read_identity(args.identity) if args.identity else "",
                             reload_offers=offered_now,
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
-        signal.signal(signal.SIGHUP, lambda *_: daemon.reread_offers())  # kill -HUP after editing --offers
+        signal.signal(signal.SIGHUP, lambda *_: daemon.offers.reread())  # kill -HUP after editing --offers
         daemon.serve(stop)
     except (ApiError, httpx.HTTPError) as e:
         progress.log(f"error: cannot work with the coordinator at {args.coordinator}: {e}")

@@ -17,6 +17,7 @@ import torch
 from node.client import CoordinatorClient
 from node.links import LinkProber
 from node.metrics import STAGES
+from node.offers import Offers
 from node.profiler import profile_node
 from node.progress import Progress
 from ravnest.averaging import ring
@@ -26,8 +27,7 @@ from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
-from ravnest.data import proof
-from ravnest.spec import DataChallenge, DataProof, JoinRequest, MetricsReport, Offered, StageAssignment
+from ravnest.spec import DataProof, JoinRequest, MetricsReport, StageAssignment
 from ravnest.wire import PeerGate, PeerServer, Router
 
 T = TypeVar("T")
@@ -129,14 +129,12 @@ class NodeDaemon:
                  datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None,
                  identity: str = "", reload_offers: Callable[[], dict[str, Path]] | None = None):
         self.client = client
-        self.reload_offers = reload_offers  # what a volunteer offers now (its offers file, re-read on SIGHUP)
-        self._offers_changed = threading.Event()
         self.identity = identity  # the secret of its identity file: joining again keeps its id
-        self.datasets = dict(datasets or {})  # name -> file this volunteer offers to jobs
+        self.progress = progress or Progress()
+        self.offers = Offers(datasets or {}, self.progress, reload_offers)  # reload: its offers file, on SIGHUP
         self.max_memory = max_memory
         self.device = device
         self.name = name
-        self.progress = progress or Progress()
         # peers of a job get their assignments at different heartbeats: their first messages may wait
         self.router = Router(wait_for_route=60.0, expected_kinds=(*neighbours.MESSAGE_KINDS, ring.KIND))
         self.gate = PeerGate()  # the job's planned peers may call; the coordinator's probe token may Ping
@@ -154,9 +152,7 @@ class NodeDaemon:
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
         remove_orphaned_scratch()
-        fingerprints = {name: proof.fingerprint(path) for name, path in self.datasets.items()}
-        for name, found in sorted(fingerprints.items()):
-            self.progress.log(f"offering {name}: {proof.size_of(found):,} bytes, sha256 {found.split(':')[1]}")
+        fingerprints = self.offers.fingerprints()
         profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints)
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile,
                                               identity=self.identity))
@@ -169,11 +165,9 @@ class NodeDaemon:
             stop.wait()
             self._beat_now.set()
         threading.Thread(target=beat_at_stop, name="stop-watch", daemon=True).start()
+        self.offers.keep_offering(self.client, stop)
         try:
             while not stop.is_set():
-                if self._offers_changed.is_set():
-                    self._offers_changed.clear()
-                    self._offer_again()
                 self._heartbeat()
                 if self._running_job_id() is None:
                     trim_heap()  # what peers' probes made the wire buffer (kept for speed) goes back
@@ -191,35 +185,6 @@ class NodeDaemon:
             if self._prober:
                 self._prober.close()
             self.server.stop()
-
-    def reread_offers(self) -> None:
-        """Read what this node offers again (its offers file) and tell the coordinator at once."""
-        self._offers_changed.set()
-        self._beat_now.set()
-
-    def _offer_again(self) -> None:
-        """Tell the coordinator what this node offers now, keeping its id (no rejoin needed)."""
-        try:
-            offered = self.reload_offers() if self.reload_offers else self.datasets
-            fingerprints = {name: proof.fingerprint(path) for name, path in offered.items()}
-            self.client.offer(Offered(datasets=sorted(offered), fingerprints=fingerprints))
-        except (OSError, ValueError, httpx.HTTPError, ApiError) as e:
-            self.progress.log(f"offers unchanged: {e}")
-            return
-        self.datasets = dict(offered)  # a running stage keeps the file it opened
-        self.progress.log(f"now offering {', '.join(sorted(offered)) or 'nothing'}")
-
-    def _prove(self, challenge: DataChallenge) -> DataProof | None:
-        """Answer a challenge to prove this node holds a file it offers (ravnest/data/proof.py)."""
-        path = self.datasets.get(challenge.dataset)
-        if path is None:
-            return None
-        asked = proof.Challenge(challenge.nonce, tuple((offset, length) for offset, length in challenge.ranges))
-        try:
-            return DataProof(dataset=challenge.dataset, nonce=challenge.nonce, answer=proof.answer(path, asked))
-        except OSError as e:
-            self.progress.log(f"cannot prove this node holds {challenge.dataset}: {e}")
-            return None
 
     def _running_job_id(self) -> str | None:
         if self._job and self._job.thread.is_alive() and not self._job.done.is_set():
@@ -239,7 +204,7 @@ class NodeDaemon:
         except httpx.HTTPError as e:
             self.progress.log(f"heartbeat failed, will retry: {e}")
             return
-        self._proofs = [answer for c in reply.challenges if (answer := self._prove(c)) is not None]
+        self._proofs = [answer for c in reply.challenges if (answer := self.offers.prove(c)) is not None]
         if self._proofs:
             self._beat_now.set()  # proven sooner, placed sooner
         if reply.probe and self._prober:
@@ -312,7 +277,7 @@ class NodeDaemon:
 
         runner = run.runner = job.runner = StageRunner(
             a, self.router, device=self.device, on_metrics=on_metrics, initial_state=state,
-            on_checkpoint=on_checkpoint, on_alone=on_alone, datasets=self.datasets)
+            on_checkpoint=on_checkpoint, on_alone=on_alone, datasets=self.offers.files)
         if state is not None:
             state.unlink()
         runner.attach_averaging()  # it works on the runner's live tensors, which exist now

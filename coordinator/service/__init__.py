@@ -7,7 +7,7 @@ components they call (and nothing else) when they are built.
     Offers        the files nodes offer, and their proofs of holding them
     Placement     planning pending jobs onto idle nodes; growing jobs     (Offers, Recoveries)
     Membership    nodes join, beat and leave; the liveness tick           (Credentials, Offers, Placement,
-                                                                          Recoveries)
+                  (with its LinkProbes: which links a node measures)       Recoveries)
     JobLifecycle  submit, view, cancel, resume; metrics, failure reports  (Placement, Recoveries, Artifacts)
 
 Each is given the `Core` too (core.py: settings, store, lock, clock, failure policy, lookups), which

@@ -6,7 +6,7 @@ request writes nothing. State that must survive a restart lives in the store.
 Per-process state, all of it soft: rebuilt, or harmless to lose on a restart (which is also what a
 second coordinator would see). Each component keeps its own, and says so where it is kept:
     Core          parsed plans (and jobs.spec_of: parsed specs), the failure policy's slow-report counts
-    Membership    the probes asked for and not yet answered
+    LinkProbes    the probes asked for and not yet answered (Membership's)
     Placement     why a node was left out of the last placement; what a running job was last weighed
                   with for growing
     Recoveries    who trains alone (each heartbeat says it again)

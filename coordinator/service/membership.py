@@ -8,7 +8,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
-                          NodeProfile, Offered, PeerProbe)
+                          NodeProfile, Offered)
 from ravnest.wire.gate import credential_hash
 
 from .. import jobs
@@ -18,8 +18,9 @@ from ..jobs import JobState
 from ..schemas import Health, NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
 from ..store import JobRow, LinkRow, NodeRow, OfferRow, StageRow, stage_of_node
-from .core import BUSY, GONE, IDLE, MAX_LINKS_PER_NODE, Core, node_refusal, quarantined, undelivered
+from .core import BUSY, GONE, IDLE, Core, node_refusal, quarantined, undelivered
 from .credentials import Credentials
+from .links import LinkProbes
 from .offers import Offers
 from .placement import Placement
 from .recovery import Recoveries
@@ -37,7 +38,7 @@ class Membership:
                  recoveries: Recoveries) -> None:
         self.core, self.credentials, self.offers = core, credentials, offers
         self.placement, self.recoveries = placement, recoveries
-        self._probes_asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked
+        self.links = LinkProbes(core)
 
     def tick(self) -> None:
         """Mark nodes without recent heartbeats gone (failing their jobs), then place pending jobs."""
@@ -118,7 +119,7 @@ class Membership:
                 node = self._node(session, node_id, authorization)
                 node.last_seen = self.core.clock()
                 node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
-                self._record_links(session, node, request.links)
+                self.links.record(session, node, request.links)
                 proven = self.offers.take_proofs(session, node, request.proofs)
                 self.recoveries.trains_alone(session, node, request.job_id if request.training_alone else None)
                 # a re-plan may wait for this node to train alone, or for a lost one to fall silent: the
@@ -137,7 +138,7 @@ class Membership:
                 if request.job_id and request.job_id != node.job_id and response.cancel_job is None:
                     response.cancel_job = request.job_id  # it runs something it no longer holds
                 if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
-                    response.probe = self._probes_for(session, node)
+                    response.probe = self.links.probes_for(session, node)
                     response.note = self.placement.left_out_note(node.id)
                 response.challenges = self.offers.challenges_for(session, node)
             # a re-plan may have waited for this node; placing may give it work at once
@@ -183,41 +184,6 @@ class Membership:
             node.job_id, node.state = None, IDLE
             return response, True
         return response, False
-
-    def _record_links(self, session: Session, node: NodeRow, reports: list[LinkReport]) -> None:
-        """Keep the latest measurement per peer; reports on unknown peers or itself are dropped
-        (a peer may have left and been forgotten meanwhile)."""
-        now = self.core.clock()
-        for report in reports:
-            self._probes_asked.pop((node.id, report.peer_id), None)
-            if report.peer_id == node.id or session.get(NodeRow, report.peer_id) is None:
-                continue
-            session.merge(LinkRow(node_id=node.id, peer_id=report.peer_id, bandwidth=report.bandwidth_bytes_per_s,
-                                  latency=report.latency_s, measured_at=now))
-
-    def _probes_for(self, session: Session, node: NodeRow) -> list[PeerProbe]:
-        """Up to `probe_peers` live peers whose link this node has not measured, oldest members first;
-        none once it measured MAX_LINKS_PER_NODE links. A node takes part in one round of probes at a
-        time, as prober or as target (until reported, or `probe_retry_s`): two probes through one
-        host's link each measured about half of it (a 400 Mbit/s pair came out below 100 Mbit/s)."""
-        want, now = self.core.settings.probe_peers, self.core.clock()
-        if len(self._probes_asked) > 10_000:  # forget requests that were never answered
-            retry_s = self.core.settings.probe_retry_s
-            self._probes_asked = {k: at for k, at in self._probes_asked.items() if now - at < retry_s}
-        busy = {end for pair, at in self._probes_asked.items() if now - at < self.core.settings.probe_retry_s
-                for end in pair}
-        measured = select(LinkRow.peer_id).where(LinkRow.node_id == node.id)
-        if want <= 0 or node.id in busy or \
-                (session.scalar(select(func.count()).select_from(measured.subquery())) or 0) >= MAX_LINKS_PER_NODE:
-            return []
-        candidates = session.scalars(select(NodeRow).where(
-            NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
-            NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s, NodeRow.id.not_in(measured))
-            .order_by(NodeRow.joined_at, NodeRow.id).limit(want + len(busy)))
-        chosen = [peer for peer in candidates if peer.id not in busy][:want]
-        for peer in chosen:
-            self._probes_asked[(node.id, peer.id)] = now
-        return [PeerProbe(node_id=peer.id, address=peer.address) for peer in chosen]
 
     def leave(self, node_id: str, authorization: str | None) -> None:
         with self.core.lock, self.core.store.session() as session:
