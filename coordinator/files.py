@@ -21,6 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ravnest.models.subspace import Subspace
+
 from .errors import InvalidRequest
 
 Shapes = dict[str, tuple[tuple[int, ...], int]]  # state-dict key -> (shape, bytes)
@@ -181,6 +183,20 @@ def implausible(scales: dict[str, float], initial_rms: dict[str, float], bound: 
             return (f"{key} has an RMS of {value:.3g}, more than {bound:g} times what it started at "
                     f"({initial_rms[key]:.3g}, counted as at least 1)")
     return None
+
+
+def folded(model: Path, subspace: Subspace | None, scratch: Path) -> list[Path]:
+    """A model trained with a residual subspace in plain Llama form: each tensor that folding changes,
+    alone in a file under `scratch`, one tensor in memory at a time (ravnest/models/subspace.py)."""
+    if subspace is None:
+        return []
+    written: list[Path] = []
+    with safe_open(str(model), "pt") as handle:
+        for key in handle.keys():
+            if (tensor := subspace.folded(key, handle.get_tensor(key))) is not None:
+                written.append(scratch / f"{len(written)}.safetensors")
+                save_file({key: tensor.contiguous()}, str(written[-1]))
+    return written
 
 
 def merge(files: list[Path], target: Path, metadata: dict[str, str],

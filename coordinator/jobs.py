@@ -172,7 +172,8 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
     """What the node running `stage` of `cluster` needs to know, rings and credentials included."""
     spec = spec_of(job)
     stages = plan.clusters[cluster].stages
-    peer = lambda s: StagePeer(node_id=stages[s].node_id, address=stages[s].address)  # noqa: E731
+    def peer(s: int, link: int) -> StagePeer:  # link: the stage whose link to the next one joins the two
+        return StagePeer(node_id=stages[s].node_id, address=stages[s].address, codec=stages[link].codec)
     rings = [] if spec.averaging.strategy == "none" else [
         Ring(segment=ring.segment, blocks=ring.blocks, weights=ring.weights, order=ring.order,
              members=[StagePeer(node_id=plan.clusters[c].stages[s].node_id, address=plan.clusters[c].stages[s].address)
@@ -189,7 +190,8 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
         predicted_memory_bytes=planned.predicted_memory_bytes, split_backward=planned.split_backward,
         model=spec.model, dataset=spec.dataset,
         training=spec.training, averaging=_averaging(spec, plan),
-        prev=peer(stage - 1) if stage > 0 else None, next=peer(stage + 1) if stage + 1 < len(stages) else None,
+        prev=peer(stage - 1, stage - 1) if stage > 0 else None,
+        next=peer(stage + 1, stage) if stage + 1 < len(stages) else None,
         rings=rings)
 
 

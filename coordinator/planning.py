@@ -44,9 +44,11 @@ from ravnest.averaging.segments import segment_rings
 from ravnest.averaging.shares import balanced_shares
 from ravnest.errors import RavnestError
 from ravnest.models.profile import BlockCost, stage_input
-from ravnest.partition import Load, NodeCapacity, PartitionError, partition, stage_memory_bytes, stage_seconds
+from ravnest.partition import (Load, NodeCapacity, PartitionError, compute_seconds, partition, stage_memory_bytes,
+                               stage_seconds)
 from ravnest.pipeline.memory import training_load
-from ravnest.spec import AveragingSettings, Placement, TrainingSettings
+from ravnest.pipeline.precision import wire_codec
+from ravnest.spec import AUTO_CODEC, AveragingSettings, Placement, TrainingSettings
 from ravnest.wire import codecs
 
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
@@ -55,6 +57,9 @@ from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, Planne
 
 
 NEAR_BEST = 0.9  # within this share of the best predicted throughput the simpler plan wins (shallower, more groups)
+AUTO_LINK_SHARE = 0.5  # codec "auto": a link whose transfer at full precision takes longer than this share
+                       # of its stages' compute is compressed (the asynchronous pipeline hides the rest)
+AUTO_COMPRESSED = "bf16"  # what "auto" sends on such a link: half the bytes, float32's range
 
 
 class PlanningError(RavnestError, ValueError):
@@ -176,15 +181,21 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
     step_s: list[float] = []  # compute seconds per optimizer step, per cluster
     for index, (replica, shape) in enumerate(pipelines):
         merged, inputs, memory = per_shape[id(shape)]
-        stage_times = [stage_seconds(merged, capacity, s, s + 1)
-                       for s, capacity in enumerate(capacities(replica, links))]
+        chain = capacities(replica, links)
+        link_codecs = pick_codecs(merged, chain, training)
+        coded = [dataclasses.replace(m, activation_bytes=_coded(m.activation_bytes, codec))
+                 for m, codec in zip(merged, link_codecs)]
+        stage_times = [stage_seconds(coded, capacity, s, s + 1) for s, capacity in enumerate(chain)]
         step_s.append(_compute_step_s(stage_times, shape.load, training))
+        per_step = 2 * (training.accumulation if training else 1)  # activations forward, gradients back
         clusters.append(PlannedCluster.model_construct(
             cluster=index, predicted_bottleneck_seconds=max(stage_times),
             stages=[PlannedStage.model_construct(
                 stage=s, node_id=node.node_id, address=node.address, blocks=blocks, predicted_seconds=seconds,
                 predicted_memory_bytes=memory[s], split_backward=shape.load.split_backward,
-                input_shape=inputs[s][0], input_dtype=inputs[s][1])
+                input_shape=inputs[s][0], input_dtype=inputs[s][1], codec=link_codecs[s],
+                predicted_link_bytes_per_step=per_step * coded[s].activation_bytes if link_codecs[s] is not None
+                else None)
                 for s, (node, blocks, seconds) in enumerate(zip(replica, shape.ranges, stage_times))]))
     rings = [_planned_ring(i, blocks, stages, [pipelines[c][0][s] for c, s in enumerate(stages)], links, order_rings)
              for i, (blocks, stages) in enumerate(segment_rings([shape.ranges for _, shape in pipelines]))]
@@ -424,6 +435,30 @@ def ring_weights(members: Sequence[NodeInfo], links: Links | None = None) -> lis
 @lru_cache(maxsize=1024)  # replicas dealt from one group often give rings with the same links
 def _balanced(links: tuple[float, ...]) -> list[float]:
     return balanced_shares(list(links), iterations=200)  # within 1e-4 of 4000 iterations' bound
+
+
+def pick_codecs(merged: list[BlockCost], chain: list[NodeCapacity], training: TrainingSettings | None,
+                ) -> list[str | None]:
+    """Per stage, the codec on its link to the next stage (None on the last). The job's, or with
+    `codec: "auto"` the precision's own (float32 for fp32) wherever the link moves a micro-batch's
+    activations and gradients in under AUTO_LINK_SHARE of the slower end's compute, else bf16: a link
+    is compressed only where it would otherwise hold its stages up."""
+    asked, precision = (training.codec, training.precision) if training else ("", "fp32")
+    plain = wire_codec(asked, precision)
+    chosen: list[str | None] = []
+    for s in range(len(merged) - 1):
+        if asked != AUTO_CODEC:
+            chosen.append(plain)
+            continue
+        wire_s = 2 * _coded(merged[s].activation_bytes, plain) / chain[s].bandwidth_to_next
+        compute_s = max(compute_seconds(merged[s].flops, chain[s]), compute_seconds(merged[s + 1].flops, chain[s + 1]))
+        chosen.append(plain if wire_s <= AUTO_LINK_SHARE * compute_s else AUTO_COMPRESSED)
+    return [*chosen, None]
+
+
+def _coded(activation_bytes: int, codec: str | None) -> int:
+    """Bytes `codec` sends for float32 activations of `activation_bytes`."""
+    return activation_bytes if not codec else codecs.codec(codec).wire_bytes(activation_bytes // 4)
 
 
 def _merge_stages(costs: list[BlockCost], ranges: list[tuple[int, int]]) -> list[BlockCost]:

@@ -53,6 +53,10 @@ class PlannedStage(BaseModel):
     input_dtype: str = "float32"
     split_backward: bool = Field(True, description="the backward is split into input and weight halves "
                                                    "(zero-bubble); off where memory does not allow it")
+    codec: str | None = Field(None, description="the codec on its link to the next stage, both ways; None on the "
+                                                "last stage ('' sends float32 as computed)")
+    predicted_link_bytes_per_step: int | None = Field(None, description=(
+        "bytes its link to the next stage carries per optimizer step, activations and gradients, as coded"))
 
 
 class PlannedCluster(BaseModel):

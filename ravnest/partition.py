@@ -159,8 +159,13 @@ class _RangeMax:
         return max(row[start], row[end - (1 << level)])
 
 
+def compute_seconds(forward_flops: float, node: NodeCapacity) -> float:
+    """Seconds per micro-batch of forward and backward (twice the forward) on `node`, sending nothing."""
+    return 3 * forward_flops / node.flops + STAGE_OVERHEAD_S
+
+
 def _seconds(forward_flops: float, node: NodeCapacity, boundary_bytes: int | None) -> float:
-    compute = 3 * forward_flops / node.flops + STAGE_OVERHEAD_S
+    compute = compute_seconds(forward_flops, node)
     if boundary_bytes is None:
         return compute
     return compute + 2 * boundary_bytes / node.bandwidth_to_next + node.latency_to_next + 2 * MESSAGE_OVERHEAD_S

@@ -31,6 +31,9 @@ MAX_CONFIG_BYTES = 16 << 10
 MAX_NESTING = 4
 
 
+AUTO_CODEC = "auto"  # training.codec: the planner picks each link's
+
+
 def _known_codec(name: str, use: str) -> str:
     if name not in codecs.names(use):
         raise ValueError(f"{name[:32]!r} is not a codec for {'the pipeline' if use == 'pipeline' else use}"
@@ -154,7 +157,8 @@ class TrainingSettings(_Strict):
         "along the change of the update too (second order); '2bw+predict', '2bw+predict2' both; 'none'; "
         "'auto' (default) is 'predict2' for K <= 2 and '2bw+predict2' above, as measured in docs/pipeline.md")
     codec: str = Field("", max_length=32, description=(
-        "how activations and their gradients cross the wire: '' as computed, 'fp16', 'bf16' "
+        "how activations and their gradients cross the wire: '' as computed, 'fp16', 'bf16', or 'auto': the "
+        "planner picks per link, bf16 only where the link at full precision would slow its stages "
         "(ravnest/wire/codecs, docs/links.md)"))
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "bf16, fp16: each stage computes under autocast in that type where its hardware has its arithmetic (else "
@@ -175,7 +179,7 @@ class TrainingSettings(_Strict):
     @field_validator("codec")
     @classmethod
     def _pipeline_codec(cls, name: str) -> str:
-        return _known_codec(name, "pipeline")
+        return name if name == AUTO_CODEC else _known_codec(name, "pipeline")
 
 
 class AveragingSettings(_Strict):
@@ -329,6 +333,14 @@ class JobSpec(_Strict):
 class StagePeer(_Strict):
     node_id: str
     address: str = Field(description="host:port of the node's gRPC server")
+    codec: str | None = Field(None, max_length=32, description=(
+        "the pipeline codec on the link to this neighbour, both ways (the planner's pick where training.codec "
+        "is 'auto'); None: the job's"))
+
+    @field_validator("codec")
+    @classmethod
+    def _pipeline_codec(cls, name: str | None) -> str | None:
+        return name if name is None else _known_codec(name, "pipeline")
 
 
 class Ring(_Strict):

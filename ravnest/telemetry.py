@@ -23,6 +23,8 @@ STAGE_FIGURES = {
     "avg_round_s": "mean seconds per averaging round",
     "avg_stall_s": "seconds the training thread waited for averaging",
     "avg_round_bytes": "bytes a stage sent per averaging round, as its codec encoded them",
+    "next_bytes_per_step": "bytes sent to the next stage per optimizer step (activations, as encoded)",
+    "prev_bytes_per_step": "bytes sent to the previous stage per optimizer step (gradients, as encoded)",
     "elapsed_s": "seconds since the stage started",
     "compute_s": "seconds spent computing per optimizer step, evaluation left out (the last 10 steps)",
     "lr": "learning rate",

@@ -302,3 +302,24 @@ def test_the_plan_says_a_line_said_of_several_groups_once() -> None:
     assert plan.reason.count("1 node -> 1 replica x 1 stage") == 1, plan.reason
     assert "; 4 groups: 1 node -> 1 replica x 1 stage: " in plan.reason
     assert plan.reason.count("stages_per_cluster") == 1
+
+
+def test_auto_compresses_only_the_links_that_would_hold_their_stages_up() -> None:
+    """codec "auto": a chain of fast links but one slow one gets bf16 on the slow link alone, and the
+    plan says each link's codec and bytes per step (half of float32's where compressed)."""
+    costs = profile_blocks(build_model("llama", {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 4}), 8)
+    fast, slow = 1e9, 2e5  # bytes/s: a LAN, and a 1.6 Mbit/s home uplink
+    nodes = [node(f"n{i}", flops=2e10, bandwidth=fast) for i in range(3)]
+    links = {("n0", "n1"): (fast, 0.001), ("n1", "n2"): (slow, 0.02), ("n0", "n2"): (fast, 0.001)}
+    placement = Placement(clusters=1, min_nodes=3, stages_per_cluster=3)
+    plans = {codec: plan_job(costs, nodes, placement, links=links,
+                             training=TrainingSettings(batch_size=8, codec=codec)) for codec in ("", "auto")}
+    stages = {codec: plan.clusters[0].stages for codec, plan in plans.items()}
+    order = [s.node_id for s in stages["auto"]]
+    slow_link = next(i for i in range(2) if {order[i], order[i + 1]} == {"n1", "n2"})
+    assert [s.codec for s in stages[""]] == ["", "", None]
+    assert [s.codec for s in stages["auto"]] == [("bf16" if i == slow_link else "") for i in range(2)] + [None]
+    full, auto = (stages[c][slow_link].predicted_link_bytes_per_step for c in ("", "auto"))
+    assert full is not None and auto is not None and full == 2 * auto
+    faster = plans["auto"].clusters[0].predicted_bottleneck_seconds
+    assert faster < 0.6 * plans[""].clusters[0].predicted_bottleneck_seconds  # the slow link bounds the pace

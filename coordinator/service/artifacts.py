@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from ravnest.models import ModelError, build_model
 from ravnest.models.hf import hf_key, hf_texts
+from ravnest.models.subspace import Subspace
 
 from .. import files, jobs
 from ..errors import Conflict, Forbidden, Implausible, InvalidRequest, NotFound
@@ -209,9 +210,12 @@ class Artifacts:
             texts = hf_texts(ref, "bfloat16" if dtypes == {"BF16"} else "float32", metadata.get("tokenizer"))
         except (ModelError, KeyError, ValueError) as e:
             raise InvalidRequest(f"job {job_id} has no Hugging Face form: {e}") from None
-        layers = build_model("llama", ref["config"]).config["num_hidden_layers"]
+        spec = build_model("llama", ref["config"])
+        layers = spec.config["num_hidden_layers"]
         weights = target.with_name(".model-hf.safetensors")
-        files.merge([model], weights, {"format": "pt"}, rename=lambda key: hf_key(key, layers))
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".folded-") as scratch:
+            folded = files.folded(model, Subspace.of(spec.config), Path(scratch))  # first: they win the merge
+            files.merge([*folded, model], weights, {"format": "pt"}, rename=lambda key: hf_key(key, layers))
         handle, name = tempfile.mkstemp(dir=target.parent, prefix=".model-hf.zip.")
         os.close(handle)
         try:

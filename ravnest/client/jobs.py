@@ -198,9 +198,11 @@ def nodes_(ctx: typer.Context) -> None:
 
 def _stage_table(plan: dict, reports: list[dict]):
     """One row per planned stage with what it last reported: how far it is, the share of time it
-    computes (utilization) and waits for its neighbours (bubble), and its mean staleness in steps."""
+    computes (utilization) and waits for its neighbours (bubble), its mean staleness in steps, and its
+    link to the next stage: the codec, and MB per step planned / measured (both ways)."""
     reported = {(r["cluster"], r["stage"]): r for r in reports}
-    stages = table("cluster", "stage", "blocks", "node", "step", "utilization", "bubble", "staleness", "samples/s")
+    stages = table("cluster", "stage", "blocks", "node", "step", "utilization", "bubble", "staleness", "samples/s",
+                   "next link")
     for cluster in plan["clusters"]:
         for s in cluster["stages"]:
             r = reported.get((cluster["cluster"], s["stage"]), {})
@@ -208,8 +210,21 @@ def _stage_table(plan: dict, reports: list[dict]):
                        for key in ("utilization", "bubble", "staleness")]
             rate = (r.get("metrics") or {}).get("samples_per_s")
             stages.add_row(str(cluster["cluster"]), str(s["stage"]), f"[{s['blocks'][0]}, {s['blocks'][1]})",
-                           s["node_id"], str(r.get("step", "")), *figures, f"{rate:,.0f}" if rate is not None else "")
+                           s["node_id"], str(r.get("step", "")), *figures, f"{rate:,.0f}" if rate is not None else "",
+                           _link(s, reported.get((cluster["cluster"], s["stage"] + 1), {}), r))
     return stages
+
+
+def _link(stage: dict, after: dict, here: dict) -> str:
+    """'bf16 1.05/1.10 MB': a stage's link to the next, its codec and megabytes per step both ways."""
+    if stage.get("codec") is None:
+        return ""
+    planned = stage.get("predicted_link_bytes_per_step")
+    sent = [(report.get("metrics") or {}).get(key) for report, key in ((here, "next_bytes_per_step"),
+                                                                         (after, "prev_bytes_per_step"))]
+    measured = None if None in sent else sum(b for b in sent if b is not None)
+    figures = "/".join(f"{b / 1e6:.2f}" if b is not None else "-" for b in (planned, measured))
+    return f"{stage['codec'] or 'fp32'} {figures} MB"
 
 
 def _figures(metrics: dict) -> str:

@@ -6,6 +6,8 @@ decoder layers' inner names are already Llama's, so only the prefixes differ:
     3.self_attn.q_proj.weight             <-> model.layers.2.self_attn.q_proj.weight
     {L+1}.norm.weight                     <-> model.norm.weight
     {L+1}.lm_head.weight                  <-> lm_head.weight
+
+A model trained with `residual_rank` is written in plain Llama form (subspace.py's `fold`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from safetensors.torch import save_file
 from ravnest.data.tokens import EOS
 
 from .registry import ModelError, build_model
+from .subspace import Subspace
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
@@ -73,7 +76,8 @@ def ravnest_config(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ModelError("llama: attention_bias and mlp_bias are not supported")
     config = {key: hf[key] for key in CONFIG_KEYS if key in hf}
-    return {**config, "rope_theta": float(theta), "head_dim": hf.get("head_dim") or 0}
+    return {**config, "rope_theta": float(theta), "head_dim": hf.get("head_dim") or 0,
+            "residual_rank": 0}  # (its layers write into the whole residual stream)
 
 
 def hf_texts(ref: dict[str, Any], dtype: str = "float32", tokenizer: str | None = None) -> dict[str, str]:
@@ -103,8 +107,10 @@ def write_hf_folder(model_file: Path, folder: Path, tokenizer: str | None = None
         metadata = handle.metadata() or {}
         ref = json.loads(metadata.get("model", "{}"))
         hf_texts(ref)  # (a llama, with a valid config)
-        layers = build_model("llama", ref["config"]).config["num_hidden_layers"]
-        tensors = {hf_key(key, layers): handle.get_tensor(key) for key in handle.keys()}
+        spec = build_model("llama", ref["config"])
+        layers, subspace = spec.config["num_hidden_layers"], Subspace.of(spec.config)
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        tensors = {hf_key(key, layers): t for key, t in (subspace.fold(tensors) if subspace else tensors).items()}
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
     folder.mkdir(parents=True, exist_ok=True)
     texts = hf_texts(ref, dtypes.pop() if len(dtypes) == 1 else "float32", tokenizer or metadata.get("tokenizer"))

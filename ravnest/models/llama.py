@@ -5,6 +5,11 @@ in `transformers` as it is (ravnest/models/hf.py maps the keys).
 Blocks: 0 is the token embedding, 1..num_hidden_layers the decoder layers, the last the final norm
 with the head. The rotary angles depend only on a token's position, so each layer computes them from
 its input's length: no block reads another's state.
+
+`residual_rank: k` (0: off) is for slow links (subspace.py): the residual stream between blocks is a
+fixed token embedding plus k trained coordinates, so what crosses a cut is k numbers per token (and
+the token id) instead of hidden_size. The model stays a Llama: export folds the subspace into the
+embedding and the layers' output projections.
 """
 from __future__ import annotations
 
@@ -15,13 +20,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from .registry import InputSpec, ModelSpec, register_model, require, resolve_config
+from .subspace import Subspace
 
 # a small model's defaults; the names are Hugging Face LlamaConfig's (head_dim 0: hidden_size / heads)
 DEFAULTS: dict[str, Any] = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 688,
                             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
                             "head_dim": 0, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                             "max_position_embeddings": 256, "tie_word_embeddings": False,
-                            "initializer_range": 0.02}
+                            "initializer_range": 0.02, "residual_rank": 0}
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +104,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"])
 
+        self.subspace = Subspace.of(cfg)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.subspace is not None:  # x is packed: k coordinates and the token ids (subspace.py)
+            residual = self.subspace.unpack(x)
+            residual.add(self.self_attn(self.input_layernorm(residual.full())))
+            residual.add(self.mlp(self.post_attention_layernorm(residual.full())))
+            return residual.packed()
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -106,15 +119,19 @@ class DecoderLayer(nn.Module):
 class Embedding(nn.Module):
     """Token ids [B, T] (T <= max_position_embeddings) -> [B, T, hidden_size]."""
 
-    def __init__(self, vocab_size: int, width: int, max_length: int) -> None:
+    def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, width)
-        self.max_length = max_length
+        self.subspace = Subspace.of(cfg)
+        # with a subspace, the trained part of the embedding is its k coordinates (the rest is fixed)
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], self.subspace.rank if self.subspace else cfg["hidden_size"])
+        self.max_length = cfg["max_position_embeddings"]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.shape[1] > self.max_length:
             raise ValueError(f"sequence of {ids.shape[1]} tokens is longer than max_position_embeddings="
                              f"{self.max_length}")
+        if self.subspace is not None:
+            return self.subspace.embedded(ids, self.embed_tokens(ids))
         return self.embed_tokens(ids)
 
 
@@ -123,8 +140,11 @@ class Head(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.subspace = Subspace.of(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.subspace is not None:
+            x = self.subspace.unpack(x).full()
         return self.lm_head(self.norm(x))
 
 
@@ -151,11 +171,12 @@ def build_llama(config: dict[str, Any]) -> ModelSpec:
     require(head_dim % 2 == 0, "llama", f"the head dimension ({head_dim}) must be even: rotary positions rotate pairs")
     require(cfg["rms_norm_eps"] > 0 and cfg["rope_theta"] > 0 and cfg["initializer_range"] > 0, "llama",
             "rms_norm_eps, rope_theta and initializer_range must be positive")
+    Subspace.validate(cfg)
     layers = cfg["num_hidden_layers"]
 
     def make_block(index: int) -> nn.Module:
         if index == 0:
-            block: nn.Module = Embedding(cfg["vocab_size"], cfg["hidden_size"], cfg["max_position_embeddings"])
+            block: nn.Module = Embedding(cfg)
         elif index <= layers:
             block = DecoderLayer(cfg, head_dim)
         else:

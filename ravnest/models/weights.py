@@ -58,6 +58,9 @@ def _naming(spec: ModelSpec, names: set[str], metadata: dict[str, str], label: s
             raise ModelError(f"{label} holds a {saved!r} model; this job trains a {spec.name!r}")
         return lambda key: key
     if spec.name == "llama" and any(name.startswith("model.") for name in names):
+        if spec.config.get("residual_rank"):
+            raise ModelError(f"{label} is a Hugging Face Llama, whose layers write into all of the residual "
+                             f"stream: a model with residual_rank cannot start from it (set residual_rank 0)")
         layers = spec.config["num_hidden_layers"]
         return lambda key: hf_key(key, layers)
     raise ModelError(f"{label} is neither a `ravnest download` nor a Hugging Face Llama checkpoint for this "

@@ -21,6 +21,15 @@ from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, 
 FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
 MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
 PREV, NEXT = "prev", "next"
+TARGET_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)  # what targets may travel as
+
+
+def target_dtype(limit: int | None) -> torch.dtype:
+    """The narrowest dtype for targets below `limit` (a language model's vocabulary): a token costs 1
+    or 2 bytes on the wire rather than int64's 8. Classes (limit None) are one per sample: int64."""
+    if limit is None:
+        return torch.int64
+    return torch.uint8 if limit <= 256 else torch.int16 if limit <= 32768 else torch.int32
 log = logging.getLogger(__name__)
 
 
@@ -28,7 +37,7 @@ class Neighbours:
     """The inbox this stage's worker takes from and the streams it sends on."""
 
     def __init__(self, assignment: StageAssignment, *, task: str, window: int,
-                 total_micro_batches: int, peer_timeout: float, codec: str):
+                 total_micro_batches: int, peer_timeout: float, codec: str, target_limit: int | None = None):
         a = self.assignment = assignment
         self.is_first, self.is_last = a.stage == 0, a.stage == a.num_stages - 1
         for needed, peer, side in ((not self.is_first, a.prev, PREV), (not self.is_last, a.next, NEXT)):
@@ -41,8 +50,10 @@ class Neighbours:
             raise ValueError(f"unknown input dtype {a.input_dtype!r}")
         self.task, self.total_micro_batches = task, total_micro_batches
         self.peer_timeout, self.codec = peer_timeout, codec
+        self._target_dtype = target_dtype(target_limit)
         self.inbox = Inbox(forward_capacity=window + RECEIVE_SLACK)  # bounds what the planner counts
         self._streams: dict[str, OutboundStream] = {}
+        self._sent_on_closed: dict[str, int] = {}  # bytes sent on streams closed already, by side
         self._closing = False  # streams ending from now on are ours closing them
         self._next_forward_id = 0
         self._forward_lock = threading.Lock()
@@ -69,12 +80,20 @@ class Neighbours:
             peer = self._peer(side)
             assert peer is not None  # checked in __init__ for every side this stage sends to
             wait_authorized(peer.address, self.assignment.token)
+            codec = self.codec if peer.codec is None else peer.codec  # the planner's pick for this link
             stream = self._streams[side] = OutboundStream(peer.address, token=self.assignment.token,
-                                                          codec=self.codec, max_pending=SEND_QUEUE)
+                                                          codec=codec, max_pending=SEND_QUEUE)
             # A send only queues, so a stream the peer failed must wake the worker by itself.
             stream.add_done_callback(lambda ended: self._stream_ended(side, ended))
+        if "y" in msg.tensors:
+            msg.tensors["y"] = msg.tensors["y"].to(self._target_dtype)
         # copy=False: frames are cut on gRPC's thread; nothing writes to sent tensors afterwards
         stream.send(msg, timeout=self.peer_timeout, copy=False)
+
+    def sent_bytes(self, side: str) -> int:
+        """Bytes sent to the stage on `side` so far, as the codec encoded them."""
+        stream = self._streams.get(side)
+        return self._sent_on_closed.get(side, 0) + (stream.sent_bytes if stream is not None else 0)
 
     def _stream_ended(self, side: str, stream: OutboundStream) -> None:
         if self._closing:
@@ -91,8 +110,9 @@ class Neighbours:
     def close(self) -> None:
         """Wait until every neighbour has received everything we sent."""
         self._closing = True
-        for stream in self._streams.values():
+        for side, stream in self._streams.items():
             stream.close(timeout=self.peer_timeout)
+            self._sent_on_closed[side] = self._sent_on_closed.get(side, 0) + stream.sent_bytes
         self._streams.clear()
 
     def cut(self) -> None:
@@ -161,7 +181,8 @@ class Neighbours:
             limits = ", ".join(f"{name} <= {limit}" for name, limit in zip(shape, expected[:free]))
             raise WireError(f"{where} expects activations {a.input_dtype} of shape {shape} with "
                             f"{limits}, got {str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
-        if y.dtype != torch.int64 or y.shape != x.shape[:free]:
-            raise WireError(f"{where}: targets must be int64 of shape {list(x.shape[:free])}, "
-                            f"got {y.dtype}{list(y.shape)}")
+        if y.dtype not in TARGET_DTYPES or y.is_floating_point() or y.shape != x.shape[:free]:
+            raise WireError(f"{where}: targets must be integers of shape {list(x.shape[:free])}, "
+                            f"got {str(y.dtype).removeprefix('torch.')}{list(y.shape)}")
         require_finite(x, f"{where}: activations of {msg.kind} message {msg.id}")
+        msg.tensors["y"] = y.long()  # (what the loss takes)

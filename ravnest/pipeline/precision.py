@@ -35,6 +35,12 @@ INITIAL_SCALE, GROWTH_INTERVAL = 2.0**16, 2000
 WIRE_CODEC = {"bf16": "bf16"}
 
 
+def wire_codec(asked: str, precision: str) -> str:
+    """The pipeline codec of a link whose job asked for `asked`: the precision's default where it named
+    none, or left the choice to a planner that did not make one ("auto" run outside the coordinator)."""
+    return WIRE_CODEC.get(precision, "") if asked in ("", "auto") else asked
+
+
 def usable_precision(asked: str, device: torch.device) -> str:
     """The precision a stage computes in: bf16 or fp16 only where the hardware has that arithmetic (a
     GPU that supports it; a CPU with AVX512-BF16/AMX, or AVX512-FP16). On a CPU without it, autocast

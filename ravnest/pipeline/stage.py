@@ -44,11 +44,11 @@ from ravnest.pipeline.feed import BatchFeed
 from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.pipeline.memory import PeakMemory
 from ravnest.pipeline.metrics import PipelineTrace, StageClock
-from ravnest.pipeline.neighbours import MESSAGE_KINDS, Neighbours
+from ravnest.pipeline.neighbours import MESSAGE_KINDS, NEXT, PREV, Neighbours
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (batch_parts, check_stage_schedule, prediction_order, stage_actions,
                                        staleness_method, warmup)
-from ravnest.pipeline.precision import WIRE_CODEC, usable_precision
+from ravnest.pipeline.precision import usable_precision, wire_codec
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment
 from ravnest.wire import Router
@@ -87,7 +87,8 @@ class StageRunner:
         spec = build_model(a.model.name, a.model.config)
         self.neighbours = Neighbours(a, task=spec.task, window=self.window,
                                      total_micro_batches=self.total_micro_batches, peer_timeout=peer_timeout,
-                                     codec=training.codec or WIRE_CODEC.get(training.precision, ""))
+                                     codec=wire_codec(training.codec, training.precision),
+                                     target_limit=spec.input.high if spec.task == "lm" else None)
         start, end = a.blocks
         if not 0 <= start < end <= spec.num_blocks:
             raise ValueError(f"block range {a.blocks} is outside the model's {spec.num_blocks} blocks")
@@ -98,12 +99,8 @@ class StageRunner:
         if a.model.weights is not None and not a.resume_step:  # fine-tuning: from the weights the job names
             self._start_from(spec, a.model.weights.source, datasets or {})
         self.predict = prediction_order(method)
-        stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
         precision = usable_precision(training.precision, self.device)
-        self.compute = StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
-                                    device=self.device, snapshots=stale, predict=self.predict,
-                                    split=a.split_backward, precision=precision,
-                                    checkpoint_blocks=training.activation_checkpointing)
+        self.compute = self._stage_compute(precision)
         # tokens/s and MFU (throughput.py): this stage's model FLOPs per sample, the hardware's peak
         self.tokens_per_sample = a.dataset.seq_len if spec.task == "lm" else None
         self.flops_per_sample = throughput.training_flops_per_sample(spec, start, end, self.tokens_per_sample)
@@ -125,6 +122,13 @@ class StageRunner:
         self._executor: StageExecutor | None = None  # while and after `run`
         self._stop_reason = ""
         self.neighbours.listen(router)  # last: a stage that could not be built takes no messages
+
+    def _stage_compute(self, precision: str) -> StageCompute:
+        a, training = self.assignment, self.training
+        stale = warmup(a.stage, a.num_stages, self.window) > 1  # can a step fall between F and W here?
+        return StageCompute(self.module, mode=training.weight_stash, input_grad=not self.is_first,
+                            device=self.device, snapshots=stale, predict=self.predict, split=a.split_backward,
+                            precision=precision, checkpoint_blocks=training.activation_checkpointing)
 
     def _start_from(self, spec: ModelSpec, source: str, offered: Mapping[str, str | Path]) -> None:
         label = f"model file {source!r}"
@@ -245,7 +249,14 @@ class StageRunner:
                 **({"compute_s": busy / self.per_step} if busy is not None else {}),
                 **throughput.figures(clock["samples_per_s"], self.flops_per_sample, self.tokens_per_sample,
                                      self.peak_flops),
-                **self.averaging.metrics()}
+                **self._link_figures(), **self.averaging.metrics()}
+
+    def _link_figures(self) -> dict[str, float]:
+        """Bytes per optimizer step this stage sent to each neighbour: activations to the next stage,
+        gradients to the previous one, as the pipeline's codec encoded them."""
+        steps = max(1, self.optimizer.steps)
+        return {f"{side}_bytes_per_step": self.neighbours.sent_bytes(side) / steps
+                for side, present in ((NEXT, not self.is_last), (PREV, not self.is_first)) if present}
 
     # --- state in and out (state.py) ------------------------------------------------------------------
 

@@ -395,6 +395,7 @@ class OutboundStream:
         self.chunk_bytes = chunk_bytes
         self._queue: queue.Queue = queue.Queue(max_pending)
         self._closed = False
+        self.sent_bytes = 0  # frames handed to gRPC, as encoded (what the link carries)
         channel = (pool or _default_pool).get(address)
         ready = grpc.channel_ready_future(channel)
         try:
@@ -422,7 +423,9 @@ class OutboundStream:
             if isinstance(frames, threading.Event):  # a flush marker: everything before it is out
                 frames.set()
                 continue
-            yield from frames
+            for frame in frames:
+                self.sent_bytes += len(frame)
+                yield frame
 
     def _on_done(self, _future) -> None:
         # The stream is over: release senders blocked on a full queue and end the frame generator,
