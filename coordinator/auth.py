@@ -5,7 +5,8 @@
     node       a node's own calls: heartbeat, offers and leave (/v1/nodes/{id}/...), its job reports and
                uploads (/v1/jobs/{id}/metrics|fail|weights|checkpoint|state): that node's credential
     reader     seeing jobs and nodes (GET /v1/jobs[/{id}[/curve|/events]], GET /v1/nodes, the dashboard,
-               /metrics, GET /v1/whoami): any API key; a submitter's key sees its own jobs only
+               /metrics, GET /v1/whoami), a one-time dashboard link (POST /v1/dashboard-link): any API
+               key; a submitter's key sees its own jobs only
     submitter  submitting, and cancelling, resuming and downloading a job: a submitter key (its own
                jobs, checked by the service) or an operator key
     operator   everything else (join tokens, keys, revoking nodes): an operator key
@@ -39,7 +40,8 @@ def required(method: str, path: str) -> str:
     if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
         return "open"
     parts = path.strip("/").split("/")
-    if path in ("/", "/metrics", "/v1/whoami") and method == "GET":
+    if (path in ("/", "/metrics", "/v1/whoami") and method == "GET") or (path == "/v1/dashboard-link"
+                                                                         and method == "POST"):
         return "reader"
     if parts == ["v1", "probe"]:
         return "join"

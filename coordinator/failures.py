@@ -28,7 +28,8 @@ def failure_reason(failure: Failure | None, said: str, reporter: NodeRow, stage:
     if failure.kind == FailureKind.OUT_OF_MEMORY:
         return f"node {who(reporter)} ran out of memory in cluster {stage.cluster} stage {stage.stage}"
     if failure.kind == FailureKind.NAN:
-        return f"{where} met a value that is not finite (NaN or infinity): {failure.message}"
+        return (f"{where} stopped on a value that is not finite (training may have diverged: a lower learning "
+                f"rate or training.grad_clip may help): {failure.message}")
     if failure.kind == FailureKind.PEER_FAILED:
         return f"{where} stopped because a neighbouring stage failed: {failure.message}"
     if failure.kind == FailureKind.TIMEOUT:

@@ -108,7 +108,7 @@ class Shape:
     def describe(self) -> str:
         fitted = not self.load.split_backward and not self.load.checkpoint_blocks  # (checkpointing never splits)
         plain = " (backward not split, to fit memory)" if fitted else ""
-        shape = f"{_n(len(self.replicas), 'replica')} x {_n(len(self.ranges), 'stage')}"
+        shape = f"{_n(len(self.replicas), 'pipeline')} of {_n(len(self.ranges), 'stage')}"
         return f"{shape}{plain}: {_rate(self.samples_per_s)}"
 
 
@@ -149,19 +149,19 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         used = {n.node_id for replica in shape.replicas for n in replica}
         unused.update({n.node_id: "spare: the chosen shape leaves it over" for n in chain if n.node_id not in used})
         shapes.append(shape)
-        why.append(f"{_n(len(chain), 'node')} -> {shape.describe()}"
-                   + (f" (considered {'; '.join(considered)})" if len(considered) > 1 else ""))
+        why.append(f"{_n(len(chain), 'node')} as {shape.describe()}"
+                   + (f" (weighed against: {'; '.join(considered)})" if len(considered) > 1 else ""))
     if exact is None and _paced_by_slowest(averaging):
         kept = _without_laggards(shapes)
         for index, shape in enumerate(shapes):
             if index not in kept:
-                why[index] += " -> left out: it would pace the others"
+                why[index] += ", left out: averaging would wait for it"
                 unused.update({n.node_id: f"spare: its group ({shape.describe()}) would set the pace of the "
                                           f"faster ones, averaging waits for the slowest"
                                for replica in shape.replicas for n in replica})
         shapes = [shapes[i] for i in sorted(kept)]
     if placement.stages_per_cluster:
-        why.append(f"stages_per_cluster = {placement.stages_per_cluster}")
+        why.append(f"{_n(placement.stages_per_cluster, 'stage')} per cluster, as the job asks")
     return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links)
 
 
@@ -334,7 +334,7 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
                 fit = _fitting_partition(costs, weakest, load)
             except PartitionError as e:
                 last_error = str(e)
-                considered.append(f"{_n(count, 'replica')} x {_n(depth, 'stage')}: does not fit")
+                considered.append(f"{_n(count, 'pipeline')} of {_n(depth, 'stage')}: does not fit")
                 continue
             load, ranges = fit.load, fit.ranges
             shape = make_shape(costs, dealt, weakest, ranges, load, training, averaging)

@@ -266,3 +266,8 @@ class CredentialView(BaseModel):
 
 class CredentialCreated(CredentialView):
     token: str = Field(description="shown once: only its hash is kept")
+
+
+class DashboardLink(BaseModel):
+    path: str = Field(description="open the coordinator's URL with this path once: it logs in with your key")
+    expires_in_s: float

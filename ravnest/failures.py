@@ -8,6 +8,7 @@ and the wire's errors say which peer they concern (`PipelineError.peer`, `PeerEr
 """
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Mapping
 
@@ -39,6 +40,10 @@ class Failure(BaseModel):
     detail: str = Field("", max_length=2000, description="the transport's or the library's own words")
 
 
+# a GPU's words ("CUDA out of memory"), and a CPU's (torch: "DefaultCPUAllocator: can't allocate memory")
+_OUT_OF_MEMORY = re.compile(r"out of memory|can't allocate memory|cannot allocate memory", re.IGNORECASE)
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
     seen: list[BaseException] = []
     while exc is not None and exc not in seen:
@@ -57,7 +62,7 @@ def classify(exc: BaseException, peers: Mapping[str, str] | None = None, step: i
     detail = "; ".join(dict.fromkeys(str(e) for e in chain if str(e)))[:2000]
     kind, address = FailureKind.LOCAL_ERROR, None
     for e in chain:
-        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _OUT_OF_MEMORY.search(str(e)):
             kind = FailureKind.OUT_OF_MEMORY
             break
         if isinstance(e, PipelineError) and e.kind is not None:

@@ -25,6 +25,8 @@ STAGE_FIGURES = {
     "avg_round_bytes": "bytes a stage sent per averaging round, as its codec encoded them",
     "next_bytes_per_step": "bytes sent to the next stage per optimizer step (activations, as encoded)",
     "prev_bytes_per_step": "bytes sent to the previous stage per optimizer step (gradients, as encoded)",
+    "next_link_busy": "share of time the stream to the next stage had something to send (1: the link sets the pace)",
+    "prev_link_busy": "share of time the stream to the previous stage had something to send",
     "elapsed_s": "seconds since the stage started",
     "compute_s": "seconds spent computing per optimizer step, evaluation left out (the last 10 steps)",
     "lr": "learning rate",

@@ -133,6 +133,10 @@ def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_cur
             shares = page.locator("#pipelines text.utilization").all_text_contents()
             assert len(shares) == 4
             assert all(re.fullmatch(r"utilization \d\.\d\d · bubble \d\.\d\d", t) for t in shares), shares
+            page.wait_for_function(  # each cluster's one link: its codec, and how busy stage 0 keeps it
+                "[...document.querySelectorAll('#pipelines g.link text.busy')]"
+                ".filter((t) => /^\\d+% busy$/.test(t.textContent)).length === 2")
+            assert page.locator("#pipelines g.link").first.inner_html().count("fp32") == 1
             page.wait_for_function("document.querySelector('#loss-chart polyline.series')")
             first = int(page.locator("#loss-chart polyline.series").first.get_attribute("data-points"))
             page.wait_for_function(  # the curve grows from the job's server-sent events, no reload

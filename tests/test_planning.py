@@ -142,7 +142,7 @@ def test_a_small_model_goes_data_parallel_and_says_why() -> None:
     plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)], Placement())
     assert [len(c.stages) for c in plan.clusters] == [1, 1, 1, 1]
     assert plan.reason.startswith("4 clusters x 1 stage, predicted")
-    assert "2 replicas x 2 stages" in plan.reason  # a deeper alternative was considered and lost
+    assert "2 pipelines of 2 stages" in plan.reason  # a deeper alternative was considered and lost
     one = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)], Placement(clusters=1))
     assert len(one.clusters) == 1 and len(one.clusters[0].stages) == 1 and len(one.unused) == 3
 
@@ -157,7 +157,7 @@ def test_a_big_model_gets_as_many_stages_as_its_memory_needs() -> None:
     nodes = [node(f"n{i}", memory=offer) for i in range(4)]
     plan = plan_job(costs, nodes, Placement(), training=training)
     assert len(plan.clusters) == 1 and len(plan.clusters[0].stages) in (3, 4)
-    assert "2 replicas x 2 stages: does not fit" in plan.reason
+    assert "2 pipelines of 2 stages: does not fit" in plan.reason
     for stage in plan.clusters[0].stages:
         assert 0 < stage.predicted_memory_bytes <= offer
     assert [s.input_shape for s in plan.clusters[0].stages][1] == [8, 64, 256]
@@ -299,9 +299,9 @@ def test_the_planner_prices_the_averaging_codec() -> None:
 def test_the_plan_says_a_line_said_of_several_groups_once() -> None:
     plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)],
                     Placement(clusters=4, min_nodes=4, stages_per_cluster=1))
-    assert plan.reason.count("1 node -> 1 replica x 1 stage") == 1, plan.reason
-    assert "; 4 groups: 1 node -> 1 replica x 1 stage: " in plan.reason
-    assert plan.reason.count("stages_per_cluster") == 1
+    assert plan.reason.count("1 node as 1 pipeline of 1 stage") == 1, plan.reason
+    assert "; 4 groups: 1 node as 1 pipeline of 1 stage: " in plan.reason
+    assert plan.reason.count("per cluster, as the job asks") == 1
 
 
 def test_auto_compresses_only_the_links_that_would_hold_their_stages_up() -> None:

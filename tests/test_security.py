@@ -210,6 +210,16 @@ def test_an_operator_hands_out_and_revokes_credentials_with_the_ravnest_command(
         assert refused.returncode == 1 and "operator key" in refused.stderr
         assert ravnest("node", "list", key=reader).returncode == 0
 
+        linked = ravnest("dashboard", key=reader)  # a one-time login link; the key is not in it
+        assert linked.returncode == 0 and reader not in linked.stdout, linked.stderr
+        url = linked.stdout.strip()
+        assert url.startswith(f"{cluster.url}/login?once=")
+        opened = httpx.get(url, follow_redirects=False)
+        assert opened.status_code == 303 and opened.headers["location"] == "/"
+        assert httpx.get(f"{cluster.url}/", cookies=opened.cookies).status_code == 200  # the dashboard
+        again = httpx.get(url, follow_redirects=False)
+        assert again.status_code == 401 and "used already" in again.text
+
         assert ravnest("node", "revoke", node_id).returncode == 0
         node = cluster.node_process(node_id)
         assert node.wait(timeout=30) == 1
@@ -233,3 +243,34 @@ def test_training_works_end_to_end_with_tls_everywhere(tmp_path: Path) -> None:
         assert job["metrics"]["test_accuracy"] >= 0.9
         with pytest.raises(httpx.HTTPError):  # nothing answers in plain text
             httpx.get(cluster.url.replace("https://", "http://") + "/healthz", timeout=5)
+
+
+def test_a_one_time_dashboard_link_logs_in_once_within_a_minute(client: TestClient) -> None:
+    """POST /v1/dashboard-link with any API key: the path logs in once (the key as the form's HttpOnly
+    cookie) and never shows the key; a second visit, a stranger or an expired link gets the form."""
+    _, reader = key(client, "reader", "screen")
+    assert client.post("/v1/dashboard-link", headers={"Authorization": "Bearer nonsense"}).status_code == 401
+    link = client.post("/v1/dashboard-link", headers=reader).json()
+    assert link["expires_in_s"] == 60 and reader["Authorization"].split()[1] not in link["path"]
+    client.cookies.clear()
+    opened = client.get(link["path"], headers={"Authorization": ""}, follow_redirects=False)
+    assert opened.status_code == 303 and "httponly" in opened.headers["set-cookie"].lower()
+    assert client.get("/", headers={"Authorization": ""}, follow_redirects=False).status_code == 200
+    client.cookies.clear()
+    used = client.get(link["path"], headers={"Authorization": ""}, follow_redirects=False)
+    assert used.status_code == 401 and "used already" in used.text
+    assert client.get("/login?once=made-up", follow_redirects=False).status_code == 401
+
+
+def test_login_links_expire_and_are_bounded() -> None:
+    from coordinator.login_links import LINK_S, MAX_OPEN, LoginLinks
+    now = [0.0]
+    links = LoginLinks(lambda: now[0])
+    late, soon = links.create("key-a"), links.create("key-b")
+    assert links.redeem(soon) == "key-b" and links.redeem(soon) is None
+    now[0] = LINK_S + 1
+    assert links.redeem(late) is None
+    first = links.create("k")
+    for _ in range(MAX_OPEN):
+        links.create("k")
+    assert links.redeem(first) is None and len(links._open) == MAX_OPEN  # the oldest went first

@@ -3,6 +3,7 @@ the dashboard's login and page, and Prometheus' scrape."""
 from __future__ import annotations
 
 import importlib.resources
+import time
 from collections.abc import AsyncIterator
 from urllib.parse import parse_qs
 
@@ -16,7 +17,8 @@ from starlette.staticfiles import StaticFiles
 from ..auth import COOKIE
 from ..dashboard import ASSETS as DASHBOARD_ASSETS, render_dashboard, render_login
 from ..metrics import scrape
-from ..schemas import Health
+from ..login_links import LINK_S, LoginLinks
+from ..schemas import DashboardLink, Health
 from ..errors import TooMany
 from ..limits import ProbeSlots
 from . import own_jobs, principal, service
@@ -32,8 +34,9 @@ router = APIRouter()
 
 def mount_assets(app: FastAPI) -> None:
     """The API docs work on an offline cluster: Swagger UI's and ReDoc's assets come from an installed
-    package; the dashboard's from ours. (And the probes' slots, per app.)"""
+    package; the dashboard's from ours. (And the probes' slots and the one-time login links, per app.)"""
     app.state.probe_slots = ProbeSlots(PROBES_PER_CREDENTIAL, PROBE_SLOT_S)
+    app.state.login_links = LoginLinks(time.monotonic)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")),
               name="docs-assets")
     app.mount(DASHBOARD_ASSETS, StaticFiles(directory=str(importlib.resources.files("coordinator") / "static")),
@@ -80,8 +83,25 @@ def redoc() -> HTMLResponse:
 
 
 @router.get("/login", response_class=HTMLResponse, include_in_schema=False)
-def login_form() -> str:
-    return render_login()
+def login_form(request: Request, once: str = Query("", max_length=64)) -> Response:
+    """The login form; with `once`, a one-time link (`ravnest dashboard`) that logs in at once."""
+    if not once:
+        return HTMLResponse(render_login())
+    key = request.app.state.login_links.redeem(once)
+    if key is None:
+        return HTMLResponse(render_login(f"that link was used already or is over {LINK_S:.0f} s old: run "
+                                         f"`ravnest dashboard` again, or log in with your key"), status_code=401)
+    return _logged_in(key)
+
+
+@router.post("/v1/dashboard-link", response_model=DashboardLink, tags=["service"])
+def dashboard_link(request: Request) -> DashboardLink:
+    """A link that opens the dashboard once, logged in with the caller's key, for LINK_S seconds. The
+    key never appears in it (`ravnest dashboard`)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    key = token.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE, "")
+    code = request.app.state.login_links.create(key)
+    return DashboardLink(path=f"/login?once={code}", expires_in_s=LINK_S)
 
 
 @router.post("/login", include_in_schema=False)
@@ -91,8 +111,13 @@ async def login(request: Request) -> Response:
     who = await run_in_threadpool(service(request).credentials.identify, token) if token else "no key given"
     if isinstance(who, str) or who.kind != "key":
         return HTMLResponse(render_login(who if isinstance(who, str) else "that is not an API key"), status_code=401)
+    return _logged_in(token)
+
+
+def _logged_in(key: str) -> Response:
+    """To the dashboard, with the key as an HttpOnly cookie (what every dashboard call then sends)."""
     response = RedirectResponse("/", status_code=303)
-    response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+    response.set_cookie(COOKIE, key, httponly=True, samesite="strict")
     return response
 
 

@@ -10,6 +10,7 @@ second coordinator would see). Each component keeps its own, and says so where i
     Placement     why a node was left out of the last placement; what a running job was last weighed
                   with for growing
     Recoveries    who trains alone (each heartbeat says it again)
+    the app       open bandwidth probes per credential, unused one-time login links (routes/site.py)
 Everything else lives in the store.
 """
 from __future__ import annotations

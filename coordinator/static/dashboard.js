@@ -222,6 +222,15 @@ function drawPipelines(job) {
         const x0 = x - gapX;
         svg.append(el("svg:line", {x1: x0, y1: y + boxH / 2, x2: x - 4, y2: y + boxH / 2, stroke: "#5b6475",
                                    "marker-end": "url(#arrow)"}));
+        // the link: its codec, and the share of time the stage before it had activations waiting to cross
+        const before = cluster.stages[column - 1];
+        const sent = stageFigures[`${cluster.cluster}/${before.stage}`];
+        const busy = sent && sent.metrics.next_link_busy !== undefined ? sent.metrics.next_link_busy : null;
+        const link = el("svg:g", {class: "link", "data-cluster": cluster.cluster, "data-stage": before.stage});
+        link.append(el("svg:text", {x: x0 + 2, y: y + boxH / 2 - 6, "font-size": 10}, before.codec || "fp32"),
+                    el("svg:text", {x: x0 + 2, y: y + boxH / 2 + 14, "font-size": 10, class: "busy"},
+                       busy === null ? "" : `${Math.round(100 * busy)}% busy`));
+        svg.append(link);
       }
     });
   });

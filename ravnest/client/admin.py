@@ -1,6 +1,7 @@
 """The operator's commands: join tokens, API keys and nodes, and `whoami`."""
 from __future__ import annotations
 
+import webbrowser
 from typing import Optional
 
 import typer
@@ -73,6 +74,19 @@ def whoami(ctx: typer.Context) -> None:
     me = call(ctx, "GET", "/v1/whoami")
     out.print(f"{me['role']} key {me['name'] or me['id']} at {ctx.obj.url}"
               + ("" if me["may_submit"] else " (reads only)"), highlight=False)
+
+
+@app.command()
+def dashboard(ctx: typer.Context, open_it: bool = typer.Option(False, "--open", metavar="",
+                                                               help="open it in your browser too")) -> None:
+    """A link that opens the dashboard once, logged in with your key, for a minute. The key is never in
+    it, so it is safe in a terminal's scrollback or a browser's history."""
+    link = call(ctx, "POST", "/v1/dashboard-link")
+    url = f"{ctx.obj.url}{link['path']}"
+    out.print(url, highlight=False, soft_wrap=True)
+    err.print(f"(one use, within {link['expires_in_s']:.0f} s)", highlight=False)
+    if open_it:
+        webbrowser.open(url)
 
 
 @nodes.command("list")

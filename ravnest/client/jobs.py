@@ -199,7 +199,8 @@ def nodes_(ctx: typer.Context) -> None:
 def _stage_table(plan: dict, reports: list[dict]):
     """One row per planned stage with what it last reported: how far it is, the share of time it
     computes (utilization) and waits for its neighbours (bubble), its mean staleness in steps, and its
-    link to the next stage: the codec, and MB per step planned / measured (both ways)."""
+    link to the next stage: the codec, MB per step planned / measured (both ways), and the share of
+    time the stage had activations waiting to cross it."""
     reported = {(r["cluster"], r["stage"]): r for r in reports}
     stages = table("cluster", "stage", "blocks", "node", "step", "utilization", "bubble", "staleness", "samples/s",
                    "next link")
@@ -216,7 +217,8 @@ def _stage_table(plan: dict, reports: list[dict]):
 
 
 def _link(stage: dict, after: dict, here: dict) -> str:
-    """'bf16 1.05/1.10 MB': a stage's link to the next, its codec and megabytes per step both ways."""
+    """'bf16 1.05/1.10 MB 35% busy': a stage's link to the next, its codec, megabytes per step both ways
+    (planned/measured), and how busy the stage kept it forward."""
     if stage.get("codec") is None:
         return ""
     planned = stage.get("predicted_link_bytes_per_step")
@@ -224,7 +226,8 @@ def _link(stage: dict, after: dict, here: dict) -> str:
                                                                          (after, "prev_bytes_per_step"))]
     measured = None if None in sent else sum(b for b in sent if b is not None)
     figures = "/".join(f"{b / 1e6:.2f}" if b is not None else "-" for b in (planned, measured))
-    return f"{stage['codec'] or 'fp32'} {figures} MB"
+    busy = (here.get("metrics") or {}).get("next_link_busy")
+    return f"{stage['codec'] or 'fp32'} {figures} MB" + (f" {busy:.0%} busy" if busy is not None else "")
 
 
 def _figures(metrics: dict) -> str:

@@ -102,11 +102,14 @@ class Residual:
 
     def __init__(self, subspace: Subspace, coordinates: torch.Tensor, ids: torch.Tensor) -> None:
         self.subspace, self.coordinates, self.ids = subspace, coordinates, ids
+        self._fixed: torch.Tensor | None = None  # F[ids], looked up once per block
 
     def full(self) -> torch.Tensor:
         """x = F[ids] + c U^T [B, T, d]."""
         fixed, basis = self.subspace.frame(self.coordinates.device)
-        return fixed[self.ids] + self.coordinates @ basis.T.to(self.coordinates.dtype)
+        if self._fixed is None:
+            self._fixed = fixed[self.ids]
+        return self._fixed + self.coordinates @ basis.T.to(self.coordinates.dtype)
 
     def add(self, output: torch.Tensor) -> None:
         """A layer's output [B, T, d], projected onto the subspace, joins the stream."""

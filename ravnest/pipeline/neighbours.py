@@ -54,6 +54,7 @@ class Neighbours:
         self.inbox = Inbox(forward_capacity=window + RECEIVE_SLACK)  # bounds what the planner counts
         self._streams: dict[str, OutboundStream] = {}
         self._sent_on_closed: dict[str, int] = {}  # bytes sent on streams closed already, by side
+        self._busy: dict[str, float] = {}  # the last busy share seen per side (kept once a stream closes)
         self._closing = False  # streams ending from now on are ours closing them
         self._next_forward_id = 0
         self._forward_lock = threading.Lock()
@@ -95,6 +96,13 @@ class Neighbours:
         stream = self._streams.get(side)
         return self._sent_on_closed.get(side, 0) + (stream.sent_bytes if stream is not None else 0)
 
+    def busy(self, side: str) -> float | None:
+        """The share of time the stream to `side` had something to send (None before it opened)."""
+        stream = self._streams.get(side)
+        if stream is not None:
+            self._busy[side] = stream.busy
+        return self._busy.get(side)
+
     def _stream_ended(self, side: str, stream: OutboundStream) -> None:
         if self._closing:
             return
@@ -111,6 +119,7 @@ class Neighbours:
         """Wait until every neighbour has received everything we sent."""
         self._closing = True
         for side, stream in self._streams.items():
+            self._busy[side] = stream.busy  # (its life as training saw it, not the close's wait)
             stream.close(timeout=self.peer_timeout)
             self._sent_on_closed[side] = self._sent_on_closed.get(side, 0) + stream.sent_bytes
         self._streams.clear()

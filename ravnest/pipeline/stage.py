@@ -252,11 +252,16 @@ class StageRunner:
                 **self._link_figures(), **self.averaging.metrics()}
 
     def _link_figures(self) -> dict[str, float]:
-        """Bytes per optimizer step this stage sent to each neighbour: activations to the next stage,
-        gradients to the previous one, as the pipeline's codec encoded them."""
-        steps = max(1, self.optimizer.steps)
-        return {f"{side}_bytes_per_step": self.neighbours.sent_bytes(side) / steps
-                for side, present in ((NEXT, not self.is_last), (PREV, not self.is_first)) if present}
+        """Per neighbour: bytes per optimizer step this stage sent (activations to the next stage,
+        gradients to the previous one, as the pipeline's codec encoded them), and the share of time its
+        stream had something to send (near 1: the link, not the compute, sets the pace)."""
+        steps, figures = max(1, self.optimizer.steps), {}
+        for side, present in ((NEXT, not self.is_last), (PREV, not self.is_first)):
+            busy = self.neighbours.busy(side) if present else None
+            if busy is not None:
+                figures[f"{side}_bytes_per_step"] = self.neighbours.sent_bytes(side) / steps
+                figures[f"{side}_link_busy"] = busy
+        return figures
 
     # --- state in and out (state.py) ------------------------------------------------------------------
 

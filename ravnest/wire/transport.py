@@ -396,6 +396,7 @@ class OutboundStream:
         self._queue: queue.Queue = queue.Queue(max_pending)
         self._closed = False
         self.sent_bytes = 0  # frames handed to gRPC, as encoded (what the link carries)
+        self._opened, self._idle_s = time.monotonic(), 0.0  # time with nothing queued to send
         channel = (pool or _default_pool).get(address)
         ready = grpc.channel_ready_future(channel)
         try:
@@ -411,13 +412,22 @@ class OutboundStream:
         self._future.add_done_callback(self._on_done)
 
     @property
+    def busy(self) -> float:
+        """The share of the stream's life it had something to send: near 1, the link sets the pace (gRPC
+        takes frames as the link's flow control lets it, a window ahead at most)."""
+        alive = time.monotonic() - self._opened
+        return max(0.0, 1.0 - self._idle_s / alive) if alive > 0 else 0.0
+
+    @property
     def pending(self) -> int:
         """Messages queued and not yet taken by gRPC."""
         return self._queue.qsize()
 
     def _frames(self) -> Iterator[bytes]:
         while True:
+            waiting = time.monotonic()
             frames = self._queue.get()
+            self._idle_s += time.monotonic() - waiting
             if frames is self._END:
                 return
             if isinstance(frames, threading.Event):  # a flush marker: everything before it is out
