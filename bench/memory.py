@@ -11,6 +11,7 @@ It also trains one gpt whose fp32 weights exceed a node's cap as a 4-stage pipel
 and with Adam K=4, and tabulates each stage's predicted memory against its measured peak.
 
     python -m bench.memory [--cap 256MiB] [--d-model 256] [--no-docs]
+    python -m bench.memory --small [--no-docs]     # the README's jobs' small stages, predicted vs measured
 
 The last line printed is `memory largest_params_4_nodes=<N> largest_params_1_node=<M> ratio=<N/M>`.
 """
@@ -100,7 +101,57 @@ def prediction_table() -> str:
     return "\n".join(rows)
 
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "jobs"
+SMALL_JOBS = ("digits-cnn", "digits-mlp", "text-gpt")  # the README's jobs, whose stages are small
+
+
+def small_stages_table(steps: int = 60) -> tuple[str, float, float]:
+    """Markdown rows for the README's jobs as 2 clusters x 2 stages on 4 nodes: predicted against measured
+    per stage; and the lowest and highest measured / predicted."""
+    import json
+
+    rows, ratios = [], []
+    with tempfile.TemporaryDirectory(prefix="ravnest-bench-memory-") as folder, \
+            LocalCluster(Path(folder), nodes=4, node_args=["--dataset", f"gpl3={TEXT}"]) as cluster:
+        for name in SMALL_JOBS:
+            spec = json.loads((EXAMPLES / f"{name}.json").read_text())
+            spec["training"].update(steps=steps, eval_every=0)
+            spec["placement"] = {"clusters": 2, "stages_per_cluster": 2, "min_nodes": 4}
+            result = cluster.wait_job(cluster.submit(spec), timeout=900)
+            if result["state"] != "completed":
+                raise SystemExit(f"{name}: {result['state']}: {result['reason']}")
+            for stage in sorted(result["metrics"]["stages"], key=lambda s: (s["cluster"], s["stage"])):
+                predicted, measured = stage["predicted_memory_bytes"], stage["peak_memory_bytes"]
+                ratios.append(measured / predicted)
+                rows.append(f"| {name} | {stage['cluster']} | {stage['stage']} | {predicted / 2**20:.1f} MiB | "
+                            f"{measured / 2**20:.1f} MiB | {ratios[-1]:.2f} |")
+                print(rows[-1], flush=True)
+    return "\n".join(rows), min(ratios), max(ratios)
+
+
+def small_main(argv: list[str] | None) -> None:
+    table, low, high = small_stages_table()
+    print(f"memory small_stages measured_over_predicted={low:.2f}..{high:.2f}")
+    if argv is None or "--no-docs" not in argv:
+        write_section("Memory of small stages", f"""
+`python -m bench.memory --small`: the README's jobs (examples/jobs, 60 steps) as 2 clusters x 2 stages on 4
+local node processes, each stage's predicted memory against its node's measured peak RSS above idle. A
+small stage's peak is mostly fixed costs (torch's allocator, gRPC's buffers, the queues), which the
+planner counts as `stage_base`. Bound: 0.8 to 1.25.
+
+| job | cluster | stage | predicted | measured | measured / predicted |
+|---|---|---|---|---|---|
+{table}
+
+Measured / predicted from {low:.2f} to {high:.2f}.
+""")
+
+
 def main(argv: list[str] | None = None) -> None:
+    import sys
+    if "--small" in (sys.argv[1:] if argv is None else argv):
+        small_main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--small"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap", default="256MiB", help="--max-memory of every node")
     parser.add_argument("--d-model", type=int, default=256)

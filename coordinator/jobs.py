@@ -28,7 +28,7 @@ from ravnest.averaging.strategy import AUTO
 from ravnest.data.datasets import DatasetError, load_dataset
 from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.pipeline.optim import build_optimizer
-from ravnest.spec import AveragingSettings, JobSpec, Ring, StageAssignment, StagePeer
+from ravnest.spec import AUTO_CODEC, AveragingSettings, JobSpec, Ring, StageAssignment, StagePeer
 
 from .errors import Conflict, InvalidRequest
 from .schemas import ClusterProgress, JobMetrics, Plan, Progress, StageMetrics
@@ -205,6 +205,8 @@ def _averaging(spec: JobSpec, plan: Plan) -> AveragingSettings:
         update = {"strategy": plan.averaging.strategy, "topology": plan.averaging.topology or spec.averaging.topology}
     if spec.averaging.paced is None:
         update["paced"] = plan.averaging.paced
+    if spec.averaging.codec == AUTO_CODEC:
+        update["codec"] = plan.averaging.codec
     return spec.averaging.model_copy(update=update)
 
 

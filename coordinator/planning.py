@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -60,6 +60,7 @@ NEAR_BEST = 0.9  # within this share of the best predicted throughput the simple
 AUTO_LINK_SHARE = 0.5  # codec "auto": a link whose transfer at full precision takes longer than this share
                        # of its stages' compute is compressed (the asynchronous pipeline hides the rest)
 AUTO_COMPRESSED = "bf16"  # what "auto" sends on such a link: half the bytes, float32's range
+AUTO_AVERAGING_SLACK = 1.05  # averaging codec "auto": compress no further than what gains over 5% a step
 
 
 class PlanningError(RavnestError, ValueError):
@@ -199,7 +200,8 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
                 for s, (node, blocks, seconds) in enumerate(zip(replica, shape.ranges, stage_times))]))
     rings = [_planned_ring(i, blocks, stages, [pipelines[c][0][s] for c, s in enumerate(stages)], links, order_rings)
              for i, (blocks, stages) in enumerate(segment_rings([shape.ranges for _, shape in pipelines]))]
-    ring_groups = [_ring_group(ring, pipelines, costs, links, averaging) for ring in rings]
+    def ring_groups(codec: str) -> list[runtime.Group]:
+        return [_ring_group(ring, pipelines, costs, links, codec) for ring in rings]
     averaging_plan = _planned_averaging(averaging, training, max(step_s), ring_groups) if len(clusters) > 1 else None
     throughput = _throughput(shapes, averaging)
     depths = sorted({len(s.ranges) for s in shapes})
@@ -209,6 +211,8 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
         reason += f"; averaging: {averaging_plan.strategy}" + (f" ({averaging_plan.topology})" if
                                                                averaging_plan.topology else "") + \
             f", predicted fastest at {averaging_plan.predicted_step_s[_table_key(averaging_plan)] * 1e3:.3g} ms/step"
+    if averaging_plan is not None and averaging.codec == AUTO_CODEC:
+        reason += f"; averaging sends {averaging_plan.codec or 'float32'} (codec auto)"
     return Plan.model_construct(clusters=clusters, rings=rings, averaging=averaging_plan, unused=unused,
                                 predicted_samples_per_s=throughput, reason=reason)
 
@@ -267,13 +271,13 @@ def coded_bytes(param_bytes: float, codec: str, members: int) -> float:
 
 
 def _ring_group(ring: PlannedRing, pipelines: list[tuple[list[NodeInfo], Shape]], costs: list[BlockCost],
-                links: Links | None, averaging: AveragingSettings) -> runtime.Group:
+                links: Links | None, codec: str) -> runtime.Group:
     """A planned ring as the runtime model sees it: its members, its segment's bytes, its slowest link."""
     members = [pipelines[c][0][s] for c, s in enumerate(ring.stages)]
     members = [members[c] for c in ring.order] if ring.order else members
     around = [link(here, after, links) for here, after in zip(members, [*members[1:], members[0]])]
     param_bytes = sum(c.param_bytes for c in costs[ring.blocks[0]:ring.blocks[1]])
-    return runtime.Group(len(members), coded_bytes(param_bytes, averaging.codec, len(members)),
+    return runtime.Group(len(members), coded_bytes(param_bytes, codec, len(members)),
                          min(b for b, _ in around), max(lat for _, lat in around),
                          fine_overlap=all(len(shape.ranges) == 1 for _, shape in pipelines))
 
@@ -376,7 +380,8 @@ def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: 
     their number."""
     merged = _merge_stages(costs, ranges)
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
-    groups = [runtime.Group(len(replicas), coded_bytes(merged[s].param_bytes, averaging.codec, len(replicas)),
+    codec = _averaging_candidates(averaging)[-1] if averaging.codec == AUTO_CODEC else averaging.codec
+    groups = [runtime.Group(len(replicas), coded_bytes(merged[s].param_bytes, codec, len(replicas)),
                             min(r[s].bandwidth for r in replicas),
                             max(r[s].latency for r in replicas), fine_overlap=len(ranges) == 1)
               for s in range(len(ranges))]
@@ -410,15 +415,42 @@ def _predictions(averaging: AveragingSettings, training: TrainingSettings, step_
 
 
 def _planned_averaging(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
-                       groups: list[runtime.Group]) -> PlannedAveraging | None:
-    """The runtime model's table for the plan, and the strategy the stages will run."""
-    if averaging.strategy == "none" or not groups:
+                       ring_groups: Callable[[str], list[runtime.Group]]) -> PlannedAveraging | None:
+    """The runtime model's table for the plan, and the strategy (and codec) the stages will run."""
+    if averaging.strategy == "none" or not ring_groups(""):
         return None
+    codec = averaging.codec if averaging.codec != AUTO_CODEC else \
+        _averaging_codec(averaging, training, step_s, ring_groups)
+    groups = ring_groups(codec)
     table = _predictions(averaging, training, step_s, groups)
     strategy, topology = ((averaging.strategy, averaging.topology) if averaging.strategy != "auto"
                           else runtime.pick(table))
     return PlannedAveraging.model_construct(strategy=strategy, topology=topology, compute_step_s=step_s,
-                                            predicted_step_s=table, paced=runtime.link_bound(step_s, groups))
+                                            predicted_step_s=table, paced=runtime.link_bound(step_s, groups),
+                                            codec=codec)
+
+
+def _averaging_candidates(averaging: AveragingSettings) -> list[str]:
+    """What averaging codec "auto" chooses among, least lossy first (a shape is priced with the last)."""
+    changes = averaging.strategy != "auto" and strategy_info(averaging.strategy).averages_changes
+    return ["", "int8", *(["topk"] if changes else [])]
+
+
+def _averaging_codec(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
+                     ring_groups: Callable[[str], list[runtime.Group]]) -> str:
+    """codec "auto": the least lossy codec (raw, then int8, then topk where the strategy averages changes)
+    whose predicted step is within AUTO_AVERAGING_SLACK of the fastest one's: compress only where it pays
+    (not where rounds keep up anyway, nor where latency, not bytes, sets their pace)."""
+    if averaging.strategy != "auto" and strategy_info(averaging.strategy).cost is None:
+        return ""  # a plug-in the runtime model cannot price: no reason to compress
+    predicted = {}
+    for codec in _averaging_candidates(averaging):
+        predicted[codec] = min(_predictions(averaging, training, step_s, ring_groups(codec)).values()) \
+            if averaging.strategy == "auto" else runtime.strategy_step_s(
+                averaging.strategy, step_s, ring_groups(codec), every=averaging.every, topology=averaging.topology,
+                settings=averaging.of(averaging.strategy))
+    fastest = min(predicted.values())
+    return next(codec for codec, step in predicted.items() if step <= AUTO_AVERAGING_SLACK * fastest)
 
 
 MAX_WEIGHTED_RING = 16  # balancing costs O(members^2) per iteration; larger rings share equally

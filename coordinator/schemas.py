@@ -81,6 +81,7 @@ class PlannedAveraging(BaseModel):
     topology: str = Field("", description="its topology, for gossip strategies")
     paced: bool = Field(False, description="gossip rounds paced by the receivers: a segment takes longer on the "
                                            "slowest link than a step's compute")
+    codec: str = Field("", description="the codec replicas send with: the job's, or the planner's pick for 'auto'")
     compute_step_s: float = Field(description="predicted compute seconds per optimizer step, slowest cluster")
     predicted_step_s: dict[str, float] = Field(
         description="runtime model (ravnest/averaging/runtime.py): seconds per optimizer step under each "

@@ -206,7 +206,8 @@ class AveragingSettings(_Strict):
         None, gt=0, le=86400, description="seconds between rounds instead of `every` steps (clusters of unequal speed)")
     codec: str = Field("", max_length=32, description=(
         "how replicas' vectors cross the wire: '' raw, 'fp16', 'bf16', 'int8', or 'topk' (1.56% of the values "
-        "with error feedback, all-gathered; diloco only; ravnest/wire/codecs, docs/links.md)"))
+        "with error feedback, all-gathered; diloco only), or 'auto': the planner picks the least lossy one "
+        "whose rounds keep up with training (ravnest/wire/codecs, docs/links.md)"))
     backend: Literal["grpc", "torch"] = Field(
         "grpc", description="'grpc': collectives over the authenticated peer wire (the default, and the only "
                             "choice across the internet); 'torch': over torch.distributed's gloo, for trusted "
@@ -238,7 +239,12 @@ class AveragingSettings(_Strict):
     @field_validator("codec")
     @classmethod
     def _averaging_codec(cls, name: str) -> str:
-        return _known_codec(name, "averaging")
+        return name if name == AUTO_CODEC else _known_codec(name, "averaging")
+
+    @property
+    def sent_codec(self) -> str:
+        """The codec replicas send with: the job's, or raw where it said "auto" and no planner picked one."""
+        return "" if self.codec == AUTO_CODEC else self.codec
 
     @field_validator("strategy")
     @classmethod
@@ -269,7 +275,8 @@ class AveragingSettings(_Strict):
                 problems = "; ".join(("".join(f"{part}: " for part in e["loc"][:1]) + e["msg"])
                                      .replace("Value error, ", "") for e in exc.errors())
                 raise ValueError(f"averaging.{name}: {problems}") from None
-        if self.codec and not codecs.codec(self.codec).reduces and not strategy_info(self.strategy).averages_changes:
+        if self.sent_codec and not codecs.codec(self.sent_codec).reduces \
+                and not strategy_info(self.strategy).averages_changes:
             raise ValueError(f"codec {self.codec!r} keeps a few of a vector's values and delays the rest, which "
                              f"suits changes, not weights: use it with a strategy that averages changes: "
                              f"{', '.join(i.name for i in registered() if i.averages_changes)}")

@@ -323,3 +323,23 @@ def test_auto_compresses_only_the_links_that_would_hold_their_stages_up() -> Non
     assert full is not None and auto is not None and full == 2 * auto
     faster = plans["auto"].clusters[0].predicted_bottleneck_seconds
     assert faster < 0.6 * plans[""].clusters[0].predicted_bottleneck_seconds  # the slow link bounds the pace
+
+
+def test_averaging_codec_auto_compresses_only_as_far_as_the_links_need() -> None:
+    """averaging.codec "auto": raw on fast links; on slow ones int8 where that keeps up with training,
+    else topk for a strategy that averages changes (diloco); a ring of weights never gets topk."""
+    costs = mlp_costs()
+    placement = Placement(clusters=4, min_nodes=4, stages_per_cluster=1)
+
+    def picked(bandwidth: float, strategy: str) -> str:
+        nodes = [node(f"n{i}", bandwidth=bandwidth) for i in range(4)]
+        plan = plan_job(costs, nodes, placement, averaging=AveragingSettings.model_validate(
+            {"strategy": strategy, "every": 1, "codec": "auto"}))
+        assert plan.averaging is not None
+        assert plan.reason.endswith(f"; averaging sends {plan.averaging.codec or 'float32'} (codec auto)")
+        return plan.averaging.codec
+
+    assert picked(1e10, "ring") == "" and picked(1e10, "diloco") == ""
+    assert picked(3e5, "ring") == "int8"  # a quarter of the bytes is enough here...
+    assert picked(3e3, "diloco") == "topk"  # ...and here only 1.56% of them keeps up
+    assert picked(3e3, "ring") == "int8"  # weights are never delayed: the most a ring gets

@@ -78,7 +78,7 @@ class OuterOptimization(RingAveraging):
         # not changes to delay (a variance pushed part way goes negative), so they stay each
         # replica's own until `finish` averages them exactly
         self._buffers: dict[int, torch.Tensor] = {}
-        sparse = not codecs.codec(context.assignment.averaging.codec).reduces
+        sparse = not codecs.codec(context.assignment.averaging.sent_codec).reduces
         for segment in self._segments:
             segment.layout = FlatLayout(self.live, canonical_keys(self.live, segment.blocks))
             segment.snapshot, segment.average = torch.empty(segment.layout.numel), torch.empty(segment.layout.numel)

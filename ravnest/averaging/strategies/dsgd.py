@@ -75,7 +75,7 @@ class GossipMixing(GroupStrategy):
         self._eval_every, self._steps, self._resumed_at = a.training.eval_every, a.training.steps, a.resume_step
         self._eval_averages: dict[int, list[torch.Tensor]] = {}  # evaluation round -> average per segment
         self._eval_backup: list[torch.Tensor] | None = None
-        self._segments = [_Segment(group_member(context, ring, codec=settings.codec, step_timeout=step_timeout),
+        self._segments = [_Segment(group_member(context, ring, codec=settings.sent_codec, step_timeout=step_timeout),
                                    (ring.blocks[0], ring.blocks[1])) for ring in a.rings]
         self._pool = ThreadPoolExecutor(max(1, len(self._segments)), thread_name_prefix="ravnest-gossip")
         self.rounds = 0

@@ -114,7 +114,7 @@ class RingAveraging(GroupStrategy):
                                  f"{assignment.num_clusters} clusters")
         now = time.perf_counter()
         self._segments = [
-            _Segment(group_member(context, ring, codec=settings.codec, step_timeout=step_timeout),
+            _Segment(group_member(context, ring, codec=settings.sent_codec, step_timeout=step_timeout),
                      (ring.blocks[0], ring.blocks[1]), due_at=now + (self.every_seconds or 0.0))
             for ring in assignment.rings]
         # one thread per ring: a node serves all its rings at once
