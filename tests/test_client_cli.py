@@ -44,12 +44,15 @@ def test_submit_watch_download_and_load_a_model_with_the_ravnest_command(cluster
     assert listed.returncode == 0 and job_id in listed.stdout and "completed" in listed.stdout
     one = ravnest_cli("status", job_id)
     assert one.returncode == 0
-    # a row per planned stage: cluster, stage, blocks, node, step, utilization, bubble, staleness, samples/s
+    # a row per planned stage: cluster, stage, blocks, node, step, computing (utilization), waiting (bubble),
+    # staleness, samples/s; and a line per link between two stages
     row = re.compile(r"│ \d+ +│ \d+ +│ \[\d+, \d+\) +│ [0-9a-f]{16} │ \d+ +"
                      r"│ ([\d.]+) +│ ([\d.]+) +│ [\d.]+ +│ [\d,]+ +│")
     rows = row.findall(one.stdout)
     assert len(rows) == sum(len(c["stages"]) for c in cluster.job(job_id)["plan"]["clusters"]), one.stdout
     assert all(float(u) + float(b) == pytest.approx(1, abs=0.011) for u, b in rows), one.stdout
+    links = sum(len(c["stages"]) - 1 for c in cluster.job(job_id)["plan"]["clusters"])
+    assert len(re.findall(r"link cluster \d+ stage \d+ -> \d+: float32, [\d.]+ MB/step planned", one.stdout)) == links
     assert f"ravnest download {job_id}" in one.stdout
     assert ravnest_cli("download", job_id, "-o", "model.safetensors").returncode == 0
     reported = cluster.job(job_id)["metrics"]["test_accuracy"]

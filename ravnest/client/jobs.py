@@ -63,6 +63,8 @@ def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help
     if plan:
         out.print(f"plan: {plan['reason']}", highlight=False)
         out.print(_stage_table(plan, job["metrics"].get("stages") or []))
+        for line in _links(plan, job["metrics"].get("stages") or []):
+            out.print(line, highlight=False)
     for recovery in job.get("recoveries") or []:
         kept = recovery.get("kept_training")
         trained_on = f"; clusters {kept} trained on ({recovery.get('steps_trained_on') or 0} steps)" if kept else ""
@@ -198,12 +200,10 @@ def nodes_(ctx: typer.Context) -> None:
 
 def _stage_table(plan: dict, reports: list[dict]):
     """One row per planned stage with what it last reported: how far it is, the share of time it
-    computes (utilization) and waits for its neighbours (bubble), its mean staleness in steps, and its
-    link to the next stage: the codec, MB per step planned / measured (both ways), and the share of
-    time the stage had activations waiting to cross it."""
+    computes (its utilization) and waits for its neighbours (its bubble), and its mean staleness in
+    steps. Fits 100 columns."""
     reported = {(r["cluster"], r["stage"]): r for r in reports}
-    stages = table("cluster", "stage", "blocks", "node", "step", "utilization", "bubble", "staleness", "samples/s",
-                   "next link")
+    stages = table("cluster", "stage", "blocks", "node", "step", "computing", "waiting", "stale", "samples/s")
     for cluster in plan["clusters"]:
         for s in cluster["stages"]:
             r = reported.get((cluster["cluster"], s["stage"]), {})
@@ -211,23 +211,28 @@ def _stage_table(plan: dict, reports: list[dict]):
                        for key in ("utilization", "bubble", "staleness")]
             rate = (r.get("metrics") or {}).get("samples_per_s")
             stages.add_row(str(cluster["cluster"]), str(s["stage"]), f"[{s['blocks'][0]}, {s['blocks'][1]})",
-                           s["node_id"], str(r.get("step", "")), *figures, f"{rate:,.0f}" if rate is not None else "",
-                           _link(s, reported.get((cluster["cluster"], s["stage"] + 1), {}), r))
+                           s["node_id"], str(r.get("step", "")), *figures, f"{rate:,.0f}" if rate is not None else "")
     return stages
 
 
-def _link(stage: dict, after: dict, here: dict) -> str:
-    """'bf16 1.05/1.10 MB 35% busy': a stage's link to the next, its codec, megabytes per step both ways
-    (planned/measured), and how busy the stage kept it forward."""
-    if stage.get("codec") is None:
-        return ""
-    planned = stage.get("predicted_link_bytes_per_step")
-    sent = [(report.get("metrics") or {}).get(key) for report, key in ((here, "next_bytes_per_step"),
-                                                                         (after, "prev_bytes_per_step"))]
-    measured = None if None in sent else sum(b for b in sent if b is not None)
-    figures = "/".join(f"{b / 1e6:.2f}" if b is not None else "-" for b in (planned, measured))
-    busy = (here.get("metrics") or {}).get("next_link_busy")
-    return f"{stage['codec'] or 'fp32'} {figures} MB" + (f" {busy:.0%} busy" if busy is not None else "")
+def _links(plan: dict, reports: list[dict]) -> list[str]:
+    """A line per link between two stages: its codec, megabytes per step both ways (planned, and as the
+    stages measured), and the share of time the stage before it had activations waiting to cross it."""
+    reported = {(r["cluster"], r["stage"]): r.get("metrics") or {} for r in reports}
+    lines = []
+    for cluster in plan["clusters"]:
+        for s in cluster["stages"]:
+            if s.get("codec") is None:
+                continue
+            here, after = (reported.get((cluster["cluster"], s["stage"] + i), {}) for i in (0, 1))
+            forward, back = here.get("next_bytes_per_step"), after.get("prev_bytes_per_step")
+            measured = f", {(forward + back) / 1e6:.2f} measured" if forward is not None and back is not None else ""
+            planned = s.get("predicted_link_bytes_per_step")
+            busy = f", busy {here['next_link_busy']:.0%}" if here.get("next_link_busy") is not None else ""
+            lines.append(f"link cluster {cluster['cluster']} stage {s['stage']} -> {s['stage'] + 1}: "
+                         f"{s['codec'] or 'float32'}" + (f", {planned / 1e6:.2f} MB/step planned" if planned else "")
+                         + measured + busy)
+    return lines
 
 
 def _figures(metrics: dict) -> str:
