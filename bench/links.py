@@ -2,6 +2,7 @@
 crosses the link, how fast the pipeline runs, and what it learns.
 
     python -m bench.links [--steps 150] [--runs 3] [--fast 1000] [--slow 10] [--no-docs]     # as root
+    python -m bench.links --clusters 2                  # the same for 2 clusters x 2 stages, diloco
 
 Two stage processes, each in its own network namespace with its link shaped by tbf both ways
 (deploy/testbed/netns.sh), one torch thread each, on the standard library's source (bench.lm's
@@ -57,8 +58,9 @@ RANK = 12  # (12 + 2) x 2 bytes per token in bf16 against 256 x 4 in float32: 36
 PLACES = [("rvn-m0", "10.77.0.1"), ("rvn-m1", "10.77.0.2")]
 
 
-def make_job(steps: int, vocab: int, rank: int = 0, codec: str = "", clusters: int = 1) -> JobSpec:
-    averaging: dict[str, Any] = {"strategy": "diloco", "every": 10, "codec": "topk"} if clusters > 1 \
+def make_job(steps: int, vocab: int, rank: int = 0, codec: str = "", clusters: int = 1,
+             averaging_codec: str = "topk") -> JobSpec:
+    averaging: dict[str, Any] = {"strategy": "diloco", "every": 10, "codec": averaging_codec} if clusters > 1 \
         else {"strategy": "none"}
     return JobSpec.model_validate({
         "model": {"name": "llama", "config": {**CONFIG, "vocab_size": vocab, "residual_rank": rank}},
@@ -97,6 +99,61 @@ def run(job: JobSpec, ranges: list[tuple[int, int]], corpus: Path, places: list 
             "loss": result["metrics"]["test_loss"]}
 
 
+def run_clusters(job: JobSpec, ranges: list[tuple[int, int]], corpus: Path, mbit: float) -> dict[str, float]:
+    """2 clusters x 2 stages, each stage in its own namespace at `mbit`: tokens/s of both, bytes per step
+    on a pipeline link (their mean), bytes a stage sent per averaging round (their mean), cluster 0's loss."""
+    subprocess.run(["bash", str(TESTBED), "up", *[str(mbit)] * 4], check=True, timeout=60)
+    places = [(f"rvn-m{i}", f"10.77.0.{i + 1}") for i in range(4)]
+    clusters = run_local_clusters(job, [ranges, ranges], timeout=3600, datasets={"stdlib": str(corpus)}, places=places)
+    return {"tokens_per_s": sum(c["stages"][-1]["steady_samples_per_s"] for c in clusters) * job.dataset.seq_len,
+            "link_bytes": statistics.mean(c["stages"][0]["next_bytes_per_step"] + c["stages"][1]["prev_bytes_per_step"]
+                                          for c in clusters),
+            "round_bytes": statistics.mean(s["avg_round_bytes"] for c in clusters for s in c["stages"]),
+            "loss": clusters[0]["metrics"]["test_loss"]}
+
+
+def two_by_two(args: argparse.Namespace, argv: list[str] | None, vocab: int, corpus: Path,
+               ranges: list[tuple[int, int]]) -> None:
+    """The same comparison for 2 clusters x 2 stages under diloco, raw against topk."""
+    picked = auto_codec(make_job(args.steps, vocab, rank=RANK, codec="auto"), ranges, args.slow)
+    plain = make_job(args.steps, vocab, clusters=2, averaging_codec="")
+    runs = [("uncompressed, fast", args.fast, plain), ("uncompressed, slow", args.slow, plain),
+            (f"subspace + auto ({picked}) + topk, slow", args.slow,
+             make_job(args.steps, vocab, rank=RANK, codec=picked, clusters=2, averaging_codec="topk"))]
+    rows = {}
+    try:
+        for name, mbit, job in runs:
+            rows[name] = {"mbit": mbit, **run_clusters(job, ranges, corpus, mbit)}
+            r = rows[name]
+            print(f"2x2 {name:36s} {mbit:6g} Mbit/s  {r['tokens_per_s']:8,.0f} tokens/s  {r['link_bytes'] / 1e6:8.3f} "
+                  f"MB/step  {r['round_bytes'] / 1e6:8.3f} MB/round  held-out loss {r['loss']:.4f}", flush=True)
+    finally:
+        subprocess.run(["bash", str(TESTBED), "down"], check=False, timeout=60)
+    fast, slow, auto = (rows[name] for name, _, _ in runs)
+    summary = (f"links-2x2 slow_over_fast_uncompressed={slow['tokens_per_s'] / fast['tokens_per_s']:.3f} "
+               f"slow_over_fast_auto={auto['tokens_per_s'] / fast['tokens_per_s']:.3f} "
+               f"pipeline_bytes_ratio={fast['link_bytes'] / auto['link_bytes']:.1f} "
+               f"averaging_bytes_ratio={fast['round_bytes'] / auto['round_bytes']:.1f} "
+               f"loss_gap={auto['loss'] / fast['loss'] - 1:.4f}")
+    print(summary)
+    if not args.no_docs:
+        table = "\n".join(f"| {name} | {r['mbit']:g} | {r['tokens_per_s']:,.0f} | {r['link_bytes'] / 1e6:.3f} | "
+                          f"{r['round_bytes'] / 1e6:.3f} | {r['loss']:.4f} |" for name, r in rows.items())
+        write_section("Slow links: 2 clusters x 2 stages (bench.links --clusters 2)", f"""
+`{command_line("bench.links", argv)}` as root, one run of each. bench.links' llama as 2 clusters x 2 stages,
+the 4 stage processes each in a network namespace shaped to the tier, diloco every 10 steps (raw
+against topk), {args.steps} steps. Tokens/s are both clusters'; MB per step is a pipeline link's (both ways,
+mean of the two); MB per round is what a stage sent per averaging round (mean of the four); the loss is
+cluster 0's held-out loss.
+
+| run | link Mbit/s | tokens/s | MB per step on a pipeline link | MB per averaging round | held-out loss |
+|---|---|---|---|---|---|
+{table}
+
+`{summary}`
+""")
+
+
 def averaging_ratio(steps: int, vocab: int, corpus: Path, ranges: list[tuple[int, int]]) -> float:
     """A float32 ring all-reduce's bytes per stage and round over what topk sent, for 2 x 2 on loopback."""
     job = make_job(steps, vocab, rank=RANK, codec="bf16", clusters=2)
@@ -116,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast", type=float, default=1000, help="the fast tier, Mbit/s")
     parser.add_argument("--slow", type=float, default=10, help="the slow tier, Mbit/s")
     parser.add_argument("--runs", type=int, default=1, help="repeat the shaped runs, alternating, and quote medians")
+    parser.add_argument("--clusters", type=int, choices=(1, 2), default=1,
+                        help="2: the same as 2 clusters x 2 stages under diloco, raw against topk")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -129,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         vocab = prepare([stdlib / p for p in PACKAGES], corpus, vocab_size=1024, pattern="*.py").vocab_size
         plain = make_job(args.steps, vocab)
         ranges = cut(plain)
+        if args.clusters == 2:
+            two_by_two(args, argv, vocab, corpus, ranges)
+            return 0
         compressed = make_job(args.steps, vocab, rank=RANK, codec="auto")
         picked = auto_codec(compressed, ranges, args.slow)
         runs = [("uncompressed, fast", args.fast, plain), ("uncompressed, slow", args.slow, plain),
@@ -162,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
 `{command_line("bench.links", argv)}` as root; medians of {args.runs} run(s) of each, alternating. A llama
 (hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, vocabulary {vocab}) as 2 stage processes in
 network namespaces whose links tbf shapes both ways, {args.steps} steps of 8 x 128 tokens of the standard
-library's source, one torch thread per stage. The slow tier is where the uncompressed pipeline runs at 0.25 of its fast-tier
-speed or less: a home link's ratio of bytes to compute for a GPU, scaled to this CPU. Bytes per step are
-what the two stages sent each other (activations and
+library's source, one torch thread per stage. The slow tier is where the uncompressed pipeline runs at 0.25
+of its fast-tier speed or less: a home link's ratio of bytes to compute for a GPU, scaled to this CPU. Bytes
+per step are what the two stages sent each other (activations and
 targets forward, gradients back, and the final evaluation's activations), as measured by the stages.
 "subspace" is the model with `residual_rank` {RANK} (ravnest/models/subspace.py); "auto" is the
 planner's per-link pick for that model on the slow tier. The averaging ratio is 2 clusters x 2 stages

@@ -184,11 +184,10 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
         merged, inputs, memory = per_shape[id(shape)]
         chain = capacities(replica, links)
         link_codecs = pick_codecs(merged, chain, training)
-        coded = [dataclasses.replace(m, activation_bytes=_coded(m.activation_bytes, codec))
-                 for m, codec in zip(merged, link_codecs)]
+        coded = _coded_links(merged, link_codecs)
         stage_times = [stage_seconds(coded, capacity, s, s + 1) for s, capacity in enumerate(chain)]
         step_s.append(_compute_step_s(stage_times, shape.load, training))
-        per_step = 2 * (training.accumulation if training else 1)  # activations forward, gradients back
+        per_step = 2 * training.accumulation  # activations forward, gradients back
         clusters.append(PlannedCluster.model_construct(
             cluster=index, predicted_bottleneck_seconds=max(stage_times),
             stages=[PlannedStage.model_construct(
@@ -378,7 +377,8 @@ def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: 
     """These replicas cut at `ranges`, with what they predict: the pace of `weakest` (stage by stage
     the weakest capacity over the replicas), and with averaging among them (the runtime model) times
     their number."""
-    merged = _merge_stages(costs, ranges)
+    plain = _merge_stages(costs, ranges)
+    merged = _coded_links(plain, pick_codecs(plain, weakest, training))  # what each link carries, as coded
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
     codec = _averaging_candidates(averaging)[-1] if averaging.codec == AUTO_CODEC else averaging.codec
     groups = [runtime.Group(len(replicas), coded_bytes(merged[s].param_bytes, codec, len(replicas)),
@@ -486,6 +486,12 @@ def pick_codecs(merged: list[BlockCost], chain: list[NodeCapacity], training: Tr
         compute_s = max(compute_seconds(merged[s].flops, chain[s]), compute_seconds(merged[s + 1].flops, chain[s + 1]))
         chosen.append(plain if wire_s <= AUTO_LINK_SHARE * compute_s else AUTO_COMPRESSED)
     return [*chosen, None]
+
+
+def _coded_links(merged: list[BlockCost], link_codecs: list[str | None]) -> list[BlockCost]:
+    """Each stage's profile with what its link to the next carries under that link's codec."""
+    return [dataclasses.replace(m, activation_bytes=_coded(m.activation_bytes, codec))
+            for m, codec in zip(merged, link_codecs)]
 
 
 def _coded(activation_bytes: int, codec: str | None) -> int:

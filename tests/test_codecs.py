@@ -54,7 +54,9 @@ def test_element_wise_codecs_keep_their_stated_error(t: torch.Tensor) -> None:
         assert torch.all((out - t).abs() <= relative * t.abs() + 2**-24 * (codec == "fp16") + 1e-38)
     out = through_the_wire(t, "int8")
     step = float(t.abs().max()) / 127 if t.numel() else 0.0
-    assert out.shape == t.shape and torch.all((out - t).abs() <= step / 2 * (1 + 1e-6) + 1e-30)
+    # half a step, plus float32's rounding of x / scale and of q * scale (hypothesis found a value
+    # 1e-7 past half a step)
+    assert out.shape == t.shape and torch.all((out - t).abs() <= step / 2 * (1 + 1e-6) + t.abs() * 2**-22 + 1e-30)
 
 
 @SETTINGS
