@@ -78,8 +78,8 @@ def test_shipped_digits_mlp_goes_data_parallel_and_the_same_nodes_serve_the_next
             assert [len(c["stages"]) for c in plan["clusters"]] == [1, 1, 1, 1]
             # k-means may split the 4 nodes by their (noisy) profiles; every group of 2+ weighed a pipeline
             assert plan["reason"].startswith("4 clusters x 1"), plan["reason"]
-            groups = [int(n) for n in re.findall(r"(\d+) nodes? ->", plan["reason"])]
-            assert sum(groups) == 4 and (max(groups) == 1 or "x 2 stages" in plan["reason"]), plan["reason"]
+            groups = [int(n) for n in re.findall(r"(\d+) nodes? as", plan["reason"])]
+            assert sum(groups) == 4 and (max(groups) == 1 or "of 2 stages" in plan["reason"]), plan["reason"]
             print(f"job {attempt + 1}: test accuracy {job['metrics']['test_accuracy']:.4f}; {plan['reason']}")
             assert job["metrics"]["test_accuracy"] >= 0.95
             assert job["metrics"]["averaging_rounds"] >= 5
