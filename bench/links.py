@@ -99,6 +99,16 @@ def run(job: JobSpec, ranges: list[tuple[int, int]], corpus: Path, places: list 
             "loss": result["metrics"]["test_loss"]}
 
 
+def summary_line(label: str, fast: dict[str, float], slow: dict[str, float], auto: dict[str, float],
+                 averaging: float) -> str:
+    """The bench's last line: the slow tier's speed over the fast one's, uncompressed and compressed; how
+    many times fewer bytes; the compressed run's held-out loss relative to the uncompressed one's."""
+    return (f"{label} slow_over_fast_uncompressed={slow['tokens_per_s'] / fast['tokens_per_s']:.3f} "
+            f"slow_over_fast_auto={auto['tokens_per_s'] / fast['tokens_per_s']:.3f} "
+            f"pipeline_bytes_ratio={fast['link_bytes'] / auto['link_bytes']:.1f} "
+            f"averaging_bytes_ratio={averaging:.1f} loss_gap={auto['loss'] / fast['loss'] - 1:.4f}")
+
+
 def run_clusters(job: JobSpec, ranges: list[tuple[int, int]], corpus: Path, mbit: float) -> dict[str, float]:
     """2 clusters x 2 stages, each stage in its own namespace at `mbit`: tokens/s of both, bytes per step
     on a pipeline link (their mean), bytes a stage sent per averaging round (their mean), cluster 0's loss."""
@@ -130,11 +140,7 @@ def two_by_two(args: argparse.Namespace, argv: list[str] | None, vocab: int, cor
     finally:
         subprocess.run(["bash", str(TESTBED), "down"], check=False, timeout=60)
     fast, slow, auto = (rows[name] for name, _, _ in runs)
-    summary = (f"links-2x2 slow_over_fast_uncompressed={slow['tokens_per_s'] / fast['tokens_per_s']:.3f} "
-               f"slow_over_fast_auto={auto['tokens_per_s'] / fast['tokens_per_s']:.3f} "
-               f"pipeline_bytes_ratio={fast['link_bytes'] / auto['link_bytes']:.1f} "
-               f"averaging_bytes_ratio={fast['round_bytes'] / auto['round_bytes']:.1f} "
-               f"loss_gap={auto['loss'] / fast['loss'] - 1:.4f}")
+    summary = summary_line("links-2x2", fast, slow, auto, fast["round_bytes"] / auto["round_bytes"])
     print(summary)
     if not args.no_docs:
         table = "\n".join(f"| {name} | {r['mbit']:g} | {r['tokens_per_s']:,.0f} | {r['link_bytes'] / 1e6:.3f} | "
@@ -212,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["bash", str(TESTBED), "down"], check=False, timeout=60)
         averaging = averaging_ratio(args.steps, vocab, corpus, ranges)
     fast, slow, auto = rows["uncompressed, fast"], rows["uncompressed, slow"], rows[runs[-1][0]]
-    summary = (f"links slow_over_fast_uncompressed={slow['tokens_per_s'] / fast['tokens_per_s']:.3f} "
-               f"slow_over_fast_auto={auto['tokens_per_s'] / fast['tokens_per_s']:.3f} "
-               f"pipeline_bytes_ratio={fast['link_bytes'] / auto['link_bytes']:.1f} "
-               f"averaging_bytes_ratio={averaging:.1f} loss_gap={auto['loss'] / fast['loss'] - 1:.4f}")
+    summary = summary_line("links", fast, slow, auto, averaging)
     print(summary)
     if not args.no_docs:
         table = "\n".join(f"| {name} | {r['mbit']:g} | {r['tokens_per_s']:,.0f} | {r['link_bytes'] / 1e6:.3f} | "

@@ -21,6 +21,7 @@ from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, 
 FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
 MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
 PREV, NEXT = "prev", "next"
+log = logging.getLogger(__name__)
 TARGET_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)  # what targets may travel as
 
 
@@ -30,7 +31,6 @@ def target_dtype(limit: int | None) -> torch.dtype:
     if limit is None:
         return torch.int64
     return torch.uint8 if limit <= 256 else torch.int16 if limit <= 32768 else torch.int32
-log = logging.getLogger(__name__)
 
 
 class Neighbours:
