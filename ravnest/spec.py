@@ -445,6 +445,14 @@ class Offered(_Measured):
         Field(default_factory=dict, max_length=64, description="each offered file's '<size>:<sha256>'; a node "
                                                                "is placed on a file only once it proved it holds it")
 
+    @field_validator("datasets")
+    @classmethod
+    def _each_name_once(cls, names: list[str]) -> list[str]:
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"each file is offered under one name once; offered twice: {', '.join(twice[:5])}")
+        return names
+
 
 class NodeProfile(Offered):
     """What a node measured about itself when it joined, and what it offers."""
