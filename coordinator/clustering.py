@@ -31,6 +31,12 @@ class NodeInfo:
     bandwidth: float  # bytes/s, measured to the coordinator
     latency: float = 0.0  # round trip to the coordinator, seconds
     address: str = ""  # host:port of its gRPC server
+    slowdown: float = 1.0  # its stages' compute seconds as measured over as its `flops` predict (calibration.py)
+
+    @property
+    def effective_flops(self) -> float:
+        """What it computes like: its figure over what its jobs measured."""
+        return self.flops / self.slowdown
 
 
 class ClusteringError(RavnestError, ValueError):
@@ -38,7 +44,7 @@ class ClusteringError(RavnestError, ValueError):
 
 
 def log_features(nodes: Sequence[NodeInfo]) -> np.ndarray:
-    return np.log(np.array([[n.bandwidth, n.flops, n.memory_bytes] for n in nodes], dtype=np.float64))
+    return np.log(np.array([[n.bandwidth, n.effective_flops, n.memory_bytes] for n in nodes], dtype=np.float64))
 
 
 def standardise(raw: np.ndarray) -> np.ndarray:

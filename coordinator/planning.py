@@ -68,7 +68,7 @@ class PlanningError(RavnestError, ValueError):
 
 
 def chain_order(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
-    return sorted(nodes, key=lambda n: (-n.bandwidth, -n.flops, n.node_id))
+    return sorted(nodes, key=lambda n: (-n.bandwidth, -n.effective_flops, n.node_id))
 
 
 # (node id, peer id) -> (bandwidth bytes/s, round-trip seconds) as measured from the node
@@ -91,7 +91,7 @@ def capacities(chain: Sequence[NodeInfo], links: Links | None = None) -> list[No
     result = []
     for here, after in zip(chain, [*chain[1:], None]):
         bandwidth, latency = link(here, after, links) if after else (here.bandwidth, 0.0)
-        result.append(NodeCapacity(here.flops, here.memory_bytes, bandwidth, latency))
+        result.append(NodeCapacity(here.flops, here.memory_bytes, bandwidth, latency, here.slowdown))
     return result
 
 
@@ -126,7 +126,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
               for n in nodes if n.memory_bytes < smallest}
     usable = [n for n in nodes if n.node_id not in unused]
     if placement.max_nodes is not None and len(usable) > placement.max_nodes:
-        usable = sorted(usable, key=lambda n: (-n.flops, -n.bandwidth, n.node_id))
+        usable = sorted(usable, key=lambda n: (-n.effective_flops, -n.bandwidth, n.node_id))
         capped = f"placement.max_nodes is {placement.max_nodes}"
         unused.update({n.node_id: capped for n in usable[placement.max_nodes:]})
         usable = usable[:placement.max_nodes]
@@ -176,7 +176,8 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
     clusters: list[PlannedCluster] = []
     pipelines = [(replica, shape) for shape in shapes for replica in shape.replicas]
     # the same for every replica of a shape: one merged profile, input and memory per stage
-    per_shape = {id(shape): (_merge_stages(costs, shape.ranges), [stage_input(costs, a) for a, _ in shape.ranges],
+    per_shape = {id(shape): (_merge_stages(costs, shape.ranges, shape.load.parts),
+                             [stage_input(costs, a) for a, _ in shape.ranges],
                              [stage_memory_bytes(costs, a, b, shape.load) for a, b in shape.ranges])
                  for shape in shapes}
     step_s: list[float] = []  # compute seconds per optimizer step, per cluster
@@ -187,11 +188,12 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
         coded = _coded_links(merged, link_codecs)
         stage_times = [stage_seconds(coded, capacity, s, s + 1) for s, capacity in enumerate(chain)]
         step_s.append(_compute_step_s(stage_times, shape.load, training))
-        per_step = 2 * training.accumulation  # activations forward, gradients back
+        per_step = 2 * training.accumulation * shape.load.parts  # activations forward, gradients back
         clusters.append(PlannedCluster.model_construct(
             cluster=index, predicted_bottleneck_seconds=max(stage_times),
             stages=[PlannedStage.model_construct(
                 stage=s, node_id=node.node_id, address=node.address, blocks=blocks, predicted_seconds=seconds,
+                predicted_compute_seconds=compute_seconds(coded[s].flops, chain[s]),
                 predicted_memory_bytes=memory[s], split_backward=shape.load.split_backward,
                 input_shape=inputs[s][0], input_dtype=inputs[s][1], codec=link_codecs[s],
                 predicted_link_bytes_per_step=per_step * coded[s].activation_bytes if link_codecs[s] is not None
@@ -377,7 +379,7 @@ def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: 
     """These replicas cut at `ranges`, with what they predict: the pace of `weakest` (stage by stage
     the weakest capacity over the replicas), and with averaging among them (the runtime model) times
     their number."""
-    plain = _merge_stages(costs, ranges)
+    plain = _merge_stages(costs, ranges, load.parts)
     merged = _coded_links(plain, pick_codecs(plain, weakest, training))  # what each link carries, as coded
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
     codec = _averaging_candidates(averaging)[-1] if averaging.codec == AUTO_CODEC else averaging.codec
@@ -392,8 +394,9 @@ def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: 
 
 
 def _compute_step_s(stage_times: list[float], load: Load, training: TrainingSettings) -> float:
-    """Seconds per optimizer step of one pipeline: its slowest stage, or the round trip over K."""
-    return training.accumulation * max(max(stage_times), sum(stage_times) / load.in_flight)
+    """Seconds per optimizer step of one pipeline from its stages' seconds per micro-batch: its slowest
+    stage, or the round trip over K, for each of the step's micro-batches."""
+    return training.accumulation * load.parts * max(max(stage_times), sum(stage_times) / load.in_flight)
 
 
 def _averaged_step_s(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
@@ -499,11 +502,13 @@ def _coded(activation_bytes: int, codec: str | None) -> int:
     return activation_bytes if not codec else codecs.codec(codec).wire_bytes(activation_bytes // 4)
 
 
-def _merge_stages(costs: list[BlockCost], ranges: list[tuple[int, int]]) -> list[BlockCost]:
+def _merge_stages(costs: list[BlockCost], ranges: list[tuple[int, int]], parts: int = 1) -> list[BlockCost]:
     """One BlockCost per stage (summed flops, the stage's boundary activation), so that predicting
-    10,000 stage times does not re-sum the blocks of each stage every time."""
+    10,000 stage times does not re-sum the blocks of each stage every time; for one micro-batch, a
+    batch cut in `parts` (staleness "2bw": a stage computes, and pays its fixed costs for, each part)."""
     return [BlockCost(params=sum(c.params for c in costs[a:b]), param_bytes=sum(c.param_bytes for c in costs[a:b]),
-                      flops=sum(c.flops for c in costs[a:b]), activation_bytes=costs[b - 1].activation_bytes)
+                      flops=sum(c.flops for c in costs[a:b]) / parts,
+                      activation_bytes=-(-costs[b - 1].activation_bytes // parts))
             for a, b in ranges]
 
 
@@ -511,5 +516,6 @@ def _weakest(replicas: list[list[NodeInfo]], links: Links | None = None) -> list
     """Stage by stage, the weakest capacity over the replicas, so one plan is valid for all."""
     per_replica = [capacities(chain, links) for chain in replicas]
     return [NodeCapacity(min(c.flops for c in stage), min(c.memory_bytes for c in stage),
-                         min(c.bandwidth_to_next for c in stage), max(c.latency_to_next for c in stage))
+                         min(c.bandwidth_to_next for c in stage), max(c.latency_to_next for c in stage),
+                         max(c.slowdown for c in stage))
             for stage in zip(*per_replica)]

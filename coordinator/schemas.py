@@ -39,6 +39,12 @@ class NodeView(BaseModel):
                                                               "not placed (nor believed) until then")
     measured_flops: float | None = Field(None, description="FLOP/s its stages measured, where that was far below "
                                                            "its profile's claim: the planner's figure since")
+    slowdown: float | None = Field(None, description="its stages' compute seconds as measured over as its FLOP/s "
+                                                     "predict, recent jobs weighing most; the planner counts its "
+                                                     "FLOP/s divided by this (None: no job measured yet)")
+    reachable: bool | None = Field(None, description="whether its address could be dialled, by the coordinator "
+                                                     "after it joined or by a peer's link probe; None: not known yet")
+    reachability: str = Field("", description="how that was found, in words")
 
 
 class PlannedStage(BaseModel):
@@ -47,6 +53,8 @@ class PlannedStage(BaseModel):
     address: str
     blocks: tuple[int, int]
     predicted_seconds: float = Field(description="predicted seconds per micro-batch (forward+backward+transfer)")
+    predicted_compute_seconds: float | None = Field(None, description=(
+        "the forward and backward alone: what the stage's `compute_s` measures (its node's slowdown included)"))
     predicted_memory_bytes: int = Field(0, description="memory the stage is predicted to hold (weights, gradients, "
                                                        "optimizer state, weight versions, activations, buffers)")
     input_shape: list[int] | None = Field(None, description="activations it receives per micro-batch; None on stage 0")

@@ -75,6 +75,11 @@ class NodeRow(Base):
     quarantine_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     # its profile is a claim: the FLOP/s its stages measured where they were far below it (failure_policy.py)
     measured_flops: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # its stages' compute seconds as measured over as predicted, recent jobs weighing most (calibration.py)
+    slowdown: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # whether peers can dial its address (None: not found out yet), and how that was found (reachability.py)
+    reachable: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    reachability: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class JobRow(Base):

@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="most memory this node offers for training, e.g. 6GiB (default: 80%% of what is "
                            "free now); no stage that needs more is assigned here. The node's own process takes "
                            "about 0.5 GB more when idle (torch), shown as idle in `ravnest nodes`")
+    join.add_argument("--reprofile-every", type=float, default=600.0, metavar="SECONDS",
+                      help="measure this machine's compute again after this long idle, and tell the coordinator "
+                           "(default: 600; 0: never). Jobs' measured step times correct the figure too")
     join.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     join.add_argument("--dataset", action="append", type=_offered, default=[], metavar="NAME=PATH",
                       help="offer a file to jobs under NAME (repeatable): jobs name datasets, never paths, so "
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                             advertise=args.advertise, name=args.name, progress=progress,
                             max_memory=args.max_memory, datasets=offered,
                             identity=read_identity(args.identity) if args.identity else "",
-                            reload_offers=offered_now,
+                            reload_offers=offered_now, reprofile_every=args.reprofile_every,
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         signal.signal(signal.SIGHUP, lambda *_: daemon.offers.reread())  # kill -HUP after editing --offers
         daemon.serve(stop)

@@ -15,6 +15,7 @@ from ravnest.wire import measure_link
 log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 20  # the first probe (about a second at 10 Mbit/s); 4x larger ones follow on fast links
 MAX_QUEUED = 16
+UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class LinkProber:
@@ -25,6 +26,7 @@ class LinkProber:
         self._todo: queue.Queue[PeerProbe | None] = queue.Queue(MAX_QUEUED)
         self._queued: set[str] = set()
         self._done: list[LinkReport] = []
+        self._unreached: list[str] = []  # peers it could not dial since the last `take`
         self._lock = threading.Lock()
         self._measured = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="link-prober", daemon=True)
@@ -43,12 +45,13 @@ class LinkProber:
                 with self._lock:
                     self._queued.discard(probe.node_id)
 
-    def take(self, wait: float = 0.0) -> list[LinkReport]:
-        """The links measured since the last call; waits up to `wait` seconds for a first one."""
+    def take(self, wait: float = 0.0) -> tuple[list[LinkReport], list[str]]:
+        """The links measured since the last call, and the peers it could not dial; waits up to `wait`
+        seconds for a first one."""
         with self._measured:
-            self._measured.wait_for(lambda: self._done, timeout=wait)
-            done, self._done = self._done, []
-        return done
+            self._measured.wait_for(lambda: self._done or self._unreached, timeout=wait)
+            done, self._done, unreached, self._unreached = self._done, [], self._unreached, []
+        return done, unreached
 
     def _run(self) -> None:
         while (probe := self._todo.get()) is not None:
@@ -60,10 +63,14 @@ class LinkProber:
             except (grpc.RpcError, ValueError) as e:  # unreachable, refused, or a malformed address
                 log.info("link probe to %s (%s) failed: %s", probe.node_id, probe.address, e)
                 report = None
+                # no connection at all, as opposed to a peer that answered and refused the probe
+                unreached = not isinstance(e, grpc.RpcError) or e.code() in UNREACHED
             with self._measured:
                 self._queued.discard(probe.node_id)
                 if report is not None:
                     self._done.append(report)
+                elif unreached:
+                    self._unreached.append(probe.node_id)
                 self._measured.notify_all()
 
     def settle(self, timeout: float) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import statistics
 import threading
 import time
 
@@ -27,19 +28,29 @@ def pick_device(choice: str = "auto") -> torch.device:
     return device
 
 
-def matmul_flops(device: torch.device, size: int = 512, seconds: float = 0.3, window: float = 0.008) -> float:
+def matmul_flops(device: torch.device, size: int = 512, seconds: float = 0.3, window: float = 0.008,
+                 probes: int = 5) -> float:
     """Peak fp32 matmul FLOP/s: the figure the planner divides block FLOPs by, measuring the hardware,
     not the moment: load that comes and goes on the machine (its owner's, other nodes profiling or
-    training beside it) must not mark a node slow for good. So the best of short windows, not the mean;
-    and a single-threaded node on a CPU times them by its CPU time, which is the time it computed
-    whatever else runs (3 busy loops on 2 cores: 96 GFLOP/s against 101 idle; the best wall-clock
-    window said 63, and nodes joining beside training ones looked too slow to grow a job onto). With several
-    threads, wall time: a descheduled thread stalls the rest, which CPU time would not see."""
+    training beside it) must not mark a node slow for good. So each of `probes` probes takes the best
+    of its short windows, not their mean, and the figure is the probes' median: one lucky window (a
+    turbo burst) or one unlucky probe does not decide it. A single-threaded node on a CPU times them
+    by its CPU time, which is the time it computed whatever else runs (3 busy loops on 2 cores: 96
+    GFLOP/s against 101 idle; the best wall-clock window said 63, and nodes joining beside training
+    ones looked too slow to grow a job onto). With several threads, wall time: a descheduled thread
+    stalls the rest, which CPU time would not see. What a node then computes like in real stages is
+    measured during its jobs (coordinator/calibration.py)."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     torch.mm(a, b)  # warm-up (kernel selection, lazy init)
     _sync(device)
     clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    return statistics.median(_best_window(a, b, clock, seconds / probes, window) for _ in range(probes))
+
+
+def _best_window(a: torch.Tensor, b: torch.Tensor, clock, seconds: float, window: float) -> float:
+    """The fastest FLOP/s of `a @ b` over windows of `window` seconds, for `seconds`."""
+    device, size = a.device, a.shape[0]
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline or best == 0.0:
         runs, start, computing = 0, time.perf_counter(), clock()
@@ -128,20 +139,26 @@ def _steady_get(client: httpx.Client, path: str, *, params: dict | None = None, 
 def warm_up(device: torch.device) -> None:
     """Load what torch loads lazily on first use, before the node counts as idle: the first
     optimizer imports torch._dynamo and sympy (~70 MiB), the first forward and backward set up the
-    kernels and their workspaces. A job's measured memory is then the job's own."""
+    kernels and their workspaces. A job's measured memory is then the job's own. A tiny gpt and a tiny
+    cnn: the first convolution loads oneDNN's kernels (13 MiB on a CPU), which had made every digits
+    CNN stage measure 14-17 MiB whatever its size."""
     from torch.func import functional_call  # noqa: F401  (the stage's forward)
 
     from ravnest.models import build_model
     from ravnest.pipeline.optim import build_optimizer
     from ravnest.spec import OptimizerRef
 
-    spec = build_model("gpt", {"vocab_size": 8, "seq_len": 4, "d_model": 8, "n_layers": 1, "n_heads": 2})
-    model = spec.full_model(seed=0, device=device)
-    optimizer = build_optimizer(model.parameters(), OptimizerRef())
+    tiny = [build_model("gpt", {"vocab_size": 8, "seq_len": 4, "d_model": 8, "n_layers": 1, "n_heads": 2}),
+            build_model("cnn", {"channels": [2, 2], "image_size": 4, "num_classes": 8})]
+    models = [spec.full_model(seed=0, device=device) for spec in tiny]
+    optimizers = [build_optimizer(model.parameters(), OptimizerRef()) for model in models]
+    targets = torch.zeros(2, 4, dtype=torch.int64, device=device)
 
     def step() -> None:
-        spec.loss(model(spec.example_input(2, device)), torch.zeros(2, 4, dtype=torch.int64, device=device)).backward()
-        optimizer.step()
+        for spec, model, optimizer in zip(tiny, models, optimizers):
+            output = model(spec.example_input(2, device))
+            spec.loss(output, targets[:, 0] if output.dim() == 2 else targets).backward()
+            optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     step()

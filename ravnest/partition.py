@@ -17,8 +17,9 @@ flight, is what the stage runner really holds:
     + split backward (stages after the first, unless `split_backward` is off): the gradients of the
       parameter owners' outputs of one micro-batch, held from B (input gradient) to W (weight gradients)
     + wire queues: SEND_QUEUE + 1 outgoing and K + RECEIVE_SLACK incoming activations
-    + a base: what any stage costs a node whatever its blocks (gRPC threads' heaps, stream buffers,
-      Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
+    + a base: what any stage costs a node whatever its blocks (its computing thread's heap and stack,
+      stream buffers, Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
+    + its blocks' kernels' state on that thread, once (`BlockCost.kernel_bytes`: oneDNN's convolutions)
 
 Under bf16 or fp16 each micro-batch in flight also keeps autocast's 16-bit copy of the weights (P / 2);
 its activations are still counted at float32 (a stage of two llama layers kept 38 MiB per micro-batch
@@ -81,6 +82,7 @@ class NodeCapacity:
     memory_bytes: int
     bandwidth_to_next: float  # bytes/s on the link to the next node in the chain (ignored for the last)
     latency_to_next: float = 0.0
+    slowdown: float = 1.0     # its compute seconds as measured over as predicted from `flops` (calibration.py)
 
 
 @dataclass
@@ -99,7 +101,8 @@ def stage_memory_bytes(costs: list[BlockCost], start: int, end: int, load: Load)
     """Bytes a node needs to train blocks [start, end) under `load` (see the module docstring)."""
     blocks = costs[start:end]
     return _memory(costs, sum(c.param_bytes for c in blocks), sum(kept_bytes(costs, load)[start:end]),
-                   max(c.saved_bytes for c in blocks), sum(c.owner_output_bytes for c in blocks), start, end, load)
+                   max(c.saved_bytes for c in blocks), sum(c.owner_output_bytes for c in blocks),
+                   max(c.kernel_bytes for c in blocks), start, end, load)
 
 
 def kept_bytes(costs: list[BlockCost], load: Load) -> list[int]:
@@ -117,7 +120,7 @@ def stage_seconds(costs: list[BlockCost], node: NodeCapacity, start: int, end: i
 
 
 def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspace: int, owner_outputs: int,
-            start: int, end: int, load: Load) -> int:
+            kernels: int, start: int, end: int, load: Load) -> int:
     last = end == len(costs)
     k = load.in_flight
     versions = k + load.predict if k > 1 and not last else 0
@@ -139,7 +142,8 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     held = 1 if last or load.checkpoint_blocks or load.recompute else k
     activations += math.ceil(held * param_bytes * load.cast_weights)
     queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
-    return int(weights + load.heap_slack * (activations + recomputed + workspace + split) + queues + load.stage_base)
+    fixed = kernels + load.stage_base
+    return int(weights + load.heap_slack * (activations + recomputed + workspace + split) + queues + fixed)
 
 
 class _RangeMax:
@@ -160,8 +164,10 @@ class _RangeMax:
 
 
 def compute_seconds(forward_flops: float, node: NodeCapacity) -> float:
-    """Seconds per micro-batch of forward and backward (twice the forward) on `node`, sending nothing."""
-    return 3 * forward_flops / node.flops + STAGE_OVERHEAD_S
+    """Seconds per micro-batch of forward and backward (twice the forward) on `node`, sending nothing.
+    Its `slowdown` scales both terms: what slows a node (another program, a shared core, kernels that
+    reach less of the matmul peak) slows its Python as much as its FLOPs."""
+    return (3 * forward_flops / node.flops + STAGE_OVERHEAD_S) * node.slowdown
 
 
 def _seconds(forward_flops: float, node: NodeCapacity, boundary_bytes: int | None) -> float:
@@ -189,6 +195,7 @@ def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load |
     saved = [0, *itertools.accumulate(kept_bytes(costs, load))]
     owner_outputs = [0, *itertools.accumulate(c.owner_output_bytes for c in costs)]
     largest_saved = _RangeMax([c.saved_bytes for c in costs])
+    largest_kernels = _RangeMax([c.kernel_bytes for c in costs])
 
     def seconds(node: NodeCapacity, start: int, end: int) -> float:
         boundary = costs[end - 1].activation_bytes if end < count else None
@@ -196,7 +203,7 @@ def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load |
 
     def fits(node: NodeCapacity, start: int, end: int) -> bool:
         memory = _memory(costs, params[end] - params[start], saved[end] - saved[start], largest_saved(start, end),
-                         owner_outputs[end] - owner_outputs[start], start, end, load)
+                         owner_outputs[end] - owner_outputs[start], largest_kernels(start, end), start, end, load)
         return memory <= node.memory_bytes
 
     # best[j][end]: smallest bottleneck placing blocks [0, end) on nodes 0..j-1, each non-empty

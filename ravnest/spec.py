@@ -527,6 +527,10 @@ class HeartbeatRequest(_Strict):
                                                     "averaging failed, or the coordinator said `train_alone`)")
     proofs: list[DataProof] = Field(default_factory=list, max_length=64,
                                     description="answers to the challenges of the last heartbeat's reply")
+    unreached: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=64, description="peers its link probes could not dial since the last beat")
+    flops: float | None = Field(None, description="matmul FLOP/s measured again while idle (its profile's figure "
+                                                  "was measured once, at join)", **FLOPS)
 
 
 class HeartbeatResponse(_Strict):
@@ -541,6 +545,9 @@ class HeartbeatResponse(_Strict):
     note: str = Field("", description="why this idle node got no stage when a job was last placed")
     challenges: list[DataChallenge] = Field(default_factory=list, description="prove you hold these offered files: "
                                                                              "answer with the next heartbeat")
+    reachable: bool | None = Field(None, description="whether this node's address could be dialled (by the "
+                                                     "coordinator after it joined, or by a peer); None: not known yet")
+    reachability: str = Field("", description="how that was found, in words")
 
 
 class MetricsReport(_Strict):

@@ -320,7 +320,7 @@ def test_auto_compresses_only_the_links_that_would_hold_their_stages_up() -> Non
     assert [s.codec for s in stages[""]] == ["", "", None]
     assert [s.codec for s in stages["auto"]] == [("bf16" if i == slow_link else "") for i in range(2)] + [None]
     full, auto = (stages[c][slow_link].predicted_link_bytes_per_step for c in ("", "auto"))
-    assert full is not None and auto is not None and full == 2 * auto
+    assert full is not None and auto is not None and full == pytest.approx(2 * auto, rel=1e-4)  # (headers)
     faster = plans["auto"].clusters[0].predicted_bottleneck_seconds
     assert faster < 0.6 * plans[""].clusters[0].predicted_bottleneck_seconds  # the slow link bounds the pace
 

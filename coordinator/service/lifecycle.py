@@ -7,17 +7,18 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ravnest.pipeline.memory import training_load
 from ravnest.spec import FailureReport, JobSpec, MetricsReport
 from ravnest.telemetry import is_stage_figure
 
-from .. import jobs
+from .. import calibration, jobs
 from ..errors import Conflict, Forbidden, Implausible, InvalidRequest
 from ..failure_policy import StageSpeed
 from ..failures import failure_reason, who
 from ..jobs import JobState
 from ..schemas import CurvePoint, JobCreated, JobSummary, JobView
 from ..security import new_id
-from ..store import CurvePointRow, JobRow, NodeRow, members_of, stages_of
+from ..store import CurvePointRow, JobRow, NodeRow, StageRow, members_of, stages_of
 from .artifacts import Artifacts
 from .core import RESUME, Core, costs_of, planning_flops, quarantined
 from .placement import Placement
@@ -123,12 +124,26 @@ class JobLifecycle:
             stage.metrics = {**stage.metrics, **figures}  # keeps e.g. test_accuracy between evaluations
             stage.updated_at = self.core.clock()
             if job.state == JobState.RUNNING.value and "compute_s" in figures:
+                self._calibrate(session, job, stage, report.step, figures["compute_s"])
                 self._check_speed(session, job)
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
                 session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.core.clock(),
                                           loss=figures.get("loss"), test_accuracy=figures.get("test_accuracy"),
                                           test_loss=figures.get("test_loss"),
                                           samples_per_s=figures.get("samples_per_s")))
+
+    def _calibrate(self, session: Session, job: JobRow, stage: StageRow, step: int, compute_s: float) -> None:
+        """Corrects the stage's node's compute figure by what the stage measured (calibration.py)."""
+        node, spec = session.get(NodeRow, stage.node_id), jobs.spec_of(job)
+        cluster = next((c for c in self.core.plan(job).clusters if c.cluster == stage.cluster), None)
+        if step < self.core.settings.slow_after_steps or node is None or cluster is None:
+            return
+        blocks = slice(*cluster.stages[stage.stage].blocks)
+        parts = training_load(spec.training, len(cluster.stages)).parts  # a micro-batch is 1/parts of a batch
+        forward_flops = sum(c.flops for c in costs_of(spec)[blocks]) / parts
+        observed = calibration.observed_slowdown(compute_s, forward_flops, planning_flops(node))
+        if observed is not None:
+            node.slowdown = calibration.blended(node.slowdown, observed)
 
     def _check_speed(self, session: Session, job: JobRow) -> None:
         """A stage far slower than planned and than its peers: re-plan without its node (failure_policy.py)."""
@@ -144,6 +159,7 @@ class JobLifecycle:
             return
         stage, node = slow.stage, nodes[slow.stage.node_id]
         node.measured_flops = slow.measured_flops  # the planner believes this from now on, not its profile
+        node.slowdown = None  # measured against the old figure
         reason = (f"node {who(node)} is too slow: cluster {stage.cluster} stage {stage.stage} {slow.said}; "
                   f"re-planning without it")
         self.recoveries.recover(session, job, reason, failure=slow.failure, left_out=[stage.node_id])

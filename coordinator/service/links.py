@@ -16,10 +16,12 @@ class LinkProbes:
         self.core = core
         self._asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked (per process)
 
-    def record(self, session: Session, node: NodeRow, reports: list[LinkReport]) -> None:
+    def record(self, session: Session, node: NodeRow, reports: list[LinkReport], unreached: list[str]) -> None:
         """Keep the latest measurement per peer; reports on unknown peers or itself are dropped
-        (a peer may have left and been forgotten meanwhile)."""
+        (a peer may have left and been forgotten meanwhile). A peer it could not dial is answered too."""
         now = self.core.clock()
+        for peer_id in unreached:
+            self._asked.pop((node.id, peer_id), None)
         for report in reports:
             self._asked.pop((node.id, report.peer_id), None)
             if report.peer_id == node.id or session.get(NodeRow, report.peer_id) is None:

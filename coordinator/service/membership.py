@@ -12,6 +12,7 @@ from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, Join
 from ravnest.wire.gate import credential_hash
 
 from .. import jobs
+from ..calibration import remeasured
 from ..errors import Conflict, NotFound, Unauthorized
 from ..failures import who
 from ..jobs import JobState
@@ -23,6 +24,7 @@ from .credentials import Credentials
 from .links import LinkProbes
 from .offers import Offers
 from .placement import Placement
+from .reachability import Reachability
 from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class Membership:
         self.core, self.credentials, self.offers = core, credentials, offers
         self.placement, self.recoveries = placement, recoveries
         self.links = LinkProbes(core)
+        self.reachability = Reachability(core)
 
     def tick(self) -> None:
         """Mark nodes without recent heartbeats gone (failing their jobs), then place pending jobs."""
@@ -85,6 +88,7 @@ class Membership:
                      "joined again" if known else "joined", node.address, request.profile.flops / 1e9,
                      request.profile.memory_bytes / 2**30, request.profile.bandwidth_bytes_per_s / 1e6)
             self.placement.place_pending()
+        self.reachability.dial_back(node.id, request.address)
         return JoinResponse(node_id=node.id, node_token=token, probe_token=self.core.probe_token,
                             heartbeat_interval_s=self.core.settings.heartbeat_interval_s)
 
@@ -119,7 +123,8 @@ class Membership:
                 node = self._node(session, node_id, authorization)
                 node.last_seen = self.core.clock()
                 node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
-                self.links.record(session, node, request.links)
+                self.links.record(session, node, request.links, request.unreached)
+                self.reachability.from_probes(session, node, [r.peer_id for r in request.links], request.unreached)
                 proven = self.offers.take_proofs(session, node, request.proofs)
                 self.recoveries.trains_alone(session, node, request.job_id if request.training_alone else None)
                 # a re-plan may wait for this node to train alone, or for a lost one to fall silent: the
@@ -137,10 +142,13 @@ class Membership:
                     freed = freed or released
                 if request.job_id and request.job_id != node.job_id and response.cancel_job is None:
                     response.cancel_job = request.job_id  # it runs something it no longer holds
+                if request.flops is not None and node.state == IDLE and not request.job_id:
+                    remeasured(node, request.flops)
                 if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
                     response.probe = self.links.probes_for(session, node)
                     response.note = self.placement.left_out_note(node.id)
                 response.challenges = self.offers.challenges_for(session, node)
+                response.reachable, response.reachability = node.reachable, node.reachability or ""
             # a re-plan may have waited for this node; placing may give it work at once
             if freed or replanned or proven:
                 with self.core.store.session() as session:
@@ -232,7 +240,8 @@ class Membership:
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
                              links=links.get(node.id, []), offers=offers.get(node.id, {}),
                              quarantined_until=node.quarantined_until if quarantined(node, now) else None,
-                             measured_flops=node.measured_flops,
+                             measured_flops=node.measured_flops, slowdown=node.slowdown,
+                             reachable=node.reachable, reachability=node.reachability or "",
                              note=f"quarantined: {node.quarantine_reason}" if quarantined(node, now)
                              else self.placement.left_out_note(node.id) if node.state == IDLE else "")
                     for node, stage in rows], total

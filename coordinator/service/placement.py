@@ -139,7 +139,8 @@ class Placement:
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
         infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
-                          node.profile["bandwidth_bytes_per_s"], node.profile["latency_s"], node.address)
+                          node.profile["bandwidth_bytes_per_s"], node.profile["latency_s"], node.address,
+                          node.slowdown or 1.0)
                  for node in nodes]
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))

@@ -60,8 +60,12 @@ function nodeRow(node) {
   const state = el("td", {class: `state-${node.state}`, title: `last heartbeat ${ago(seen)}`},
                    `${node.state} · ${ago(seen)}`);
   const place = node.cluster === null ? node.note : `cluster ${node.cluster} stage ${node.stage}`;
-  row.append(el("td", {}, node.name || node.id), el("td", {}, node.address), state,
-             el("td", {}, fixed(node.profile.flops / 1e9, 1)), el("td", {}, fixed(node.profile.memory_bytes / 2 ** 30, 1)),
+  // the figure the planner uses: its stages' measurements correct the profile's (coordinator/calibration.py)
+  const flops = (node.measured_flops || node.profile.flops) / (node.slowdown || 1);
+  const address = el("td", {title: node.reachability || "not dialled yet"},
+                     node.reachable === false ? `${node.address} (unreachable)` : node.address);
+  row.append(el("td", {}, node.name || node.id), address, state,
+             el("td", {}, fixed(flops / 1e9, 1)), el("td", {}, fixed(node.profile.memory_bytes / 2 ** 30, 1)),
              el("td", {}, fixed(node.profile.bandwidth_bytes_per_s / 1e6, 1)), el("td", {}, node.job_id || ""),
              el("td", {}, place || ""));
   return row;

@@ -1,0 +1,76 @@
+"""Whether peers can dial a node: measured, not assumed.
+
+After every join the coordinator opens a TCP connection to the address the node advertises and
+closes it, sending nothing (TLS or not, a NAT or a firewall that drops inbound connections stops it
+before any protocol). Link probes between idle peers say the same from the other side: a measured
+link means its peer was dialled, and a probe that could not dial its peer is reported. The latest
+word is kept with where it came from; `ravnest nodes`, the dashboard and the node's own log show it.
+
+A volunteer could point the dial-back at another host's port: it learns one bit (connected or
+not) per join, which is rate-limited like every join, and nothing is sent there.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from sqlalchemy.orm import Session
+
+from ..failures import who
+from ..store import NodeRow
+from .core import Core
+
+log = logging.getLogger(__name__)
+DIAL_BACK_S = 3.0  # a connect that takes longer is as good as dropped (a home NAT drops, it does not refuse)
+DIALLERS = 4  # dial-backs at once; a burst of joins waits its turn
+MAX_PENDING = 1024  # dial-backs waiting; more joins than this at once go unchecked (shown as unknown)
+
+
+def dial(address: str, timeout: float = DIAL_BACK_S) -> tuple[bool, str]:
+    """(connected, what happened in words) for a TCP connection to `address` ("host:port", "[v6]:port")."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True, f"connected to {address}"
+    except socket.timeout:
+        return False, f"no answer from {address} within {timeout:g} s (a NAT or a firewall drops inbound connections)"
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return False, f"could not connect to {address}: {reason.lower()}"
+
+
+class Reachability:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._diallers = ThreadPoolExecutor(max_workers=DIALLERS, thread_name_prefix="dial-back")
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+
+    def dial_back(self, node_id: str, address: str) -> None:
+        """Dial a node that just joined, on a thread of its own (the join does not wait for it)."""
+        if self._pending.acquire(blocking=False):
+            self._diallers.submit(self._dial_back, node_id, address)
+
+    def _dial_back(self, node_id: str, address: str) -> None:
+        try:
+            reached, said = dial(address)
+            with self.core.lock, self.core.store.session() as session:
+                node = session.get(NodeRow, node_id)
+                if node is not None and node.address == address:  # else it joined again meanwhile
+                    self._record(node, reached, f"the coordinator {said}")
+            if not reached:
+                log.info("node %s is not reachable: the coordinator %s", node_id, said)
+        finally:
+            self._pending.release()
+
+    def from_probes(self, session: Session, prober: NodeRow, reached: list[str], unreached: list[str]) -> None:
+        """What a node's link probes found: the peers it measured were dialled, the others not."""
+        for peer_id, ok in [*((p, True) for p in reached), *((p, False) for p in unreached)]:
+            peer = session.get(NodeRow, peer_id)
+            if peer is not None and peer.id != prober.id:
+                self._record(peer, ok, f"node {who(prober)} {'dialled' if ok else 'could not dial'} {peer.address}")
+
+    @staticmethod
+    def _record(node: NodeRow, reached: bool, how: str) -> None:
+        node.reachable, node.reachability = reached, how

@@ -1,0 +1,79 @@
+"""A node's compute figure corrected by its stages' measured compute times (coordinator/calibration.py),
+and measured again while idle."""
+import re
+
+import pytest
+
+from coordinator.calibration import BOUND, blended, observed_slowdown
+from ravnest.models import build_model, profile_blocks
+from ravnest.partition import NodeCapacity, compute_seconds, partition
+from scripts.local_cluster import LocalCluster
+from tests.test_lying_volunteers import PROFILE, Liar
+
+GPT = {"vocab_size": 64, "seq_len": 16, "d_model": 64, "n_layers": 8, "n_heads": 2}
+BATCH = 8
+
+
+def test_the_slowdown_follows_the_docstrings_worked_example() -> None:
+    slowdown = observed_slowdown(3.0 * compute_seconds(1e9, NodeCapacity(1e10, 0, 1.0)), 1e9, 1e10)
+    assert slowdown == pytest.approx(3.0)
+    figures = [1.0]
+    for _ in range(30):
+        figures.append(blended(figures[-1], slowdown))
+    assert [round(figures[i], 2) for i in (1, 10, 30)] == [1.12, 2.05, 2.86]
+    assert blended(None, 2.5) == 2.5  # a node's first report sets it
+    assert observed_slowdown(1e9, 1.0, 1e10) == BOUND and observed_slowdown(0.0, 1.0, 1e10) is None
+    assert observed_slowdown(1e-9, 1.0, 1e10) == 1.0  # faster than its profile claims: its word, not believed
+
+
+def test_a_slowed_node_gets_fewer_blocks_than_its_equal() -> None:
+    costs = profile_blocks(build_model("gpt", GPT), BATCH)
+    equal = partition(costs, [NodeCapacity(1e10, 1 << 34, 1e12)] * 2).ranges
+    slowed = partition(costs, [NodeCapacity(1e10, 1 << 34, 1e12), NodeCapacity(1e10, 1 << 34, 1e12, slowdown=3.0)])
+    blocks = [end - start for start, end in slowed.ranges]
+    assert equal == [(0, 5), (5, 10)] and blocks[1] < blocks[0], slowed.ranges
+
+
+@pytest.mark.slow
+def test_a_node_whose_stages_compute_slower_than_its_profile_says_is_planned_slower(tmp_path) -> None:
+    """Two nodes with the same profile take a 2-stage job; one's stage computes 4x slower than predicted.
+    The coordinator records a slowdown of about 4 for it and about 1 for the other, and the next job
+    gives it fewer blocks."""
+    mlp = {"input_dim": 64, "hidden": 1024, "depth": 8}  # 10 blocks, 8 of them equal
+    job = {"model": {"name": "mlp", "config": mlp}, "dataset": {"name": "digits"},
+           "training": {"steps": 1000, "batch_size": BATCH, "eval_every": 0, "microbatches_in_flight": 1},
+           "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 2, "min_nodes": 2}}
+    costs = profile_blocks(build_model("mlp", mlp), BATCH)  # K = 1: a micro-batch is the whole batch
+    with LocalCluster(tmp_path, nodes=0) as cluster:
+        nodes = [Liar(cluster, "steady"), Liar(cluster, "slowed")]
+        job_id = cluster.submit(job)
+        cluster.wait_for(lambda: all(n.beat()["assignment"] for n in nodes), 30, "both assignments")
+        plan = {s["node_id"]: s for s in cluster.job(job_id)["plan"]["clusters"][0]["stages"]}
+        assert [b[1] - b[0] for b in (plan[n.id]["blocks"] for n in nodes)] == [5, 5]
+        for node, factor in zip(nodes, (1.0, 4.0)):
+            start, end = plan[node.id]["blocks"]
+            predicted = compute_seconds(sum(c.flops for c in costs[start:end]), NodeCapacity(PROFILE["flops"], 0, 1.0))
+            for step in (25, 30):
+                assert node.report(job_id, step, compute_s=factor * predicted).status_code == 204
+        figures = {n["id"]: n["slowdown"] for n in cluster.http.get("/v1/nodes").json()}
+        assert figures[nodes[0].id] == pytest.approx(1.0) and figures[nodes[1].id] == pytest.approx(4.0)
+
+        assert cluster.http.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+        for node in nodes:
+            node.beat()  # it stopped: idle again
+        second = cluster.submit(job)
+        cluster.wait_for(lambda: all(n.beat()["assignment"] for n in nodes), 30, "the second job's assignments")
+        plan = {s["node_id"]: s["blocks"] for s in cluster.job(second)["plan"]["clusters"][0]["stages"]}
+        steady, slowed = (plan[n.id][1] - plan[n.id][0] for n in nodes)
+        assert slowed < steady, plan
+
+
+@pytest.mark.slow
+def test_an_idle_node_measures_its_compute_again_and_the_coordinator_takes_the_figure(tmp_path) -> None:
+    with LocalCluster(tmp_path, nodes=1, node_args=["--reprofile-every", "1"]) as cluster:
+        log = tmp_path / "logs" / "node-0.log"
+        cluster.wait_for(lambda: len(re.findall(r"measured ([\d.]+) GFLOP/s again", log.read_text())) >= 2, 60,
+                         "two measurements while idle")
+        again = float(re.findall(r"measured ([\d.]+) GFLOP/s again", log.read_text())[-1])
+        cluster.wait_for(lambda: abs(cluster.alive_nodes()[0]["profile"]["flops"] / 1e9 - again) < 0.06, 30,
+                         f"the coordinator to hold the last figure, {again} GFLOP/s")

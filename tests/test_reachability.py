@@ -1,0 +1,54 @@
+"""Reachability is measured, not assumed (coordinator/service/reachability.py): a real coordinator dials
+each joining node back, a real node's link probes report the peers they could not dial, and `ravnest
+nodes` and the node's log say so."""
+import os
+import socket
+import subprocess
+import sys
+
+from coordinator.service.reachability import dial
+from scripts.local_cluster import LocalCluster
+from tests.test_lying_volunteers import Liar
+
+
+def test_dial_says_what_happened() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        assert dial(address) == (True, f"connected to {address}")
+    assert dial(address, timeout=1) == (False, f"could not connect to {address}: connection refused")
+    assert dial("[::1]:notaport")[0] is False
+
+
+def test_a_node_that_cannot_be_dialled_is_found_out_by_the_coordinator_and_by_its_peers(tmp_path) -> None:
+    with LocalCluster(tmp_path, nodes=1) as cluster:
+        silent = Liar(cluster, "behind-nat")  # it advertises a port nobody listens on, as behind a NAT
+        [honest] = [n for n in cluster.alive_nodes() if n["id"] != silent.id]
+
+        def views() -> dict[str, dict]:
+            return {n["name"]: n for n in cluster.http.get("/v1/nodes").json()}
+        cluster.wait_for(lambda: views()["behind-nat"]["reachable"] is False, 30, "the dial-back to fail")
+        coordinator_log = tmp_path / "logs" / cluster.coordinator_log
+        cluster.wait_for(lambda: f"node {silent.id} is not reachable: the coordinator could not connect to 127.0.0.1:"
+                         in coordinator_log.read_text(), 30, "the coordinator to log it")
+        reply = silent.beat()
+        assert reply["reachable"] is False
+        for asked in reply["probe"]:  # it answers the probes it is asked for (made-up figures), else its
+            silent.post(f"/v1/nodes/{silent.id}/heartbeat", {  # peers would wait to probe it in turn
+                "links": [{"peer_id": asked["node_id"], "bandwidth_bytes_per_s": 1e8, "latency_s": 0.001}]})
+        # the real node probes its idle peer's link and reports that it could not dial it
+        cluster.wait_for(lambda: silent.beat() and views()["behind-nat"]["reachability"].startswith(
+            f"node {honest['name']}"), 60, "the peer's probe to report it")  # (it beats: alive, so probed)
+        assert views()["behind-nat"]["reachability"].endswith(f"could not dial {views()['behind-nat']['address']}")
+        assert views()[honest["name"]]["reachable"] is True
+        assert "reachable at" in (tmp_path / "logs" / "node-0.log").read_text()
+
+        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token,
+               "COLUMNS": "100"}
+        listed = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "nodes"], capture_output=True,
+                                text=True, env=env, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert "behind-nat cannot be dialled by its peers: node" in listed.stdout.replace("\n", " ")
+        table = [line for line in listed.stdout.splitlines() if line[:1] in "┏┃┡│└"]  # (notes below wrap)
+        assert " dialled " in table[1] and max(len(line) for line in table) <= 100
