@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from coordinator.calibration import BOUND, blended, observed_slowdown
+from coordinator.calibration import BOUND, blended, observed_slowdown, remeasured
+from coordinator.store import NodeRow
 from ravnest.models import build_model, profile_blocks
 from ravnest.partition import NodeCapacity, compute_seconds, partition
 from scripts.local_cluster import LocalCluster
@@ -24,6 +25,19 @@ def test_the_slowdown_follows_the_docstrings_worked_example() -> None:
     assert blended(None, 2.5) == 2.5  # a node's first report sets it
     assert observed_slowdown(1e9, 1.0, 1e10) == BOUND and observed_slowdown(0.0, 1.0, 1e10) is None
     assert observed_slowdown(1e-9, 1.0, 1e10) == 1.0  # faster than its profile claims: its word, not believed
+
+
+def test_a_figure_measured_again_keeps_what_the_jobs_measured() -> None:
+    """A node re-profiled while idle, or rejoining with its identity, keeps its effective FLOP/s where its
+    jobs measured one; a node that never trained takes the new figure."""
+    trained = NodeRow(profile={"flops": 1e10}, slowdown=4.0)
+    remeasured(trained, 2e10)
+    assert trained.profile["flops"] == 2e10 and trained.slowdown == 8.0  # still computes like 2.5 GFLOP/s
+    remeasured(trained, 1e9)
+    assert trained.slowdown == 1.0  # never below 1: 1 GFLOP/s it is
+    fresh = NodeRow(profile={"flops": 1e10}, slowdown=None)
+    remeasured(fresh, 3e10)
+    assert fresh.profile["flops"] == 3e10 and fresh.slowdown is None
 
 
 def test_a_slowed_node_gets_fewer_blocks_than_its_equal() -> None:

@@ -51,4 +51,4 @@ def test_a_node_that_cannot_be_dialled_is_found_out_by_the_coordinator_and_by_it
         assert listed.returncode == 0, listed.stderr
         assert "behind-nat cannot be dialled by its peers: node" in listed.stdout.replace("\n", " ")
         table = [line for line in listed.stdout.splitlines() if line[:1] in "┏┃┡│└"]  # (notes below wrap)
-        assert " dialled " in table[1] and max(len(line) for line in table) <= 100
+        assert max(len(line) for line in table) <= 100

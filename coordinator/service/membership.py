@@ -77,6 +77,8 @@ class Membership:
                                    f"advertise this node's own address (a restarted node may retry once the "
                                    f"old one times out)")
                 node = known or NodeRow(id=new_id(), joined_at=now, identity_hash=known_as(request))
+                if known is not None:  # what its jobs measured stays, relative to its new figure
+                    remeasured(node, request.profile.flops)
                 node.name, node.address = request.name, request.address
                 node.profile = request.profile.model_dump(mode="json")
                 node.token_hash = hash_token(token)

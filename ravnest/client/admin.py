@@ -89,30 +89,35 @@ def dashboard(ctx: typer.Context, open_it: bool = typer.Option(False, "--open", 
         webbrowser.open(url)
 
 
+# an offer's state (coordinator/service/offers.py) in words
+OFFER_STATES = {"first": "the first to offer this file: the one others are checked against",
+                "challenged": "being checked against the first holder's copy"}
+
+
 @nodes.command("list")
 def node_list(ctx: typer.Context) -> None:
     """Nodes that joined, their state and what they offer."""
-    nodes_ = table("id", "name", "address", "dialled", "state", "GFLOP/s", "GiB+idle", "job")
+    nodes_ = table("id", "name", "address", "state", "GFLOP/s", "GiB+idle", "job")
     notes = []
     for node in call(ctx, "GET", "/v1/nodes"):
         state = "quarantined" if node.get("quarantined_until") else node["state"]
         claimed = node.get("measured_flops") or node["profile"]["flops"]
         flops = claimed / (node.get("slowdown") or 1.0)  # what the planner counts
         idle = node["profile"].get("idle_bytes", 0) / 2**30
-        dialled = {True: "yes", False: "no"}.get(node.get("reachable"), "?")
-        nodes_.add_row(node["id"], node["name"], node["address"], dialled, state, f"{flops / 1e9:,.1f}",
+        nodes_.add_row(node["id"], node["name"], node["address"], state, f"{flops / 1e9:,.1f}",
                        f"{node['profile']['memory_bytes'] / 2**30:.1f}" + (f"+{idle:.1f}" if idle else ""),
                        node["job_id"] or "")
         who = node["name"] or node["id"]
         if node.get("measured_flops"):
             notes.append(f"{who} was too slow for its profile's {node['profile']['flops'] / 1e9:,.1f} GFLOP/s: "
                          f"its stages computed like {node['measured_flops'] / 1e9:,.1f}")
-        if node.get("slowdown"):
+        if (node.get("slowdown") or 1.0) >= 1.5:
             notes.append(f"{who} computes like {flops / 1e9:,.1f} GFLOP/s in its recent jobs' stages "
                          f"(its profile: {node['profile']['flops'] / 1e9:,.1f})")
         if node.get("reachable") is False:
             notes.append(f"{who} cannot be dialled by its peers: {node['reachability']}")
-        offers = ", ".join(f"{name} ({state})" for name, state in sorted(node.get("offers", {}).items()))
+        offers = ", ".join(f"{name} ({OFFER_STATES.get(state, state)})"
+                           for name, state in sorted(node.get("offers", {}).items()))
         if offers:
             notes.append(f"{who} offers {offers}")
         if node.get("note"):

@@ -238,7 +238,7 @@ def _links(plan: dict, reports: list[dict]) -> list[str]:
 def _figures(metrics: dict) -> str:
     parts = []
     if metrics.get("loss") is not None:
-        parts.append(f"loss {metrics['loss']:.3f}")
+        parts.append(f"loss {metrics['loss']:.3g}")  # a tiny loss is not 0.000
     if metrics.get("test_accuracy") is not None:
         parts.append(f"accuracy {metrics['test_accuracy']:.4f}")
     if metrics.get("test_loss") is not None and metrics.get("tokens_per_s") is not None:  # a language model
