@@ -6,7 +6,6 @@ import queue
 import shutil
 import tempfile
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +15,10 @@ import httpx
 import torch
 
 from node.client import CoordinatorClient
-from node.links import LinkProber
+from node.links import LinkProber, reachability_line
 from node.metrics import STAGES
 from node.offers import Offers
-from node.profiler import matmul_flops, profile_node
+from node.profiler import IdleProfiler, profile_node
 from node.progress import Progress
 from ravnest.averaging import ring
 from ravnest.client.api import ApiError
@@ -150,10 +149,7 @@ class NodeDaemon:
         # have its next assignment (a re-planned job waits for its nodes to hand in and be released)
         self._beat_now = threading.Event()
         self._proofs: list[DataProof] = []  # answers to the last heartbeat's challenges, sent with the next
-        # an idle node measures its compute again: the figure at join may have been taken while others
-        # trained beside it (coordinator/calibration.py); 0: never
-        self.reprofile_every = reprofile_every
-        self._busy_until = time.monotonic()  # when it was last busy, or joined
+        self.idle_profiler = IdleProfiler(device, reprofile_every, self.progress)
         self._reachable: bool | None = None  # what the coordinator last said: can peers dial this node?
 
     def serve(self, stop: threading.Event) -> None:
@@ -200,10 +196,11 @@ class NodeDaemon:
 
     def _heartbeat(self) -> None:
         links, unreached = self._prober.take() if self._prober else ([], [])
-        runner = self._job.runner if self._job is not None and self._running_job_id() else None
+        job_id = self._running_job_id()
+        runner = self._job.runner if self._job is not None and job_id else None
         try:
-            reply = self.client.heartbeat(self._running_job_id(), links, bool(runner and runner.alone), self._proofs,
-                                          self._reprofiled(), unreached)
+            reply = self.client.heartbeat(job_id, links, bool(runner and runner.alone), self._proofs,
+                                          self.idle_profiler.measured(busy=job_id is not None), unreached)
         except ApiError as e:
             if e.status == 401:  # revoked, expired or forgotten: retrying cannot help; stop and say why
                 raise
@@ -221,10 +218,7 @@ class NodeDaemon:
             self.progress.log(f"coordinator: {reply.note}")
         self._note = reply.note
         if reply.reachable is not None and reply.reachable != self._reachable:
-            self.progress.log(f"reachable at {self.address}: {reply.reachability}" if reply.reachable else
-                              f"peers cannot dial this node at {self.address}: {reply.reachability}. "
-                              f"Listen on an address they reach (--host 0.0.0.0 --advertise <public address>) "
-                              f"and let the port in (docs/volunteer.md)")
+            self.progress.log(reachability_line(self.address, reply.reachable, reply.reachability))
         self._reachable = reply.reachable
         job = self._job if self._running_job_id() else None
         if job and reply.train_alone == job.assignment.job_id and not job.stop.is_set():
@@ -241,20 +235,6 @@ class NodeDaemon:
             job = self._job = _Job(assignment)
             job.thread = threading.Thread(target=self._run_job, args=(job,), name="job", daemon=True)
             job.thread.start()
-
-    def _reprofiled(self) -> float | None:
-        """Its matmul figure measured again, where it has been idle `reprofile_every` seconds since it was
-        last busy or measured."""
-        now = time.monotonic()
-        if self._running_job_id() is not None:
-            self._busy_until = now
-            return None
-        if not self.reprofile_every or now - self._busy_until < self.reprofile_every:
-            return None
-        self._busy_until = now
-        flops = matmul_flops(self.device)
-        self.progress.log(f"measured {flops / 1e9:.1f} GFLOP/s again while idle")
-        return flops
 
     def _run_job(self, job: _Job) -> None:
         a = job.assignment

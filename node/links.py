@@ -18,6 +18,14 @@ MAX_QUEUED = 16
 UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def reachability_line(address: str, reachable: bool, how: str) -> str:
+    """What the node logs when the coordinator tells it whether peers can dial it."""
+    if reachable:
+        return f"reachable at {address}: {how}"
+    return (f"peers cannot dial this node at {address}: {how}. Listen on an address they reach (--host 0.0.0.0 "
+            f"--advertise <public address>) and let the port in (docs/volunteer.md)")
+
+
 class LinkProber:
     """Measures the links it is asked to, one at a time; `take()` hands over what was measured."""
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import httpx
 import torch
 
+from node.progress import Progress
 from ravnest.client.api import ApiError, refusal_reason
 from ravnest.pipeline.memory import status_bytes
 from ravnest.spec import LATENCY, NodeProfile, plausible_bandwidth
@@ -62,6 +63,27 @@ def _best_window(a: torch.Tensor, b: torch.Tensor, clock, seconds: float, window
         _sync(device)
         best = max(best, 2 * size**3 * runs / max(clock() - computing, 1e-9))
     return best
+
+
+class IdleProfiler:
+    """The matmul figure measured again once the node has been idle `every` seconds since it was last
+    busy or measured (0: never): the figure at join may have been taken while other programs or nodes
+    ran beside it (coordinator/calibration.py)."""
+
+    def __init__(self, device: torch.device, every: float, progress: Progress):
+        self.device, self.every, self.progress = device, every, progress
+        self._since = time.monotonic()  # last busy, measured, or joined
+
+    def measured(self, busy: bool) -> float | None:
+        now = time.monotonic()
+        if busy:
+            self._since = now
+        if busy or not self.every or now - self._since < self.every:
+            return None
+        self._since = now
+        flops = matmul_flops(self.device)
+        self.progress.log(f"measured {flops / 1e9:.1f} GFLOP/s again while idle")
+        return flops
 
 
 SAFETY_MARGIN = 0.8  # of the memory free now: the owner keeps using the machine

@@ -61,7 +61,7 @@ def test_a_node_whose_stages_compute_slower_than_its_profile_says_is_planned_slo
     with LocalCluster(tmp_path, nodes=0) as cluster:
         nodes = [Liar(cluster, "steady"), Liar(cluster, "slowed")]
         job_id = cluster.submit(job)
-        cluster.wait_for(lambda: all(n.beat()["assignment"] for n in nodes), 30, "both assignments")
+        cluster.wait_for(lambda: all(n.beat()["assignment"] for n in nodes), 90, "both assignments")
         plan = {s["node_id"]: s for s in cluster.job(job_id)["plan"]["clusters"][0]["stages"]}
         assert [b[1] - b[0] for b in (plan[n.id]["blocks"] for n in nodes)] == [5, 5]
         for node, factor in zip(nodes, (1.0, 4.0)):
@@ -76,7 +76,7 @@ def test_a_node_whose_stages_compute_slower_than_its_profile_says_is_planned_slo
         for node in nodes:
             node.beat()  # it stopped: idle again
         second = cluster.submit(job)
-        cluster.wait_for(lambda: all(n.beat()["assignment"] for n in nodes), 30, "the second job's assignments")
+        cluster.wait_for(lambda: all(n.beat()["assignment"] for n in nodes), 90, "the second job's assignments")
         plan = {s["node_id"]: s["blocks"] for s in cluster.job(second)["plan"]["clusters"][0]["stages"]}
         steady, slowed = (plan[n.id][1] - plan[n.id][0] for n in nodes)
         assert slowed < steady, plan
