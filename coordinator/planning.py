@@ -162,7 +162,9 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                                for replica in shape.replicas for n in replica})
         shapes = [shapes[i] for i in sorted(kept)]
     if placement.stages_per_cluster:
-        why.append(f"{_n(placement.stages_per_cluster, 'stage')} per cluster, as the job asks")
+        short = sorted({len(shape.ranges) for shape in shapes if len(shape.ranges) < placement.stages_per_cluster})
+        why.append(f"{_n(placement.stages_per_cluster, 'stage')} per cluster, as the job asks"
+                   + (f", {' or '.join(map(str, short))} where a cluster has fewer nodes" if short else ""))
     return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links)
 
 

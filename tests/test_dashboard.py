@@ -157,7 +157,7 @@ def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_cur
             page.goto(f"{cluster.url}/logout")
             page.fill("input[name=token]", reader)
             page.click("button")
-            page.wait_for_function("document.querySelector('#who').textContent === 'reader key viewer'")
+            page.wait_for_function("document.querySelector('#who').textContent === 'signed in as reader (viewer)'")
             page.wait_for_function(f"document.querySelector(\"#jobs tr[data-job='{job_id}']\")")
             assert page.locator("#submit").is_hidden()  # a reader sees everything and changes nothing
             assert page.locator("#jobs button").count() == 0

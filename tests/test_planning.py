@@ -343,3 +343,11 @@ def test_averaging_codec_auto_compresses_only_as_far_as_the_links_need() -> None
     assert picked(3e5, "ring") == "int8"  # a quarter of the bytes is enough here...
     assert picked(3e3, "diloco") == "topk"  # ...and here only 1.56% of them keeps up
     assert picked(3e3, "ring") == "int8"  # weights are never delayed: the most a ring gets
+
+
+def test_the_plan_says_where_a_cluster_has_fewer_stages_than_the_job_asks() -> None:
+    """Three nodes for 2 clusters x 2 stages (a re-plan after a loss): the reason does not claim 2 each."""
+    plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(3)],
+                    Placement(clusters=2, min_nodes=3, stages_per_cluster=2))
+    assert sorted(len(c.stages) for c in plan.clusters) == [1, 2]
+    assert plan.reason.endswith("2 stages per cluster, as the job asks, 1 where a cluster has fewer nodes")

@@ -304,7 +304,7 @@ async function identify() {
   try {
     const me = await api("/v1/whoami");
     mayAct = me.may_submit;
-    document.getElementById("who").textContent = `${me.role} key ${me.name || me.id}`;
+    document.getElementById("who").textContent = `signed in as ${me.role} (${me.name || me.id})`;
     document.getElementById("submit").hidden = !mayAct;
   } catch (error) {
     say(`${UNREACHABLE}: ${error.message}`, true);
