@@ -42,6 +42,9 @@ def test_a_node_that_cannot_be_dialled_is_found_out_by_the_coordinator_and_by_it
             f"node {honest['name']}"), 60, "the peer's probe to report it")  # (it beats: alive, so probed)
         assert views()["behind-nat"]["reachability"].endswith(f"could not dial {views()['behind-nat']['address']}")
         assert views()[honest["name"]]["reachable"] is True
+        # what a node says of a peer it was not asked to probe is not believed
+        assert silent.post(f"/v1/nodes/{silent.id}/heartbeat", {"unreached": [honest["id"]]}).status_code == 200
+        assert views()[honest["name"]]["reachable"] is True
         assert "reachable at" in (tmp_path / "logs" / "node-0.log").read_text()
 
         env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token,

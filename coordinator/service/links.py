@@ -16,18 +16,19 @@ class LinkProbes:
         self.core = core
         self._asked: dict[tuple[str, str], float] = {}  # (node, peer) -> when it was asked (per process)
 
-    def record(self, session: Session, node: NodeRow, reports: list[LinkReport], unreached: list[str]) -> None:
+    def record(self, session: Session, node: NodeRow, reports: list[LinkReport], unreached: list[str]) -> set[str]:
         """Keep the latest measurement per peer; reports on unknown peers or itself are dropped
-        (a peer may have left and been forgotten meanwhile). A peer it could not dial is answered too."""
+        (a peer may have left and been forgotten meanwhile). A peer it could not dial is an answer too.
+        Returns the peers it was asked to probe and answered for (what it says of others is not asked)."""
         now = self.core.clock()
-        for peer_id in unreached:
-            self._asked.pop((node.id, peer_id), None)
+        answered = {peer for peer in [*unreached, *(r.peer_id for r in reports)]
+                    if self._asked.pop((node.id, peer), None) is not None}
         for report in reports:
-            self._asked.pop((node.id, report.peer_id), None)
             if report.peer_id == node.id or session.get(NodeRow, report.peer_id) is None:
                 continue
             session.merge(LinkRow(node_id=node.id, peer_id=report.peer_id, bandwidth=report.bandwidth_bytes_per_s,
                                   latency=report.latency_s, measured_at=now))
+        return answered
 
     def probes_for(self, session: Session, node: NodeRow) -> list[PeerProbe]:
         """Up to `probe_peers` live peers whose link this node has not measured, oldest members first;

@@ -125,8 +125,9 @@ class Membership:
                 node = self._node(session, node_id, authorization)
                 node.last_seen = self.core.clock()
                 node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
-                self.links.record(session, node, request.links, request.unreached)
-                self.reachability.from_probes(session, node, [r.peer_id for r in request.links], request.unreached)
+                asked = self.links.record(session, node, request.links, request.unreached)
+                self.reachability.from_probes(session, node, [r.peer_id for r in request.links if r.peer_id in asked],
+                                              [peer for peer in request.unreached if peer in asked])
                 proven = self.offers.take_proofs(session, node, request.proofs)
                 self.recoveries.trains_alone(session, node, request.job_id if request.training_alone else None)
                 # a re-plan may wait for this node to train alone, or for a lost one to fall silent: the
