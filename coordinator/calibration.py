@@ -24,11 +24,13 @@ with), and a liar who claimed a million times its compute is caught by the slow-
 An idle node measures its matmul figure again now and then (`ravnest-node join --reprofile-every`).
 The profile takes the new figure, and a slowdown is rescaled so that what the node computes like
 stays what its jobs measured: only a node that has not trained yet is planned differently, such as
-one that joined while others trained beside it and looked too slow to be given work.
+one that joined while others trained beside it and looked too slow to be given work. Until its first
+job measures it, a node is planned with the median slowdown of the nodes that were measured (`prior`).
 """
 from __future__ import annotations
 
 import math
+import statistics
 
 from ravnest.partition import NodeCapacity, compute_seconds
 
@@ -52,6 +54,14 @@ def blended(previous: float | None, observed: float) -> float:
     if previous is None:
         return observed
     return math.exp((1 - WEIGHT) * math.log(previous) + WEIGHT * math.log(observed))
+
+
+def prior(slowdowns: list[float | None]) -> float:
+    """What a node no job has measured yet is planned with: the median slowdown of those that were
+    (1 when none was). Identical machines then look identical before and after their first job, and a
+    newcomer does not look faster than its measured peers only because it is new."""
+    known = sorted(s for s in slowdowns if s is not None)
+    return statistics.median(known) if known else 1.0
 
 
 def remeasured(node: NodeRow, flops: float) -> None:

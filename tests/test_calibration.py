@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from coordinator.calibration import BOUND, blended, observed_slowdown, remeasured
+from coordinator.calibration import BOUND, blended, observed_slowdown, prior, remeasured
 from coordinator.store import NodeRow
 from ravnest.models import build_model, profile_blocks
 from ravnest.partition import NodeCapacity, compute_seconds, partition
@@ -25,6 +25,7 @@ def test_the_slowdown_follows_the_docstrings_worked_example() -> None:
     assert blended(None, 2.5) == 2.5  # a node's first report sets it
     assert observed_slowdown(1e9, 1.0, 1e10) == BOUND and observed_slowdown(0.0, 1.0, 1e10) is None
     assert observed_slowdown(1e-9, 1.0, 1e10) == 1.0  # faster than its profile claims: its word, not believed
+    assert prior([None, 3.0, 2.0, 5.0]) == 3.0 and prior([None]) == 1.0  # a newcomer: like the measured ones
 
 
 def test_a_figure_measured_again_keeps_what_the_jobs_measured() -> None:

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from ravnest.models import build_model
 from ravnest.spec import JobSpec
 
-from .. import jobs
+from .. import calibration, jobs
 from ..clustering import NodeInfo
 from ..jobs import JobState
 from ..equal_split import plan_equal_split
@@ -138,9 +138,10 @@ class Placement:
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
+        unmeasured = calibration.prior([node.slowdown for node in nodes])
         infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
                           node.profile["bandwidth_bytes_per_s"], node.profile["latency_s"], node.address,
-                          node.slowdown or 1.0)
+                          node.slowdown or unmeasured)
                  for node in nodes]
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))

@@ -24,10 +24,10 @@ from ravnest.pipeline.schedule import batch_parts, prediction_order, staleness_m
 from ravnest.spec import OptimizerRef, TrainingSettings
 
 RING_COPIES = 2.0  # a ring averager keeps a snapshot and an average of its segment
-STAGE_BASE = 3 << 20  # what any stage adds to a node (its computing thread's heap and stack, stream
-                      # buffers, Python objects): digits MLP stages of 0.5-1.1 MiB of tensors measured
-                      # 2.2-4.0 MiB (bench.memory --small; the 14-17 MiB once measured on CNN stages were
-                      # oneDNN's first convolution, now loaded at warm-up, and its per-thread state)
+STAGE_BASE = 16 << 20  # what any stage adds to a node (its computing thread's heap and stack, stream
+                       # buffers, Python objects). Small stages measure 2-4 MiB of it (bench.memory --small),
+                       # but at 3 MiB the last stage of a 4-stage gpt with Adam measured 1.26x its prediction
+                       # (tests/test_big_models.py): large stages leave more in the heap, unmodelled yet
 # Bytes the allocator takes per byte of activations, their gradients and backward workspace: a
 # middle stage of a gpt held 34 MiB after a forward that saves 20.6 MiB (glibc's heap keeps holes
 # between the forward's short-lived and saved tensors), 1.65x; whole stages measured 1.0-1.3x of a
