@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            service.store.close()
+            service.close()
 
     app = FastAPI(title="Ravnest coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Takes volunteer nodes in, clusters them, plans jobs over them and tracks them. "

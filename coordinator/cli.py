@@ -47,6 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recovery-wait", type=float, default=120.0,
                         help="most seconds a re-planned job waits for its live nodes to hand in their state "
                              "(default: 120)")
+    relay = parser.add_mutually_exclusive_group()
+    relay.add_argument("--relay-port", type=int, default=None, metavar="PORT",
+                       help="the relay's port: volunteers that peers cannot dial (behind a NAT or a firewall) are "
+                            "reached through it, each on a free port of its own on --host, so let those in too "
+                            "(default: --port + 1; 0: any free port)")
+    relay.add_argument("--no-relay", action="store_true",
+                       help="no relay: volunteers that peers cannot dial are not given work")
     add_tls_options(parser, "HTTPS", "plain HTTP")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="job and node events at info, every request at debug (default: info)")
@@ -73,11 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(data_dir=args.data_dir, db_url=args.db, join_token=args.token,
                         operator_token=args.operator_token,
                         heartbeat_interval_s=args.heartbeat_interval,
-                        heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait)
+                        heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait,
+                        relay_host=args.host, relay_port=None if args.no_relay else
+                        args.port + 1 if args.relay_port is None else args.relay_port)
     try:
         app = create_app(settings)
     except SchemaError as e:
         raise SystemExit(f"ravnest-coordinator: {e}") from None
+    except OSError as e:  # the relay's port is taken
+        raise SystemExit(f"ravnest-coordinator: {e} (choose another with --relay-port, or --no-relay)") from None
     data = settings.data_dir.resolve()
     database = make_url(settings.database_url).render_as_string(hide_password=True)
     operator = "given (--operator-token)" if args.operator_token else f"in {data / 'operator_token'}"
@@ -87,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
           f"dashboard, metrics); join token {join} (ravnest-node join --token ...)\n"
           f"  that join token admits any number of nodes until revoked: hand out limited ones with `ravnest "
           f"token create --uses N --expires 7d`, then `ravnest token revoke join`\n"
+          f"  relay for volunteers that peers cannot dial: "
+          f"{relay.address if (relay := app.state.service.membership.reachability.relay) else 'off (--no-relay)'}\n"
           f"  dashboard at {'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 ssl_certfile=str(args.tls_cert) if args.tls_cert else None,

@@ -52,7 +52,13 @@ class Settings:
     pipeline_cap: int = 16  # most stages in one pipeline; bigger groups become several replicas
     probe_peers: int = 2  # links an idle node is asked to measure at a time (0: never ask)
     probe_retry_s: float = 30.0  # ask again for a link that was asked for but not reported by then
-    background: bool = True  # run the periodic reaper/placer task (tests drive `tick` themselves)
+    # the built-in relay (ravnest/relay) that nodes peers cannot dial listen on: on relay_host, at
+    # relay_port (0: a free port), each such node getting a free port there too; None: no relay
+    relay_port: int | None = None
+    relay_host: str = "127.0.0.1"
+    # run the periodic reaper/placer task and dial joining nodes back (tests drive `tick` themselves,
+    # and their nodes at made-up addresses count as reachable: not known to be otherwise)
+    background: bool = True
     clock: Callable[[], float] = field(default=time.time, repr=False)
 
     def __post_init__(self) -> None:

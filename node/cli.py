@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="address the gRPC server binds to (default: 127.0.0.1, reachable from this machine only)")
     join.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
     join.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
+    join.add_argument("--no-relay", dest="use_relay", action="store_false",
+                      help="where peers cannot dial this node (behind a NAT or a firewall), do not use the "
+                           "coordinator's relay; it gets no work then (default: use it)")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list (default: none)")
     join.add_argument("--identity", type=Path, default=os.environ.get("RAVNEST_NODE_IDENTITY"), metavar="FILE",
                       help="this node's identity file, made on first use (a secret: keep it private): joining "
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_memory=args.max_memory, datasets=offered,
                             identity=read_identity(args.identity) if args.identity else "",
                             reload_offers=offered_now, reprofile_every=args.reprofile_every,
+                            use_relay=args.use_relay,
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         signal.signal(signal.SIGHUP, lambda *_: daemon.offers.reread())  # kill -HUP after editing --offers
         daemon.serve(stop)

@@ -79,9 +79,9 @@ class CoordinatorClient:
 
     def heartbeat(self, job_id: str | None, links: Sequence[LinkReport] = (), training_alone: bool = False,
                   proofs: Sequence[DataProof] = (), flops: float | None = None,
-                  unreached: Sequence[str] = ()) -> HeartbeatResponse:
+                  unreached: Sequence[str] = (), address: str | None = None) -> HeartbeatResponse:
         request = HeartbeatRequest(job_id=job_id, links=list(links), training_alone=training_alone,
-                                   proofs=list(proofs), flops=flops, unreached=list(unreached))
+                                   proofs=list(proofs), flops=flops, unreached=list(unreached), address=address)
         body = self._call("POST", f"/v1/nodes/{self.node_id}/heartbeat", token=self._node_token,
                           json=request.model_dump())
         return HeartbeatResponse.model_validate(body.json())

@@ -27,7 +27,8 @@ from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
-from ravnest.spec import DataProof, JoinRequest, MetricsReport, StageAssignment
+from ravnest.relay.tunnel import RelayTunnel
+from ravnest.spec import DataProof, JoinRequest, MetricsReport, RelayOffer, StageAssignment
 from ravnest.wire import PeerGate, PeerServer, Router
 
 T = TypeVar("T")
@@ -128,7 +129,7 @@ class NodeDaemon:
                  progress: Progress | None = None, max_memory: int | None = None,
                  datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None,
                  identity: str = "", reload_offers: Callable[[], dict[str, Path]] | None = None,
-                 reprofile_every: float = 600.0):
+                 reprofile_every: float = 600.0, use_relay: bool = True):
         self.client = client
         self.identity = identity  # the secret of its identity file: joining again keeps its id
         self.progress = progress or Progress()
@@ -151,6 +152,9 @@ class NodeDaemon:
         self._proofs: list[DataProof] = []  # answers to the last heartbeat's challenges, sent with the next
         self.idle_profiler = IdleProfiler(device, reprofile_every, self.progress)
         self._reachable: bool | None = None  # what the coordinator last said: can peers dial this node?
+        self.use_relay = use_relay  # where it says no, be reached through the relay it offers
+        self._tunnel: RelayTunnel | None = None
+        self.node_id = ""
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
@@ -159,6 +163,7 @@ class NodeDaemon:
         profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints)
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile,
                                               identity=self.identity))
+        self.node_id = joined.node_id
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
         if joined.probe_token:
@@ -188,6 +193,30 @@ class NodeDaemon:
             if self._prober:
                 self._prober.close()
             self.server.stop()
+            if self._tunnel:
+                self._tunnel.close()
+
+    @property
+    def _advertised(self) -> str:
+        return self._tunnel.address or self.address if self._tunnel else self.address
+
+    def _listen_on(self, relay: RelayOffer) -> None:
+        """Be reached through a relay: peers could not dial this node."""
+        if self._tunnel:
+            self._tunnel.close()
+        address = relay.address
+        if address.startswith(":"):  # the coordinator's own, at the host this node reaches it by
+            host = self.client.http.base_url.host
+            address = f"[{host}]{address}" if ":" in host else f"{host}{address}"
+        local = self.server.address.replace("0.0.0.0:", "127.0.0.1:").replace("[::]:", "[::1]:")
+        self._tunnel = RelayTunnel(address, self.node_id, relay.token, local, self._relayed)
+
+    def _relayed(self, address: str | None, why: str) -> None:
+        if address:
+            self.progress.log(f"peers reach this node at {address}: {why}")
+        else:
+            self.progress.log(f"peers cannot reach this node now: {why}")
+        self._beat_now.set()  # the coordinator learns the new address at once
 
     def _running_job_id(self) -> str | None:
         if self._job and self._job.thread.is_alive() and not self._job.done.is_set():
@@ -200,7 +229,8 @@ class NodeDaemon:
         runner = self._job.runner if self._job is not None and job_id else None
         try:
             reply = self.client.heartbeat(job_id, links, bool(runner and runner.alone), self._proofs,
-                                          self.idle_profiler.measured(busy=job_id is not None), unreached)
+                                          self.idle_profiler.measured(busy=job_id is not None), unreached,
+                                          (self._tunnel.address or self.address) if self._tunnel else None)
         except ApiError as e:
             if e.status == 401:  # revoked, expired or forgotten: retrying cannot help; stop and say why
                 raise
@@ -217,9 +247,13 @@ class NodeDaemon:
         if reply.note and reply.note != self._note:
             self.progress.log(f"coordinator: {reply.note}")
         self._note = reply.note
+        relay = reply.relay if self.use_relay else None
         if reply.reachable is not None and reply.reachable != self._reachable:
-            self.progress.log(reachability_line(self.address, reply.reachable, reply.reachability))
+            self.progress.log(reachability_line(self._advertised, reply.reachable, reply.reachability,
+                                                relayed=relay is not None))
         self._reachable = reply.reachable
+        if relay and (self._tunnel is None or not self._tunnel.alive):
+            self._listen_on(relay)
         job = self._job if self._running_job_id() else None
         if job and reply.train_alone == job.assignment.job_id and not job.stop.is_set():
             runner = job.runner

@@ -18,12 +18,15 @@ MAX_QUEUED = 16
 UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def reachability_line(address: str, reachable: bool, how: str) -> str:
-    """What the node logs when the coordinator tells it whether peers can dial it."""
+def reachability_line(address: str, reachable: bool, how: str, relayed: bool = False) -> str:
+    """What the node logs when the coordinator tells it whether peers can dial it (`relayed`: it
+    offered a relay, which this node uses)."""
     if reachable:
         return f"reachable at {address}: {how}"
+    if relayed:
+        return f"peers cannot dial this node at {address}: {how}. It will be reached through the coordinator's relay"
     return (f"peers cannot dial this node at {address}: {how}. Listen on an address they reach (--host 0.0.0.0 "
-            f"--advertise <public address>) and let the port in (docs/volunteer.md)")
+            f"--advertise <public address>) and let the port in, or let it use a relay (docs/volunteer.md)")
 
 
 class LinkProber:

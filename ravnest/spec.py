@@ -531,6 +531,15 @@ class HeartbeatRequest(_Strict):
         default_factory=list, max_length=64, description="peers its link probes could not dial since the last beat")
     flops: float | None = Field(None, description="matmul FLOP/s measured again while idle (its profile's figure "
                                                   "was measured once, at join)", **FLOPS)
+    address: str | None = Field(None, pattern=ADDRESS, description=(
+        "where peers dial this node now, if not where it joined: its port on a relay (`relay` in the reply)"))
+
+
+class RelayOffer(_Strict):
+    """A relay (ravnest/relay) this node may listen on: peers could not dial it directly."""
+    address: str = Field(max_length=300, description=(
+        "host:port of the relay; no host (':8471') means the coordinator's own host, as this node reaches it"))
+    token: str = Field(max_length=128, description="shows the relay that the coordinator sent this node")
 
 
 class HeartbeatResponse(_Strict):
@@ -548,6 +557,8 @@ class HeartbeatResponse(_Strict):
     reachable: bool | None = Field(None, description="whether this node's address could be dialled (by the "
                                                      "coordinator after it joined, or by a peer); None: not known yet")
     reachability: str = Field("", description="how that was found, in words")
+    relay: RelayOffer | None = Field(None, description="peers cannot dial this node: listen on this relay and send "
+                                                       "the address it gives with the next heartbeats")
 
 
 class MetricsReport(_Strict):

@@ -25,6 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_ANSWERING: list[socket.socket] = []
+
+
+def answering_address(host: str = "127.0.0.1") -> str:
+    """host:port where connections are accepted (by the kernel; nothing is ever read) for as long as
+    this process runs: what a node the test plays over REST advertises, so that the coordinator's
+    dial-back finds it reachable and jobs are placed on it."""
+    listening = socket.create_server((host, 0))
+    _ANSWERING.append(listening)
+    return f"{host}:{listening.getsockname()[1]}"
+
+
 def rss_bytes(pid: int) -> int:
     """A process's resident memory now (VmRSS)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -98,7 +110,7 @@ class LocalCluster:
 
     def _start_coordinator(self, timeout: float, log_name: str = "coordinator.log") -> None:
         port = self.url.rsplit(":", 1)[1]
-        proc = self._spawn(["coordinator.cli", "--host", self.host, "--port", port,
+        proc = self._spawn(["coordinator.cli", "--host", self.host, "--port", port, "--relay-port", "0",
                             "--data-dir", str(self.data_dir), *self.coordinator_args], log_name)
         self.procs.remove(proc)
         self.procs.insert(0, proc)  # procs[0] is the coordinator, procs[1 + i] node i

@@ -1,10 +1,13 @@
 """A bandwidth-shaped testbed of real processes (deploy/testbed/netns.sh): the coordinator in
 namespace rvn-hub at 10.77.0.254 on the bridge, node i in namespace rvn-m<i> at 10.77.0.<i+1>, each
 node's link shaped to its tier (Mbit/s) with tbf both ways. The coordinator profiles the nodes and
-measures their links itself, as it would on the internet. Needs root, ip and tc; only rvn-*
-namespaces are touched, and they are deleted on exit.
+measures their links itself, as it would on the internet. Nodes listed in `natted` sit behind a NAT
+router of their own (192.168.<i>.2) and accept no inbound connection: peers reach them only through
+a relay. Needs root, ip and tc (and iptables for NAT); only rvn-* namespaces are touched, and they
+are deleted on exit.
 
     python -m scripts.testbed 400 400 100 100 25 25     # up, print what the coordinator sees, down
+    python -m scripts.testbed 100 100:nat 100 100:nat   # nodes 1 and 3 behind NAT
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Collection
 
 import httpx
 
@@ -26,12 +30,12 @@ HUB, SUBNET = "rvn-hub", "10.77.0"
 HUB_ADDRESS = f"{SUBNET}.254"
 
 
-def unavailable() -> str | None:
-    """Why no testbed can run here, or None."""
+def unavailable(nat: bool = False) -> str | None:
+    """Why no testbed (with NAT routers: `nat`) can run here, or None."""
     if os.geteuid() != 0:
         return "the testbed needs root (network namespaces, tc)"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    return f"the testbed needs {', '.join(missing)} (Debian: iproute2)" if missing else None
+    missing = [tool for tool in ("ip", "tc", *(("iptables",) if nat else ())) if shutil.which(tool) is None]
+    return f"the testbed needs {', '.join(missing)} (Debian: iproute2, iptables)" if missing else None
 
 
 class NamespacedClient:
@@ -59,9 +63,9 @@ class NamespacedClient:
 
 class ShapedTestbed(LocalCluster):
     def __init__(self, data_dir: Path, tiers_mbit: list[float], threads_per_node: int = 1,
-                 node_args: list[str] = ()):
+                 node_args: list[str] = (), natted: Collection[int] = ()):
         super().__init__(data_dir, nodes=len(tiers_mbit), threads_per_node=threads_per_node, node_args=node_args)
-        self.tiers = list(tiers_mbit)
+        self.tiers, self.natted = list(tiers_mbit), set(natted)
         self.host, self.url = HUB_ADDRESS, f"http://{HUB_ADDRESS}:8470"
         self.http.close()
         self.http = None
@@ -71,10 +75,11 @@ class ShapedTestbed(LocalCluster):
         return ["ip", "netns", "exec", namespace]
 
     def _node_args(self, index: int) -> list[str]:
-        return ["--host", f"{SUBNET}.{index + 1}"]
+        return ["--host", f"192.168.{index}.2" if index in self.natted else f"{SUBNET}.{index + 1}"]
 
     def start(self, timeout: float = 120.0) -> None:
-        subprocess.run(["bash", str(NETNS), "up", *map(str, self.tiers)], check=True, timeout=60)
+        members = [f"{tier:g}{':nat' if i in self.natted else ''}" for i, tier in enumerate(self.tiers)]
+        subprocess.run(["bash", str(NETNS), "up", *members], check=True, timeout=60)
         try:
             self.http = NamespacedClient(HUB, self.url)
             self._start_coordinator(timeout)
@@ -96,17 +101,19 @@ class ShapedTestbed(LocalCluster):
             subprocess.run(["bash", str(NETNS), "down"], check=False, timeout=60)
 
     def tier_of(self, node: dict) -> float:
-        """The tier (Mbit/s) of a node from the coordinator's list, by its address."""
-        return self.tiers[int(node["address"].split(":")[0].rsplit(".", 1)[1]) - 1]
+        """The tier (Mbit/s) of a node from the coordinator's list, by its name (node-<i>)."""
+        return self.tiers[int(node["name"].rsplit("-", 1)[1])]
 
 
 def main() -> int:
-    reason = unavailable()
+    members = sys.argv[1:] or ["400", "400", "100", "100", "25", "25"]
+    tiers = [float(m.removesuffix(":nat")) for m in members]
+    natted = [i for i, m in enumerate(members) if m.endswith(":nat")]
+    reason = unavailable(nat=bool(natted))
     if reason:
         print(reason, file=sys.stderr)
         return 2
-    tiers = [float(t) for t in sys.argv[1:]] or [400, 400, 100, 100, 25, 25]
-    with tempfile.TemporaryDirectory() as scratch, ShapedTestbed(Path(scratch), tiers) as testbed:
+    with tempfile.TemporaryDirectory() as scratch, ShapedTestbed(Path(scratch), tiers, natted=natted) as testbed:
         for node in sorted(testbed.alive_nodes(), key=lambda n: n["name"]):
             print(f"{node['name']} {node['address']} tier {testbed.tier_of(node):g} Mbit/s: measured "
                   f"{node['profile']['bandwidth_bytes_per_s'] * 8 / 1e6:.0f} Mbit/s to the coordinator, "

@@ -13,7 +13,7 @@ import pytest
 from bench.memory import BIG_GPT, BIG_RUNS, OFFER_TEXT, big_job
 from ravnest.data import proof
 from ravnest.models import build_model, profile_blocks
-from scripts.local_cluster import LocalCluster
+from scripts.local_cluster import LocalCluster, answering_address
 
 GIB = 1 << 30
 
@@ -34,7 +34,7 @@ def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp
         nodes = []
         for i in range(8):  # volunteers that joined over REST, offer 64 GiB each, and prove they hold the file
             response = cluster.http.post("/v1/nodes", json={
-                "name": f"big{i}", "address": f"127.0.0.{i + 1}:7000",
+                "name": f"big{i}", "address": answering_address(f"127.0.0.{i + 1}"),
                 "profile": {"flops": 1e13, "memory_bytes": 64 * GIB, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.01,
                             "datasets": ["books"], "fingerprints": {"books": fingerprint}}})
             assert response.status_code == 201, response.text
@@ -108,7 +108,7 @@ def test_a_model_larger_than_a_gibibyte_goes_through_a_coordinator_that_stays_un
         nodes = []
         for i in range(2):
             joined = cluster.http.post("/v1/nodes", headers={"Authorization": f"Bearer {cluster.join_token}"}, json={
-                "name": f"big{i}", "address": f"127.0.0.{i + 1}:7000",
+                "name": f"big{i}", "address": answering_address(f"127.0.0.{i + 1}"),
                 "profile": {"flops": 1e12, "memory_bytes": 32 * GIB, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.01}})
             assert joined.status_code == 201, joined.text
             nodes.append((joined.json()["node_id"], {"Authorization": f"Bearer {joined.json()['node_token']}"}))

@@ -9,7 +9,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ravnest.models import build_model
-from scripts.local_cluster import LocalCluster
+from scripts.local_cluster import LocalCluster, answering_address
 
 MODEL = {"name": "cnn", "config": {"channels": [8, 8]}}
 PROFILE = {"flops": 1e10, "memory_bytes": 2**30, "bandwidth_bytes_per_s": 1e8, "latency_s": 0.001}
@@ -39,7 +39,7 @@ def test_a_torn_checkpoint_upload_changes_nothing_and_resume_uses_the_last_compl
         http = cluster.http
         nodes = []
         for i in range(2):
-            joined = http.post("/v1/nodes", json={"name": f"n{i}", "address": f"127.0.0.1:{9 + i}",
+            joined = http.post("/v1/nodes", json={"name": f"n{i}", "address": answering_address(),
                                                   "profile": PROFILE}).json()
             nodes.append((joined["node_id"], joined["node_token"]))
 

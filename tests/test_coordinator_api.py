@@ -124,10 +124,10 @@ def placed_job(client: TestClient, nodes: int = 4, **placement) -> tuple[str, li
 def test_join_heartbeat_list_leave(client: TestClient) -> None:
     node_id, auth = join(client, "alpha")
     reply = beat(client, node_id, auth)
-    reachability = {key: reply.pop(key) for key in ("reachable", "reachability")}  # its dial-back is on its way
+    reachability = {key: reply.pop(key) for key in ("reachable", "reachability", "relay")}  # (not dialled here)
     assert reply == {"assignment": None, "cancel_job": None, "recover_job": None, "train_alone": None, "probe": [],
                      "note": "", "challenges": []}
-    assert reachability["reachable"] in (None, False)  # nothing listens at its address
+    assert reachability == {"reachable": None, "reachability": "", "relay": None}  # tests dial no node back
     nodes = client.get("/v1/nodes").json()
     assert [(n["id"], n["name"], n["state"]) for n in nodes] == [(node_id, "alpha", "idle")]
     assert nodes[0]["profile"]["flops"] == 1e10
@@ -588,6 +588,7 @@ def free_port() -> int:
 def test_real_coordinator_process_serves_health_and_docs(tmp_path: Path) -> None:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "--host", "127.0.0.1", "--port", str(port),
+                                "--relay-port", "0",
                                 "--data-dir", str(tmp_path), "--log-level", "warning"], cwd=ROOT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -4,6 +4,7 @@ is a real node offering a file that is not what it claims; honest nodes are real
 processes (docs/security.md, "What a malicious volunteer can do")."""
 import argparse
 import json
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from urllib.parse import urlparse
 import pytest
 
 from ravnest.data import proof
+from ravnest.wire import PeerServer
 from scripts.local_cluster import LocalCluster, free_port, rss_bytes
 
 pytestmark = pytest.mark.slow
@@ -21,17 +23,24 @@ MAXIMAL = {"flops": 1e17, "memory_bytes": 2**46, "bandwidth_bytes_per_s": 1e12, 
 
 
 class Liar:
-    """A node the test plays over REST: it joins, takes its assignment, and says what it likes."""
+    """A node the test plays over REST: it joins, takes its assignment, and says what it likes. Its
+    gRPC server answers its peers' link probes and nothing else (`reachable=False`: no server at all,
+    as behind a NAT)."""
 
     def __init__(self, cluster: LocalCluster, name: str = "liar", datasets: dict[str, str] | None = None,
-                 profile: dict = PROFILE):
+                 profile: dict = PROFILE, reachable: bool = True):
         self.http = cluster.http
         offered = {"datasets": sorted(datasets), "fingerprints": datasets} if datasets else {}
-        joined = self.http.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{free_port()}",
+        probe_tokens: list[str] = []
+        self.server = PeerServer(lambda *_: None, token=secrets.token_hex(16),
+                                 ping_token=lambda: probe_tokens) if reachable else None
+        port = self.server.port if self.server else free_port()
+        joined = self.http.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{port}",
                                                    "profile": {**profile, **offered}},
                                 headers={"Authorization": f"Bearer {cluster.join_token}"})
         assert joined.status_code == 201, joined.text
         self.id, token = joined.json()["node_id"], joined.json()["node_token"]
+        probe_tokens.append(joined.json()["probe_token"])
         self.auth = {"Authorization": f"Bearer {token}"}
 
     def beat(self, job_id: str | None = None, proofs: list[dict] = ()) -> dict:

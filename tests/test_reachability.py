@@ -23,7 +23,7 @@ def test_dial_says_what_happened() -> None:
 
 def test_a_node_that_cannot_be_dialled_is_found_out_by_the_coordinator_and_by_its_peers(tmp_path) -> None:
     with LocalCluster(tmp_path, nodes=1) as cluster:
-        silent = Liar(cluster, "behind-nat")  # it advertises a port nobody listens on, as behind a NAT
+        silent = Liar(cluster, "behind-nat", reachable=False)  # nobody listens at its port, as behind a NAT
         [honest] = [n for n in cluster.alive_nodes() if n["id"] != silent.id]
 
         def views() -> dict[str, dict]:

@@ -44,6 +44,10 @@ class Coordinator:
     def store(self) -> Store:
         return self.core.store
 
+    def close(self) -> None:
+        self.membership.reachability.close()
+        self.store.close()
+
     def tick(self) -> None:
         """What the coordinator does once per heartbeat interval (Membership.tick)."""
         self.membership.tick()

@@ -125,6 +125,8 @@ class Membership:
                 node = self._node(session, node_id, authorization)
                 node.last_seen = self.core.clock()
                 node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
+                moved = request.address is not None and request.address != node.address and \
+                    self.reachability.moved(session, node, request.address)
                 asked = self.links.record(session, node, request.links, request.unreached)
                 self.reachability.from_probes(session, node, [r.peer_id for r in request.links if r.peer_id in asked],
                                               [peer for peer in request.unreached if peer in asked])
@@ -152,6 +154,9 @@ class Membership:
                     response.note = self.placement.left_out_note(node.id)
                 response.challenges = self.offers.challenges_for(session, node)
                 response.reachable, response.reachability = node.reachable, node.reachability or ""
+                response.relay = self.reachability.relay_offer(node)
+            if moved:
+                self.reachability.dial_back(node_id, str(request.address))
             # a re-plan may have waited for this node; placing may give it work at once
             if freed or replanned or proven:
                 with self.core.store.session() as session:

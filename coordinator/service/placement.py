@@ -45,6 +45,7 @@ class Placement:
             idle = list(session.scalars(select(NodeRow).where(
                 NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
                 NodeRow.last_seen >= self.core.policy.gone_before(now),
+                NodeRow.reachable.is_not(False),  # peers could not dial it (it may get a relay: reachability.py)
                 or_(NodeRow.quarantined_until.is_(None), NodeRow.quarantined_until <= now))  # (failure_policy.py)
                 .order_by(NodeRow.joined_at)))
             if not idle and not pending:

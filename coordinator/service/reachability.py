@@ -8,6 +8,10 @@ word is kept with where it came from; `ravnest nodes`, the dashboard and the nod
 
 A volunteer could point the dial-back at another host's port: it learns one bit (connected or
 not) per join, which is rate-limited like every join, and nothing is sent there.
+
+A node found unreachable is offered the coordinator's relay (ravnest/relay, `relay_port`) with its
+heartbeat reply; once it listens there it sends the relay's address for it, which replaces its own
+(after a dial-back through the relay, it is reachable again). Until then, no job is placed on it.
 """
 from __future__ import annotations
 
@@ -16,11 +20,15 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from ravnest.relay.server import RelayServer, relay_token
+from ravnest.spec import RelayOffer
+
 from ..failures import who
-from ..store import NodeRow
-from .core import Core
+from ..store import LinkRow, NodeRow
+from .core import GONE, Core
 
 log = logging.getLogger(__name__)
 DIAL_BACK_S = 3.0  # a connect that takes longer is as good as dropped (a home NAT drops, it does not refuse)
@@ -46,10 +54,40 @@ class Reachability:
         self.core = core
         self._diallers = ThreadPoolExecutor(max_workers=DIALLERS, thread_name_prefix="dial-back")
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        port = core.settings.relay_port
+        self.relay = RelayServer(core.relay_secret, core.settings.relay_host, port) if port is not None else None
+        if self.relay:
+            log.info("relay for nodes that peers cannot dial at %s", self.relay.address)
+
+    def close(self) -> None:
+        if self.relay:
+            self.relay.stop()
+        self._diallers.shutdown(wait=False, cancel_futures=True)
+
+    def relay_offer(self, node: NodeRow) -> RelayOffer | None:
+        """The relay for a node that peers could not dial, if there is one."""
+        if node.reachable is not False or self.relay is None:
+            return None
+        return RelayOffer(address=f":{self.relay.port}", token=relay_token(self.core.relay_secret, node.id))
+
+    def moved(self, session: Session, node: NodeRow, address: str) -> bool:
+        """The node is reached at `address` now (its port on a relay, or its own again): dial it there
+        (`dial_back`, once this session is committed). False where a live node holds that address."""
+        holder = session.scalars(select(NodeRow).where(
+            NodeRow.address == address, NodeRow.id != node.id, NodeRow.state != GONE,
+            NodeRow.credential_ended.is_(None),
+            NodeRow.last_seen >= self.core.clock() - self.core.settings.heartbeat_timeout_s)).first()
+        if holder is not None:
+            log.warning("node %s said it moved to %s, which node %s holds: ignored", who(node), address, who(holder))
+            return False
+        log.info("node %s moved from %s to %s", who(node), node.address, address)
+        node.address, node.reachable, node.reachability = address, None, ""
+        session.execute(delete(LinkRow).where(LinkRow.peer_id == node.id))  # links to it: measured again there
+        return True
 
     def dial_back(self, node_id: str, address: str) -> None:
         """Dial a node that just joined, on a thread of its own (the join does not wait for it)."""
-        if self._pending.acquire(blocking=False):
+        if self.core.settings.background and self._pending.acquire(blocking=False):
             self._diallers.submit(self._dial_back, node_id, address)
 
     def _dial_back(self, node_id: str, address: str) -> None:

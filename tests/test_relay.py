@@ -1,0 +1,157 @@
+"""Relays (ravnest/relay): a node's gRPC server reached through a relay that it dialled itself. The
+peer's calls run end to end (the node's own credentials are checked as always); the relay turns away
+nodes without the coordinator's token, closes what nobody claims and bounds what one node holds; a
+node whose relay goes listens again. Then whole jobs: real nodes that peers cannot dial, on loopback."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import grpc
+import pytest
+import torch
+
+from ravnest.relay import server as relay_server
+from ravnest.relay.server import RelayServer, relay_token
+from ravnest.relay.tunnel import RelayTunnel
+from ravnest.v1 import relay_pb2, relay_pb2_grpc
+from ravnest.wire import PeerServer
+from ravnest.wire.messages import Message
+from ravnest.wire.transport import OutboundStream, measure_link, ping
+from scripts.local_cluster import LocalCluster
+from tests.test_faults import CNN_JOB
+
+SECRET = b"relay secret"
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return result
+
+
+@pytest.fixture
+def node_server():
+    received: list[tuple[Message, str]] = []
+    server = PeerServer(lambda msg, peer: received.append((msg, peer)), token="peer-token")
+    server.received = received  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+
+
+def tunnel_to(relay: RelayServer, server: PeerServer, node_id: str = "n1", token: str | None = None):
+    moves: list[tuple[str | None, str]] = []
+    tunnel = RelayTunnel(relay.address, node_id, token or relay_token(SECRET, node_id), server.address,
+                         lambda address, why: moves.append((address, why)))
+    return tunnel, moves
+
+
+def test_a_peer_reaches_a_node_through_the_relay_with_its_own_credentials_checked_end_to_end(node_server):
+    with RelayServer(SECRET) as relay:
+        tunnel, moves = tunnel_to(relay, node_server)
+        try:
+            address = wait_for(lambda: tunnel.address, 10, "the relay's port")
+            assert address.startswith("127.0.0.1:") and address != relay.address and relay.listening == ["n1"]
+            assert moves == [(address, f"listening through the relay at {relay.address}")]
+            tensors = [torch.randn(300_000) for _ in range(5)]  # 1.2 MB each: many chunks through the relay
+            with OutboundStream(address, token="peer-token") as out:
+                for i, tensor in enumerate(tensors):
+                    out.send(Message("forward", i, {"x": tensor}))
+            assert [m.id for m, _ in node_server.received] == list(range(5))
+            assert all(torch.equal(m.tensors["x"], t) for (m, _), t in zip(node_server.received, tensors))
+            assert ping(address, token="peer-token") >= 0
+            latency, bandwidth = measure_link(address, token="peer-token")
+            assert bandwidth > 1e6  # measured through the relay, as the planner will price the link
+            with pytest.raises(grpc.RpcError) as refused:  # the relay does not vouch for anyone
+                ping(address, token="not the node's token")
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            tunnel.close()
+
+
+def test_the_relay_turns_away_a_node_without_the_coordinators_token(node_server):
+    with RelayServer(SECRET) as relay:
+        tunnel, moves = tunnel_to(relay, node_server, "n1", token=relay_token(SECRET, "another node"))
+        wait_for(lambda: tunnel.refused, 10, "the refusal")
+        assert not tunnel.alive and tunnel.address is None and relay.listening == []
+        assert "refused this node: this relay does not know that node" in tunnel.refused
+        assert moves == [(None, tunnel.refused)] or moves == []
+        tunnel.close()
+
+
+def test_unclaimed_and_excess_connections_are_closed(monkeypatch):
+    monkeypatch.setattr(relay_server, "CLAIM_S", 0.5)
+    with RelayServer(SECRET, max_connections=2) as relay, grpc.insecure_channel(relay.address) as channel:
+        stub = relay_pb2_grpc.RelayStub(channel)
+        listening = stub.Listen(relay_pb2.ListenRequest(node_id="n1", token=relay_token(SECRET, "n1")))
+        port = next(listening).port  # a node that listens but never carries what comes
+        peers = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        named = [next(listening).connection for _ in range(2)]
+        assert len(set(named)) == 2
+        peers[2].settimeout(5)
+        assert peers[2].recv(1) == b""  # over the node's share: closed at once
+        for peer in peers[:2]:
+            peer.settimeout(5)
+            assert peer.recv(1) == b""  # not claimed within CLAIM_S: closed
+        metadata = (("ravnest-node", "n1"), ("ravnest-connection", str(named[0])),
+                    ("authorization", relay_token(SECRET, "n1")))
+        with pytest.raises(grpc.RpcError) as gone:
+            list(stub.Carry(iter(()), metadata=metadata))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        listening.cancel()
+        for peer in peers:
+            peer.close()
+
+
+def test_a_node_whose_relay_goes_listens_again_when_it_is_back(node_server):
+    relay = RelayServer(SECRET)
+    port = relay.port
+    tunnel, moves = tunnel_to(relay, node_server)
+    try:
+        first = wait_for(lambda: tunnel.address, 10, "the relay's port")
+        relay.stop()
+        wait_for(lambda: tunnel.address is None, 40, "the tunnel to notice")
+        assert moves[-1][0] is None and f"lost the relay at {relay.address}" in moves[-1][1] and tunnel.alive
+        relay = RelayServer(SECRET, port=port)  # back on its address (a restarted coordinator)
+        second = wait_for(lambda: tunnel.address, 30, "the tunnel to listen again")
+        assert second != first
+        with OutboundStream(second, token="peer-token") as out:
+            out.send(Message("forward", 7, {"x": torch.ones(3)}))
+        assert node_server.received[-1][0].id == 7
+    finally:
+        tunnel.close()
+        relay.stop()
+
+
+@pytest.mark.slow
+def test_nodes_that_peers_cannot_dial_train_through_the_coordinators_relay(tmp_path):
+    """On loopback: two of four real nodes advertise 127.0.0.2, where nobody listens (their servers are
+    on 127.0.0.1), as a NAT hides a home machine. The coordinator's dial-back finds them out, they
+    listen on its relay, and the 2 x 2 digits CNN trains across relayed links. A fifth such node that
+    refuses the relay (--no-relay) gets no work and is told why."""
+    with LocalCluster(tmp_path, nodes=2) as cluster:
+        hidden = cluster.add_nodes(2, ["--advertise", "127.0.0.2"])
+        refusing = cluster.add_nodes(1, ["--advertise", "127.0.0.2", "--no-relay"])
+        relay_port = int(cluster.wait_for(lambda: next(
+            (line for line in (tmp_path / "logs" / cluster.coordinator_log).read_text().splitlines()
+             if "relay for nodes that peers cannot dial at" in line), None), 30, "the relay").rsplit(":", 1)[1])
+
+        def nodes() -> dict[str, dict]:
+            return {n["id"]: n for n in cluster.alive_nodes()}
+        cluster.wait_for(lambda: all(nodes()[n]["reachable"] and not nodes()[n]["address"].startswith("127.0.0.2")
+                                     for n in hidden) and nodes()[min(refusing)]["reachable"] is False,
+                         60, "the hidden nodes to be reachable through the relay")
+        assert all(nodes()[n]["address"].startswith("127.0.0.1:") for n in hidden)
+        assert all(int(nodes()[n]["address"].rsplit(":", 1)[1]) != relay_port for n in hidden)
+        spec = json.loads(CNN_JOB.read_text())
+        spec["training"].update(steps=200, eval_every=0)
+        job = cluster.wait_job(cluster.submit(spec), timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+        assert hidden <= placed and not refusing & placed and len(placed) == 4
+        assert job["metrics"]["test_accuracy"] >= 0.9
+        log = (tmp_path / "logs" / "node-4.log").read_text()
+        assert "peers cannot dial this node at 127.0.0.2:" in log and "or let it use a relay" in log
