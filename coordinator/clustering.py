@@ -32,6 +32,9 @@ class NodeInfo:
     latency: float = 0.0  # round trip to the coordinator, seconds
     address: str = ""  # host:port of its gRPC server
     slowdown: float = 1.0  # its stages' compute seconds as measured over as its `flops` predict (calibration.py)
+    # reached through a volunteer's relay: the bytes/s of that relay's link it may count on, shared with
+    # the relay's other nodes (service/reachability.py `relay_shares`); inf: dialled directly
+    relay_share: float = math.inf
 
     @property
     def effective_flops(self) -> float:

@@ -77,13 +77,15 @@ Links = Mapping[tuple[str, str], tuple[float, float]]
 
 def link(here: NodeInfo, after: NodeInfo, links: Links | None = None) -> tuple[float, float]:
     """(bandwidth, latency) between two nodes: measured (slower direction) if either end probed it,
-    else estimated from both ends' links to the coordinator."""
+    else estimated from both ends' links to the coordinator; no more than either end's share of the
+    relay it is reached through (a probe measures a relayed link alone, not beside the relay's others)."""
     links = links or {}
     measured = [m for m in (links.get((here.node_id, after.node_id)), links.get((after.node_id, here.node_id)))
                 if m is not None]
+    relayed = min(here.relay_share, after.relay_share)
     if measured:
-        return min(m[0] for m in measured), max(m[1] for m in measured)
-    return min(here.bandwidth, after.bandwidth), (here.latency + after.latency) / 2
+        return min(relayed, *(m[0] for m in measured)), max(m[1] for m in measured)
+    return min(here.bandwidth, after.bandwidth, relayed), (here.latency + after.latency) / 2
 
 
 def capacities(chain: Sequence[NodeInfo], links: Links | None = None) -> list[NodeCapacity]:

@@ -45,6 +45,9 @@ class NodeView(BaseModel):
     reachable: bool | None = Field(None, description="whether its address could be dialled, by the coordinator "
                                                      "after it joined or by a peer's link probe; None: not known yet")
     reachability: str = Field("", description="how that was found, in words")
+    relay_port: int | None = Field(None, description="it relays for nodes peers cannot dial, on this port")
+    relayed_by: str | None = Field(None, description="peers cannot dial it directly: the relay it was given, a "
+                                                     "node's id or 'coordinator' (the coordinator's own)")
 
 
 class PlannedStage(BaseModel):

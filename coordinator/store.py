@@ -80,6 +80,10 @@ class NodeRow(Base):
     # whether peers can dial its address (None: not found out yet), and how that was found (reachability.py)
     reachable: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     reachability: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the port it relays on for nodes that cannot be dialled (`ravnest-node join --relay`), and the relay
+    # it was offered itself, if it cannot be (a node's id, or "coordinator": the built-in relay)
+    relay_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    relayed_by: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class JobRow(Base):

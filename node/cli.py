@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--no-relay", dest="use_relay", action="store_false",
                       help="where peers cannot dial this node (behind a NAT or a firewall), do not use the "
                            "coordinator's relay; it gets no work then (default: use it)")
+    join.add_argument("--relay", nargs="?", type=int, const=0, default=None, metavar="PORT",
+                      help="relay for volunteers that peers cannot dial, at PORT of --host (default: any free "
+                           "port), each of them on another free port there: peers must reach those ports too. "
+                           "Used only while peers can dial this node")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list (default: none)")
     join.add_argument("--identity", type=Path, default=os.environ.get("RAVNEST_NODE_IDENTITY"), metavar="FILE",
                       help="this node's identity file, made on first use (a secret: keep it private): joining "
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_memory=args.max_memory, datasets=offered,
                             identity=read_identity(args.identity) if args.identity else "",
                             reload_offers=offered_now, reprofile_every=args.reprofile_every,
-                            use_relay=args.use_relay,
+                            use_relay=args.use_relay, relay_port=args.relay,
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         signal.signal(signal.SIGHUP, lambda *_: daemon.offers.reread())  # kill -HUP after editing --offers
         daemon.serve(stop)

@@ -19,6 +19,7 @@ from node.links import LinkProber, reachability_line
 from node.metrics import STAGES
 from node.offers import Offers
 from node.profiler import IdleProfiler, profile_node
+from node.relaying import Relaying
 from node.progress import Progress
 from ravnest.averaging import ring
 from ravnest.client.api import ApiError
@@ -27,8 +28,7 @@ from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
-from ravnest.relay.tunnel import RelayTunnel
-from ravnest.spec import DataProof, JoinRequest, MetricsReport, RelayOffer, StageAssignment
+from ravnest.spec import DataProof, JoinRequest, MetricsReport, StageAssignment
 from ravnest.wire import PeerGate, PeerServer, Router
 
 T = TypeVar("T")
@@ -129,7 +129,7 @@ class NodeDaemon:
                  progress: Progress | None = None, max_memory: int | None = None,
                  datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None,
                  identity: str = "", reload_offers: Callable[[], dict[str, Path]] | None = None,
-                 reprofile_every: float = 600.0, use_relay: bool = True):
+                 reprofile_every: float = 600.0, use_relay: bool = True, relay_port: int | None = None):
         self.client = client
         self.identity = identity  # the secret of its identity file: joining again keeps its id
         self.progress = progress or Progress()
@@ -152,9 +152,8 @@ class NodeDaemon:
         self._proofs: list[DataProof] = []  # answers to the last heartbeat's challenges, sent with the next
         self.idle_profiler = IdleProfiler(device, reprofile_every, self.progress)
         self._reachable: bool | None = None  # what the coordinator last said: can peers dial this node?
-        self.use_relay = use_relay  # where it says no, be reached through the relay it offers
-        self._tunnel: RelayTunnel | None = None
-        self.node_id = ""
+        self.relaying = Relaying(client, self.progress, use_relay=use_relay, relay_port=relay_port, host=host,
+                                 wake=self._beat_now.set)
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
@@ -162,10 +161,10 @@ class NodeDaemon:
         fingerprints = self.offers.fingerprints()
         profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints)
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile,
-                                              identity=self.identity))
-        self.node_id = joined.node_id
+                                              identity=self.identity, relay_port=self.relaying.relay_port))
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
+        self.relaying.joined(joined.node_id, joined.relay_secret)
         if joined.probe_token:
             self.gate.set_probe_tokens([joined.probe_token])
             self._prober = LinkProber(joined.probe_token)
@@ -193,30 +192,7 @@ class NodeDaemon:
             if self._prober:
                 self._prober.close()
             self.server.stop()
-            if self._tunnel:
-                self._tunnel.close()
-
-    @property
-    def _advertised(self) -> str:
-        return self._tunnel.address or self.address if self._tunnel else self.address
-
-    def _listen_on(self, relay: RelayOffer) -> None:
-        """Be reached through a relay: peers could not dial this node."""
-        if self._tunnel:
-            self._tunnel.close()
-        address = relay.address
-        if address.startswith(":"):  # the coordinator's own, at the host this node reaches it by
-            host = self.client.http.base_url.host
-            address = f"[{host}]{address}" if ":" in host else f"{host}{address}"
-        local = self.server.address.replace("0.0.0.0:", "127.0.0.1:").replace("[::]:", "[::1]:")
-        self._tunnel = RelayTunnel(address, self.node_id, relay.token, local, self._relayed)
-
-    def _relayed(self, address: str | None, why: str) -> None:
-        if address:
-            self.progress.log(f"peers reach this node at {address}: {why}")
-        else:
-            self.progress.log(f"peers cannot reach this node now: {why}")
-        self._beat_now.set()  # the coordinator learns the new address at once
+            self.relaying.close()
 
     def _running_job_id(self) -> str | None:
         if self._job and self._job.thread.is_alive() and not self._job.done.is_set():
@@ -230,7 +206,7 @@ class NodeDaemon:
         try:
             reply = self.client.heartbeat(job_id, links, bool(runner and runner.alone), self._proofs,
                                           self.idle_profiler.measured(busy=job_id is not None), unreached,
-                                          (self._tunnel.address or self.address) if self._tunnel else None)
+                                          self.relaying.moved(self.address))
         except ApiError as e:
             if e.status == 401:  # revoked, expired or forgotten: retrying cannot help; stop and say why
                 raise
@@ -247,13 +223,11 @@ class NodeDaemon:
         if reply.note and reply.note != self._note:
             self.progress.log(f"coordinator: {reply.note}")
         self._note = reply.note
-        relay = reply.relay if self.use_relay else None
+        relayed = self.relaying.offered(reply.relay, self.server.address) is not None
         if reply.reachable is not None and reply.reachable != self._reachable:
-            self.progress.log(reachability_line(self._advertised, reply.reachable, reply.reachability,
-                                                relayed=relay is not None))
+            self.progress.log(reachability_line(self.relaying.advertised(self.address), reply.reachable,
+                                                reply.reachability, relayed=relayed))
         self._reachable = reply.reachable
-        if relay and (self._tunnel is None or not self._tunnel.alive):
-            self._listen_on(relay)
         job = self._job if self._running_job_id() else None
         if job and reply.train_alone == job.assignment.job_id and not job.stop.is_set():
             runner = job.runner

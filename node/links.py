@@ -24,7 +24,7 @@ def reachability_line(address: str, reachable: bool, how: str, relayed: bool = F
     if reachable:
         return f"reachable at {address}: {how}"
     if relayed:
-        return f"peers cannot dial this node at {address}: {how}. It will be reached through the coordinator's relay"
+        return f"peers cannot dial this node at {address}: {how}. It will be reached through a relay"
     return (f"peers cannot dial this node at {address}: {how}. Listen on an address they reach (--host 0.0.0.0 "
             f"--advertise <public address>) and let the port in, or let it use a relay (docs/volunteer.md)")
 

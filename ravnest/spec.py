@@ -476,6 +476,8 @@ class JoinRequest(_Strict):
     identity: str = Field("", pattern=r"^([0-9a-f]{64})?$", description=(
         "the secret in this node's identity file (64 hex digits): a node that joins again with it keeps its "
         "id, row and history; empty: a new node"))
+    relay_port: int | None = Field(None, ge=1, le=65535, description=(
+        "this node relays for nodes that peers cannot dial (ravnest/relay), at this port of its address's host"))
 
     @field_validator("address")
     @classmethod
@@ -490,6 +492,8 @@ class JoinResponse(_Strict):
     node_token: str = Field(description="credential for this node's later calls")
     heartbeat_interval_s: float
     probe_token: str = Field("", description="peers' Ping calls carry it (link probes, never data streams)")
+    relay_secret: str = Field("", description="a relaying node's: what the tokens of the nodes it may relay for "
+                                              "derive from (the coordinator hands them out)")
 
 
 class LinkReport(_Measured):

@@ -53,8 +53,9 @@ class LocalCluster:
         self.node_args = list(node_args)  # extra `ravnest-node join` flags, e.g. ["--max-memory", "1GiB"]
         self.threads_per_node = threads_per_node
         # nodes a test joins over REST beat only when it says so: a long timeout keeps them alive on a slow machine
-        self.coordinator_args: list[str] = [] if heartbeat_timeout is None else [
-            "--heartbeat-timeout", str(heartbeat_timeout)]
+        self.coordinator_args: list[str] = ["--relay-port", "0"]  # (its default, --port + 1, may be taken)
+        if heartbeat_timeout is not None:
+            self.coordinator_args += ["--heartbeat-timeout", str(heartbeat_timeout)]
         self.coordinator_log = "coordinator.log"  # the current coordinator's log (another after a restart)
         verify: ssl.SSLContext | bool = True
         if tls:  # HTTPS to the coordinator, TLS between nodes, all checked against a CA made here
@@ -110,7 +111,7 @@ class LocalCluster:
 
     def _start_coordinator(self, timeout: float, log_name: str = "coordinator.log") -> None:
         port = self.url.rsplit(":", 1)[1]
-        proc = self._spawn(["coordinator.cli", "--host", self.host, "--port", port, "--relay-port", "0",
+        proc = self._spawn(["coordinator.cli", "--host", self.host, "--port", port,
                             "--data-dir", str(self.data_dir), *self.coordinator_args], log_name)
         self.procs.remove(proc)
         self.procs.insert(0, proc)  # procs[0] is the coordinator, procs[1 + i] node i

@@ -63,9 +63,10 @@ class NamespacedClient:
 
 class ShapedTestbed(LocalCluster):
     def __init__(self, data_dir: Path, tiers_mbit: list[float], threads_per_node: int = 1,
-                 node_args: list[str] = (), natted: Collection[int] = ()):
+                 node_args: list[str] = (), natted: Collection[int] = (), args_of: dict[int, list[str]] | None = None):
+        """`args_of`: more `ravnest-node join` flags for some nodes, by index."""
         super().__init__(data_dir, nodes=len(tiers_mbit), threads_per_node=threads_per_node, node_args=node_args)
-        self.tiers, self.natted = list(tiers_mbit), set(natted)
+        self.tiers, self.natted, self.args_of = list(tiers_mbit), set(natted), args_of or {}
         self.host, self.url = HUB_ADDRESS, f"http://{HUB_ADDRESS}:8470"
         self.http.close()
         self.http = None
@@ -75,7 +76,8 @@ class ShapedTestbed(LocalCluster):
         return ["ip", "netns", "exec", namespace]
 
     def _node_args(self, index: int) -> list[str]:
-        return ["--host", f"192.168.{index}.2" if index in self.natted else f"{SUBNET}.{index + 1}"]
+        return ["--host", f"192.168.{index}.2" if index in self.natted else f"{SUBNET}.{index + 1}",
+                *self.args_of.get(index, [])]
 
     def start(self, timeout: float = 120.0) -> None:
         members = [f"{tier:g}{':nat' if i in self.natted else ''}" for i, tier in enumerate(self.tiers)]

@@ -5,13 +5,25 @@ node whose relay goes listens again. Then whole jobs: real nodes that peers cann
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 import torch
 
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.clustering import NodeInfo
+from coordinator.config import Settings
+from coordinator.planning import link
+from coordinator.service.reachability import relay_shares
+from coordinator.store import NodeRow
 from ravnest.relay import server as relay_server
 from ravnest.relay.server import RelayServer, relay_token
 from ravnest.relay.tunnel import RelayTunnel
@@ -20,6 +32,7 @@ from ravnest.wire import PeerServer
 from ravnest.wire.messages import Message
 from ravnest.wire.transport import OutboundStream, measure_link, ping
 from scripts.local_cluster import LocalCluster
+from tests.test_coordinator_api import OPERATOR_TOKEN, beat, profile
 from tests.test_faults import CNN_JOB
 
 SECRET = b"relay secret"
@@ -126,6 +139,52 @@ def test_a_node_whose_relay_goes_listens_again_when_it_is_back(node_server):
         relay.stop()
 
 
+def test_the_coordinator_hands_out_the_least_loaded_relay_and_takes_the_address_it_gave(tmp_path):
+    app = create_app(Settings(data_dir=tmp_path, background=False, relay_port=0, operator_token=OPERATOR_TOKEN))
+    with TestClient(app, headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}) as client:
+        def join(name: str, address: str, **extra) -> tuple[str, dict, dict]:
+            r = client.post("/v1/nodes", json={"name": name, "address": address, "profile": profile(), **extra})
+            assert r.status_code == 201, r.text
+            return r.json()["node_id"], {"Authorization": f"Bearer {r.json()['node_token']}"}, r.json()
+
+        def found(node_id: str, reachable: bool) -> None:  # what the dial-back would find (tests dial none)
+            with app.state.service.store.session() as session:
+                session.get(NodeRow, node_id).reachable = reachable
+
+        relay, _, joined = join("relay", "10.0.0.1:4000", relay_port=4001)
+        assert joined["relay_secret"] and join("plain", "10.0.0.2:4000")[2]["relay_secret"] == ""
+        found(relay, True)
+        hidden = [join(f"hidden{i}", f"192.168.0.{i}:4000")[:2] for i in range(2)]
+        for node_id, _ in hidden:
+            found(node_id, False)
+        coordinator_port = app.state.service.membership.reachability.relay.port
+        offers = [beat(client, node_id, auth)["relay"] for node_id, auth in hidden]
+        # the same load (none): the volunteer's relay first, then the coordinator's, which has none yet
+        assert [o["address"] for o in offers] == ["10.0.0.1:4001", f":{coordinator_port}"]
+        assert offers[0]["token"] == relay_token(joined["relay_secret"].encode(), hidden[0][0])
+        assert offers[1]["token"] != relay_token(joined["relay_secret"].encode(), hidden[1][0])
+        assert beat(client, *hidden[0])["relay"] == offers[0]  # it keeps the relay it was given
+        views = {n["name"]: n for n in client.get("/v1/nodes").json()}
+        assert views["hidden0"]["relayed_by"] == relay and views["hidden1"]["relayed_by"] == "coordinator"
+        assert views["relay"]["relay_port"] == 4001
+        with app.state.service.store.session() as session:  # what the planner counts on: B / 2n
+            nodes = [session.get(NodeRow, node_id) for node_id, _ in hidden]
+            assert relay_shares(session, nodes) == {hidden[0][0]: profile()["bandwidth_bytes_per_s"] / 2}
+        here, there = (NodeInfo(n, 1e10, 2**30, 1e8) for n in ("a", "b"))
+        assert link(here, replace(there, relay_share=5e6)) == (5e6, 0.0)  # estimated, then capped
+        assert link(here, replace(there, relay_share=5e6), {("a", "b"): (4e7, 0.01)}) == (5e6, 0.01)  # measured too
+
+        def heartbeat_from(node, address: str) -> dict:
+            r = client.post(f"/v1/nodes/{node[0]}/heartbeat", json={"address": address}, headers=node[1])
+            assert r.status_code == 200, r.text
+            return r.json()
+        heartbeat_from(hidden[0], "10.0.0.2:4000")  # a live node's address: not taken
+        assert {n["name"]: n for n in client.get("/v1/nodes").json()}["hidden0"]["address"] == "192.168.0.0:4000"
+        reply = heartbeat_from(hidden[0], "10.0.0.1:40123")  # its port on the relay
+        assert reply["relay"] is None and reply["reachable"] is None  # to be dialled there (tests dial none)
+        assert {n["name"]: n for n in client.get("/v1/nodes").json()}["hidden0"]["address"] == "10.0.0.1:40123"
+
+
 @pytest.mark.slow
 def test_nodes_that_peers_cannot_dial_train_through_the_coordinators_relay(tmp_path):
     """On loopback: two of four real nodes advertise 127.0.0.2, where nobody listens (their servers are
@@ -155,3 +214,40 @@ def test_nodes_that_peers_cannot_dial_train_through_the_coordinators_relay(tmp_p
         assert job["metrics"]["test_accuracy"] >= 0.9
         log = (tmp_path / "logs" / "node-4.log").read_text()
         assert "peers cannot dial this node at 127.0.0.2:" in log and "or let it use a relay" in log
+
+
+@pytest.mark.slow
+def test_volunteers_relay_for_the_hidden_nodes_and_a_lost_relay_is_replaced(tmp_path):
+    """The coordinator relays nothing (--no-relay); two reachable volunteers do (--relay). The two hidden
+    nodes are spread over them. One relay is killed: the node it relayed for moves to the other, and
+    a job trains on the four nodes left, hidden ones included."""
+    cluster = LocalCluster(tmp_path, nodes=1)
+    cluster.coordinator_args = ["--no-relay"]
+    with cluster:
+        relays = cluster.add_nodes(2, ["--relay"])
+        hidden = cluster.add_nodes(2, ["--advertise", "127.0.0.2"])
+
+        def nodes() -> dict[str, dict]:
+            return {n["id"]: n for n in cluster.alive_nodes()}
+        cluster.wait_for(lambda: all(nodes()[n]["reachable"] and nodes()[n]["relayed_by"] for n in hidden),
+                         60, "the hidden nodes to be reachable through the volunteers' relays")
+        assert {nodes()[n]["relayed_by"] for n in hidden} == relays  # one each: the least loaded relay
+        assert all(nodes()[r]["relay_port"] for r in relays)
+        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token,
+               "COLUMNS": "100"}
+        listed = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "nodes"], capture_output=True,
+                                text=True, env=env, timeout=60).stdout.replace("\n", " ")
+        assert "is reached through node-" in listed and "relays for nodes that peers cannot dial" in listed
+
+        lost = next(iter(relays))
+        [moved] = [n for n in hidden if nodes()[n]["relayed_by"] == lost]
+        cluster.node_process(lost).kill()
+        [kept] = relays - {lost}
+        cluster.wait_for(lambda: nodes()[moved]["relayed_by"] == kept and nodes()[moved]["reachable"]
+                         and lost not in nodes(), 90, "the node to move to the other relay")
+        spec = json.loads(CNN_JOB.read_text())
+        spec["training"].update(steps=120, eval_every=0)
+        job = cluster.wait_job(cluster.submit(spec), timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+        assert hidden <= placed and lost not in placed

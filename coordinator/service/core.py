@@ -127,11 +127,10 @@ class Core:
         none; the other nodes of the job get only its hash."""
         return derive_token(self._secret, "peer", job.id, str(job.generation), node_id)
 
-    @property
-    def relay_secret(self) -> bytes:
-        """What the built-in relay's tokens derive from (ravnest/relay): the same after a restart, so
-        nodes listening on the relay before it are let in again."""
-        return derive_token(self._secret, "relay").encode()
+    def relay_secret(self, relay: str) -> bytes:
+        """What the tokens of a relay (ravnest/relay; "coordinator" or a relaying node's id) derive from:
+        the same after a restart, so nodes listening on the relay before it are let in again."""
+        return derive_token(self._secret, "relay", relay).encode()
 
     def plan(self, job: JobRow) -> Plan:
         if job.id not in self._plans:  # parsed once per process; the store keeps it across restarts

@@ -79,7 +79,8 @@ class Membership:
                 node = known or NodeRow(id=new_id(), joined_at=now, identity_hash=known_as(request))
                 if known is not None:  # what its jobs measured stays, relative to its new figure
                     remeasured(node, request.profile.flops)
-                node.name, node.address = request.name, request.address
+                node.name, node.address, node.relay_port = request.name, request.address, request.relay_port
+                node.relayed_by = None  # (it may have moved)
                 node.profile = request.profile.model_dump(mode="json")
                 node.token_hash = hash_token(token)
                 node.token_expires_at = now + self.core.settings.node_credential_ttl_s
@@ -90,9 +91,10 @@ class Membership:
                      "joined again" if known else "joined", node.address, request.profile.flops / 1e9,
                      request.profile.memory_bytes / 2**30, request.profile.bandwidth_bytes_per_s / 1e6)
             self.placement.place_pending()
-        self.reachability.dial_back(node.id, request.address)
+        self.reachability.dial_back(node.id, request.address, request.relay_port)
         return JoinResponse(node_id=node.id, node_token=token, probe_token=self.core.probe_token,
-                            heartbeat_interval_s=self.core.settings.heartbeat_interval_s)
+                            heartbeat_interval_s=self.core.settings.heartbeat_interval_s,
+                            relay_secret=self.core.relay_secret(node.id).decode() if request.relay_port else "")
 
     def _known_identity(self, session: Session, request: JoinRequest) -> NodeRow | None:
         """The row of a node joining again with its identity file, its old session ended: a node that
@@ -154,7 +156,7 @@ class Membership:
                     response.note = self.placement.left_out_note(node.id)
                 response.challenges = self.offers.challenges_for(session, node)
                 response.reachable, response.reachability = node.reachable, node.reachability or ""
-                response.relay = self.reachability.relay_offer(node)
+                response.relay = self.reachability.relay_offer(session, node)
             if moved:
                 self.reachability.dial_back(node_id, str(request.address))
             # a re-plan may have waited for this node; placing may give it work at once
@@ -250,6 +252,7 @@ class Membership:
                              quarantined_until=node.quarantined_until if quarantined(node, now) else None,
                              measured_flops=node.measured_flops, slowdown=node.slowdown,
                              reachable=node.reachable, reachability=node.reachability or "",
+                             relay_port=node.relay_port, relayed_by=node.relayed_by,
                              note=f"quarantined: {node.quarantine_reason}" if quarantined(node, now)
                              else self.placement.left_out_note(node.id) if node.state == IDLE else "")
                     for node, stage in rows], total

@@ -3,6 +3,7 @@ less the ones it left out and those quarantined), and idle nodes may grow a runn
 from __future__ import annotations
 
 import logging
+import math
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
@@ -19,6 +20,7 @@ from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
 from .core import BUSY, GROW, IDLE, Core, costs_of, planning_flops
 from .offers import Offers, files_read
+from .reachability import relay_shares
 from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
@@ -140,9 +142,11 @@ class Placement:
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
         unmeasured = calibration.prior([node.slowdown for node in nodes])
+        shares = relay_shares(session, nodes)
         infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
-                          node.profile["bandwidth_bytes_per_s"], node.profile["latency_s"], node.address,
-                          node.slowdown or unmeasured)
+                          min(node.profile["bandwidth_bytes_per_s"], shares.get(node.id, math.inf)),
+                          node.profile["latency_s"], node.address, node.slowdown or unmeasured,
+                          shares.get(node.id, math.inf))
                  for node in nodes]
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))

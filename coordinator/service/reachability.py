@@ -9,8 +9,10 @@ word is kept with where it came from; `ravnest nodes`, the dashboard and the nod
 A volunteer could point the dial-back at another host's port: it learns one bit (connected or
 not) per join, which is rate-limited like every join, and nothing is sent there.
 
-A node found unreachable is offered the coordinator's relay (ravnest/relay, `relay_port`) with its
-heartbeat reply; once it listens there it sends the relay's address for it, which replaces its own
+A node found unreachable is offered a relay (ravnest/relay) with its heartbeat reply: the
+coordinator's own (`relay_port`) or a reachable volunteer's (`ravnest-node join --relay`, whose relay
+port is dialled back too), whichever relays for the fewest nodes; it keeps the one it was given while
+that one is there. Once it listens there it sends the relay's address for it, which replaces its own
 (after a dial-back through the relay, it is reachable again). Until then, no job is placed on it.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import delete, select
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 DIAL_BACK_S = 3.0  # a connect that takes longer is as good as dropped (a home NAT drops, it does not refuse)
 DIALLERS = 4  # dial-backs at once; a burst of joins waits its turn
 MAX_PENDING = 1024  # dial-backs waiting; more joins than this at once go unchecked (shown as unknown)
+COORDINATOR = "coordinator"  # `relayed_by` of a node given the coordinator's own relay
 
 
 def dial(address: str, timeout: float = DIAL_BACK_S) -> tuple[bool, str]:
@@ -55,7 +59,8 @@ class Reachability:
         self._diallers = ThreadPoolExecutor(max_workers=DIALLERS, thread_name_prefix="dial-back")
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
         port = core.settings.relay_port
-        self.relay = RelayServer(core.relay_secret, core.settings.relay_host, port) if port is not None else None
+        self.relay = RelayServer(core.relay_secret(COORDINATOR), core.settings.relay_host, port) \
+            if port is not None else None
         if self.relay:
             log.info("relay for nodes that peers cannot dial at %s", self.relay.address)
 
@@ -64,11 +69,31 @@ class Reachability:
             self.relay.stop()
         self._diallers.shutdown(wait=False, cancel_futures=True)
 
-    def relay_offer(self, node: NodeRow) -> RelayOffer | None:
-        """The relay for a node that peers could not dial, if there is one."""
-        if node.reachable is not False or self.relay is None:
+    def relay_offer(self, session: Session, node: NodeRow) -> RelayOffer | None:
+        """The relay for a node that peers could not dial, if there is one: the one it was given while
+        that one is there, else the one relaying for the fewest nodes."""
+        if node.reachable is not False:
             return None
-        return RelayOffer(address=f":{self.relay.port}", token=relay_token(self.core.relay_secret, node.id))
+        relays = self._relays(session, node)
+        if node.relayed_by not in relays:
+            if not relays:
+                return None
+            load = Counter(session.scalars(select(NodeRow.relayed_by).where(
+                NodeRow.relayed_by.is_not(None), NodeRow.state != GONE, NodeRow.credential_ended.is_(None))))
+            node.relayed_by = min(relays, key=lambda relay: (load[relay], relay == COORDINATOR, relay))
+        relay = str(node.relayed_by)
+        return RelayOffer(address=relays[relay], token=relay_token(self.core.relay_secret(relay), node.id))
+
+    def _relays(self, session: Session, node: NodeRow) -> dict[str, str]:
+        """Relays there now, by id -> address (no host: the coordinator's, as the node reaches it):
+        volunteers that peers reach directly, and the coordinator's own."""
+        relays = {COORDINATOR: f":{self.relay.port}"} if self.relay else {}
+        for relay in session.scalars(select(NodeRow).where(
+                NodeRow.relay_port.is_not(None), NodeRow.reachable.is_(True), NodeRow.relayed_by.is_(None),
+                NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
+                NodeRow.last_seen >= self.core.clock() - self.core.settings.heartbeat_timeout_s)):
+            relays[relay.id] = f"{relay.address.rpartition(':')[0]}:{relay.relay_port}"
+        return relays
 
     def moved(self, session: Session, node: NodeRow, address: str) -> bool:
         """The node is reached at `address` now (its port on a relay, or its own again): dial it there
@@ -85,18 +110,24 @@ class Reachability:
         session.execute(delete(LinkRow).where(LinkRow.peer_id == node.id))  # links to it: measured again there
         return True
 
-    def dial_back(self, node_id: str, address: str) -> None:
-        """Dial a node that just joined, on a thread of its own (the join does not wait for it)."""
+    def dial_back(self, node_id: str, address: str, relay_port: int | None = None) -> None:
+        """Dial a node that just joined (and its relay's port, if it relays), on a thread of its own
+        (the join does not wait for it)."""
         if self.core.settings.background and self._pending.acquire(blocking=False):
-            self._diallers.submit(self._dial_back, node_id, address)
+            self._diallers.submit(self._dial_back, node_id, address, relay_port)
 
-    def _dial_back(self, node_id: str, address: str) -> None:
+    def _dial_back(self, node_id: str, address: str, relay_port: int | None) -> None:
         try:
             reached, said = dial(address)
+            relay = f"{address.rpartition(':')[0]}:{relay_port}"
+            relays, relay_said = dial(relay) if relay_port and reached else (False, "")
             with self.core.lock, self.core.store.session() as session:
                 node = session.get(NodeRow, node_id)
                 if node is not None and node.address == address:  # else it joined again meanwhile
                     self._record(node, reached, f"the coordinator {said}")
+                    if relay_port and not relays:
+                        node.relay_port = None
+                        log.info("node %s does not relay: %s", node_id, relay_said or "peers cannot dial it")
             if not reached:
                 log.info("node %s is not reachable: the coordinator %s", node_id, said)
         finally:
@@ -112,3 +143,16 @@ class Reachability:
     @staticmethod
     def _record(node: NodeRow, reached: bool, how: str) -> None:
         node.reachable, node.reachability = reached, how
+
+
+def relay_shares(session: Session, nodes: list[NodeRow]) -> dict[str, float]:
+    """The bytes/s of its relay's link that each of `nodes` reached through a volunteer's relay may
+    count on, when a job holds all of them. Every byte to or from such a node crosses the relay's link
+    twice, in on its download and out on its upload, and a node in a pipeline has up to two links
+    (its previous and next stage): with n of them on one relay of bandwidth B (its profile's), each
+    link gets B / 2n. Nodes on the coordinator's relay are not capped: its link is not measured."""
+    relayed = Counter(node.relayed_by for node in nodes if node.relayed_by and node.relayed_by != COORDINATOR)
+    bandwidth = {relay: row.profile["bandwidth_bytes_per_s"] for relay in relayed
+                 if (row := session.get(NodeRow, relay)) is not None}
+    return {node.id: bandwidth[node.relayed_by] / (2 * relayed[node.relayed_by])
+            for node in nodes if node.relayed_by in bandwidth}

@@ -63,7 +63,8 @@ function nodeRow(node) {
   // the figure the planner uses: its stages' measurements correct the profile's (coordinator/calibration.py)
   const flops = (node.measured_flops || node.profile.flops) / (node.slowdown || 1);
   const address = el("td", {title: node.reachability || "not dialled yet"},
-                     node.reachable === false ? `${node.address} (unreachable)` : node.address);
+                     node.reachable === false ? `${node.address} (unreachable)`
+                       : node.relayed_by ? `${node.address} (relayed)` : node.address);
   row.append(el("td", {}, node.name || node.id), address, state,
              el("td", {}, fixed(flops / 1e9, 1)), el("td", {}, fixed(node.profile.memory_bytes / 2 ** 30, 1)),
              el("td", {}, fixed(node.profile.bandwidth_bytes_per_s / 1e6, 1)), el("td", {}, node.job_id || ""),

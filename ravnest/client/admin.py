@@ -99,7 +99,9 @@ def node_list(ctx: typer.Context) -> None:
     """Nodes that joined, their state and what they offer."""
     nodes_ = table("id", "name", "address", "state", "GFLOP/s", "GiB+idle", "job")
     notes = []
-    for node in call(ctx, "GET", "/v1/nodes"):
+    listed = call(ctx, "GET", "/v1/nodes")
+    names = {node["id"]: node["name"] or node["id"] for node in listed}
+    for node in listed:
         state = "quarantined" if node.get("quarantined_until") else node["state"]
         claimed = node.get("measured_flops") or node["profile"]["flops"]
         flops = claimed / (node.get("slowdown") or 1.0)  # what the planner counts
@@ -116,6 +118,12 @@ def node_list(ctx: typer.Context) -> None:
                          f"(its profile: {node['profile']['flops'] / 1e9:,.1f})")
         if node.get("reachable") is False:
             notes.append(f"{who} cannot be dialled by its peers: {node['reachability']}")
+        elif node.get("relayed_by"):
+            relay = "the coordinator's" if node["relayed_by"] == "coordinator" else \
+                f"{names.get(node['relayed_by'], node['relayed_by'])}'s"
+            notes.append(f"{who} is reached through {relay} relay (peers cannot dial it directly)")
+        if node.get("relay_port"):
+            notes.append(f"{who} relays for nodes that peers cannot dial, on port {node['relay_port']}")
         offers = ", ".join(f"{name} ({OFFER_STATES.get(state, state)})"
                            for name, state in sorted(node.get("offers", {}).items()))
         if offers:

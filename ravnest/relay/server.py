@@ -59,11 +59,12 @@ class _Listener:
 
 class RelayServer:
     """A relay on `host:port` (0: a free port; `self.port` says which). Nodes' ports are opened on
-    `host` too, each a free port."""
+    `host` too, each a free port. Until it has a `secret` (a node's relay learns it when it joins),
+    it lets nobody listen."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
                  max_nodes: int = MAX_NODES, max_connections: int = MAX_CONNECTIONS):
-        self._secret, self.host = secret, host
+        self.secret, self.host = secret, host
         self._max_nodes, self._max_connections = max_nodes, max_connections
         self._listeners: dict[str, _Listener] = {}
         self._ids = itertools.count(1)
@@ -113,7 +114,7 @@ class RelayServer:
         self.stop()
 
     async def _refuse_unless_allowed(self, node_id: str, token: str, context: aio.ServicerContext) -> None:
-        if not node_id or not hmac.compare_digest(token, relay_token(self._secret, node_id)):
+        if not self.secret or not node_id or not hmac.compare_digest(token, relay_token(self.secret, node_id)):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "this relay does not know that node: ask the coordinator for a relay token")
 

@@ -62,7 +62,7 @@ class RelayTunnel:
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
-                why = f"lost the relay at {self.relay}: {e.code().name}: {e.details()}"
+                why = f"lost the relay at {self.relay}: it went away or stopped answering ({e.code().name})"
                 if e.code() in FOR_GOOD:
                     self.refused = f"the relay at {self.relay} refused this node: {e.details()}"
                     self._moved(None, self.refused)
