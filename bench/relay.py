@@ -1,7 +1,7 @@
 """What a relay costs: a 2-stage pipeline between a reachable host and one behind NAT, through a
 volunteer's relay, against the same pipeline between two reachable hosts, on the same shaped links.
 
-    python -m bench.relay [--repeat 3] [--steps 300] [--rate 100] [--relay-rate 20] [--no-docs]   # as root
+    python -m bench.relay [--repeat 3] [--steps 150] [--batch-size 256] [--rate 100] [--relay-rate 5] [--no-docs]
 
 Network namespaces (scripts/testbed.py), every link shaped with tbf both ways. Direct: two hosts at
 `--rate` Mbit/s. Relayed: the same two, the second behind a NAT router of its own (no inbound
@@ -10,10 +10,11 @@ connection reaches it), and a third host at `--relay-rate` that only relays (`ra
 digits CNN, one cluster of 2 stages, through the whole system: the coordinator finds the natted host
 unreachable, hands it the relay, measures the links and plans.
 
-The relay's link carries every byte of the pipeline twice in each direction's budget: activations
-and gradients both come in on its download and leave on its upload. So the extra hop allows at most
-`relay-rate / (activation + gradient bytes per step)` steps/s, measured bytes as the stages report
-them; the relayed run can be no faster than that, nor than the direct run.
+Only what goes to the natted host takes the relay: it dials its peer directly to send the gradients
+back. The activations cross the relay's link twice, in on its download and out on its upload, each
+direction shaped to the relay's rate. So the extra hop allows at most `relay-rate / (activation bytes
+per step)` steps/s, bytes as the first stage reports them; the relayed run can be no faster than
+that, nor than the direct run.
 
 Prints per run samples/s (steady state, the last stage's) and bytes per step, then last:
 `relay natted_job=<completed|its state> relayed_over_direct=<r> vs_bound=<b>`: r = relayed samples/s
@@ -33,44 +34,50 @@ from scripts.testbed import ShapedTestbed, unavailable
 
 JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json"
 READING = ("Two stages of the digits CNN, each on its own network namespace with its link shaped both ways; "
-           "relayed: the second behind a NAT router, reached through a third host that only relays. The "
-           "bound: the relay's link carries activations and gradients both ways, so it allows relay rate / "
-           "(activation + gradient bytes per step) steps/s; vs_bound is the relayed run's samples/s over "
-           "the lower of that bound and the direct run's. One 2-core machine runs every process.")
+           "relayed: the second behind a NAT router, reached through a third host that only relays (the "
+           "gradients go back directly: the natted host dials out). The bound: the activations cross the "
+           "relay's link in and out, so it allows relay rate / (activation bytes per step) steps/s; vs_bound "
+           "is the relayed run's samples/s over the lower of that bound and the direct run's. One 2-core "
+           "machine runs every process.")
 
 
-def job_spec(steps: int) -> dict:
+def job_spec(steps: int, batch_size: int) -> dict:
     spec = json.loads(JOB.read_text())
     spec["name"] = "relay-bench"
-    spec["training"].update(steps=steps, eval_every=0)
+    spec["training"].update(steps=steps, eval_every=0, batch_size=batch_size)
     spec["averaging"] = {"strategy": "none"}
     spec["placement"] = {"clusters": 1, "stages_per_cluster": 2, "min_nodes": 2}
     return spec
 
 
-def run(scratch: Path, rates: list[float], natted: list[int], args_of: dict[int, list[str]], steps: int) -> dict:
+def run(scratch: Path, rates: list[float], natted: list[int], args_of: dict[int, list[str]], steps: int,
+        batch_size: int) -> dict:
     testbed = ShapedTestbed(scratch, rates, natted=natted, args_of=args_of)
     testbed.coordinator_args = ["--no-relay"]
     with testbed:
         if natted:  # the natted host listens on the relay before the job is placed
             testbed.wait_for(lambda: all(n["reachable"] for n in testbed.alive_nodes()) and any(
                 n["relayed_by"] for n in testbed.alive_nodes()), 90, "the natted host to be reachable via the relay")
-        spec = job_spec(steps)
+        spec = job_spec(steps, batch_size)
         job = testbed.wait_job(testbed.submit(spec), timeout=1800)
     if job["state"] != "completed":
         return {"state": job["state"], "reason": job["reason"]}
     stages = {s["stage"]: s["metrics"] for s in job["metrics"]["stages"]}
+    if len(stages) != 2:
+        raise RuntimeError(f"planned {job['plan']['reason']}; left out {job['plan']['unused']}: not 2 stages")
     return {"state": "completed", "samples_per_s": stages[1]["steady_samples_per_s"],
-            "bytes_per_step": stages[0]["next_bytes_per_step"] + stages[1]["prev_bytes_per_step"],
+            "bytes_per_step": stages[0]["next_bytes_per_step"],  # to the second stage: what a relay carries
             "batch_size": spec["training"]["batch_size"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=256, help="samples per step: big enough that the "
+                                                                    "link's bandwidth, not its latency, bounds it")
     parser.add_argument("--rate", type=float, default=100, help="Mbit/s of the two stages' hosts")
-    parser.add_argument("--relay-rate", type=float, default=20, help="Mbit/s of the relay's host")
+    parser.add_argument("--relay-rate", type=float, default=5, help="Mbit/s of the relay's host")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args(argv)
     reason = unavailable(nat=True)
@@ -82,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     direct_runs, relayed_runs = [], []
     for repeat in range(args.repeat):
         with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-            direct = run(Path(a), [args.rate, args.rate], [], {}, args.steps)
-            relayed = run(Path(b), [args.rate, args.rate, args.relay_rate], [1], relay_only, args.steps)
+            direct = run(Path(a), [args.rate, args.rate], [], {}, args.steps, args.batch_size)
+            relayed = run(Path(b), [args.rate, args.rate, args.relay_rate], [1], relay_only, args.steps,
+                          args.batch_size)
         states.append(relayed["state"])
         if direct["state"] != "completed" or relayed["state"] != "completed":
             lines.append(f"run {repeat + 1}: direct {direct['state']}, relayed {relayed['state']}: "
@@ -97,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(relayed["samples_per_s"] / direct["samples_per_s"])
         against_bound.append(relayed["samples_per_s"] / bound)
         lines.append(f"run {repeat + 1}: direct {direct['samples_per_s']:.0f} samples/s "
-                     f"({direct['bytes_per_step'] / 1e6:.2f} MB/step), relayed {relayed['samples_per_s']:.0f} "
-                     f"({relayed['bytes_per_step'] / 1e6:.2f} MB/step); the relay hop allows {hop:.0f}: "
+                     f"({direct['bytes_per_step'] / 1e3:.1f} kB/step to stage 1), "
+                     f"relayed {relayed['samples_per_s']:.0f} "
+                     f"({relayed['bytes_per_step'] / 1e3:.1f} kB/step); the relay hop allows {hop:.0f}: "
                      f"relayed / direct {ratios[-1]:.2f}, / bound {against_bound[-1]:.2f}")
         print(lines[-1], flush=True)
     natted = "completed" if states and all(s == "completed" for s in states) else next(

@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
     join.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
     join.add_argument("--no-relay", dest="use_relay", action="store_false",
-                      help="where peers cannot dial this node (behind a NAT or a firewall), do not use the "
-                           "coordinator's relay; it gets no work then (default: use it)")
+                      help="where peers cannot dial this node (behind a NAT or a firewall), use no relay: "
+                           "it gets no work then (default: use the relay the coordinator offers)")
     join.add_argument("--relay", nargs="?", type=int, const=0, default=None, metavar="PORT",
                       help="relay for volunteers that peers cannot dial, at PORT of --host (default: any free "
                            "port), each of them on another free port there: peers must reach those ports too. "

@@ -10,12 +10,12 @@ import grpc
 
 from ravnest.spec import LATENCY, LinkReport, PeerProbe, plausible_bandwidth
 from ravnest.timeouts import LINK_PROBE_S
+from ravnest.relay.dial import dial
 from ravnest.wire import measure_link
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 20  # the first probe (about a second at 10 Mbit/s); 4x larger ones follow on fast links
 MAX_QUEUED = 16
-UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def reachability_line(address: str, reachable: bool, how: str, relayed: bool = False) -> str:
@@ -74,8 +74,10 @@ class LinkProber:
             except (grpc.RpcError, ValueError) as e:  # unreachable, refused, or a malformed address
                 log.info("link probe to %s (%s) failed: %s", probe.node_id, probe.address, e)
                 report = None
-                # no connection at all, as opposed to a peer that answered and refused the probe
-                unreached = not isinstance(e, grpc.RpcError) or e.code() in UNREACHED
+                # no connection at all, as opposed to a peer that answered and refused the probe, or one
+                # behind a slow link (a relay's) that took longer than the probe may: it can be dialled
+                unreached = not isinstance(e, grpc.RpcError) or e.code() == grpc.StatusCode.UNAVAILABLE or \
+                    e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not dial(probe.address)[0]
             with self._measured:
                 self._queued.discard(probe.node_id)
                 if report is not None:

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from coordinator.service.reachability import dial
+from ravnest.relay.dial import dial
 from scripts.local_cluster import LocalCluster
 from tests.test_lying_volunteers import Liar
 

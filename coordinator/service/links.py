@@ -30,6 +30,11 @@ class LinkProbes:
                                   latency=report.latency_s, measured_at=now))
         return answered
 
+    def forget_probes_of(self, peer_id: str) -> None:
+        """The peer moved (to a relay's address): what probes of its old address find says nothing of
+        the new one, so their reports are not taken as answers."""
+        self._asked = {pair: at for pair, at in self._asked.items() if pair[1] != peer_id}
+
     def probes_for(self, session: Session, node: NodeRow) -> list[PeerProbe]:
         """Up to `probe_peers` live peers whose link this node has not measured, oldest members first;
         none once it measured MAX_LINKS_PER_NODE links. A node takes part in one round of probes at a

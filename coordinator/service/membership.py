@@ -129,6 +129,8 @@ class Membership:
                 node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
                 moved = request.address is not None and request.address != node.address and \
                     self.reachability.moved(session, node, request.address)
+                if moved:
+                    self.links.forget_probes_of(node.id)
                 asked = self.links.record(session, node, request.links, request.unreached)
                 self.reachability.from_probes(session, node, [r.peer_id for r in request.links if r.peer_id in asked],
                                               [peer for peer in request.unreached if peer in asked])

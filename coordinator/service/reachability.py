@@ -18,7 +18,6 @@ that one is there. Once it listens there it sends the relay's address for it, wh
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from ravnest.relay.dial import dial
 from ravnest.relay.server import RelayServer, relay_token
 from ravnest.spec import RelayOffer
 
@@ -34,23 +34,9 @@ from ..store import LinkRow, NodeRow
 from .core import GONE, Core
 
 log = logging.getLogger(__name__)
-DIAL_BACK_S = 3.0  # a connect that takes longer is as good as dropped (a home NAT drops, it does not refuse)
 DIALLERS = 4  # dial-backs at once; a burst of joins waits its turn
 MAX_PENDING = 1024  # dial-backs waiting; more joins than this at once go unchecked (shown as unknown)
 COORDINATOR = "coordinator"  # `relayed_by` of a node given the coordinator's own relay
-
-
-def dial(address: str, timeout: float = DIAL_BACK_S) -> tuple[bool, str]:
-    """(connected, what happened in words) for a TCP connection to `address` ("host:port", "[v6]:port")."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True, f"connected to {address}"
-    except socket.timeout:
-        return False, f"no answer from {address} within {timeout:g} s (a NAT or a firewall drops inbound connections)"
-    except (OSError, ValueError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        return False, f"could not connect to {address}: {reason.lower()}"
 
 
 class Reachability:
@@ -147,10 +133,11 @@ class Reachability:
 
 def relay_shares(session: Session, nodes: list[NodeRow]) -> dict[str, float]:
     """The bytes/s of its relay's link that each of `nodes` reached through a volunteer's relay may
-    count on, when a job holds all of them. Every byte to or from such a node crosses the relay's link
-    twice, in on its download and out on its upload, and a node in a pipeline has up to two links
-    (its previous and next stage): with n of them on one relay of bandwidth B (its profile's), each
-    link gets B / 2n. Nodes on the coordinator's relay are not capped: its link is not measured."""
+    count on, when a job holds all of them. Every byte sent to such a node crosses the relay's link
+    twice, in on its download and out on its upload (what it sends goes straight to a reachable peer),
+    and a node in a pipeline receives on up to two links (activations from the previous stage,
+    gradients from the next): with n of them on one relay of bandwidth B (its profile's), each link
+    gets B / 2n. Nodes on the coordinator's relay are not capped: its link is not measured."""
     relayed = Counter(node.relayed_by for node in nodes if node.relayed_by and node.relayed_by != COORDINATOR)
     bandwidth = {relay: row.profile["bandwidth_bytes_per_s"] for relay in relayed
                  if (row := session.get(NodeRow, relay)) is not None}

@@ -164,12 +164,13 @@ class RelayServer:
         node_id = str(metadata.get("ravnest-node", ""))
         await self._refuse_unless_allowed(node_id, str(metadata.get("authorization", "")), context)
         listener = self._listeners.get(node_id)
-        try:
-            reader, writer = listener.waiting.pop(int(metadata.get("ravnest-connection", "0")))  # type: ignore[union-attr]
-        except (AttributeError, KeyError, ValueError):
+        connection = str(metadata.get("ravnest-connection", ""))
+        waiting = listener.waiting.pop(int(connection), None) if listener and connection.isdigit() else None
+        if listener is None or waiting is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such connection waits on this relay (it was "
                                                            f"closed after {CLAIM_S:g} s, or never made)")
             return
+        reader, writer = waiting
 
         async def node_to_peer() -> None:
             async for chunk in chunks:
@@ -187,4 +188,4 @@ class RelayServer:
         finally:
             upward.cancel()
             writer.close()
-            listener.connections -= 1  # type: ignore[union-attr]
+            listener.connections -= 1

@@ -1,0 +1,21 @@
+"""Whether an address can be dialled: one TCP connection, nothing sent (TLS or not, a NAT or a firewall
+that drops inbound connections stops it before any protocol). The coordinator's dial-back uses it, and
+a node whose link probe timed out asks it whether the peer was out of reach or only slow."""
+from __future__ import annotations
+
+import socket
+
+DIAL_BACK_S = 3.0  # a connect that takes longer is as good as dropped (a home NAT drops, it does not refuse)
+
+
+def dial(address: str, timeout: float = DIAL_BACK_S) -> tuple[bool, str]:
+    """(connected, what happened in words) for a TCP connection to `address` ("host:port", "[v6]:port")."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True, f"connected to {address}"
+    except socket.timeout:
+        return False, f"no answer from {address} within {timeout:g} s (a NAT or a firewall drops inbound connections)"
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return False, f"could not connect to {address}: {reason.lower()}"
