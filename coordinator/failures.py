@@ -24,7 +24,8 @@ def failure_reason(failure: Failure | None, said: str, reporter: NodeRow, stage:
         return f"{where} failed: {said}"
     lost = nodes.get(failure.peer_id) if failure.peer_id else None
     if lost is not None and lost.id != reporter.id and failure.kind in PEER_KINDS:
-        return f"node {who(lost)} {_LOST_VERB[failure.kind]}: {where} lost it"
+        through = " (peers reach it through a relay, which may be what failed)" if lost.relayed_by else ""
+        return f"node {who(lost)} {_LOST_VERB[failure.kind]}{through}: {where} lost it"
     if failure.kind == FailureKind.OUT_OF_MEMORY:
         return f"node {who(reporter)} ran out of memory in cluster {stage.cluster} stage {stage.stage}"
     if failure.kind == FailureKind.NAN:

@@ -86,3 +86,12 @@ def test_each_failure_reads_as_what_happened_naming_the_node_at_fault_first():
     peers = {**PEERS, gone: "id-b"}
     for scenario, (exc, expected) in golden.items():
         assert reason(exc, peers) == expected, scenario
+
+
+def test_a_lost_peer_reached_through_a_relay_says_the_relay_may_be_what_failed():
+    relayed = {**NODES, "id-b": NodeRow(id="id-b", name="b", address=B, relayed_by="id-r")}
+    lost = PipelineError("stage 1 lost its next stage: peer 127.0.0.1:7002: UNAVAILABLE: Socket closed",
+                         FailureKind.PEER_LOST, B)
+    assert failure_reason(classify(lost, PEERS, step=12), str(lost), NODES["id-a"], StageRow(cluster=0, stage=1),
+                          relayed) == ("node b (id-b) stopped answering (peers reach it through a relay, which may "
+                                       "be what failed): cluster 0 stage 1 on node a (id-a) lost it")

@@ -202,6 +202,9 @@ class JobLifecycle:
                 return
             left_out = [reporter.id] if not report.recoverable else \
                 policy.left_out_by(report.failure, reporter.id, report.still_training, members)
+            lost = members.get(report.failure.peer_id or "") if report.failure else None
+            if lost is not None and lost.relayed_by:  # its relay may be what failed: it stays (a node that
+                left_out = [node for node in left_out if node != lost.id]  # is gone is not placed anyway)
             self.recoveries.recover(session, job, reason, failure=report.failure, left_out=left_out,
                                     reported_by=reporter.id, could_not_start=not report.recoverable)
             if report.still_training:
