@@ -145,6 +145,14 @@ class Core:
         else:
             self._plans[job.id] = plan
 
+    def holder_of(self, session: Session, address: str, other_than: str = "") -> NodeRow | None:
+        """The live node (other than `other_than`) that holds `address`: peers dial it there, so no
+        other node may take it."""
+        return session.scalars(select(NodeRow).where(
+            NodeRow.address == address, NodeRow.id != other_than, NodeRow.state != GONE,
+            NodeRow.credential_ended.is_(None),
+            NodeRow.last_seen >= self.clock() - self.settings.heartbeat_timeout_s)).first()
+
     def node_by_token(self, session: Session, authorization: str | None) -> NodeRow:
         token_hash = hash_token(bearer_token(authorization))
         node = session.scalars(select(NodeRow).where(NodeRow.token_hash == token_hash)).first()

@@ -69,9 +69,7 @@ class Membership:
                 if isinstance(admitted, str):
                     raise Unauthorized(admitted)
                 known = self._known_identity(session, request)
-                holder = session.scalars(select(NodeRow).where(
-                    NodeRow.address == request.address, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
-                    NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s)).first()
+                holder = self.core.holder_of(session, request.address)
                 if holder is not None:  # else peers would dial the wrong node (or a node would probe itself)
                     raise Conflict(f"address {request.address} is held by node {holder.id}, which is alive; "
                                    f"advertise this node's own address (a restarted node may retry once the "

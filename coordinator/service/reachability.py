@@ -84,10 +84,7 @@ class Reachability:
     def moved(self, session: Session, node: NodeRow, address: str) -> bool:
         """The node is reached at `address` now (its port on a relay, or its own again): dial it there
         (`dial_back`, once this session is committed). False where a live node holds that address."""
-        holder = session.scalars(select(NodeRow).where(
-            NodeRow.address == address, NodeRow.id != node.id, NodeRow.state != GONE,
-            NodeRow.credential_ended.is_(None),
-            NodeRow.last_seen >= self.core.clock() - self.core.settings.heartbeat_timeout_s)).first()
+        holder = self.core.holder_of(session, address, other_than=node.id)
         if holder is not None:
             log.warning("node %s said it moved to %s, which node %s holds: ignored", who(node), address, who(holder))
             return False
