@@ -203,6 +203,8 @@ class Recovery(BaseModel):
     recovery_s: float | None = Field(None, description="seconds from the loss to training again")
     kept_training: list[int] = Field(default_factory=list, description="clusters that lost nothing and trained on "
                                                                     "(alone) while the job was re-planned")
+    broken: list[int] = Field(default_factory=list, description="clusters a member of which said it stopped: "
+                                                                "the re-plan does not wait for them to train alone")
     steps_trained_on: int | None = Field(None, description="steps the furthest state handed in is beyond the step "
                                                            "reached when the loss was noticed")
     hand_in_at: float | None = Field(None, description="when the nodes still training were told to stop and hand in "

@@ -469,6 +469,31 @@ def test_a_stage_whose_averaging_failed_trains_on_and_reports_while_the_job_is_r
     assert reply["train_alone"] == job_id and reply["recover_job"] is None
 
 
+def test_a_stage_of_a_broken_pipeline_is_not_waited_for_to_train_alone(client: TestClient) -> None:
+    """A node that trained in cluster 1 and relayed for cluster 0's second stage dies: both pipelines
+    break. Cluster 0's first stage reports it first; cluster 1's report comes while the job already
+    recovers. The relayed stage, whose input went silent, neither fails nor can train alone: once every
+    cluster said it is broken, it is told to hand in its state at once (it used to be waited for until
+    recovery_wait_s, and the state it held was lost)."""
+    job_id, members = placed_job(client)
+    at = {(a["cluster"], a["stage"]): (node_id, auth)
+          for node_id, auth in members if (a := beat(client, node_id, auth)["assignment"])}
+
+    def fail(reporter: tuple[str, dict], lost: tuple[str, dict]) -> None:
+        r = client.post(f"/v1/jobs/{job_id}/fail", headers=reporter[1], json={
+            "node_id": reporter[0], "recoverable": True, "reason": "lost a peer",
+            "failure": {"kind": "peer_lost", "message": "its stream broke", "peer_id": lost[0]}})
+        assert r.status_code == 204, r.text
+    fail(at[0, 0], at[0, 1])
+    assert client.get(f"/v1/jobs/{job_id}").json()["recoveries"][0]["broken"] == [0]
+    relayed = at[0, 1]
+    assert beat(client, *relayed, job_id=job_id)["train_alone"] == job_id  # cluster 1 may still train on
+    fail(at[1, 1], at[1, 0])
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "recovering" and job["recoveries"][0]["broken"] == [0, 1], job["recoveries"]
+    assert beat(client, *relayed, job_id=job_id)["recover_job"] == job_id
+
+
 def test_a_lone_stage_that_heartbeats_but_reports_no_progress_is_left_out(client: TestClient, clock: FakeClock,
                                                                          settings: Settings) -> None:
     """Two clusters of one stage each, no averaging: nobody would notice a node that only heartbeats.

@@ -186,8 +186,7 @@ class JobLifecycle:
             job, stage = self.core.job_member(session, job_id, authorization, report.node_id)
             reporter = session.get_one(NodeRow, report.node_id)  # (job_member checked it)
             if job.state not in jobs.ACTIVE:  # the job already ended or is being re-planned
-                if report.still_training:
-                    self.recoveries.kept_training(session, reporter)
+                self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
                 return
             if quarantined(reporter, now):
                 log.info("job %s: ignored a failure report of quarantined node %s", job.id, reporter.id)
@@ -207,8 +206,7 @@ class JobLifecycle:
                 left_out = [node for node in left_out if node != lost.id]  # is gone is not placed anyway)
             self.recoveries.recover(session, job, reason, failure=report.failure, left_out=left_out,
                                     reported_by=reporter.id, could_not_start=not report.recoverable)
-            if report.still_training:
-                self.recoveries.kept_training(session, reporter)
+            self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
             self._blame(reporter, reason)
 
     def hand_in_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int,

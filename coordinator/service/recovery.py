@@ -6,7 +6,8 @@ After a loss, the clusters that lost nothing keep training while the job is re-p
 node is told `train_alone` (a stage that can leaves its averaging and trains on; the lost cluster's
 stages have failed, or fail at their broken pipeline, and hand in their state), and only once every
 member has stopped, gone silent or trains alone are those told `recover_job`: stop and hand in
-(`hand_in_at` in the recovery record). A stage also stops and hands in by itself once it trained
+(`hand_in_at` in the recovery record); members of a cluster whose pipeline a member said
+is broken are not waited for (`broken`). A stage also stops and hands in by itself once it trained
 alone as many steps as its averaging lets replicas drift apart (ravnest/pipeline/averaging_hooks.py).
 Either way its state is the freshest there is. Growing onto new nodes loses nothing, so there every
 node hands in at once."""
@@ -104,6 +105,21 @@ class Recoveries:
             if stage.cluster not in kept:
                 _amend_last(job, kept_training=sorted({*kept, stage.cluster}))
 
+    def reported(self, session: Session, job: JobRow, node: NodeRow, cluster: int, still_training: bool) -> None:
+        """What a failure report of the recovering job's `node` (in `cluster`) says: it trains on, or stopped."""
+        if still_training:
+            self.kept_training(session, node)
+        else:
+            self.stopped(job, cluster)
+
+    @staticmethod
+    def stopped(job: JobRow, cluster: int) -> None:
+        """A member of the recovering job's `cluster` failed and stopped: that cluster's pipeline is
+        broken, so its other members cannot train alone (a stage whose input went silent, say, behind a
+        relay that died, would wait for it until `recovery_wait_s`) and are not waited for."""
+        if job.state == JobState.RECOVERING.value and cluster not in job.faults[-1].broken:
+            _amend_last(job, broken=sorted({*job.faults[-1].broken, cluster}))
+
     @staticmethod
     def told_to_hand_in(job: JobRow) -> bool:
         """Whether the recovering job's nodes are to stop and hand in their state now."""
@@ -122,8 +138,10 @@ class Recoveries:
             waited_out = now - job.updated_at >= self.core.settings.recovery_wait_s
             live = [node for node in members if node.last_seen >= silent_since]
             if live and not waited_out:
-                if all(self._training_alone.get(node.id) == job.id for node in live) \
-                        and not self.told_to_hand_in(job):
+                broken = set(job.faults[-1].broken)
+                if not self.told_to_hand_in(job) and all(
+                        self._training_alone.get(node.id) == job.id for node in live
+                        if (stage := stage_of_node(session, job.id, node.id)) is None or stage.cluster not in broken):
                     _amend_last(job, hand_in_at=now)  # the lost cluster is done: the others hand in now
                 continue
             for node in members:  # whatever it still runs is ignored from now on; a silent one is not placed
