@@ -168,15 +168,18 @@ def pin_content(job: JobRow, contents: dict[str, str]) -> None:
 
 
 def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
-               peer_credentials: dict[str, str]) -> StageAssignment:
-    """What the node running `stage` of `cluster` needs to know, rings and credentials included."""
+               peer_credentials: dict[str, str], tls_names: dict[str, str]) -> StageAssignment:
+    """What the node running `stage` of `cluster` needs to know, rings and credentials included
+    (`tls_names`: node id -> the name its certificate carries, for those reached through a relay)."""
     spec = spec_of(job)
     stages = plan.clusters[cluster].stages
     def peer(s: int, link: int) -> StagePeer:  # link: the stage whose link to the next one joins the two
-        return StagePeer(node_id=stages[s].node_id, address=stages[s].address, codec=stages[link].codec)
+        return StagePeer(node_id=stages[s].node_id, address=stages[s].address, codec=stages[link].codec,
+                         tls_name=tls_names.get(stages[s].node_id))
     rings = [] if spec.averaging.strategy == "none" else [
         Ring(segment=ring.segment, blocks=ring.blocks, weights=ring.weights, order=ring.order,
-             members=[StagePeer(node_id=plan.clusters[c].stages[s].node_id, address=plan.clusters[c].stages[s].address)
+             members=[StagePeer(node_id=(member := plan.clusters[c].stages[s]).node_id, address=member.address,
+                                tls_name=tls_names.get(member.node_id))
                       for c, s in enumerate(ring.stages)])
         for ring in plan.rings if ring.stages[cluster] == stage]
     planned = stages[stage]

@@ -19,8 +19,8 @@ from node.links import LinkProber, reachability_line
 from node.metrics import STAGES
 from node.offers import Offers
 from node.profiler import IdleProfiler, profile_node
-from node.relaying import Relaying
 from node.progress import Progress
+from node.relaying import Relaying
 from ravnest.averaging import ring
 from ravnest.client.api import ApiError
 from ravnest.failures import Failure, classify
@@ -29,7 +29,7 @@ from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import DataProof, JoinRequest, MetricsReport, StageAssignment
-from ravnest.wire import PeerGate, PeerServer, Router
+from ravnest.wire import PeerGate, PeerServer, Router, name_peer
 
 T = TypeVar("T")
 SCRATCH_PREFIX = "ravnest-job-"  # + pid: a job's scratch folder in the temporary directory
@@ -259,6 +259,8 @@ class NodeDaemon:
         resumed = f", continuing from step {a.resume_step}" if a.resume_step else ""
         self.progress.log(f"{run.prefix}: blocks [{a.blocks[0]}, {a.blocks[1]}){predicted}{resumed}")
         self.gate.admit(f"{a.job_id}/{a.generation}", a.peer_credentials, a.planned_peers())
+        for address, tls_name in a.tls_names().items():
+            name_peer(address, tls_name)
         try:
             self._train(run)
         except Exception as e:  # report any failure to the coordinator, which re-plans or fails the job

@@ -8,10 +8,10 @@ import threading
 
 import grpc
 
+from ravnest.relay.dial import dial
 from ravnest.spec import LATENCY, LinkReport, PeerProbe, plausible_bandwidth
 from ravnest.timeouts import LINK_PROBE_S
-from ravnest.relay.dial import dial
-from ravnest.wire import measure_link
+from ravnest.wire import measure_link, name_peer
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 20  # the first probe (about a second at 10 Mbit/s); 4x larger ones follow on fast links
@@ -67,6 +67,8 @@ class LinkProber:
     def _run(self) -> None:
         while (probe := self._todo.get()) is not None:
             try:
+                if probe.tls_name:
+                    name_peer(probe.address, probe.tls_name)
                 latency, bandwidth = measure_link(probe.address, token=self._token, probe_bytes=self._probe_bytes,
                                                   timeout=LINK_PROBE_S)  # the process's shared channels
                 report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),

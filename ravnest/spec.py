@@ -340,6 +340,9 @@ class JobSpec(_Strict):
 class StagePeer(_Strict):
     node_id: str
     address: str = Field(description="host:port of the node's gRPC server")
+    tls_name: str | None = Field(None, max_length=255, description=(
+        "the name its TLS certificate carries where that is not the address's host: a node reached through a "
+        "relay is dialled at the relay"))
     codec: str | None = Field(None, max_length=32, description=(
         "the pipeline codec on the link to this neighbour, both ways (the planner's pick where training.codec "
         "is 'auto'); None: the job's"))
@@ -413,6 +416,12 @@ class StageAssignment(_Strict):
         peers = {p.node_id for p in (self.prev, self.next) if p is not None}
         peers.update(member.node_id for ring in self.rings for member in ring.members)
         return peers
+
+    def tls_names(self) -> dict[str, str]:
+        """address -> the name its certificate carries, for the peers this stage dials at a relay."""
+        peers = [p for p in (self.prev, self.next) if p is not None]
+        peers += [member for ring in self.rings for member in ring.members]
+        return {p.address: p.tls_name for p in peers if p.tls_name}
 
 
 # --- node <-> coordinator REST bodies -------------------------------------------------------------
@@ -507,6 +516,7 @@ class PeerProbe(_Strict):
     """A peer the coordinator asks a node to measure its link to."""
     node_id: str
     address: str
+    tls_name: str | None = Field(None, max_length=255, description="as StagePeer's")
 
 
 class DataChallenge(_Strict):

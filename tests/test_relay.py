@@ -22,13 +22,13 @@ from coordinator.app import create_app
 from coordinator.clustering import NodeInfo
 from coordinator.config import Settings
 from coordinator.planning import link
-from coordinator.service.reachability import relay_shares
+from coordinator.service.reachability import relay_shares, tls_names
 from coordinator.store import NodeRow
 from ravnest.relay import server as relay_server
 from ravnest.relay.server import RelayServer, relay_token
 from ravnest.relay.tunnel import RelayTunnel
 from ravnest.v1 import relay_pb2, relay_pb2_grpc
-from ravnest.wire import PeerServer
+from ravnest.wire import ChannelPool, PeerServer, name_peer, transport
 from ravnest.wire.messages import Message
 from ravnest.wire.transport import OutboundStream, measure_link, ping
 from scripts.local_cluster import LocalCluster
@@ -83,6 +83,30 @@ def test_a_peer_reaches_a_node_through_the_relay_with_its_own_credentials_checke
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         finally:
             tunnel.close()
+
+
+def test_over_tls_a_peer_checks_the_relayed_nodes_certificate_against_its_own_name(tmp_path, monkeypatch):
+    """The node's certificate names its own host only, not the relay's: dialled at the relay, a peer
+    finds the name wrong until the plan tells it the name to expect (StagePeer.tls_name); then the
+    TLS session runs end to end through the relay, which holds no certificate at all."""
+    from scripts.make_certs import make_certificates
+    certs = make_certificates(tmp_path, ["node-a.example"])
+    monkeypatch.setattr(transport, "_tls_names", {})
+    server = PeerServer(lambda msg, peer: None, token="peer-token",
+                        tls=(certs["cert"].read_bytes(), certs["key"].read_bytes()))
+    pool = ChannelPool(root_certificate=certs["ca"].read_bytes())
+    with RelayServer(SECRET) as relay:
+        tunnel, _ = tunnel_to(relay, server)
+        try:
+            address = wait_for(lambda: tunnel.address, 10, "the relay's port")
+            with pytest.raises(grpc.RpcError):  # the relay's host is not a name the certificate carries
+                ping(address, token="peer-token", pool=pool, timeout=5)
+            name_peer(address, "node-a.example")
+            assert ping(address, token="peer-token", pool=pool, timeout=5) > 0
+        finally:
+            tunnel.close()
+            pool.close()
+            server.stop()
 
 
 def test_the_relay_turns_away_a_node_without_the_coordinators_token(node_server):
@@ -183,6 +207,8 @@ def test_the_coordinator_hands_out_the_least_loaded_relay_and_takes_the_address_
         reply = heartbeat_from(hidden[0], "10.0.0.1:40123")  # its port on the relay
         assert reply["relay"] is None and reply["reachable"] is None  # to be dialled there (tests dial none)
         assert {n["name"]: n for n in client.get("/v1/nodes").json()}["hidden0"]["address"] == "10.0.0.1:40123"
+        with app.state.service.store.session() as session:  # peers check its certificate for its own host
+            assert tls_names(session, [relay, hidden[0][0]]) == {hidden[0][0]: "192.168.0.0"}
 
 
 @pytest.mark.slow
@@ -190,9 +216,13 @@ def test_nodes_that_peers_cannot_dial_train_through_the_coordinators_relay(tmp_p
     """On loopback: two of four real nodes advertise 127.0.0.2, where nobody listens (their servers are
     on 127.0.0.1), as a NAT hides a home machine. The coordinator's dial-back finds them out, they
     listen on its relay, and the 2 x 2 digits CNN trains across relayed links. A fifth such node that
-    refuses the relay (--no-relay) gets no work and is told why."""
-    with LocalCluster(tmp_path, nodes=2) as cluster:
-        hidden = cluster.add_nodes(2, ["--advertise", "127.0.0.2"])
+    refuses the relay (--no-relay) gets no work and is told why. All of it over TLS, the hidden nodes'
+    certificates naming 127.0.0.2 only: peers dial them at the relay's host and check their own name."""
+    from scripts.make_certs import make_certificates
+    with LocalCluster(tmp_path, nodes=2, tls=True) as cluster:
+        own = make_certificates(tmp_path / "hidden-certs", ["127.0.0.2"], ca_dir=tmp_path / "certs")
+        hidden = cluster.add_nodes(2, ["--advertise", "127.0.0.2", "--tls-cert", str(own["cert"]),
+                                       "--tls-key", str(own["key"])])
         refusing = cluster.add_nodes(1, ["--advertise", "127.0.0.2", "--no-relay"])
         relay_port = int(cluster.wait_for(lambda: next(
             (line for line in (tmp_path / "logs" / cluster.coordinator_log).read_text().splitlines()

@@ -57,4 +57,5 @@ class LinkProbes:
         chosen = [peer for peer in candidates if peer.id not in busy][:want]
         for peer in chosen:
             self._asked[(node.id, peer.id)] = now
-        return [PeerProbe(node_id=peer.id, address=peer.address) for peer in chosen]
+        return [PeerProbe(node_id=peer.id, address=peer.address, tls_name=peer.tls_name if peer.relayed_by else None)
+                for peer in chosen]

@@ -7,6 +7,7 @@ import logging
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from ravnest.relay.dial import host_of
 from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           NodeProfile, Offered)
 from ravnest.wire.gate import credential_hash
@@ -24,7 +25,7 @@ from .credentials import Credentials
 from .links import LinkProbes
 from .offers import Offers
 from .placement import Placement
-from .reachability import Reachability
+from .reachability import Reachability, tls_names
 from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Membership:
                 if known is not None:  # what its jobs measured stays, relative to its new figure
                     remeasured(node, request.profile.flops)
                 node.name, node.address, node.relay_port = request.name, request.address, request.relay_port
-                node.relayed_by = None  # (it may have moved)
+                node.relayed_by, node.tls_name = None, host_of(request.address)  # (it may have moved)
                 node.profile = request.profile.model_dump(mode="json")
                 node.token_hash = hash_token(token)
                 node.token_expires_at = now + self.core.settings.node_credential_ttl_s
@@ -185,7 +186,8 @@ class Membership:
             members = {s.node_id for c in plan.clusters for s in c.stages}
             token = self.core.peer_token
             response.assignment = jobs.assignment(job, plan, stage.cluster, stage.stage, token(job, node.id),
-                                                  {m: credential_hash(token(job, m)) for m in members})
+                                                  {m: credential_hash(token(job, m)) for m in members},
+                                                  tls_names(session, members))
             if job.state == JobState.PLACING.value and not undelivered(session, job.id):
                 jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self.core.plan(job).reason}",
                                 self.core.clock())

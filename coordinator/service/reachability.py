@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import delete, select
@@ -126,6 +127,13 @@ class Reachability:
     @staticmethod
     def _record(node: NodeRow, reached: bool, how: str) -> None:
         node.reachable, node.reachability = reached, how
+
+
+def tls_names(session: Session, node_ids: Iterable[str]) -> dict[str, str]:
+    """The names the certificates of those of `node_ids` reached through a relay carry (peers dial them
+    at the relay's host)."""
+    return {node.id: node.tls_name for node in session.scalars(select(NodeRow).where(
+        NodeRow.id.in_(list(node_ids)), NodeRow.relayed_by.is_not(None))) if node.tls_name}
 
 
 def relay_shares(session: Session, nodes: list[NodeRow]) -> dict[str, float]:

@@ -30,11 +30,10 @@ from ravnest.averaging.mailbox import Mailbox
 from ravnest.averaging.shares import share_bounds
 from ravnest.errors import RavnestError
 from ravnest.timeouts import FAILED_FLUSH_S
-from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, Router, WireError, require_finite,
-                          wait_authorized)
+from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
 from ravnest.wire import codecs
 from ravnest.wire.codec import decode, encode
-from ravnest.wire.transport import AUTH_GRACE_S
+from ravnest.wire.transport import AUTH_GRACE_S, new_pool
 
 KIND = "ring"
 TENSOR = "x"
@@ -185,7 +184,7 @@ class RingHub:
                 wait_authorized(address, self.token, min(timeout, AUTH_GRACE_S))
                 # Extra lanes get their own channel (own TCP connection); the first uses the shared pool.
                 streams = [OutboundStream(address, token=self.token, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                                          pool=None if lane == 0 else ChannelPool(), wait_ready=timeout)
+                                          pool=None if lane == 0 else new_pool(), wait_ready=timeout)
                            for lane in range(self.lanes)]
                 with self._lock:
                     self._streams[address] = streams

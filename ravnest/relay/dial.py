@@ -8,11 +8,15 @@ import socket
 DIAL_BACK_S = 3.0  # a connect that takes longer is as good as dropped (a home NAT drops, it does not refuse)
 
 
+def host_of(address: str) -> str:
+    """"host:port" -> "host", "[v6]:port" -> "v6"."""
+    return address.rpartition(":")[0].strip("[]")
+
+
 def dial(address: str, timeout: float = DIAL_BACK_S) -> tuple[bool, str]:
     """(connected, what happened in words) for a TCP connection to `address` ("host:port", "[v6]:port")."""
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        with socket.create_connection((host_of(address), int(address.rpartition(":")[2])), timeout=timeout):
             return True, f"connected to {address}"
     except socket.timeout:
         return False, f"no answer from {address} within {timeout:g} s (a NAT or a firewall drops inbound connections)"

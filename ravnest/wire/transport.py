@@ -320,24 +320,33 @@ class PeerServer:
 
 
 class ChannelPool:
-    """One channel per peer address for the life of the process (channels are expensive)."""
+    """One channel per peer address for the life of the process (channels are expensive). Over TLS a
+    peer's certificate is checked against the host dialled, or against the name `name_peer` gave its
+    address: a node reached through a relay is dialled at the relay's host but holds a certificate for
+    its own (ravnest/relay)."""
 
     def __init__(self, root_certificate: bytes | None = None):
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[tuple[str, str | None], grpc.Channel] = {}
         self._lock = threading.Lock()
         self._root_certificate = root_certificate
 
     def get(self, address: str) -> grpc.Channel:
+        name = _tls_names.get(address) if self._root_certificate else None
         with self._lock:
-            channel = self._channels.get(address)
+            channel = self._channels.get((address, name))
             if channel is None:
                 if self._root_certificate:
                     creds = grpc.ssl_channel_credentials(self._root_certificate)
-                    channel = grpc.secure_channel(address, creds, options=GRPC_OPTIONS)
+                    named = [("grpc.ssl_target_name_override", name)] if name else []
+                    channel = grpc.secure_channel(address, creds, options=[*GRPC_OPTIONS, *named])
                 else:
                     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-                self._channels[address] = channel
+                self._channels[(address, name)] = channel
             return channel
+
+    def another(self) -> ChannelPool:
+        """A pool of its own (its own TCP connections) that dials as this one does."""
+        return ChannelPool(self._root_certificate)
 
     def close(self) -> None:
         with self._lock:
@@ -347,6 +356,18 @@ class ChannelPool:
 
 
 _default_pool = ChannelPool()
+_tls_names: dict[str, str] = {}  # address -> the name its certificate carries, where that is not its host
+
+
+def name_peer(address: str, tls_name: str) -> None:
+    """Check the certificate of the peer at `address` against `tls_name` from now on (a relayed node's
+    own host: the plan says which)."""
+    _tls_names[address] = tls_name
+
+
+def new_pool() -> ChannelPool:
+    """A channel pool of its own that dials as the process's default one (TLS included)."""
+    return _default_pool.another()
 
 
 def use_tls(root_certificate: bytes) -> None:
