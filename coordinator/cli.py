@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ravnest import __version__
+from ravnest.relay.ports import port_range, span
 from ravnest.tls_options import add_tls_options, check_tls_options
 
 QUIET_PATHS = ("/heartbeat ", "/metrics ", "/events ", "/healthz ")  # path ends: access lines only at --log-level debug
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "(default: --port + 1; 0: any free port)")
     relay.add_argument("--no-relay", action="store_true",
                        help="no relay: volunteers that peers cannot dial are not given work")
+    parser.add_argument("--relay-ports", type=port_range, default=None, metavar="LOW-HIGH",
+                        help="the ports the relay opens for the volunteers it serves, one each, for a firewall to "
+                             "let in (default: any free port)")
     add_tls_options(parser, "HTTPS", "plain HTTP")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="job and node events at info, every request at debug (default: info)")
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait,
                         relay_host=args.host, relay_port=None if args.no_relay else
-                        args.port + 1 if args.relay_port is None else args.relay_port)
+                        args.port + 1 if args.relay_port is None else args.relay_port,
+                        relay_node_ports=args.relay_ports)
     try:
         app = create_app(settings)
     except SchemaError as e:
@@ -93,13 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     database = make_url(settings.database_url).render_as_string(hide_password=True)
     operator = "given (--operator-token)" if args.operator_token else f"in {data / 'operator_token'}"
     join = "given (--token)" if args.token else f"in {data / 'join_token'}"
+    relay = app.state.service.membership.reachability.relay
     print(f"ravnest-coordinator {__version__}: data in {data}; database {database}\n"
           f"  authentication is on: every call but /healthz needs a token. Operator key {operator} (jobs, nodes, "
           f"dashboard, metrics); join token {join} (ravnest-node join --token ...)\n"
           f"  that join token admits any number of nodes until revoked: hand out limited ones with `ravnest "
           f"token create --uses N --expires 7d`, then `ravnest token revoke join`\n"
           f"  relay for volunteers that peers cannot dial: "
-          f"{relay.address if (relay := app.state.service.membership.reachability.relay) else 'off (--no-relay)'}\n"
+          f"{f'{relay.address}, and {span(relay.node_ports)} for them' if relay else 'off (--no-relay)'}\n"
           f"  dashboard at {'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 ssl_certfile=str(args.tls_cert) if args.tls_cert else None,

@@ -12,8 +12,9 @@ import threading
 from pathlib import Path
 
 from ravnest import __version__
-from ravnest.tls_options import add_tls_options, check_tls_options
+from ravnest.relay.ports import port_range
 from ravnest.spec import DATASET_NAME
+from ravnest.tls_options import add_tls_options, check_tls_options
 
 # torch, gRPC and the daemon are imported once the arguments are parsed: --help and --version at once
 
@@ -87,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="relay for volunteers that peers cannot dial, at PORT of --host (default: any free "
                            "port), each of them on another free port there: peers must reach those ports too. "
                            "Used only while peers can dial this node")
+    join.add_argument("--relay-ports", type=port_range, default=None, metavar="LOW-HIGH",
+                      help="with --relay: the ports opened for those volunteers, one each, for a firewall to let "
+                           "in (default: any free port)")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list (default: none)")
     join.add_argument("--identity", type=Path, default=os.environ.get("RAVNEST_NODE_IDENTITY"), metavar="FILE",
                       help="this node's identity file, made on first use (a secret: keep it private): joining "
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_memory=args.max_memory, datasets=offered,
                             identity=read_identity(args.identity) if args.identity else "",
                             reload_offers=offered_now, reprofile_every=args.reprofile_every,
-                            use_relay=args.use_relay, relay_port=args.relay,
+                            use_relay=args.use_relay, relay_port=args.relay, relay_ports=args.relay_ports,
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         signal.signal(signal.SIGHUP, lambda *_: daemon.offers.reread())  # kill -HUP after editing --offers
         daemon.serve(stop)

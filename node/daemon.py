@@ -129,7 +129,8 @@ class NodeDaemon:
                  progress: Progress | None = None, max_memory: int | None = None,
                  datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None,
                  identity: str = "", reload_offers: Callable[[], dict[str, Path]] | None = None,
-                 reprofile_every: float = 600.0, use_relay: bool = True, relay_port: int | None = None):
+                 reprofile_every: float = 600.0, use_relay: bool = True, relay_port: int | None = None,
+                 relay_ports: range | None = None):
         self.client = client
         self.identity = identity  # the secret of its identity file: joining again keeps its id
         self.progress = progress or Progress()
@@ -152,8 +153,8 @@ class NodeDaemon:
         self._proofs: list[DataProof] = []  # answers to the last heartbeat's challenges, sent with the next
         self.idle_profiler = IdleProfiler(device, reprofile_every, self.progress)
         self._reachable: bool | None = None  # what the coordinator last said: can peers dial this node?
-        self.relaying = Relaying(client, self.progress, use_relay=use_relay, relay_port=relay_port, host=host,
-                                 wake=self._beat_now.set)
+        self.relaying = Relaying(client, self.progress, use_relay=use_relay, relay_port=relay_port,
+                                 relay_ports=relay_ports, host=host, wake=self._beat_now.set)
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""

@@ -12,6 +12,7 @@ from typing import Callable
 
 from node.client import CoordinatorClient
 from node.progress import Progress
+from ravnest.relay.ports import span
 from ravnest.relay.server import RelayServer
 from ravnest.relay.tunnel import RelayTunnel
 from ravnest.spec import RelayOffer
@@ -19,11 +20,11 @@ from ravnest.spec import RelayOffer
 
 class Relaying:
     def __init__(self, client: CoordinatorClient, progress: Progress, *, use_relay: bool, relay_port: int | None,
-                 host: str, wake: Callable[[], None]):
+                 relay_ports: range | None, host: str, wake: Callable[[], None]):
         self.client, self.progress = client, progress
         self.use_relay = use_relay  # where peers cannot dial this node, be reached through the relay offered
         self._wake = wake  # the next heartbeat goes out now
-        self.relay = RelayServer(b"", host, relay_port) if relay_port is not None else None
+        self.relay = RelayServer(b"", host, relay_port, node_ports=relay_ports) if relay_port is not None else None
         self._tunnel: RelayTunnel | None = None
         self._node_id = ""
 
@@ -36,7 +37,7 @@ class Relaying:
         if self.relay:
             self.relay.secret = relay_secret.encode()
             self.progress.log(f"relays for nodes that peers cannot dial, at port {self.relay.port} (once the "
-                              f"coordinator has dialled it)")
+                              f"coordinator has dialled it), on {span(self.relay.node_ports)} for them")
 
     def advertised(self, own: str) -> str:
         """Where peers dial this node now."""

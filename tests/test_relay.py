@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from argparse import ArgumentTypeError
 from dataclasses import replace
 
 import grpc
@@ -25,6 +26,7 @@ from coordinator.planning import link
 from coordinator.service.reachability import relay_shares, tls_names
 from coordinator.store import NodeRow
 from ravnest.relay import server as relay_server
+from ravnest.relay.ports import port_range
 from ravnest.relay.server import RelayServer, relay_token
 from ravnest.relay.tunnel import RelayTunnel
 from ravnest.v1 import relay_pb2, relay_pb2_grpc
@@ -119,6 +121,43 @@ def test_the_relay_turns_away_a_node_without_the_coordinators_token(node_server)
         tunnel.close()
 
 
+def test_a_relay_given_a_port_range_opens_its_nodes_ports_there_and_says_when_none_is_free():
+    """--relay-ports LOW-HIGH: a firewall lets in that range; a port another program holds is skipped,
+    and a node that finds none free is told so (it is offered another relay)."""
+    with pytest.raises(ArgumentTypeError, match="LOW-HIGH"):
+        port_range("40000:40099")
+    with pytest.raises(ArgumentTypeError, match="LOW <= HIGH"):
+        port_range("40099-40000")
+    taken = socket.socket()  # another program's port, then a free one after it: the range
+    taken.bind(("127.0.0.1", 0))
+    while not bindable(port := taken.getsockname()[1] + 1):
+        taken.close()
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+    with RelayServer(SECRET, node_ports=range(port - 1, port + 1)) as relay, \
+            grpc.insecure_channel(relay.address) as channel:
+        stub = relay_pb2_grpc.RelayStub(channel)
+        first = stub.Listen(relay_pb2.ListenRequest(node_id="n1", token=relay_token(SECRET, "n1")))
+        assert next(first).port == port
+        second = stub.Listen(relay_pb2.ListenRequest(node_id="n2", token=relay_token(SECRET, "n2")))
+        with pytest.raises(grpc.RpcError) as refused:
+            next(second)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"no port of this relay's ports {port - 1}-{port} is free" in refused.value.details()
+        first.cancel()
+    taken.close()
+
+
+def bindable(port: int) -> bool:
+    """Whether `port` can be bound on loopback now."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def test_unclaimed_and_excess_connections_are_closed(monkeypatch):
     monkeypatch.setattr(relay_server, "CLAIM_S", 0.5)
     with RelayServer(SECRET, max_connections=2) as relay, grpc.insecure_channel(relay.address) as channel:
@@ -209,6 +248,9 @@ def test_the_coordinator_hands_out_the_least_loaded_relay_and_takes_the_address_
         assert {n["name"]: n for n in client.get("/v1/nodes").json()}["hidden0"]["address"] == "10.0.0.1:40123"
         with app.state.service.store.session() as session:  # peers check its certificate for its own host
             assert tls_names(session, [relay, hidden[0][0]]) == {hidden[0][0]: "192.168.0.0"}
+        heartbeat_from(hidden[0], "192.168.0.0:4000")  # back at its own: that relay turned it away (or went)
+        found(hidden[0][0], False)
+        assert beat(client, *hidden[0])["relay"]["address"] == f":{coordinator_port}"  # the other one, though busier
 
 
 @pytest.mark.slow

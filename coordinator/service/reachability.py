@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from ravnest.relay.dial import dial
+from ravnest.relay.dial import dial, host_of
 from ravnest.relay.server import RelayServer, relay_token
 from ravnest.spec import RelayOffer
 
@@ -45,9 +45,10 @@ class Reachability:
         self.core = core
         self._diallers = ThreadPoolExecutor(max_workers=DIALLERS, thread_name_prefix="dial-back")
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._left: dict[str, str] = {}  # node id -> the relay it last left (this coordinator's run only)
         port = core.settings.relay_port
-        self.relay = RelayServer(core.relay_secret(COORDINATOR), core.settings.relay_host, port) \
-            if port is not None else None
+        self.relay = RelayServer(core.relay_secret(COORDINATOR), core.settings.relay_host, port,
+                                 node_ports=core.settings.relay_node_ports) if port is not None else None
         if self.relay:
             log.info("relay for nodes that peers cannot dial at %s", self.relay.address)
 
@@ -58,16 +59,17 @@ class Reachability:
 
     def relay_offer(self, session: Session, node: NodeRow) -> RelayOffer | None:
         """The relay for a node that peers could not dial, if there is one: the one it was given while
-        that one is there, else the one relaying for the fewest nodes."""
+        that one is there and it has not left it, else the one relaying for the fewest nodes (the one it
+        left only if there is no other)."""
         if node.reachable is not False:
             return None
-        relays = self._relays(session, node)
-        if node.relayed_by not in relays:
+        relays, left = self._relays(session, node), self._left.get(node.id)
+        if node.relayed_by not in relays or node.relayed_by == left:
             if not relays:
                 return None
             load = Counter(session.scalars(select(NodeRow.relayed_by).where(
                 NodeRow.relayed_by.is_not(None), NodeRow.state != GONE, NodeRow.credential_ended.is_(None))))
-            node.relayed_by = min(relays, key=lambda relay: (load[relay], relay == COORDINATOR, relay))
+            node.relayed_by = min(relays, key=lambda relay: (relay == left, load[relay], relay == COORDINATOR, relay))
         relay = str(node.relayed_by)
         return RelayOffer(address=relays[relay], token=relay_token(self.core.relay_secret(relay), node.id))
 
@@ -90,6 +92,8 @@ class Reachability:
             log.warning("node %s said it moved to %s, which node %s holds: ignored", who(node), address, who(holder))
             return False
         log.info("node %s moved from %s to %s", who(node), node.address, address)
+        if node.relayed_by and host_of(address) == node.tls_name:  # back at its own host: it left its relay
+            self._left[node.id] = node.relayed_by  # (which went, or turned it away: its port range was full)
         node.address, node.reachable, node.reachability = address, None, ""
         session.execute(delete(LinkRow).where(LinkRow.peer_id == node.id))  # links to it: measured again there
         return True
@@ -103,8 +107,8 @@ class Reachability:
     def _dial_back(self, node_id: str, address: str, relay_port: int | None) -> None:
         try:
             reached, said = dial(address)
-            relay = f"{address.rpartition(':')[0]}:{relay_port}"
-            relays, relay_said = dial(relay) if relay_port and reached else (False, "")
+            relays, relay_said = dial(f"{address.rpartition(':')[0]}:{relay_port}") if relay_port and reached \
+                else (False, "")
             with self.core.lock, self.core.store.session() as session:
                 node = session.get(NodeRow, node_id)
                 if node is not None and node.address == address:  # else it joined again meanwhile

@@ -30,6 +30,7 @@ from typing import AsyncIterator
 import grpc
 from grpc import aio
 
+from ravnest.relay.ports import span
 from ravnest.v1 import relay_pb2
 from ravnest.wire.transport import SERVER_KEEPALIVE_OPTIONS
 
@@ -59,12 +60,12 @@ class _Listener:
 
 class RelayServer:
     """A relay on `host:port` (0: a free port; `self.port` says which). Nodes' ports are opened on
-    `host` too, each a free port. Until it has a `secret` (a node's relay learns it when it joins),
-    it lets nobody listen."""
+    `host` too, each a free port, or the first free one of `node_ports` (a firewall lets in a range).
+    Until it has a `secret` (a node's relay learns it when it joins), it lets nobody listen."""
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *, node_ports: range | None = None,
                  max_nodes: int = MAX_NODES, max_connections: int = MAX_CONNECTIONS):
-        self.secret, self.host = secret, host
+        self.secret, self.host, self.node_ports = secret, host, node_ports
         self._max_nodes, self._max_connections = max_nodes, max_connections
         self._listeners: dict[str, _Listener] = {}
         self._ids = itertools.count(1)
@@ -128,7 +129,12 @@ class RelayServer:
         if old is not None:  # the node listens again (it lost its stream, or restarted): its old port goes
             old.incoming.put_nowait(None)
         listener = self._listeners[request.node_id] = _Listener(request.node_id)
-        server = await asyncio.start_server(lambda r, w: self._accepted(listener, r, w), self.host, 0)
+        server = await self._open_port(listener)
+        if server is None:
+            del self._listeners[request.node_id]
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no port of this relay's {span(self.node_ports)} is free: try another relay")
+            return
         port = server.sockets[0].getsockname()[1]
         log.info("relaying for node %s at %s:%d", request.node_id, self.host, port)
         try:
@@ -142,6 +148,15 @@ class RelayServer:
             if self._listeners.get(request.node_id) is listener:
                 del self._listeners[request.node_id]
             log.info("stopped relaying for node %s (port %d)", request.node_id, port)
+
+    async def _open_port(self, listener: _Listener) -> asyncio.Server | None:
+        """A listening socket for the node: any free port, or the first free one of the range."""
+        for port in self.node_ports or [0]:
+            try:
+                return await asyncio.start_server(lambda r, w: self._accepted(listener, r, w), self.host, port)
+            except OSError:  # taken: by another node here, or by another program
+                continue
+        return None
 
     def _accepted(self, listener: _Listener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if listener.connections >= self._max_connections:
