@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "(default: --port + 1; 0: any free port)")
     relay.add_argument("--no-relay", action="store_true",
                        help="no relay: volunteers that peers cannot dial are not given work")
+    parser.add_argument("--relay-bandwidth", type=float, default=None, metavar="MBIT",
+                        help="the coordinator's link in Mbit/s: the planner shares it among the links it relays, "
+                             "each byte crossing it in and out (default: not counted)")
     parser.add_argument("--relay-ports", type=port_range, default=None, metavar="LOW-HIGH",
                         help="the ports the relay opens for the volunteers it serves, one each, for a firewall to "
                              "let in (default: any free port)")
@@ -63,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="job and node events at info, every request at debug (default: info)")
     args = parser.parse_args(argv)
     check_tls_options(parser, args)
+    if args.relay_bandwidth is not None and not 0 < args.relay_bandwidth < math.inf:
+        parser.error("--relay-bandwidth is the relay's link in Mbit/s: a positive number")
     return args
 
 
@@ -87,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait,
                         relay_host=args.host, relay_port=None if args.no_relay else
                         args.port + 1 if args.relay_port is None else args.relay_port,
-                        relay_node_ports=args.relay_ports)
+                        relay_node_ports=args.relay_ports,
+                        relay_bytes_per_s=args.relay_bandwidth * 1e6 / 8 if args.relay_bandwidth else None)
     try:
         app = create_app(settings)
     except SchemaError as e:

@@ -56,6 +56,7 @@ class Settings:
     # relay_port (0: a free port), each such node getting a free port there too; None: no relay
     relay_port: int | None = None
     relay_node_ports: range | None = None  # the ports its nodes get (None: any free one)
+    relay_bytes_per_s: float | None = None  # its link's bandwidth, shared by the nodes it relays (None: unknown)
     relay_host: str = "127.0.0.1"
     # run the periodic reaper/placer task and dial joining nodes back (tests drive `tick` themselves,
     # and their nodes at made-up addresses count as reachable: not known to be otherwise)

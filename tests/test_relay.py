@@ -233,6 +233,8 @@ def test_the_coordinator_hands_out_the_least_loaded_relay_and_takes_the_address_
         with app.state.service.store.session() as session:  # what the planner counts on: B / 2n
             nodes = [session.get(NodeRow, node_id) for node_id, _ in hidden]
             assert relay_shares(session, nodes) == {hidden[0][0]: profile()["bandwidth_bytes_per_s"] / 2}
+            assert relay_shares(session, nodes, 8e6) == {hidden[0][0]: profile()["bandwidth_bytes_per_s"] / 2,
+                                                         hidden[1][0]: 4e6}  # --relay-bandwidth 64
         here, there = (NodeInfo(n, 1e10, 2**30, 1e8) for n in ("a", "b"))
         assert link(here, replace(there, relay_share=5e6)) == (5e6, 0.0)  # estimated, then capped
         assert link(here, replace(there, relay_share=5e6), {("a", "b"): (4e7, 0.01)}) == (5e6, 0.01)  # measured too

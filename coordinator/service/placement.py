@@ -142,7 +142,7 @@ class Placement:
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
         unmeasured = calibration.prior([node.slowdown for node in nodes])
-        shares = relay_shares(session, nodes)
+        shares = relay_shares(session, nodes, self.core.settings.relay_bytes_per_s)
         infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
                           min(node.profile["bandwidth_bytes_per_s"], shares.get(node.id, math.inf)),
                           node.profile["latency_s"], node.address, node.slowdown or unmeasured,

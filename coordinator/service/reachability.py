@@ -140,15 +140,18 @@ def tls_names(session: Session, node_ids: Iterable[str]) -> dict[str, str]:
         NodeRow.id.in_(list(node_ids)), NodeRow.relayed_by.is_not(None))) if node.tls_name}
 
 
-def relay_shares(session: Session, nodes: list[NodeRow]) -> dict[str, float]:
+def relay_shares(session: Session, nodes: list[NodeRow], coordinators: float | None = None) -> dict[str, float]:
     """The bytes/s of its relay's link that each of `nodes` reached through a volunteer's relay may
     count on, when a job holds all of them. Every byte sent to such a node crosses the relay's link
     twice, in on its download and out on its upload (what it sends goes straight to a reachable peer),
     and a node in a pipeline receives on up to two links (activations from the previous stage,
     gradients from the next): with n of them on one relay of bandwidth B (its profile's), each link
-    gets B / 2n. Nodes on the coordinator's relay are not capped: its link is not measured."""
-    relayed = Counter(node.relayed_by for node in nodes if node.relayed_by and node.relayed_by != COORDINATOR)
+    gets B / 2n. The coordinator's relay has the bandwidth its operator gives it (`coordinators`,
+    `--relay-bandwidth`), else its nodes are not capped: its link is not measured."""
+    relayed = Counter(node.relayed_by for node in nodes if node.relayed_by)
     bandwidth = {relay: row.profile["bandwidth_bytes_per_s"] for relay in relayed
-                 if (row := session.get(NodeRow, relay)) is not None}
+                 if relay != COORDINATOR and (row := session.get(NodeRow, relay)) is not None}
+    if coordinators:
+        bandwidth[COORDINATOR] = coordinators
     return {node.id: bandwidth[node.relayed_by] / (2 * relayed[node.relayed_by])
             for node in nodes if node.relayed_by in bandwidth}
