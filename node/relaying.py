@@ -8,6 +8,7 @@ tokens, derived from the secret this node gets when it joins.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from node.client import CoordinatorClient
@@ -16,6 +17,8 @@ from ravnest.relay.ports import span
 from ravnest.relay.server import RelayServer
 from ravnest.relay.tunnel import RelayTunnel
 from ravnest.spec import RelayOffer
+
+REFUSED_AGAIN_S = 60.0  # a relay that turned this node away (it was full) is tried again after this long
 
 
 class Relaying:
@@ -54,6 +57,9 @@ class Relaying:
             return None
         address = self._address_of(relay)
         tunnel = self._tunnel
+        if tunnel is not None and tunnel.refused and tunnel.relay == address and \
+                time.monotonic() - tunnel.refused_at < REFUSED_AGAIN_S:
+            return relay  # the coordinator offers it again (the only one): not at every heartbeat
         if tunnel is None or not tunnel.alive or tunnel.address is None and tunnel.relay != address:
             if tunnel:
                 tunnel.close()

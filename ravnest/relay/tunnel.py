@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Callable, Iterator
 
 import grpc
@@ -35,6 +36,7 @@ class RelayTunnel:
         self._node_id, self._token, self._on_address = node_id, token, on_address
         self.address: str | None = None
         self.refused = ""  # why the relay turned this node away for good
+        self.refused_at = 0.0  # when (time.monotonic())
         self._closed = threading.Event()
         self._channel = grpc.insecure_channel(relay, options=[*GRPC_OPTIONS, *RELAY_LIMITS])
         self._stub = relay_pb2_grpc.RelayStub(self._channel)
@@ -65,7 +67,8 @@ class RelayTunnel:
                 why = f"lost the relay at {self.relay}: it went away or stopped answering ({e.code().name})"
                 if e.code() in FOR_GOOD:
                     self.refused = f"the relay at {self.relay} refused this node: {e.details()}"
-                    self._moved(None, self.refused)
+                    self.refused_at, self.address = time.monotonic(), None
+                    self._on_address(None, self.refused)  # said even if it never had an address there
                     return
             self._moved(None, why)
             self._closed.wait(RETRY_S[min(failures, len(RETRY_S) - 1)])
