@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ravnest.failures import PEER_KINDS, Failure, FailureKind
 
-from .store import NodeRow, StageRow
+from .store import COORDINATOR_RELAY, NodeRow, StageRow
 
 _LOST_VERB = {FailureKind.PEER_LOST: "stopped answering", FailureKind.PEER_UNREACHABLE: "could not be reached",
               FailureKind.TIMEOUT: "went silent"}
@@ -16,15 +16,23 @@ def who(node: NodeRow) -> str:
     return f"{node.name} ({node.id})" if node.name else f"{node.id} at {node.address}"
 
 
+def relay_words(relay: str, relays: dict[str, NodeRow]) -> str:
+    """"node d (3f2a…)'s relay", "the coordinator's relay", or "a relay" for one that is gone."""
+    return f"node {who(relays[relay])}'s relay" if relay in relays else \
+        "the coordinator's relay" if relay == COORDINATOR_RELAY else "a relay"
+
+
 def failure_reason(failure: Failure | None, said: str, reporter: NodeRow, stage: StageRow,
-                   nodes: dict[str, NodeRow]) -> str:
-    """The headline of a failure report. `said` is the report's free text, all an older node sends."""
+                   nodes: dict[str, NodeRow], relays: dict[str, NodeRow] | None = None) -> str:
+    """The headline of a failure report. `said` is the report's free text, all an older node sends;
+    `relays`: the volunteers relaying for `nodes`, by id."""
     where = f"cluster {stage.cluster} stage {stage.stage} on node {who(reporter)}"
     if failure is None:
         return f"{where} failed: {said}"
     lost = nodes.get(failure.peer_id) if failure.peer_id else None
     if lost is not None and lost.id != reporter.id and failure.kind in PEER_KINDS:
-        through = " (peers reach it through a relay, which may be what failed)" if lost.relayed_by else ""
+        through = f" (peers reach it through {relay_words(lost.relayed_by, relays or {})}, which may be what " \
+                  f"failed)" if lost.relayed_by else ""
         return f"node {who(lost)} {_LOST_VERB[failure.kind]}{through}: {where} lost it"
     if failure.kind == FailureKind.OUT_OF_MEMORY:
         return f"node {who(reporter)} ran out of memory in cluster {stage.cluster} stage {stage.stage}"

@@ -52,6 +52,9 @@ class Base(DeclarativeBase):
     pass
 
 
+COORDINATOR_RELAY = "coordinator"  # `relayed_by` of a node on the coordinator's own relay
+
+
 class NodeRow(Base):
     __tablename__ = "nodes"
     id: Mapped[str] = mapped_column(ID, primary_key=True)
@@ -81,7 +84,7 @@ class NodeRow(Base):
     reachable: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     reachability: Mapped[str | None] = mapped_column(Text, nullable=True)
     # the port it relays on for nodes that cannot be dialled (`ravnest-node join --relay`), and the relay
-    # it was offered itself, if it cannot be (a node's id, or "coordinator": the built-in relay)
+    # it was offered itself, if it cannot be (a node's id, or COORDINATOR_RELAY: the built-in relay)
     relay_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
     relayed_by: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # the host it joined at: what its TLS certificate names, once a relay's address has replaced it

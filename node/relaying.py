@@ -51,8 +51,9 @@ class Relaying:
         return self.advertised(own) if self._tunnel else None
 
     def offered(self, relay: RelayOffer | None, local: str) -> RelayOffer | None:
-        """Listen on the relay the coordinator offers, unless this node already listens on one (or has
-        lost one and tries it again, and this is the same). Returns the offer if this node uses relays."""
+        """Listen on the relay the coordinator offers, unless this node listens there already (or lost it
+        and tries it again); an offer of another relay moves it there. Returns the offer if this node
+        uses relays."""
         if not self.use_relay or relay is None:
             return None
         address = self._address_of(relay)
@@ -60,7 +61,7 @@ class Relaying:
         if tunnel is not None and tunnel.refused and tunnel.relay == address and \
                 time.monotonic() - tunnel.refused_at < REFUSED_AGAIN_S:
             return relay  # the coordinator offers it again (the only one): not at every heartbeat
-        if tunnel is None or not tunnel.alive or tunnel.address is None and tunnel.relay != address:
+        if tunnel is None or not tunnel.alive or tunnel.relay != address:
             if tunnel:
                 tunnel.close()
             local = local.replace("0.0.0.0:", "127.0.0.1:").replace("[::]:", "[::1]:")

@@ -494,6 +494,36 @@ def test_a_stage_of_a_broken_pipeline_is_not_waited_for_to_train_alone(client: T
     assert beat(client, *relayed, job_id=job_id)["recover_job"] == job_id
 
 
+def test_a_peer_lost_while_it_lives_counts_against_the_relay_it_is_reached_through(client: TestClient,
+                                                                                   settings: Settings) -> None:
+    """A relayed node its pipeline peer lost, though it still heartbeats: its relay dropped or withheld
+    what it carried. The reason names the relay, the relay takes the blame (the node stays in the
+    re-plan), and a relay blamed quarantine_after times is quarantined and no longer hands out."""
+    job_id, members = placed_job(client, max_recoveries=10)
+    relay = join(client, "relay", memory=1 << 20)[0]  # relays only: fits no stage
+    at = {(a["cluster"], a["stage"]): (node_id, auth)
+          for node_id, auth in members if (a := beat(client, node_id, auth)["assignment"])}
+    relayed = at[0, 1][0]
+    with client.app.state.service.store.session() as session:
+        session.get(NodeRow, relayed).relayed_by = relay
+    for _ in range(settings.quarantine_after):
+        settle(client, members)
+        at = {(a["cluster"], a["stage"]): (node_id, auth) for node_id, auth in members
+              if (a := beat(client, node_id, auth, job_id=None)["assignment"])}
+        [(c, s)] = [key for key, (node_id, _) in at.items() if node_id == relayed]
+        reporter = at[c, 1 - s]
+        beat(client, relayed, dict(members)[relayed], job_id=job_id)  # it lives
+        r = client.post(f"/v1/jobs/{job_id}/fail", headers=reporter[1], json={
+            "node_id": reporter[0], "recoverable": True, "reason": "lost a peer",
+            "failure": {"kind": "peer_lost", "message": "its stream broke", "peer_id": relayed}})
+        assert r.status_code == 204, r.text
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        assert "(peers reach it through node relay (" in job["reason"] and "'s relay, which may be" in job["reason"]
+        assert relayed not in job["recoveries"][-1]["left_out"]
+    [view] = [n for n in client.get("/v1/nodes").json() if n["id"] == relay]
+    assert view["quarantined_until"] is not None and "through node relay" in view["note"]
+
+
 def test_a_lone_stage_that_heartbeats_but_reports_no_progress_is_left_out(client: TestClient, clock: FakeClock,
                                                                          settings: Settings) -> None:
     """Two clusters of one stage each, no averaging: nobody would notice a node that only heartbeats.

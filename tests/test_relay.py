@@ -253,6 +253,12 @@ def test_the_coordinator_hands_out_the_least_loaded_relay_and_takes_the_address_
         heartbeat_from(hidden[0], "192.168.0.0:4000")  # back at its own: that relay turned it away (or went)
         found(hidden[0][0], False)
         assert beat(client, *hidden[0])["relay"]["address"] == f":{coordinator_port}"  # the other one, though busier
+        with app.state.service.store.session() as session:  # reached through the volunteer's relay ...
+            session.get(NodeRow, hidden[1][0]).relayed_by, session.get(NodeRow, hidden[1][0]).reachable = relay, True
+        assert beat(client, *hidden[1])["relay"] is None
+        with app.state.service.store.session() as session:  # ... which its lost links got quarantined
+            session.get(NodeRow, relay).quarantined_until = time.time() + 3600
+        assert beat(client, *hidden[1])["relay"]["address"] == f":{coordinator_port}"  # moved off it
 
 
 @pytest.mark.slow

@@ -192,7 +192,9 @@ class JobLifecycle:
                 log.info("job %s: ignored a failure report of quarantined node %s", job.id, reporter.id)
                 return
             members = members_of(session, job.id)
-            reason = failure_reason(report.failure, report.reason, reporter, stage, members)
+            relays = {relay.id: relay for node in members.values()
+                      if node.relayed_by and (relay := session.get(NodeRow, node.relayed_by)) is not None}
+            reason = failure_reason(report.failure, report.reason, reporter, stage, members, relays)
             could_not_start_on = {r.reported_by for r in job.faults if r.could_not_start and r.reported_by}
             if not report.recoverable and policy.fails_job(could_not_start_on | {reporter.id}):
                 nodes = len(could_not_start_on | {reporter.id})
@@ -204,6 +206,9 @@ class JobLifecycle:
             lost = members.get(report.failure.peer_id or "") if report.failure else None
             if lost is not None and lost.relayed_by:  # its relay may be what failed: it stays (a node that
                 left_out = [node for node in left_out if node != lost.id]  # is gone is not placed anyway)
+                relay = relays.get(lost.relayed_by)
+                if relay is not None and lost.last_seen >= policy.waited_for_since(now):
+                    self._blame(relay, reason)  # the node lives, so its relay lost or withheld what it carried
             self.recoveries.recover(session, job, reason, failure=report.failure, left_out=left_out,
                                     reported_by=reporter.id, could_not_start=not report.recoverable)
             self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session
 
 from ravnest.relay.dial import dial, host_of
@@ -31,13 +31,13 @@ from ravnest.relay.server import RelayServer, relay_token
 from ravnest.spec import RelayOffer
 
 from ..failures import who
+from ..store import COORDINATOR_RELAY as COORDINATOR
 from ..store import LinkRow, NodeRow
 from .core import GONE, Core
 
 log = logging.getLogger(__name__)
 DIALLERS = 4  # dial-backs at once; a burst of joins waits its turn
 MAX_PENDING = 1024  # dial-backs waiting; more joins than this at once go unchecked (shown as unknown)
-COORDINATOR = "coordinator"  # `relayed_by` of a node given the coordinator's own relay
 
 
 class Reachability:
@@ -58,12 +58,12 @@ class Reachability:
         self._diallers.shutdown(wait=False, cancel_futures=True)
 
     def relay_offer(self, session: Session, node: NodeRow) -> RelayOffer | None:
-        """The relay for a node that peers could not dial, if there is one: the one it was given while
-        that one is there and it has not left it, else the one relaying for the fewest nodes (the one it
-        left only if there is no other)."""
-        if node.reachable is not False:
-            return None
+        """The relay for a node that peers could not dial, or whose relay no longer serves (it went, or
+        was quarantined), if there is one: the one it was given while that one is there and it has not
+        left it, else the one relaying for the fewest nodes (the one it left only if there is no other)."""
         relays, left = self._relays(session, node), self._left.get(node.id)
+        if node.reachable is not False and (node.relayed_by is None or node.relayed_by in relays):
+            return None  # dialled directly, or through a relay that still serves it
         if node.relayed_by not in relays or node.relayed_by == left:
             if not relays:
                 return None
@@ -75,12 +75,15 @@ class Reachability:
 
     def _relays(self, session: Session, node: NodeRow) -> dict[str, str]:
         """Relays there now, by id -> address (no host: the coordinator's, as the node reaches it):
-        volunteers that peers reach directly, and the coordinator's own."""
+        volunteers that peers reach directly and that are not quarantined (a relay whose nodes kept
+        being lost while they lived is: service/lifecycle.py), and the coordinator's own."""
         relays = {COORDINATOR: f":{self.relay.port}"} if self.relay else {}
+        now = self.core.clock()
         for relay in session.scalars(select(NodeRow).where(
                 NodeRow.relay_port.is_not(None), NodeRow.reachable.is_(True), NodeRow.relayed_by.is_(None),
                 NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
-                NodeRow.last_seen >= self.core.clock() - self.core.settings.heartbeat_timeout_s)):
+                NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s,
+                or_(NodeRow.quarantined_until.is_(None), NodeRow.quarantined_until <= now))):
             relays[relay.id] = f"{relay.address.rpartition(':')[0]}:{relay.relay_port}"
         return relays
 
@@ -113,6 +116,8 @@ class Reachability:
                 node = session.get(NodeRow, node_id)
                 if node is not None and node.address == address:  # else it joined again meanwhile
                     self._record(node, reached, f"the coordinator {said}")
+                    if reached and host_of(address) == node.tls_name:
+                        node.relayed_by = None  # dialled at its own address: it needs no relay now
                     if relay_port and not relays:
                         node.relay_port = None
                         log.info("node %s does not relay: %s", node_id, relay_said or "peers cannot dial it")
