@@ -52,8 +52,7 @@ def job_spec(steps: int, batch_size: int) -> dict:
 
 def run(scratch: Path, rates: list[float], natted: list[int], args_of: dict[int, list[str]], steps: int,
         batch_size: int) -> dict:
-    testbed = ShapedTestbed(scratch, rates, natted=natted, args_of=args_of)
-    testbed.coordinator_args = ["--no-relay"]
+    testbed = ShapedTestbed(scratch, rates, natted=natted, args_of=args_of, relay=False)
     with testbed:
         if natted:  # the natted host listens on the relay before the job is placed
             testbed.wait_for(lambda: all(n["reachable"] for n in testbed.alive_nodes()) and any(

@@ -13,6 +13,13 @@ are made while one improves the ring in that order; larger rings keep their orde
 the ring iff, once the links it removes and adds that compare equal are set aside, the slowest of
 the rest is one it removes. The members' given order (the clusters' order) is kept unless another
 is better.
+
+Relays: a member that peers cannot dial is dialled at its relay (coordinator/service/reachability.py)
+and dials its own next member directly, so its incoming ring link crosses its relay in every order,
+and no order puts more of a relay's links in series than another: a relay carries the same bytes
+whatever the order, and the order sees a relayed link only as its measured bandwidth, capped at its
+share of the relay (planning.link). Order would matter once a relayed member received over
+connections it opened itself (a reachable member's link to it would then skip the relay): not built.
 """
 from __future__ import annotations
 

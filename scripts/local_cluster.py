@@ -47,13 +47,14 @@ def rss_bytes(pid: int) -> int:
 
 class LocalCluster:
     def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = (),
-                 tls: bool = False, heartbeat_timeout: float | None = None):
+                 tls: bool = False, heartbeat_timeout: float | None = None, relay: bool = True):
         self.data_dir = Path(data_dir)
         self.nodes = nodes
         self.node_args = list(node_args)  # extra `ravnest-node join` flags, e.g. ["--max-memory", "1GiB"]
         self.threads_per_node = threads_per_node
         # nodes a test joins over REST beat only when it says so: a long timeout keeps them alive on a slow machine
-        self.coordinator_args: list[str] = ["--relay-port", "0"]  # (its default, --port + 1, may be taken)
+        # the coordinator's relay on a free port (its default, --port + 1, may be taken), or none
+        self.coordinator_args: list[str] = ["--relay-port", "0"] if relay else ["--no-relay"]
         if heartbeat_timeout is not None:
             self.coordinator_args += ["--heartbeat-timeout", str(heartbeat_timeout)]
         self.coordinator_log = "coordinator.log"  # the current coordinator's log (another after a restart)

@@ -63,9 +63,11 @@ class NamespacedClient:
 
 class ShapedTestbed(LocalCluster):
     def __init__(self, data_dir: Path, tiers_mbit: list[float], threads_per_node: int = 1,
-                 node_args: list[str] = (), natted: Collection[int] = (), args_of: dict[int, list[str]] | None = None):
+                 node_args: list[str] = (), natted: Collection[int] = (), args_of: dict[int, list[str]] | None = None,
+                 relay: bool = True):
         """`args_of`: more `ravnest-node join` flags for some nodes, by index."""
-        super().__init__(data_dir, nodes=len(tiers_mbit), threads_per_node=threads_per_node, node_args=node_args)
+        super().__init__(data_dir, nodes=len(tiers_mbit), threads_per_node=threads_per_node, node_args=node_args,
+                         relay=relay)
         self.tiers, self.natted, self.args_of = list(tiers_mbit), set(natted), args_of or {}
         self.host, self.url = HUB_ADDRESS, f"http://{HUB_ADDRESS}:8470"
         self.http.close()

@@ -303,9 +303,7 @@ def test_volunteers_relay_for_the_hidden_nodes_and_a_relay_lost_mid_job_is_repla
     3-stage pipeline of a reachable node and the two hidden ones runs: the node it relayed for moves
     to the other relay and is not blamed for the lost link (the re-plan leaves it in: it takes it if it
     is back by then), and the job completes."""
-    cluster = LocalCluster(tmp_path, nodes=1)
-    cluster.coordinator_args = ["--no-relay"]
-    with cluster:
+    with LocalCluster(tmp_path, nodes=1, relay=False) as cluster:
         relays = cluster.add_nodes(2, ["--relay", "--max-memory", "1MiB"])
         hidden = cluster.add_nodes(2, ["--advertise", "127.0.0.2"])
 
