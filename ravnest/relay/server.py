@@ -133,8 +133,8 @@ class RelayServer:
         if server is None:
             del self._listeners[request.node_id]
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no port of this relay's {span(self.node_ports)} is free: it serves as many nodes as it "
-                                f"has ports")
+                                f"no port of this relay's {span(self.node_ports)} is free: it serves as many "
+                                f"nodes as it has ports")
             return
         port = server.sockets[0].getsockname()[1]
         log.info("relaying for node %s at %s:%d", request.node_id, self.host, port)
