@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import delete, or_, select
@@ -138,11 +138,11 @@ class Reachability:
         node.reachable, node.reachability = reached, how
 
 
-def tls_names(session: Session, node_ids: Iterable[str]) -> dict[str, str]:
+def tls_names(session: Session, node_ids: Collection[str]) -> dict[str, str]:
     """The names the certificates of those of `node_ids` reached through a relay carry (peers dial them
-    at the relay's host)."""
+    at the relay's host). Filtered here: a plan's ids may be too many for an IN list."""
     return {node.id: node.tls_name for node in session.scalars(select(NodeRow).where(
-        NodeRow.id.in_(list(node_ids)), NodeRow.relayed_by.is_not(None))) if node.tls_name}
+        NodeRow.relayed_by.is_not(None), NodeRow.state != GONE)) if node.id in node_ids and node.tls_name}
 
 
 def relay_shares(session: Session, nodes: list[NodeRow], coordinators: float | None = None) -> dict[str, float]:
