@@ -137,10 +137,11 @@ def small_main(argv: list[str] | None) -> None:
 `python -m bench.memory --small`: the README's jobs (examples/jobs, 60 steps) as 2 clusters x 2 stages on 4
 local node processes, each stage's predicted memory against its node's measured peak RSS above idle. A
 small stage's peak is mostly fixed costs: its computing thread's heap and stack, the wire's buffers
-(`STAGE_BASE`, 16 MiB) and, for convolutions, oneDNN's state on that thread (`KERNEL_BYTES`, 5 MiB).
-Bound: 0.8 to 1.25. Small stages measure 2-4 MiB of that base, but at 3 MiB the last stage of a
-4-stage gpt with Adam (tests/test_big_models.py) measured 1.26x its prediction: large stages leave
-more in the heap than the model counts, and until that is modelled the base stays where they fit.
+(`STAGE_BASE`, 3 MiB) and, for convolutions, oneDNN's state on that thread (`KERNEL_BYTES`, 5 MiB).
+A large stage's adds `TRANSIENT` (0.4) of its parameter bytes: the last stage of a 4-stage gpt with
+Adam (tests/test_big_models.py) held what the model counts at its weight gradient (4.15 P of live
+tensors) but peaked up to 0.9 P above that, varying between identical runs; with a fixed base alone
+it measured 1.26x its prediction. Bound: 0.8 to 1.25.
 
 | job | cluster | stage | predicted | measured | measured / predicted |
 |---|---|---|---|---|---|
@@ -150,6 +151,10 @@ Measured / predicted from {low:.2f} to {high:.2f}. The prediction is what a stag
 micro-batches' activations in flight. Where two nodes share a core the pipeline seldom gets a second
 one in flight, so one gpt stage (the embedding and two layers) measured from 31 to 76 MiB over five
 runs here; the small MLP stages measure 2 to 4 MiB, where the allocator's steps are a third of the figure.
+The measure is the whole process's peak RSS, so whatever else the node does counts: before idle
+nodes stopped probing nodes that train (and a node dropped its queued probes when given a stage), 4 of
+7 runs had a stage far above its prediction (an MLP stage of 2 MiB measured 30 and 47 MiB: a peer's
+probe payloads of up to 16 MiB, received while it trained). After it, 4 runs measured 0.17-1.15.
 """)
 
 

@@ -56,6 +56,20 @@ class LinkProber:
                 with self._lock:
                     self._queued.discard(probe.node_id)
 
+    def drop_queued(self) -> None:
+        """Forget the probes not started yet: this node starts training, and a probe's megabytes would
+        take its link and memory from the job (the coordinator asks again once it is idle)."""
+        while True:
+            try:
+                probe = self._todo.get_nowait()
+            except queue.Empty:
+                return
+            if probe is None:  # closing: leave the end marker for the thread
+                self._todo.put_nowait(None)
+                return
+            with self._lock:
+                self._queued.discard(probe.node_id)
+
     def take(self, wait: float = 0.0) -> tuple[list[LinkReport], list[str]]:
         """The links measured since the last call, and the peers it could not dial; waits up to `wait`
         seconds for a first one."""

@@ -20,6 +20,8 @@ flight, is what the stage runner really holds:
     + a base: what any stage costs a node whatever its blocks (its computing thread's heap and stack,
       stream buffers, Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
     + its blocks' kernels' state on that thread, once (`BlockCost.kernel_bytes`: oneDNN's convolutions)
+    + a share of P for what is alive only around a step's peak, beyond the tensors above
+      (`pipeline.memory.TRANSIENT` for real jobs)
 
 Under bf16 or fp16 each micro-batch in flight also keeps autocast's 16-bit copy of the weights (P / 2);
 its activations are still counted at float32 (a stage of two llama layers kept 38 MiB per micro-batch
@@ -59,6 +61,7 @@ class Load:
     recompute: bool = False          # weight_stash "recompute": keep inputs, redo the forward
     averaging_copies: float = 0.0    # parameter-sized buffers an averaging strategy keeps
     stage_base: int = 0              # bytes any stage costs, whatever its blocks
+    transient: float = 0.0           # parameter-sized temporaries at a step's peak, per parameter byte
     parts: int = 1                   # micro-batches a batch is cut into (staleness "2bw")
     predict: int = 0                 # weight prediction's order: the buffers it keeps (schedule.prediction_order)
     heap_slack: float = 1.0          # what the allocator really takes per activation byte (see memory.py)
@@ -142,7 +145,7 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     held = 1 if last or load.checkpoint_blocks or load.recompute else k
     activations += math.ceil(held * param_bytes * load.cast_weights)
     queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
-    fixed = kernels + load.stage_base
+    fixed = kernels + load.stage_base + math.ceil(load.transient * param_bytes)
     return int(weights + load.heap_slack * (activations + recomputed + workspace + split) + queues + fixed)
 
 

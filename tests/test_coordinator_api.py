@@ -166,6 +166,17 @@ def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: Te
     assert {p["node_id"] for p in beat(client, *b)["probe"]} == {a[0], c[0]}  # a's probes reported: b's turn
 
 
+def test_a_node_that_trains_is_not_probed(client: TestClient) -> None:
+    """A probe's megabytes would take a training node's bandwidth and memory: only idle peers are."""
+    job_id, members = placed_job(client, nodes=4)
+    for node_id, auth in members:
+        beat(client, node_id, auth, job_id=job_id)
+    idle = join(client, "idle")
+    assert beat(client, *idle)["probe"] == []  # the four others train
+    spare = join(client, "spare")
+    assert [p["node_id"] for p in beat(client, *idle)["probe"]] == [spare[0]]
+
+
 def test_join_token_is_required_when_set(tmp_path: Path, clock: FakeClock) -> None:
     settings = Settings(data_dir=tmp_path, join_token="s3cret", background=False, clock=clock)
     with TestClient(create_app(settings)) as client:

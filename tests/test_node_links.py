@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 from node.links import LinkProber
 from ravnest.spec import PeerProbe
@@ -54,3 +55,26 @@ def test_settle_waits_for_the_probes_under_way_only() -> None:
     finally:
         prober.close(timeout=20)
         peer.stop(0)
+
+
+def test_probes_not_started_are_dropped_when_the_node_starts_training(monkeypatch) -> None:
+    """A node given a stage forgets its queued probes: their megabytes would compete with the job."""
+    monkeypatch.setattr("node.links.LINK_PROBE_S", 1.0)
+    peer = PeerServer(Router(), token="job-token", ping_token="probe-token")
+    silent = socket.socket()  # accepts the connection and never speaks: the first probe hangs until its deadline
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    prober = LinkProber("probe-token", probe_bytes=1 << 16)
+    try:
+        prober.ask([PeerProbe(node_id="silent", address=f"127.0.0.1:{silent.getsockname()[1]}"),
+                    PeerProbe(node_id="a", address=peer.address), PeerProbe(node_id="b", address=peer.address)])
+        while prober._todo.qsize() > 2:  # the first one is under way
+            time.sleep(0.01)
+        prober.drop_queued()
+        prober.close(timeout=20)
+        reports, _ = prober.take()
+        assert [r.peer_id for r in reports] == []
+    finally:
+        prober.close(timeout=20)
+        peer.stop(0)
+        silent.close()

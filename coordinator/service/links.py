@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from ravnest.spec import LinkReport, PeerProbe
 
 from ..store import LinkRow, NodeRow
-from .core import GONE, MAX_LINKS_PER_NODE, Core
+from .core import IDLE, MAX_LINKS_PER_NODE, Core
 
 
 class LinkProbes:
@@ -36,8 +36,9 @@ class LinkProbes:
         self._asked = {pair: at for pair, at in self._asked.items() if pair[1] != peer_id}
 
     def probes_for(self, session: Session, node: NodeRow) -> list[PeerProbe]:
-        """Up to `probe_peers` live peers whose link this node has not measured, oldest members first;
-        none once it measured MAX_LINKS_PER_NODE links. A node takes part in one round of probes at a
+        """Up to `probe_peers` idle peers whose link this node has not measured, oldest members first;
+        none once it measured MAX_LINKS_PER_NODE links. A peer that trains is not probed: a probe's
+        megabytes would take its link's bandwidth and its memory from the job. A node takes part in one round of probes at a
         time, as prober or as target (until reported, or `probe_retry_s`): two probes through one
         host's link each measured about half of it (a 400 Mbit/s pair came out below 100 Mbit/s)."""
         want, now = self.core.settings.probe_peers, self.core.clock()
@@ -51,7 +52,7 @@ class LinkProbes:
                 (session.scalar(select(func.count()).select_from(measured.subquery())) or 0) >= MAX_LINKS_PER_NODE:
             return []
         candidates = session.scalars(select(NodeRow).where(
-            NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
+            NodeRow.id != node.id, NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
             NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s, NodeRow.id.not_in(measured))
             .order_by(NodeRow.joined_at, NodeRow.id).limit(want + len(busy)))
         chosen = [peer for peer in candidates if peer.id not in busy][:want]

@@ -24,10 +24,13 @@ from ravnest.pipeline.schedule import batch_parts, prediction_order, staleness_m
 from ravnest.spec import OptimizerRef, TrainingSettings
 
 RING_COPIES = 2.0  # a ring averager keeps a snapshot and an average of its segment
-STAGE_BASE = 16 << 20  # what any stage adds to a node (its computing thread's heap and stack, stream
-                       # buffers, Python objects). Small stages measure 2-4 MiB of it (bench.memory --small),
-                       # but at 3 MiB the last stage of a 4-stage gpt with Adam measured 1.26x its prediction
-                       # (tests/test_big_models.py): large stages leave more in the heap, unmodelled yet
+STAGE_BASE = 3 << 20  # what any stage adds to a node (its computing thread's heap and stack, stream
+                      # buffers, Python objects): small stages measure 2-4 MiB of it (bench.memory --small)
+# Per parameter byte, what a stage holds at its peak beyond the tensors the model counts. The last stage
+# of a 4-stage gpt with Adam (tests/test_big_models.py, P = 48 MiB) held 4.15 P of live tensors at a
+# weight gradient, as modelled, but peaked between 220 and 266 MiB over five identical runs: up to
+# 0.9 P more, the allocator's and autograd's temporaries at the moment of the peak.
+TRANSIENT = 0.4
 # Bytes the allocator takes per byte of activations, their gradients and backward workspace: a
 # middle stage of a gpt held 34 MiB after a forward that saves 20.6 MiB (glibc's heap keeps holes
 # between the forward's short-lived and saved tensors), 1.65x; whole stages measured 1.0-1.3x of a
@@ -62,7 +65,7 @@ def training_load(training: TrainingSettings, num_stages: int, *, averaging: boo
     method = staleness_method(training.staleness, k)
     return Load(in_flight=k, optimizer_state=optimizer_state_factor(training.optimizer),
                 recompute=training.weight_stash == "recompute",
-                averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE,
+                averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE, transient=TRANSIENT,
                 parts=batch_parts(method, k, training.batch_size), predict=prediction_order(method),
                 heap_slack=HEAP_SLACK, checkpoint_blocks=training.activation_checkpointing,
                 cast_weights=0.5 if training.precision in ("bf16", "fp16") else 0.0,
