@@ -38,9 +38,10 @@ class LinkProbes:
     def probes_for(self, session: Session, node: NodeRow) -> list[PeerProbe]:
         """Up to `probe_peers` idle peers whose link this node has not measured, oldest members first;
         none once it measured MAX_LINKS_PER_NODE links. A peer that trains is not probed: a probe's
-        megabytes would take its link's bandwidth and its memory from the job. A node takes part in one round of probes at a
-        time, as prober or as target (until reported, or `probe_retry_s`): two probes through one
-        host's link each measured about half of it (a 400 Mbit/s pair came out below 100 Mbit/s)."""
+        megabytes would take its link's bandwidth and its memory from the job. A node takes part in
+        one round of probes at a time, as prober or as target (until reported, or `probe_retry_s`):
+        two probes through one host's link each measured about half of it (a 400 Mbit/s pair came out
+        below 100 Mbit/s)."""
         want, now = self.core.settings.probe_peers, self.core.clock()
         if len(self._asked) > 10_000:  # forget requests that were never answered
             retry_s = self.core.settings.probe_retry_s
