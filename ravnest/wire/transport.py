@@ -344,10 +344,6 @@ class ChannelPool:
                 self._channels[(address, name)] = channel
             return channel
 
-    def another(self) -> ChannelPool:
-        """A pool of its own (its own TCP connections) that dials as this one does."""
-        return ChannelPool(self._root_certificate)
-
     def close(self) -> None:
         with self._lock:
             for channel in self._channels.values():
@@ -367,7 +363,7 @@ def name_peer(address: str, tls_name: str) -> None:
 
 def new_pool() -> ChannelPool:
     """A channel pool of its own that dials as the process's default one (TLS included)."""
-    return _default_pool.another()
+    return ChannelPool(_default_pool._root_certificate)
 
 
 def use_tls(root_certificate: bytes) -> None:
