@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recovery-wait", type=float, default=120.0,
                         help="most seconds a re-planned job waits for its live nodes to hand in their state "
                              "(default: 120)")
+    parser.add_argument("--grow-gain", type=float, default=0.2, metavar="FRACTION",
+                        help="a running job takes in nodes that join mid-job only where the planner predicts at "
+                             "least this much more throughput with them (default: 0.2; 0: any gain)")
     relay = parser.add_mutually_exclusive_group()
     relay.add_argument("--relay-port", type=int, default=None, metavar="PORT",
                        help="the relay's port: volunteers that peers cannot dial (behind a NAT or a firewall) are "
@@ -67,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="job and node events at info, every request at debug (default: info)")
     args = parser.parse_args(argv)
     check_tls_options(parser, args)
+    if not 0 <= args.grow_gain < math.inf:
+        parser.error("--grow-gain is a fraction of the job's predicted throughput: 0 or more")
     if args.relay_bandwidth is not None and not 0 < args.relay_bandwidth < math.inf:
         parser.error("--relay-bandwidth is the relay's link in Mbit/s: a positive number")
     return args
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                         operator_token=args.operator_token,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait,
+                        grow_gain=args.grow_gain,
                         relay_host=args.host, relay_port=None if args.no_relay else
                         args.port + 1 if args.relay_port is None else args.relay_port,
                         relay_node_ports=args.relay_ports,

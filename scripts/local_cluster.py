@@ -47,7 +47,8 @@ def rss_bytes(pid: int) -> int:
 
 class LocalCluster:
     def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = (),
-                 tls: bool = False, heartbeat_timeout: float | None = None, relay: bool = True):
+                 tls: bool = False, heartbeat_timeout: float | None = None, relay: bool = True,
+                 coordinator_args: list[str] = ()):
         self.data_dir = Path(data_dir)
         self.nodes = nodes
         self.node_args = list(node_args)  # extra `ravnest-node join` flags, e.g. ["--max-memory", "1GiB"]
@@ -57,6 +58,7 @@ class LocalCluster:
         self.coordinator_args: list[str] = ["--relay-port", "0"] if relay else ["--no-relay"]
         if heartbeat_timeout is not None:
             self.coordinator_args += ["--heartbeat-timeout", str(heartbeat_timeout)]
+        self.coordinator_args += coordinator_args  # extra `ravnest-coordinator` flags
         self.coordinator_log = "coordinator.log"  # the current coordinator's log (another after a restart)
         verify: ssl.SSLContext | bool = True
         if tls:  # HTTPS to the coordinator, TLS between nodes, all checked against a CA made here

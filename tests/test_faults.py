@@ -174,7 +174,10 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
     """A job running as one 2-stage pipeline; two nodes join: the planner predicts twice the
     throughput with a second replica, so the job is re-planned onto all four and continues from the
     state its stages hand in, on all four."""
-    with LocalCluster(tmp_path, nodes=2) as cluster:
+    # four nodes share this machine's cores, which the planner takes for four machines' (and the
+    # newcomers profile while two nodes train): it predicted +34% with twice the nodes here, and once in
+    # CI less than the default +20%. What is tested is how a job grows, so any predicted gain will do.
+    with LocalCluster(tmp_path, nodes=2, coordinator_args=["--grow-gain", "0"]) as cluster:
         # long enough that the newcomers (which start, profile and measure their links while two nodes
         # train on the same cores) join before three quarters of it are done, when a job stops growing:
         # 6000 steps were not, once, on a loaded CI machine (it completed first)
@@ -186,8 +189,11 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
 
         def working():
             job = cluster.job(job_id)
+            decisions = [line for line in cluster.log_tail(cluster.coordinator_log, 400).splitlines()
+                         if "stays on its nodes" in line][-3:]
             assert job["state"] not in ("failed", "cancelled", "completed"), \
-                f"{job['state']} before the newcomers got work: {job['reason']}; recoveries {job['recoveries']}"
+                f"{job['state']} before the newcomers got work: {job['reason']}; recoveries {job['recoveries']}; " \
+                f"the coordinator said: {decisions}"
             placed = {s["node_id"] for c in (job["plan"] or {"clusters": []})["clusters"] for s in c["stages"]}
             return job if newcomers <= placed and job["state"] == "running" and job["recoveries"] and \
                 job["recoveries"][-1].get("recovery_s") is not None else None

@@ -130,7 +130,8 @@ class Placement:
                 baseline = self._plan_on(session, spec, members).predicted_samples_per_s
             except PlanningError:
                 baseline = current.predicted_samples_per_s
-            if plan.predicted_samples_per_s >= (1 + self.core.settings.grow_gain) * baseline:
+            if plan.predicted_samples_per_s > baseline and \
+                    plan.predicted_samples_per_s >= (1 + self.core.settings.grow_gain) * baseline:
                 self.recoveries.recover(session, job, f"{some} can speed it up: predicted "
                                             f"{baseline:,.0f} -> {plan.predicted_samples_per_s:,.0f} samples/s",
                               kind=GROW)
