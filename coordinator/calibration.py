@@ -16,6 +16,10 @@ Worked example, WEIGHT 0.1: a node measured 1.0 for one job. Its next job's stag
 their slowdown-1 prediction: after one report 1.0^0.9 x 3.0^0.1 = 1.12, after ten 1.0^0.35 x 3.0^0.65
 = 2.05, after thirty 2.86.
 
+A node keeps one slowdown per model besides its overall one: the same node computed a gpt 2.3x
+slower than a llama's learned slowdown predicted (bench.prediction), so a job is planned with each
+node's slowdown on its model where one was measured (`slowdowns`).
+
 A slowdown stays within [1, BOUND]. Its stages' reports are the node's own word: one that says it
 computes faster than its profile is not believed (else a liar would multiply the claim it joined
 with), and a liar who claimed a million times its compute is caught by the slow-stage rule
@@ -26,11 +30,24 @@ The profile takes the new figure, and a slowdown is rescaled so that what the no
 stays what its jobs measured: only a node that has not trained yet is planned differently, such as
 one that joined while others trained beside it and looked too slow to be given work. Until its first
 job measures it, a node is planned with the median slowdown of the nodes that were measured (`prior`).
+
+The messages between stages are corrected the same way. The plan counts each activation or gradient
+a stage sends at its bytes over the link, the link's latency, and a fixed cost per message m
+(partition.MESSAGE_OVERHEAD_S, 1 ms until measured): serialising, the wire's threads, waking the
+receiver. A pipeline of S stages with K micro-batches in flight is paced at
+
+    pace = max( max over sending stages of (c + x + 2 m),  c of the last stage,  sum of all (c + x + 2 m) / K )
+
+with c a stage's measured compute seconds per micro-batch and x its link's seconds (the last stage
+sends nothing). Every stage reports its wall seconds per step, so the m that gives the pace measured
+is found (`observed_message_s`) and blended into each node of the pipeline like its slowdown. Four
+nodes sharing two cores here measured 0.2-0.7 ms (bench.prediction).
 """
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 
 from ravnest.partition import NodeCapacity, compute_seconds
 
@@ -38,6 +55,7 @@ from .store import NodeRow
 
 WEIGHT = 0.1
 BOUND = 100.0
+MESSAGE_S = (1e-4, 1.0)  # the bounds of a learned message cost: below, timer noise; above, not a message
 
 
 def observed_slowdown(measured_s: float, forward_flops: float, flops: float) -> float | None:
@@ -49,6 +67,23 @@ def observed_slowdown(measured_s: float, forward_flops: float, flops: float) -> 
     return min(BOUND, max(1.0, measured_s / predicted))
 
 
+def observed_message_s(pace_s: float, stages: Sequence[tuple[float, float | None]], in_flight: int) -> float | None:
+    """The message cost m that gives the measured `pace_s` (seconds per micro-batch) in the model of the
+    module docstring; `stages` are each stage's (c, x), x None for the last stage. None where there is
+    nothing to learn from: one stage, or a figure missing.
+
+    Worked example: stages (3 ms, 1 ms) and (4 ms, None), K = 2, paced at 10 ms. Stage 0 gives
+    m = (10 - 3 - 1) / 2 = 3 ms; the round trip (3 + 1 + 4 + 2 m) / 2 = 10 ms would need m = 6 ms. The
+    smaller is the answer: with m = 3 ms stage 0 takes the 10 ms measured and the round trip 7 ms."""
+    senders = [(c, x) for c, x in stages if x is not None]
+    if not senders or not pace_s > 0 or not all(c >= 0 and math.isfinite(c) for c, _ in stages):
+        return None
+    by_stage = (pace_s - max(c + x for c, x in senders)) / 2
+    by_round_trip = (in_flight * pace_s - sum(c + (x or 0.0) for c, x in stages)) / (2 * len(senders))
+    low, high = MESSAGE_S
+    return min(high, max(low, min(by_stage, by_round_trip)))
+
+
 def blended(previous: float | None, observed: float) -> float:
     """The slowdown after one more report (see the module docstring); the first report sets it."""
     if previous is None:
@@ -56,16 +91,39 @@ def blended(previous: float | None, observed: float) -> float:
     return math.exp((1 - WEIGHT) * math.log(previous) + WEIGHT * math.log(observed))
 
 
-def prior(slowdowns: list[float | None]) -> float:
-    """What a node no job has measured yet is planned with: the median slowdown of those that were
-    (1 when none was). Identical machines then look identical before and after their first job, and a
-    newcomer does not look faster than its measured peers only because it is new."""
-    known = sorted(s for s in slowdowns if s is not None)
-    return statistics.median(known) if known else 1.0
+def prior(figures: list[float | None], default: float = 1.0) -> float:
+    """What a node no job has measured yet is planned with: the median slowdown (or message cost) of
+    those that were, `default` when none was. Identical machines then look identical before and after
+    their first job, and a newcomer does not look faster than its measured peers only because it is new."""
+    known = sorted(s for s in figures if s is not None)
+    return statistics.median(known) if known else default
 
 
 def remeasured(node: NodeRow, flops: float) -> None:
     """An idle node's matmul figure, measured again (see the module docstring)."""
+    def rescaled(slowdown: float) -> float:
+        return min(BOUND, max(1.0, slowdown * flops / float(node.profile["flops"])))
     if node.slowdown is not None:
-        node.slowdown = min(BOUND, max(1.0, node.slowdown * flops / float(node.profile["flops"])))
+        node.slowdown = rescaled(node.slowdown)
+    if node.model_slowdowns:
+        node.model_slowdowns = {model: rescaled(s) for model, s in node.model_slowdowns.items()}
     node.profile = {**node.profile, "flops": flops}
+
+
+def measured(node: NodeRow, slowdown: float, model: str) -> None:
+    """One more report of a stage of `model`: its node's slowdown, and its slowdown on that model."""
+    node.slowdown = blended(node.slowdown, slowdown)
+    node.model_slowdowns = {**(node.model_slowdowns or {}),
+                            model: blended((node.model_slowdowns or {}).get(model), slowdown)}
+
+
+def slowdowns(nodes: Sequence[NodeRow], model: str) -> dict[str, float]:
+    """What each node is planned with for a job of `model`: its slowdown on that model; else the
+    median of the nodes' that were measured on it (what a model costs over its FLOPs is mostly the
+    model's); else its slowdown on any model; else the median of those."""
+    on_model = {node.id: (node.model_slowdowns or {}).get(model) for node in nodes}
+    if any(on_model.values()):
+        model_prior = prior(list(on_model.values()))
+        return {node.id: on_model[node.id] or model_prior for node in nodes}
+    overall = prior([node.slowdown for node in nodes])
+    return {node.id: node.slowdown or overall for node in nodes}

@@ -16,6 +16,7 @@ from sklearn.metrics import silhouette_score
 from threadpoolctl import threadpool_limits
 
 from ravnest.errors import RavnestError
+from ravnest.partition import MESSAGE_OVERHEAD_S
 
 MAX_AUTO_CLUSTERS = 8
 SIMILAR_LOG_SPREAD = math.log(2.0)  # nodes within 2x of each other on every measure form one cluster
@@ -35,6 +36,7 @@ class NodeInfo:
     # reached through a volunteer's relay: the bytes/s of that relay's link it may count on, shared with
     # the relay's other nodes (service/reachability.py `relay_shares`); inf: dialled directly
     relay_share: float = math.inf
+    message_s: float = MESSAGE_OVERHEAD_S  # one message's cost beyond bytes and latency, as its jobs measured
 
     @property
     def effective_flops(self) -> float:

@@ -93,7 +93,7 @@ def capacities(chain: Sequence[NodeInfo], links: Links | None = None) -> list[No
     result = []
     for here, after in zip(chain, [*chain[1:], None]):
         bandwidth, latency = link(here, after, links) if after else (here.bandwidth, 0.0)
-        result.append(NodeCapacity(here.flops, here.memory_bytes, bandwidth, latency, here.slowdown))
+        result.append(NodeCapacity(here.flops, here.memory_bytes, bandwidth, latency, here.slowdown, here.message_s))
     return result
 
 
@@ -198,6 +198,7 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
             stages=[PlannedStage.model_construct(
                 stage=s, node_id=node.node_id, address=node.address, blocks=blocks, predicted_seconds=seconds,
                 predicted_compute_seconds=compute_seconds(coded[s].flops, chain[s]),
+                predicted_message_seconds=chain[s].message_s,
                 predicted_memory_bytes=memory[s], split_backward=shape.load.split_backward,
                 input_shape=inputs[s][0], input_dtype=inputs[s][1], codec=link_codecs[s],
                 predicted_link_bytes_per_step=per_step * coded[s].activation_bytes if link_codecs[s] is not None
@@ -521,5 +522,5 @@ def _weakest(replicas: list[list[NodeInfo]], links: Links | None = None) -> list
     per_replica = [capacities(chain, links) for chain in replicas]
     return [NodeCapacity(min(c.flops for c in stage), min(c.memory_bytes for c in stage),
                          min(c.bandwidth_to_next for c in stage), max(c.latency_to_next for c in stage),
-                         max(c.slowdown for c in stage))
+                         max(c.slowdown for c in stage), max(c.message_s for c in stage))
             for stage in zip(*per_replica)]

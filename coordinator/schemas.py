@@ -42,6 +42,11 @@ class NodeView(BaseModel):
     slowdown: float | None = Field(None, description="its stages' compute seconds as measured over as its FLOP/s "
                                                      "predict, recent jobs weighing most; the planner counts its "
                                                      "FLOP/s divided by this (None: no job measured yet)")
+    model_slowdowns: dict[str, float] = Field(default_factory=dict, description=(
+        "its slowdown on each model it trained: a job of one of these is planned with that one"))
+    message_s: float | None = Field(None, description="seconds one message between its stage and a neighbour "
+                                                      "costs beyond bytes over the link and latency, as its "
+                                                      "jobs' pace measured (None: no job measured yet)")
     reachable: bool | None = Field(None, description="whether its address could be dialled, by the coordinator "
                                                      "after it joined or by a peer's link probe; None: not known yet")
     reachability: str = Field("", description="how that was found, in words")
@@ -58,6 +63,8 @@ class PlannedStage(BaseModel):
     predicted_seconds: float = Field(description="predicted seconds per micro-batch (forward+backward+transfer)")
     predicted_compute_seconds: float | None = Field(None, description=(
         "the forward and backward alone: what the stage's `compute_s` measures (its node's slowdown included)"))
+    predicted_message_seconds: float | None = Field(None, description=(
+        "what the plan counted per message to or from its node beyond bytes and latency (two per micro-batch)"))
     predicted_memory_bytes: int = Field(0, description="memory the stage is predicted to hold (weights, gradients, "
                                                        "optimizer state, weight versions, activations, buffers)")
     input_shape: list[int] | None = Field(None, description="activations it receives per micro-batch; None on stage 0")

@@ -70,7 +70,9 @@ class Load:
     cast_weights: float = 0.0        # bf16/fp16: autocast's 16-bit weight copies a micro-batch keeps (0.5)
 
 
-MESSAGE_OVERHEAD_S = 0.001  # fixed cost of one activation or gradient message between stages
+# fixed cost of one activation or gradient message between stages, until a node's jobs measured its own
+# (coordinator/calibration.py): four nodes sharing two cores here measured 0.2-0.7 ms
+MESSAGE_OVERHEAD_S = 0.001
 # fixed cost of one micro-batch through a stage besides its FLOPs (autograd, Python, the schedule, the
 # optimizer's step): single-threaded on a CPU a cnn step on digits takes 2.76 ms for 0.70 ms of FLOPs, an
 # MLP of 1M parameters 4.91 ms for 2.20; without it tiny models were predicted 5-12x faster than they ran
@@ -86,6 +88,7 @@ class NodeCapacity:
     bandwidth_to_next: float  # bytes/s on the link to the next node in the chain (ignored for the last)
     latency_to_next: float = 0.0
     slowdown: float = 1.0     # its compute seconds as measured over as predicted from `flops` (calibration.py)
+    message_s: float = MESSAGE_OVERHEAD_S  # what one message to or from it costs beyond bytes and latency
 
 
 @dataclass
@@ -177,7 +180,7 @@ def _seconds(forward_flops: float, node: NodeCapacity, boundary_bytes: int | Non
     compute = compute_seconds(forward_flops, node)
     if boundary_bytes is None:
         return compute
-    return compute + 2 * boundary_bytes / node.bandwidth_to_next + node.latency_to_next + 2 * MESSAGE_OVERHEAD_S
+    return compute + 2 * boundary_bytes / node.bandwidth_to_next + node.latency_to_next + 2 * node.message_s
 
 
 def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load | None = None,

@@ -4,10 +4,11 @@ import re
 
 import pytest
 
-from coordinator.calibration import BOUND, blended, observed_slowdown, prior, remeasured
+from coordinator.calibration import (
+    BOUND, MESSAGE_S, blended, measured, observed_message_s, observed_slowdown, prior, remeasured, slowdowns)
 from coordinator.store import NodeRow
 from ravnest.models import build_model, profile_blocks
-from ravnest.partition import NodeCapacity, compute_seconds, partition
+from ravnest.partition import NodeCapacity, compute_seconds, partition, stage_seconds
 from scripts.local_cluster import LocalCluster
 from tests.test_lying_volunteers import PROFILE, Liar
 
@@ -26,6 +27,43 @@ def test_the_slowdown_follows_the_docstrings_worked_example() -> None:
     assert observed_slowdown(1e9, 1.0, 1e10) == BOUND and observed_slowdown(0.0, 1.0, 1e10) is None
     assert observed_slowdown(1e-9, 1.0, 1e10) == 1.0  # faster than its profile claims: its word, not believed
     assert prior([None, 3.0, 2.0, 5.0]) == 3.0 and prior([None]) == 1.0  # a newcomer: like the measured ones
+
+
+def test_the_message_cost_follows_the_docstrings_worked_example() -> None:
+    """The cost per message that makes the pipeline model give the pace measured, and the planner
+    pricing it: a pipeline that measured 5 ms per message is predicted slower than at the default."""
+    assert observed_message_s(0.010, [(0.003, 0.001), (0.004, None)], 2) == pytest.approx(0.003)
+    # the round trip binds where K is 1: (3 + 1 + 4 + 2 m) / 1 = 10 ms gives m = 1 ms
+    assert observed_message_s(0.010, [(0.003, 0.001), (0.004, None)], 1) == pytest.approx(0.001)
+    # faster than the compute alone allows (a clock's noise): the floor, never a negative cost
+    assert observed_message_s(0.001, [(0.003, 0.001), (0.004, None)], 2) == MESSAGE_S[0]
+    assert observed_message_s(0.010, [(0.004, None)], 2) is None  # one stage sends nothing
+    assert observed_message_s(0.0, [(0.003, 0.001), (0.004, None)], 2) is None
+    assert prior([None], default=0.001) == 0.001 and prior([0.004, None, 0.002]) == 0.003
+    costs = profile_blocks(build_model("gpt", GPT), BATCH)
+    default, measured = NodeCapacity(1e10, 1 << 34, 1e12), NodeCapacity(1e10, 1 << 34, 1e12, message_s=0.005)
+    assert stage_seconds(costs, measured, 0, 5) == pytest.approx(stage_seconds(costs, default, 0, 5) + 2 * 0.004)
+    assert stage_seconds(costs, measured, 5, 10) == stage_seconds(costs, default, 5, 10)  # the last sends nothing
+
+
+def test_a_job_is_planned_with_each_nodes_slowdown_on_its_model() -> None:
+    """A node that computed a llama at 2x and a gpt at 4x its FLOPs' prediction is planned with 4 for a
+    gpt; a node never measured on a gpt takes the gpt's median, one never measured at all the median of
+    all; a job of a model no node ran, each node's overall slowdown."""
+    both, llama_only, fresh = NodeRow(id="a"), NodeRow(id="b"), NodeRow(id="c")
+    measured(both, 2.0, "llama")
+    measured(both, 4.0, "gpt")
+    measured(llama_only, 3.0, "llama")
+    assert both.model_slowdowns == {"llama": 2.0, "gpt": 4.0}
+    assert both.slowdown == pytest.approx(2.0 ** 0.9 * 4.0 ** 0.1)
+    assert slowdowns([both, llama_only, fresh], "gpt") == {"a": 4.0, "b": 4.0, "c": 4.0}
+    assert slowdowns([both, llama_only, fresh], "llama") == {"a": 2.0, "b": 3.0, "c": 2.5}
+    overall = slowdowns([both, llama_only, fresh], "cnn")
+    assert overall["a"] == both.slowdown and overall["b"] == 3.0
+    assert overall["c"] == pytest.approx((both.slowdown + 3) / 2)
+    both.profile = {"flops": 1e10}
+    remeasured(both, 2e10)  # a figure twice as high: it still computes like it did, on each model
+    assert both.model_slowdowns == {"llama": 4.0, "gpt": 8.0}
 
 
 def test_a_figure_measured_again_keeps_what_the_jobs_measured() -> None:
@@ -72,6 +110,21 @@ def test_a_node_whose_stages_compute_slower_than_its_profile_says_is_planned_slo
                 assert node.report(job_id, step, compute_s=factor * predicted).status_code == 204
         figures = {n["id"]: n["slowdown"] for n in cluster.http.get("/v1/nodes").json()}
         assert figures[nodes[0].id] == pytest.approx(1.0) and figures[nodes[1].id] == pytest.approx(4.0)
+        # the pipeline keeps 30 ms per step more than its slowest stage: its messages cost that, less the
+        # other stage's compute (K = 1: a micro-batch goes the whole round trip before the next)
+        first, last = sorted(plan.values(), key=lambda s: s["stage"])
+        link_s = first["predicted_seconds"] - first["predicted_compute_seconds"] \
+            - 2 * first["predicted_message_seconds"]
+        computed = {s["node_id"]: compute_seconds(sum(c.flops for c in costs[slice(*s["blocks"])]),
+                                                  NodeCapacity(PROFILE["flops"], 0, 1.0)) * factor
+                    for s, factor in ((plan[nodes[0].id], 1.0), (plan[nodes[1].id], 4.0))}
+        c0, c1 = computed[first["node_id"]], computed[last["node_id"]]
+        pace = max(c0 + link_s, c1) + 0.030  # K = 1, one micro-batch per step
+        for node in nodes:
+            assert node.report(job_id, 40, compute_s=computed[node.id], step_wall_s=pace).status_code == 204
+        expected = observed_message_s(pace, [(c0, link_s), (c1, None)], 1)
+        learned = {n["id"]: n["message_s"] for n in cluster.http.get("/v1/nodes").json()}
+        assert expected > 0.002 and [learned[n.id] for n in nodes] == pytest.approx([expected] * 2)
 
         assert cluster.http.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
         for node in nodes:

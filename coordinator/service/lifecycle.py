@@ -125,6 +125,8 @@ class JobLifecycle:
             stage.updated_at = self.core.clock()
             if job.state == JobState.RUNNING.value and "compute_s" in figures:
                 self._calibrate(session, job, stage, report.step, figures["compute_s"])
+                if "step_wall_s" in figures:
+                    self._calibrate_messages(session, job, stage, report.step, figures["step_wall_s"])
                 self._check_speed(session, job)
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
                 session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.core.clock(),
@@ -143,7 +145,30 @@ class JobLifecycle:
         forward_flops = sum(c.flops for c in costs_of(spec)[blocks]) / parts
         observed = calibration.observed_slowdown(compute_s, forward_flops, planning_flops(node))
         if observed is not None:
-            node.slowdown = calibration.blended(node.slowdown, observed)
+            calibration.measured(node, observed, spec.model.name)
+
+    def _calibrate_messages(self, session: Session, job: JobRow, stage: StageRow, step: int,
+                            step_wall_s: float) -> None:
+        """Corrects the stage's node's message cost by the pace its pipeline keeps (calibration.py)."""
+        node, spec = session.get(NodeRow, stage.node_id), jobs.spec_of(job)
+        cluster = next((c for c in self.core.plan(job).clusters if c.cluster == stage.cluster), None)
+        if step < self.core.settings.slow_after_steps or node is None or cluster is None or len(cluster.stages) < 2:
+            return
+        load = training_load(spec.training, len(cluster.stages))
+        reported = {row.stage: row.metrics.get("compute_s") for row in stages_of(session, job.id)
+                    if row.cluster == stage.cluster}
+        stages = []
+        for planned in cluster.stages:
+            compute_s, message_s = reported.get(planned.stage), planned.predicted_message_seconds
+            if compute_s is None or message_s is None or planned.predicted_compute_seconds is None:
+                return  # a stage that has not reported yet, or a plan from before message costs
+            last = planned is cluster.stages[-1]
+            stages.append((compute_s, None if last else max(0.0, planned.predicted_seconds
+                                                            - planned.predicted_compute_seconds - 2 * message_s)))
+        pace = step_wall_s / (spec.training.accumulation * load.parts)  # per micro-batch
+        observed = calibration.observed_message_s(pace, stages, load.in_flight)
+        if observed is not None:
+            node.message_s = calibration.blended(node.message_s, observed)
 
     def _check_speed(self, session: Session, job: JobRow) -> None:
         """A stage far slower than planned and than its peers: re-plan without its node (failure_policy.py)."""
@@ -159,7 +184,7 @@ class JobLifecycle:
             return
         stage, node = slow.stage, nodes[slow.stage.node_id]
         node.measured_flops = slow.measured_flops  # the planner believes this from now on, not its profile
-        node.slowdown = None  # measured against the old figure
+        node.slowdown = node.model_slowdowns = None  # measured against the old figure
         reason = (f"node {who(node)} is too slow: cluster {stage.cluster} stage {stage.stage} {slow.said}; "
                   f"re-planning without it")
         self.recoveries.recover(session, job, reason, failure=slow.failure, left_out=[stage.node_id])

@@ -252,7 +252,8 @@ class Membership:
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
                              links=links.get(node.id, []), offers=offers.get(node.id, {}),
                              quarantined_until=node.quarantined_until if quarantined(node, now) else None,
-                             measured_flops=node.measured_flops, slowdown=node.slowdown,
+                             measured_flops=node.measured_flops, slowdown=node.slowdown, message_s=node.message_s,
+                             model_slowdowns=node.model_slowdowns or {},
                              reachable=node.reachable, reachability=node.reachability or "",
                              relay_port=node.relay_port, relayed_by=node.relayed_by,
                              note=f"quarantined: {node.quarantine_reason}" if quarantined(node, now)

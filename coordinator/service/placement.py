@@ -9,6 +9,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from ravnest.models import build_model
+from ravnest.partition import MESSAGE_OVERHEAD_S
 from ravnest.spec import JobSpec
 
 from .. import calibration, jobs
@@ -142,12 +143,13 @@ class Placement:
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
-        unmeasured = calibration.prior([node.slowdown for node in nodes])
+        slowdowns = calibration.slowdowns(nodes, spec.model.name)
+        messages = calibration.prior([node.message_s for node in nodes], MESSAGE_OVERHEAD_S)
         shares = relay_shares(session, nodes, self.core.settings.relay_bytes_per_s)
         infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
                           min(node.profile["bandwidth_bytes_per_s"], shares.get(node.id, math.inf)),
-                          node.profile["latency_s"], node.address, node.slowdown or unmeasured,
-                          shares.get(node.id, math.inf))
+                          node.profile["latency_s"], node.address, slowdowns[node.id],
+                          shares.get(node.id, math.inf), node.message_s or messages)
                  for node in nodes]
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))

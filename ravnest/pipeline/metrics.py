@@ -74,6 +74,15 @@ class StageClock:
             return None
         return (self._training_busy[-1] - self._training_busy[-1 - window]) / window
 
+    def recent_step_s(self, window: int = 10) -> float | None:
+        """Wall seconds per optimizer step over the last `window` steps, evaluation passes left out (None
+        before there were that many steps): the pace the pipeline keeps, waits and messages included."""
+        if len(self.steps) <= window:
+            return None
+        (t0, b0), (t1, b1) = self.steps[-1 - window], self.steps[-1]
+        evaluating = (b1 - self._training_busy[-1]) - (b0 - self._training_busy[-1 - window])
+        return max(0.0, t1 - t0 - evaluating) / window
+
     def steady_state(self) -> dict[str, float]:
         """Utilization, throughput and the spread of single steps' wall times (the runtime model's
         stragglers) between 20% and 90% of the steps: no start-up, no drain."""

@@ -237,7 +237,7 @@ class StageRunner:
     def metrics(self) -> dict[str, float]:
         ex = self._executor
         admitted, completed, staleness_sum = (ex.admitted, ex.completed, ex.staleness_sum) if ex else (0, 0, 0)
-        peak, busy = self.memory.peak_bytes(), self.clock.recent_training_s()
+        peak, busy, wall = self.memory.peak_bytes(), self.clock.recent_training_s(), self.clock.recent_step_s()
         clock = self.clock.snapshot()
         return {**clock, "step": float(self.optimizer.steps),  # counted from 0, resumed or not
                 "bubble": max(0.0, 1.0 - clock["utilization"]),  # the share of wall time spent waiting
@@ -247,6 +247,7 @@ class StageRunner:
                 "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
                 # computing, not waiting: what the coordinator compares with the plan (failure_policy.py)
                 **({"compute_s": busy / self.per_step} if busy is not None else {}),
+                **({"step_wall_s": wall} if wall is not None else {}),  # ... and the pace that compute keeps
                 **throughput.figures(clock["samples_per_s"], self.flops_per_sample, self.tokens_per_sample,
                                      self.peak_flops),
                 **self._link_figures(), **self.averaging.metrics()}
