@@ -16,9 +16,9 @@ Worked example, WEIGHT 0.1: a node measured 1.0 for one job. Its next job's stag
 their slowdown-1 prediction: after one report 1.0^0.9 x 3.0^0.1 = 1.12, after ten 1.0^0.35 x 3.0^0.65
 = 2.05, after thirty 2.86.
 
-A node keeps one slowdown per model besides its overall one: the same node computed a gpt 2.3x
+A node keeps its figures per model besides its overall ones: the same node computed a gpt 2.3x
 slower than a llama's learned slowdown predicted (bench.prediction), so a job is planned with each
-node's slowdown on its model where one was measured (`slowdowns`).
+node's figures on its model where they were measured (`planned`).
 
 A slowdown stays within [1, BOUND]. Its stages' reports are the node's own word: one that says it
 computes faster than its profile is not believed (else a liar would multiply the claim it joined
@@ -101,29 +101,39 @@ def prior(figures: list[float | None], default: float = 1.0) -> float:
 
 def remeasured(node: NodeRow, flops: float) -> None:
     """An idle node's matmul figure, measured again (see the module docstring)."""
-    def rescaled(slowdown: float) -> float:
-        return min(BOUND, max(1.0, slowdown * flops / float(node.profile["flops"])))
+    scale = flops / float(node.profile["flops"])
     if node.slowdown is not None:
-        node.slowdown = rescaled(node.slowdown)
-    if node.model_slowdowns:
-        node.model_slowdowns = {model: rescaled(s) for model, s in node.model_slowdowns.items()}
+        node.slowdown = min(BOUND, max(1.0, node.slowdown * scale))
+    node.by_model = {model: {**figures, **({"slowdown": min(BOUND, max(1.0, figures["slowdown"] * scale))}
+                                           if "slowdown" in figures else {})}
+                     for model, figures in (node.by_model or {}).items()}
     node.profile = {**node.profile, "flops": flops}
 
 
-def measured(node: NodeRow, slowdown: float, model: str) -> None:
-    """One more report of a stage of `model`: its node's slowdown, and its slowdown on that model."""
-    node.slowdown = blended(node.slowdown, slowdown)
-    node.model_slowdowns = {**(node.model_slowdowns or {}),
-                            model: blended((node.model_slowdowns or {}).get(model), slowdown)}
+def measured(node: NodeRow, model: str, figure: str, observed: float) -> None:
+    """One more report of a stage of `model`: blends `observed` into the node's `figure` ("slowdown"
+    or "message_s"), overall and on that model."""
+    setattr(node, figure, blended(getattr(node, figure), observed))
+    on_model = dict((node.by_model or {}).get(model, {}))
+    on_model[figure] = blended(on_model.get(figure), observed)
+    node.by_model = {**(node.by_model or {}), model: on_model}
 
 
-def slowdowns(nodes: Sequence[NodeRow], model: str) -> dict[str, float]:
-    """What each node is planned with for a job of `model`: its slowdown on that model; else the
-    median of the nodes' that were measured on it (what a model costs over its FLOPs is mostly the
-    model's); else its slowdown on any model; else the median of those."""
-    on_model = {node.id: (node.model_slowdowns or {}).get(model) for node in nodes}
+def forget_slowdowns(node: NodeRow) -> None:
+    """Its compute figure was corrected outright (failure_policy.py): slowdowns measured against the
+    old one mean nothing now."""
+    node.slowdown = None
+    node.by_model = {model: {k: v for k, v in figures.items() if k != "slowdown"}
+                     for model, figures in (node.by_model or {}).items()}
+
+
+def planned(nodes: Sequence[NodeRow], model: str, figure: str, default: float) -> dict[str, float]:
+    """What each node is planned with for a job of `model`, of `figure` ("slowdown" or "message_s"):
+    its own on that model; else the median of the nodes' measured on it (what a model costs over its
+    FLOPs is mostly the model's); else its own on any model; else the median of those; else `default`."""
+    on_model = {node.id: (node.by_model or {}).get(model, {}).get(figure) for node in nodes}
     if any(on_model.values()):
         model_prior = prior(list(on_model.values()))
         return {node.id: on_model[node.id] or model_prior for node in nodes}
-    overall = prior([node.slowdown for node in nodes])
-    return {node.id: node.slowdown or overall for node in nodes}
+    overall = prior([getattr(node, figure) for node in nodes], default)
+    return {node.id: getattr(node, figure) or overall for node in nodes}

@@ -42,8 +42,8 @@ class NodeView(BaseModel):
     slowdown: float | None = Field(None, description="its stages' compute seconds as measured over as its FLOP/s "
                                                      "predict, recent jobs weighing most; the planner counts its "
                                                      "FLOP/s divided by this (None: no job measured yet)")
-    model_slowdowns: dict[str, float] = Field(default_factory=dict, description=(
-        "its slowdown on each model it trained: a job of one of these is planned with that one"))
+    by_model: dict[str, dict[str, float]] = Field(default_factory=dict, description=(
+        "its slowdown and message cost on each model it trained: a job of one of these is planned with those"))
     message_s: float | None = Field(None, description="seconds one message between its stage and a neighbour "
                                                       "costs beyond bytes over the link and latency, as its "
                                                       "jobs' pace measured (None: no job measured yet)")

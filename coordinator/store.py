@@ -82,8 +82,8 @@ class NodeRow(Base):
     slowdown: Mapped[float | None] = mapped_column(Float, nullable=True)
     # what one message between its stages and their neighbours cost, as its jobs' pace measured (calibration.py)
     message_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    # its slowdown on each model it trained ({"gpt": 4.1, ...}): kernels differ in how near the peak they run
-    model_slowdowns: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
+    # both on each model it trained ({"gpt": {"slowdown": 4.1, "message_s": 0.0004}}): models differ
+    by_model: Mapped[dict[str, dict[str, float]] | None] = mapped_column(JSON, nullable=True)
     # whether peers can dial its address (None: not found out yet), and how that was found (reachability.py)
     reachable: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     reachability: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from coordinator.calibration import (
-    BOUND, MESSAGE_S, blended, measured, observed_message_s, observed_slowdown, prior, remeasured, slowdowns)
+    BOUND, MESSAGE_S, blended, forget_slowdowns, measured, observed_message_s, observed_slowdown, planned, prior,
+    remeasured)
 from coordinator.store import NodeRow
 from ravnest.models import build_model, profile_blocks
 from ravnest.partition import NodeCapacity, compute_seconds, partition, stage_seconds
@@ -46,24 +47,30 @@ def test_the_message_cost_follows_the_docstrings_worked_example() -> None:
     assert stage_seconds(costs, measured, 5, 10) == stage_seconds(costs, default, 5, 10)  # the last sends nothing
 
 
-def test_a_job_is_planned_with_each_nodes_slowdown_on_its_model() -> None:
+def test_a_job_is_planned_with_each_nodes_figures_on_its_model() -> None:
     """A node that computed a llama at 2x and a gpt at 4x its FLOPs' prediction is planned with 4 for a
     gpt; a node never measured on a gpt takes the gpt's median, one never measured at all the median of
-    all; a job of a model no node ran, each node's overall slowdown."""
+    all; a job of a model no node ran, each node's overall figure. Message costs go the same way."""
     both, llama_only, fresh = NodeRow(id="a"), NodeRow(id="b"), NodeRow(id="c")
-    measured(both, 2.0, "llama")
-    measured(both, 4.0, "gpt")
-    measured(llama_only, 3.0, "llama")
-    assert both.model_slowdowns == {"llama": 2.0, "gpt": 4.0}
-    assert both.slowdown == pytest.approx(2.0 ** 0.9 * 4.0 ** 0.1)
-    assert slowdowns([both, llama_only, fresh], "gpt") == {"a": 4.0, "b": 4.0, "c": 4.0}
-    assert slowdowns([both, llama_only, fresh], "llama") == {"a": 2.0, "b": 3.0, "c": 2.5}
-    overall = slowdowns([both, llama_only, fresh], "cnn")
+    measured(both, "llama", "slowdown", 2.0)
+    measured(both, "gpt", "slowdown", 4.0)
+    measured(both, "gpt", "message_s", 0.003)
+    measured(llama_only, "llama", "slowdown", 3.0)
+    assert both.by_model == {"llama": {"slowdown": 2.0}, "gpt": {"slowdown": 4.0, "message_s": 0.003}}
+    assert both.slowdown == pytest.approx(2.0 ** 0.9 * 4.0 ** 0.1) and both.message_s == 0.003
+    nodes = [both, llama_only, fresh]
+    assert planned(nodes, "gpt", "slowdown", 1.0) == {"a": 4.0, "b": 4.0, "c": 4.0}
+    assert planned(nodes, "llama", "slowdown", 1.0) == {"a": 2.0, "b": 3.0, "c": 2.5}
+    overall = planned(nodes, "cnn", "slowdown", 1.0)
     assert overall["a"] == both.slowdown and overall["b"] == 3.0
     assert overall["c"] == pytest.approx((both.slowdown + 3) / 2)
+    assert planned(nodes, "llama", "message_s", 0.001) == {"a": 0.003, "b": 0.003, "c": 0.003}
+    assert planned([llama_only, fresh], "llama", "message_s", 0.001) == {"b": 0.001, "c": 0.001}
     both.profile = {"flops": 1e10}
     remeasured(both, 2e10)  # a figure twice as high: it still computes like it did, on each model
-    assert both.model_slowdowns == {"llama": 4.0, "gpt": 8.0}
+    assert both.by_model == {"llama": {"slowdown": 4.0}, "gpt": {"slowdown": 8.0, "message_s": 0.003}}
+    forget_slowdowns(both)
+    assert both.slowdown is None and both.by_model == {"llama": {}, "gpt": {"message_s": 0.003}}
 
 
 def test_a_figure_measured_again_keeps_what_the_jobs_measured() -> None:

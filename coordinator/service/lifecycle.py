@@ -145,7 +145,7 @@ class JobLifecycle:
         forward_flops = sum(c.flops for c in costs_of(spec)[blocks]) / parts
         observed = calibration.observed_slowdown(compute_s, forward_flops, planning_flops(node))
         if observed is not None:
-            calibration.measured(node, observed, spec.model.name)
+            calibration.measured(node, spec.model.name, "slowdown", observed)
 
     def _calibrate_messages(self, session: Session, job: JobRow, stage: StageRow, step: int,
                             step_wall_s: float) -> None:
@@ -168,7 +168,7 @@ class JobLifecycle:
         pace = step_wall_s / (spec.training.accumulation * load.parts)  # per micro-batch
         observed = calibration.observed_message_s(pace, stages, load.in_flight)
         if observed is not None:
-            node.message_s = calibration.blended(node.message_s, observed)
+            calibration.measured(node, spec.model.name, "message_s", observed)
 
     def _check_speed(self, session: Session, job: JobRow) -> None:
         """A stage far slower than planned and than its peers: re-plan without its node (failure_policy.py)."""
@@ -184,7 +184,7 @@ class JobLifecycle:
             return
         stage, node = slow.stage, nodes[slow.stage.node_id]
         node.measured_flops = slow.measured_flops  # the planner believes this from now on, not its profile
-        node.slowdown = node.model_slowdowns = None  # measured against the old figure
+        calibration.forget_slowdowns(node)  # measured against the old figure
         reason = (f"node {who(node)} is too slow: cluster {stage.cluster} stage {stage.stage} {slow.said}; "
                   f"re-planning without it")
         self.recoveries.recover(session, job, reason, failure=slow.failure, left_out=[stage.node_id])

@@ -253,7 +253,7 @@ class Membership:
                              links=links.get(node.id, []), offers=offers.get(node.id, {}),
                              quarantined_until=node.quarantined_until if quarantined(node, now) else None,
                              measured_flops=node.measured_flops, slowdown=node.slowdown, message_s=node.message_s,
-                             model_slowdowns=node.model_slowdowns or {},
+                             by_model=node.by_model or {},
                              reachable=node.reachable, reachability=node.reachability or "",
                              relay_port=node.relay_port, relayed_by=node.relayed_by,
                              note=f"quarantined: {node.quarantine_reason}" if quarantined(node, now)

@@ -143,13 +143,13 @@ class Placement:
 
     def _plan_on(self, session: Session, spec: JobSpec, nodes: list[NodeRow]) -> Plan:
         costs = costs_of(spec)
-        slowdowns = calibration.slowdowns(nodes, spec.model.name)
-        messages = calibration.prior([node.message_s for node in nodes], MESSAGE_OVERHEAD_S)
+        slowdowns = calibration.planned(nodes, spec.model.name, "slowdown", 1.0)
+        messages = calibration.planned(nodes, spec.model.name, "message_s", MESSAGE_OVERHEAD_S)
         shares = relay_shares(session, nodes, self.core.settings.relay_bytes_per_s)
         infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
                           min(node.profile["bandwidth_bytes_per_s"], shares.get(node.id, math.inf)),
                           node.profile["latency_s"], node.address, slowdowns[node.id],
-                          shares.get(node.id, math.inf), node.message_s or messages)
+                          shares.get(node.id, math.inf), messages[node.id])
                  for node in nodes]
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))

@@ -1,5 +1,5 @@
 """calibration: what one message between a node's stages and their neighbours cost (message_s), and a
-node's slowdown per model (model_slowdowns), as its jobs measured them (calibration.py)
+node's figures per model (by_model), as its jobs measured them (calibration.py)
 
 Revision ID: 0011
 Revises: 0010
@@ -19,11 +19,11 @@ def upgrade() -> None:
     with op.batch_alter_table('nodes', schema=None) as batch_op:
         if 'message_s' not in have:
             batch_op.add_column(sa.Column('message_s', sa.Float(), nullable=True))
-        if 'model_slowdowns' not in have:
-            batch_op.add_column(sa.Column('model_slowdowns', sa.JSON(), nullable=True))
+        if 'by_model' not in have:
+            batch_op.add_column(sa.Column('by_model', sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table('nodes', schema=None) as batch_op:
-        batch_op.drop_column('model_slowdowns')
+        batch_op.drop_column('by_model')
         batch_op.drop_column('message_s')
