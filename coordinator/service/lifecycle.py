@@ -124,9 +124,7 @@ class JobLifecycle:
             stage.metrics = {**stage.metrics, **figures}  # keeps e.g. test_accuracy between evaluations
             stage.updated_at = self.core.clock()
             if job.state == JobState.RUNNING.value and "compute_s" in figures:
-                self._calibrate(session, job, stage, report.step, figures["compute_s"])
-                if "step_wall_s" in figures:
-                    self._calibrate_messages(session, job, stage, report.step, figures["step_wall_s"])
+                self._calibrate(session, job, stage, report.step, figures)
                 self._check_speed(session, job)
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
                 session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.core.clock(),
@@ -134,27 +132,20 @@ class JobLifecycle:
                                           test_loss=figures.get("test_loss"),
                                           samples_per_s=figures.get("samples_per_s")))
 
-    def _calibrate(self, session: Session, job: JobRow, stage: StageRow, step: int, compute_s: float) -> None:
-        """Corrects the stage's node's compute figure by what the stage measured (calibration.py)."""
+    def _calibrate(self, session: Session, job: JobRow, stage: StageRow, step: int, figures: dict[str, float]) -> None:
+        """Corrects the stage's node's compute figure by the compute seconds the stage measured, and its
+        message cost by the pace its pipeline keeps (calibration.py)."""
         node, spec = session.get(NodeRow, stage.node_id), jobs.spec_of(job)
         cluster = next((c for c in self.core.plan(job).clusters if c.cluster == stage.cluster), None)
         if step < self.core.settings.slow_after_steps or node is None or cluster is None:
             return
-        blocks = slice(*cluster.stages[stage.stage].blocks)
-        parts = training_load(spec.training, len(cluster.stages)).parts  # a micro-batch is 1/parts of a batch
-        forward_flops = sum(c.flops for c in costs_of(spec)[blocks]) / parts
-        observed = calibration.observed_slowdown(compute_s, forward_flops, planning_flops(node))
+        load = training_load(spec.training, len(cluster.stages))  # a micro-batch is 1/parts of a batch
+        forward_flops = sum(c.flops for c in costs_of(spec)[slice(*cluster.stages[stage.stage].blocks)]) / load.parts
+        observed = calibration.observed_slowdown(figures["compute_s"], forward_flops, planning_flops(node))
         if observed is not None:
             calibration.measured(node, spec.model.name, "slowdown", observed)
-
-    def _calibrate_messages(self, session: Session, job: JobRow, stage: StageRow, step: int,
-                            step_wall_s: float) -> None:
-        """Corrects the stage's node's message cost by the pace its pipeline keeps (calibration.py)."""
-        node, spec = session.get(NodeRow, stage.node_id), jobs.spec_of(job)
-        cluster = next((c for c in self.core.plan(job).clusters if c.cluster == stage.cluster), None)
-        if step < self.core.settings.slow_after_steps or node is None or cluster is None or len(cluster.stages) < 2:
+        if "step_wall_s" not in figures or len(cluster.stages) < 2:
             return
-        load = training_load(spec.training, len(cluster.stages))
         reported = {row.stage: row.metrics.get("compute_s") for row in stages_of(session, job.id)
                     if row.cluster == stage.cluster}
         stages = []
@@ -165,7 +156,7 @@ class JobLifecycle:
             last = planned is cluster.stages[-1]
             stages.append((compute_s, None if last else max(0.0, planned.predicted_seconds
                                                             - planned.predicted_compute_seconds - 2 * message_s)))
-        pace = step_wall_s / (spec.training.accumulation * load.parts)  # per micro-batch
+        pace = figures["step_wall_s"] / (spec.training.accumulation * load.parts)  # per micro-batch
         observed = calibration.observed_message_s(pace, stages, load.in_flight)
         if observed is not None:
             calibration.measured(node, spec.model.name, "message_s", observed)
