@@ -101,11 +101,11 @@ def prior(figures: list[float | None], default: float = 1.0) -> float:
 
 def remeasured(node: NodeRow, flops: float) -> None:
     """An idle node's matmul figure, measured again (see the module docstring)."""
-    scale = flops / float(node.profile["flops"])
+    def rescaled(slowdown: float) -> float:
+        return min(BOUND, max(1.0, slowdown * flops / float(node.profile["flops"])))
     if node.slowdown is not None:
-        node.slowdown = min(BOUND, max(1.0, node.slowdown * scale))
-    node.by_model = {model: {**figures, **({"slowdown": min(BOUND, max(1.0, figures["slowdown"] * scale))}
-                                           if "slowdown" in figures else {})}
+        node.slowdown = rescaled(node.slowdown)
+    node.by_model = {model: {name: rescaled(value) if name == "slowdown" else value for name, value in figures.items()}
                      for model, figures in (node.by_model or {}).items()}
     node.profile = {**node.profile, "flops": flops}
 

@@ -124,15 +124,17 @@ class JobLifecycle:
             stage.metrics = {**stage.metrics, **figures}  # keeps e.g. test_accuracy between evaluations
             stage.updated_at = self.core.clock()
             if job.state == JobState.RUNNING.value and "compute_s" in figures:
-                self._calibrate(session, job, stage, report.step, figures)
-                self._check_speed(session, job)
+                rows = stages_of(session, job.id)  # every stage's latest figures, this one's included
+                self._calibrate(session, job, stage, report.step, figures, rows)
+                self._check_speed(session, job, rows)
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
                 session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.core.clock(),
                                           loss=figures.get("loss"), test_accuracy=figures.get("test_accuracy"),
                                           test_loss=figures.get("test_loss"),
                                           samples_per_s=figures.get("samples_per_s")))
 
-    def _calibrate(self, session: Session, job: JobRow, stage: StageRow, step: int, figures: dict[str, float]) -> None:
+    def _calibrate(self, session: Session, job: JobRow, stage: StageRow, step: int, figures: dict[str, float],
+                   rows: list[StageRow]) -> None:
         """Corrects the stage's node's compute figure by the compute seconds the stage measured, and its
         message cost by the pace its pipeline keeps (calibration.py)."""
         node, spec = session.get(NodeRow, stage.node_id), jobs.spec_of(job)
@@ -146,8 +148,7 @@ class JobLifecycle:
             calibration.measured(node, spec.model.name, "slowdown", observed)
         if "step_wall_s" not in figures or len(cluster.stages) < 2:
             return
-        reported = {row.stage: row.metrics.get("compute_s") for row in stages_of(session, job.id)
-                    if row.cluster == stage.cluster}
+        reported = {row.stage: row.metrics.get("compute_s") for row in rows if row.cluster == stage.cluster}
         stages = []
         for planned in cluster.stages:
             compute_s, message_s = reported.get(planned.stage), planned.predicted_message_seconds
@@ -161,14 +162,14 @@ class JobLifecycle:
         if observed is not None:
             calibration.measured(node, spec.model.name, "message_s", observed)
 
-    def _check_speed(self, session: Session, job: JobRow) -> None:
+    def _check_speed(self, session: Session, job: JobRow, rows: list[StageRow]) -> None:
         """A stage far slower than planned and than its peers: re-plan without its node (failure_policy.py)."""
         costs, nodes = costs_of(jobs.spec_of(job)), members_of(session, job.id)
         planned = {(c.cluster, s.stage): s for c in self.core.plan(job).clusters for s in c.stages}
         speeds = [StageSpeed(row.node_id, row.cluster, row.stage, row.step, row.metrics.get("compute_s"),
                              plan.predicted_seconds, planning_flops(nodes[row.node_id]),
                              3 * sum(c.flops for c in costs[slice(*plan.blocks)]))  # forward, backward twice
-                  for row in stages_of(session, job.id)
+                  for row in rows
                   if row.node_id in nodes and (plan := planned.get((row.cluster, row.stage)))]
         slow = self.core.policy.slow_stage(job.id, speeds)
         if slow is None:
