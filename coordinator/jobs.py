@@ -20,7 +20,7 @@ import logging
 import math
 from collections import OrderedDict
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,8 +31,11 @@ from ravnest.pipeline.optim import build_optimizer
 from ravnest.spec import AUTO_CODEC, AveragingSettings, JobSpec, Ring, StageAssignment, StagePeer
 
 from .errors import Conflict, InvalidRequest
-from .schemas import ClusterProgress, JobMetrics, Plan, Progress, StageMetrics
+from .schemas import ClusterProgress, JobMetrics, Plan, PlannedStage, Progress, StageMetrics
 from .store import JobRow, StageRow
+
+if TYPE_CHECKING:
+    from .service.reachability import DirectLinks
 
 log = logging.getLogger(__name__)
 
@@ -168,19 +171,25 @@ def pin_content(job: JobRow, contents: dict[str, str]) -> None:
 
 
 def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
-               peer_credentials: dict[str, str], tls_names: dict[str, str]) -> StageAssignment:
+               peer_credentials: dict[str, str], tls_names: dict[str, str],
+               direct: DirectLinks | None = None) -> StageAssignment:
     """What the node running `stage` of `cluster` needs to know, rings and credentials included
-    (`tls_names`: node id -> the name its certificate carries, for those reached through a relay)."""
+    (`tls_names`: node id -> the name its certificate carries, for those reached through a relay;
+    `direct`: the links that a side nobody can dial opened itself, at the other side's relay for peers)."""
     spec = spec_of(job)
     stages = plan.clusters[cluster].stages
+    me = stages[stage].node_id
+
+    def member(node: PlannedStage, codec: str | None = None) -> StagePeer:
+        return StagePeer(node_id=node.node_id, address=node.address, codec=codec, tls_name=tls_names.get(node.node_id),
+                         listen_at=direct.listen_at(me, node.node_id) if direct else None,
+                         dials_out=direct.dials_out(me, node.node_id) if direct else False)
+
     def peer(s: int, link: int) -> StagePeer:  # link: the stage whose link to the next one joins the two
-        return StagePeer(node_id=stages[s].node_id, address=stages[s].address, codec=stages[link].codec,
-                         tls_name=tls_names.get(stages[s].node_id))
+        return member(stages[s], stages[link].codec)
     rings = [] if spec.averaging.strategy == "none" else [
         Ring(segment=ring.segment, blocks=ring.blocks, weights=ring.weights, order=ring.order,
-             members=[StagePeer(node_id=(member := plan.clusters[c].stages[s]).node_id, address=member.address,
-                                tls_name=tls_names.get(member.node_id))
-                      for c, s in enumerate(ring.stages)])
+             members=[member(plan.clusters[c].stages[s]) for c, s in enumerate(ring.stages)])
         for ring in plan.rings if ring.stages[cluster] == stage]
     planned = stages[stage]
     return StageAssignment(

@@ -91,6 +91,8 @@ class NodeRow(Base):
     # it was offered itself, if it cannot be (a node's id, or COORDINATOR_RELAY: the built-in relay)
     relay_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
     relayed_by: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # the port of its relay for its own peers: those nobody can dial listen there for what it sends them
+    peer_relay_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # the host it joined at: what its TLS certificate names, once a relay's address has replaced it
     tls_name: Mapped[str | None] = mapped_column(String(255), nullable=True)
 

@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--relay-ports", type=port_range, default=None, metavar="LOW-HIGH",
                       help="with --relay: the ports opened for those volunteers, one each, for a firewall to let "
                            "in (default: any free port)")
+    join.add_argument("--peer-relay-port", type=int, default=0, metavar="PORT",
+                      help="where peers in a job that nobody can dial connect to this node, to be sent to over that "
+                           "connection (a port of --host; default: any free port). Let it in with the gRPC port")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list (default: none)")
     join.add_argument("--identity", type=Path, default=os.environ.get("RAVNEST_NODE_IDENTITY"), metavar="FILE",
                       help="this node's identity file, made on first use (a secret: keep it private): joining "
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                             identity=read_identity(args.identity) if args.identity else "",
                             reload_offers=offered_now, reprofile_every=args.reprofile_every,
                             use_relay=args.use_relay, relay_port=args.relay, relay_ports=args.relay_ports,
+                            peer_relay_port=args.peer_relay_port,
                             tls=(args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None)
         signal.signal(signal.SIGHUP, lambda *_: daemon.offers.reread())  # kill -HUP after editing --offers
         daemon.serve(stop)

@@ -130,7 +130,7 @@ class NodeDaemon:
                  datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None,
                  identity: str = "", reload_offers: Callable[[], dict[str, Path]] | None = None,
                  reprofile_every: float = 600.0, use_relay: bool = True, relay_port: int | None = None,
-                 relay_ports: range | None = None):
+                 relay_ports: range | None = None, peer_relay_port: int = 0):
         self.client = client
         self.identity = identity  # the secret of its identity file: joining again keeps its id
         self.progress = progress or Progress()
@@ -154,7 +154,8 @@ class NodeDaemon:
         self.idle_profiler = IdleProfiler(device, reprofile_every, self.progress)
         self._reachable: bool | None = None  # what the coordinator last said: can peers dial this node?
         self.relaying = Relaying(client, self.progress, use_relay=use_relay, relay_port=relay_port,
-                                 relay_ports=relay_ports, host=host, wake=self._beat_now.set)
+                                 relay_ports=relay_ports, peer_relay_port=peer_relay_port, host=host,
+                                 wake=self._beat_now.set)
 
     def serve(self, stop: threading.Event) -> None:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
@@ -162,7 +163,8 @@ class NodeDaemon:
         fingerprints = self.offers.fingerprints()
         profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints)
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile,
-                                              identity=self.identity, relay_port=self.relaying.relay_port))
+                                              identity=self.identity, relay_port=self.relaying.relay_port,
+                                              peer_relay_port=self.relaying.peer_relay_port))
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
         self.relaying.joined(joined.node_id, joined.relay_secret)
@@ -265,6 +267,7 @@ class NodeDaemon:
         for address, tls_name in a.tls_names().items():
             name_peer(address, tls_name)
         try:
+            self.relaying.job_started(a, self.server.address)
             self._train(run)
         except Exception as e:  # report any failure to the coordinator, which re-plans or fails the job
             self._failed(run, e)
@@ -349,6 +352,7 @@ class NodeDaemon:
         STAGES.forget(a.job_id, a.cluster, a.stage)
         self.gate.dismiss(f"{a.job_id}/{a.generation}")
         self.router.clear()
+        self.relaying.job_ended()
         run.runner = job.runner = None
         shutil.rmtree(run.scratch, ignore_errors=True)
         release_free_memory()  # an idle volunteer gets its memory back

@@ -337,6 +337,13 @@ class JobSpec(_Strict):
     checkpoints: CheckpointSettings = Field(default_factory=CheckpointSettings)
 
 
+class RelayOffer(_Strict):
+    """A relay (ravnest/relay) this node may listen on: peers could not dial it directly."""
+    address: str = Field(max_length=300, description=(
+        "host:port of the relay; no host (':8471') means the coordinator's own host, as this node reaches it"))
+    token: str = Field(max_length=128, description="shows the relay that the coordinator sent this node")
+
+
 class StagePeer(_Strict):
     node_id: str
     address: str = Field(description="host:port of the node's gRPC server")
@@ -346,6 +353,11 @@ class StagePeer(_Strict):
     codec: str | None = Field(None, max_length=32, description=(
         "the pipeline codec on the link to this neighbour, both ways (the planner's pick where training.codec "
         "is 'auto'); None: the job's"))
+    listen_at: RelayOffer | None = Field(None, description=(
+        "peers cannot dial you, and this one they can: listen at its relay for its peers, and it sends to you "
+        "over the connection you opened there rather than through your relay"))
+    dials_out: bool = Field(False, description=(
+        "peers cannot dial this one, and it listens at your relay for your peers: send to it through there"))
 
     @field_validator("codec")
     @classmethod
@@ -405,23 +417,22 @@ class StageAssignment(_Strict):
     checkpoint_every: int = Field(0, description="steps between checkpoints this stage uploads; 0 = none")
     checkpoint_every_s: float | None = Field(None, description="seconds between checkpoints (stage 0 picks the step)")
 
+    def peers(self) -> list[StagePeer]:
+        """Its pipeline neighbours and the members of its rings (itself among them)."""
+        return [*(p for p in (self.prev, self.next) if p is not None),
+                *(member for ring in self.rings for member in ring.members)]
+
     def peer_addresses(self) -> dict[str, str]:
         """The planned peers' node ids by address: a failure names its peer by id (ravnest/failures.py)."""
-        peers = [p for p in (self.prev, self.next) if p is not None]
-        peers.extend(member for ring in self.rings for member in ring.members)
-        return {p.address: p.node_id for p in peers}
+        return {p.address: p.node_id for p in self.peers()}
 
     def planned_peers(self) -> set[str]:
         """The nodes that may call this stage: its pipeline neighbours and the other members of its rings."""
-        peers = {p.node_id for p in (self.prev, self.next) if p is not None}
-        peers.update(member.node_id for ring in self.rings for member in ring.members)
-        return peers
+        return {p.node_id for p in self.peers()}
 
     def tls_names(self) -> dict[str, str]:
         """address -> the name its certificate carries, for the peers this stage dials at a relay."""
-        peers = [p for p in (self.prev, self.next) if p is not None]
-        peers += [member for ring in self.rings for member in ring.members]
-        return {p.address: p.tls_name for p in peers if p.tls_name}
+        return {p.address: p.tls_name for p in self.peers() if p.tls_name}
 
 
 # --- node <-> coordinator REST bodies -------------------------------------------------------------
@@ -487,6 +498,9 @@ class JoinRequest(_Strict):
         "id, row and history; empty: a new node"))
     relay_port: int | None = Field(None, ge=1, le=65535, description=(
         "this node relays for nodes that peers cannot dial (ravnest/relay), at this port of its address's host"))
+    peer_relay_port: int | None = Field(None, ge=1, le=65535, description=(
+        "at this port of its address's host, this node's peers in a job that nobody can dial listen for what it "
+        "sends them (a relay for its own peers only: it dials them there itself)"))
 
     @field_validator("address")
     @classmethod
@@ -547,13 +561,6 @@ class HeartbeatRequest(_Strict):
                                                   "was measured once, at join)", **FLOPS)
     address: str | None = Field(None, pattern=ADDRESS, description=(
         "where peers dial this node now, if not where it joined: its port on a relay (`relay` in the reply)"))
-
-
-class RelayOffer(_Strict):
-    """A relay (ravnest/relay) this node may listen on: peers could not dial it directly."""
-    address: str = Field(max_length=300, description=(
-        "host:port of the relay; no host (':8471') means the coordinator's own host, as this node reaches it"))
-    token: str = Field(max_length=128, description="shows the relay that the coordinator sent this node")
 
 
 class HeartbeatResponse(_Strict):

@@ -13,6 +13,7 @@ import pytest
 
 from scripts.testbed import ShapedTestbed, unavailable
 from tests.test_faults import CNN_JOB
+from tests.test_relay import direct_where_one_side_can_be_dialled
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable(nat=True) is not None,
                                                    reason=str(unavailable(nat=True)))]
@@ -51,4 +52,8 @@ def test_natted_volunteers_train_through_the_coordinators_relay(tmp_path, natted
         placed = {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
         assert len(job["plan"]["clusters"]) == 2 and len(placed) == 4  # natted nodes trained too
         assert job["metrics"]["test_accuracy"] >= 0.95, job["metrics"]
+        nodes = testbed.alive_nodes()
+        hidden = {n["id"] for n in nodes if n["name"] in relayed_nodes()}
+        # a natted node's link to a peer that can be dialled runs over the connection it opened, no relay hop
+        assert direct_where_one_side_can_be_dialled(job, hidden, tmp_path / "logs", nodes) >= 1
     assert namespaces() == []  # the routers, their NAT rules and the hosts are gone

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from argparse import ArgumentTypeError
 from dataclasses import replace
 
@@ -23,7 +24,7 @@ from coordinator.app import create_app
 from coordinator.clustering import NodeInfo
 from coordinator.config import Settings
 from coordinator.planning import link
-from coordinator.service.reachability import relay_shares, tls_names
+from coordinator.service.reachability import DirectLinks, relay_shares, tls_names
 from coordinator.store import NodeRow
 from ravnest.relay import server as relay_server
 from ravnest.relay.ports import port_range
@@ -85,6 +86,43 @@ def test_a_peer_reaches_a_node_through_the_relay_with_its_own_credentials_checke
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         finally:
             tunnel.close()
+
+
+def test_a_peer_that_can_be_dialled_sends_to_a_hidden_node_over_the_connection_it_opened(node_server, monkeypatch):
+    """No relay hop where one side can be dialled: the hidden node listens at the peer's relay for its
+    peers, whose port is on the peer's loopback, and the peer's streams to the hidden node's planned
+    address (here one nobody answers at) go there; a hidden node that never comes is dialled as planned."""
+    planned = "127.0.0.3:9"  # the hidden node's port at its own relay: nothing answers here in this test
+    with RelayServer(SECRET, node_host="127.0.0.1") as for_peers:
+        tunnel, _ = tunnel_to(for_peers, node_server, "hidden")
+        try:
+            transport.route(planned, lambda: for_peers.address_of("hidden"))
+            with OutboundStream(planned, token="peer-token", wait_ready=10) as out:
+                out.send(Message("forward", 7, {"x": torch.ones(3)}))
+            assert [m.id for m, _ in node_server.received] == [7]
+            assert for_peers.address_of("hidden").startswith("127.0.0.1:") and for_peers.address_of("other") is None
+        finally:
+            transport.unroute(planned)
+            tunnel.close()
+    monkeypatch.setattr(transport, "ROUTE_WAIT_S", 0.3)
+    transport.route(node_server.address, lambda: None)  # it never listens: after the wait, the planned address
+    try:
+        with OutboundStream(node_server.address, token="peer-token") as out:
+            out.send(Message("forward", 8, {"x": torch.ones(3)}))
+        assert [m.id for m, _ in node_server.received] == [7, 8]
+    finally:
+        transport.unroute(node_server.address)
+
+
+def test_the_coordinator_has_a_hidden_node_listen_at_its_dialable_peers_and_those_send_to_it_there():
+    links = DirectLinks(relays={"a": "10.0.0.1:7001", "b": "10.0.0.2:7002"}, hidden=frozenset({"h", "g"}),
+                        secret=lambda node: f"secret of {node}".encode())
+    offer = links.listen_at("h", "a")
+    assert offer is not None and offer.address == "10.0.0.1:7001"
+    assert offer.token == relay_token(b"secret of a", "h")  # a's relay lets h, and only h, listen with it
+    assert links.listen_at("a", "h") is None and links.listen_at("h", "g") is None  # g cannot be dialled either
+    assert links.dials_out("a", "h") and not links.dials_out("h", "a") and not links.dials_out("a", "b")
+    assert not links.dials_out("c", "h")  # c offers no relay for its peers: through h's relay, as before
 
 
 def test_over_tls_a_peer_checks_the_relayed_nodes_certificate_against_its_own_name(tmp_path, monkeypatch):
@@ -262,6 +300,21 @@ def test_the_coordinator_hands_out_the_least_loaded_relay_and_takes_the_address_
 
 
 @pytest.mark.slow
+def direct_where_one_side_can_be_dialled(job: dict, hidden: set[str], logs: Path, nodes: list[dict]) -> int:
+    """Checks, in the nodes' logs, that each hidden node listened at the relay for peers of each neighbour
+    (in its pipeline or its ring) that can be dialled, which sent to it through there; returns how many
+    such links the 2-cluster plan has."""
+    said = {n["id"]: (logs / f"{n['name']}.log").read_text() for n in nodes}
+    grid = [[s["node_id"] for s in c["stages"]] for c in job["plan"]["clusters"]]
+    neighbours = [*((row[s], row[s + 1]) for row in grid for s in range(len(row) - 1)),
+                  *((grid[0][s], grid[1][s]) for s in range(len(grid[0])))]
+    mixed = [(a, b) if b in hidden else (b, a) for a, b in neighbours if (a in hidden) != (b in hidden)]
+    for shown, hidden_one in mixed:
+        assert f"node {shown[:8]} sends to this node over a connection this node opened" in said[hidden_one]
+        assert f"sends to node {hidden_one[:8]} over the connection it opened to this node" in said[shown]
+    return len(mixed)
+
+
 def test_nodes_that_peers_cannot_dial_train_through_the_coordinators_relay(tmp_path):
     """On loopback: two of four real nodes advertise 127.0.0.2, where nobody listens (their servers are
     on 127.0.0.1), as a NAT hides a home machine. The coordinator's dial-back finds them out, they
@@ -294,6 +347,7 @@ def test_nodes_that_peers_cannot_dial_train_through_the_coordinators_relay(tmp_p
         assert job["metrics"]["test_accuracy"] >= 0.9
         log = (tmp_path / "logs" / "node-4.log").read_text()
         assert "peers cannot dial this node at 127.0.0.2:" in log and "or let it use a relay" in log
+        assert direct_where_one_side_can_be_dialled(job, hidden, tmp_path / "logs", cluster.alive_nodes()) >= 2
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from .credentials import Credentials
 from .links import LinkProbes
 from .offers import Offers
 from .placement import Placement
-from .reachability import Reachability, tls_names
+from .reachability import Reachability, direct_links, tls_names
 from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Membership:
                 if known is not None:  # what its jobs measured stays, relative to its new figure
                     remeasured(node, request.profile.flops)
                 node.name, node.address, node.relay_port = request.name, request.address, request.relay_port
+                node.peer_relay_port = request.peer_relay_port
                 node.relayed_by, node.tls_name = None, host_of(request.address)  # (it may have moved)
                 node.profile = request.profile.model_dump(mode="json")
                 node.token_hash = hash_token(token)
@@ -93,7 +94,8 @@ class Membership:
         self.reachability.dial_back(node.id, request.address, request.relay_port)
         return JoinResponse(node_id=node.id, node_token=token, probe_token=self.core.probe_token,
                             heartbeat_interval_s=self.core.settings.heartbeat_interval_s,
-                            relay_secret=self.core.relay_secret(node.id).decode() if request.relay_port else "")
+                            relay_secret=self.core.relay_secret(node.id).decode()
+                            if request.relay_port or request.peer_relay_port else "")
 
     def _known_identity(self, session: Session, request: JoinRequest) -> NodeRow | None:
         """The row of a node joining again with its identity file, its old session ended: a node that
@@ -187,7 +189,8 @@ class Membership:
             token = self.core.peer_token
             response.assignment = jobs.assignment(job, plan, stage.cluster, stage.stage, token(job, node.id),
                                                   {m: credential_hash(token(job, m)) for m in members},
-                                                  tls_names(session, members))
+                                                  tls_names(session, members),
+                                                  direct_links(session, members, self.core.relay_secret))
             if job.state == JobState.PLACING.value and not undelivered(session, job.id):
                 jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self.core.plan(job).reason}",
                                 self.core.clock())

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import delete, or_, select
@@ -143,6 +144,38 @@ def tls_names(session: Session, node_ids: Collection[str]) -> dict[str, str]:
     at the relay's host). Filtered here: a plan's ids may be too many for an IN list."""
     return {node.id: node.tls_name for node in session.scalars(select(NodeRow).where(
         NodeRow.relayed_by.is_not(None), NodeRow.state != GONE)) if node.id in node_ids and node.tls_name}
+
+
+@dataclass(frozen=True)
+class DirectLinks:
+    """Which links of a job run over a connection that the side nobody can dial opened itself, at the
+    other side's relay for its peers, rather than through its own relay: wherever one side of a link
+    can be dialled, there is no relay hop."""
+    relays: dict[str, str]  # members peers can dial -> their relay for their peers, "host:port"
+    hidden: frozenset[str]  # members nobody can dial: they listen at a relay
+    secret: Callable[[str], bytes]  # a node's relay secret (the coordinator's derivation)
+
+    def listen_at(self, me: str, peer: str) -> RelayOffer | None:
+        """Where `me` listens for what `peer` sends it, if `me` is hidden and `peer` is not."""
+        if me in self.hidden and peer in self.relays:
+            return RelayOffer(address=self.relays[peer], token=relay_token(self.secret(peer), me))
+        return None
+
+    def dials_out(self, me: str, peer: str) -> bool:
+        """Whether `me` reaches hidden `peer` at its own relay for its peers."""
+        return me in self.relays and peer in self.hidden
+
+
+def direct_links(session: Session, node_ids: Collection[str], secret: Callable[[str], bytes]) -> DirectLinks:
+    """The DirectLinks among `node_ids` (a node's peers in a job: a few; read 500 at a time all the same)."""
+    relays, hidden, ids = {}, set(), sorted(node_ids)
+    for start in range(0, len(ids), 500):
+        for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(ids[start:start + 500]))):
+            if node.relayed_by is not None:
+                hidden.add(node.id)
+            elif node.reachable and node.peer_relay_port:
+                relays[node.id] = f"{node.address.rpartition(':')[0]}:{node.peer_relay_port}"
+    return DirectLinks(relays, frozenset(hidden), secret)
 
 
 def relay_shares(session: Session, nodes: list[NodeRow], coordinators: float | None = None) -> dict[str, float]:

@@ -53,6 +53,7 @@ def relay_token(secret: bytes, node_id: str) -> str:
 @dataclass
 class _Listener:
     node_id: str
+    port: int = 0  # the relay's port peers dial for it, once open
     connections: int = 0  # waiting or carried
     incoming: asyncio.Queue = field(default_factory=asyncio.Queue)
     waiting: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = field(default_factory=dict)
@@ -60,12 +61,14 @@ class _Listener:
 
 class RelayServer:
     """A relay on `host:port` (0: a free port; `self.port` says which). Nodes' ports are opened on
-    `host` too, each a free port, or the first free one of `node_ports` (a firewall lets in a range).
-    Until it has a `secret` (a node's relay learns it when it joins), it lets nobody listen."""
+    `node_host` (default: `host`), each a free port, or the first free one of `node_ports` (a firewall
+    lets in a range). Until it has a `secret` (a node's relay learns it when it joins), it lets nobody
+    listen. A node's relay for its own peers opens their ports on loopback: only it dials them."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *, node_ports: range | None = None,
-                 max_nodes: int = MAX_NODES, max_connections: int = MAX_CONNECTIONS):
+                 node_host: str | None = None, max_nodes: int = MAX_NODES, max_connections: int = MAX_CONNECTIONS):
         self.secret, self.host, self.node_ports = secret, host, node_ports
+        self.node_host = node_host or host
         self._max_nodes, self._max_connections = max_nodes, max_connections
         self._listeners: dict[str, _Listener] = {}
         self._ids = itertools.count(1)
@@ -82,6 +85,13 @@ class RelayServer:
     def listening(self) -> list[str]:
         """The ids of the nodes reachable through this relay now."""
         return list(self._listeners)
+
+    def address_of(self, node_id: str) -> str | None:
+        """Where the node `node_id` is dialled through this relay now, if it listens here."""
+        listener = self._listeners.get(node_id)
+        if listener is None or not listener.port:
+            return None
+        return f"[{self.node_host}]:{listener.port}" if ":" in self.node_host else f"{self.node_host}:{listener.port}"
 
     async def _start(self, port: int) -> int:
         self._server = aio.server(options=[*GRPC_OPTIONS, *SERVER_KEEPALIVE_OPTIONS])  # nodes ping: keeps NATs open
@@ -136,8 +146,8 @@ class RelayServer:
                                 f"no port of this relay's {span(self.node_ports)} is free: it serves as many "
                                 f"nodes as it has ports")
             return
-        port = server.sockets[0].getsockname()[1]
-        log.info("relaying for node %s at %s:%d", request.node_id, self.host, port)
+        port = listener.port = server.sockets[0].getsockname()[1]
+        log.info("relaying for node %s at %s:%d", request.node_id, self.node_host, port)
         try:
             yield relay_pb2.Incoming(port=port)
             while (connection := await listener.incoming.get()) is not None:
@@ -154,7 +164,7 @@ class RelayServer:
         """A listening socket for the node: any free port, or the first free one of the range."""
         for port in self.node_ports or [0]:
             try:
-                return await asyncio.start_server(lambda r, w: self._accepted(listener, r, w), self.host, port)
+                return await asyncio.start_server(lambda r, w: self._accepted(listener, r, w), self.node_host, port)
             except OSError:  # taken: by another node here, or by another program
                 continue
         return None

@@ -3,8 +3,9 @@ from ravnest.wire.codec import WireError, WireLimits, require_finite
 from ravnest.wire.gate import PeerGate, credential_hash
 from ravnest.wire.messages import Message
 from ravnest.wire.transport import (ChannelPool, OutboundStream, PeerError, PeerServer, Router, close_channels,
-                                    measure_link, name_peer, ping, use_tls, wait_authorized)
+                                    measure_link, name_peer, ping, route, unroute, use_tls,
+                                    wait_authorized)
 
 __all__ = ["ChannelPool", "Message", "OutboundStream", "PeerError", "PeerGate", "PeerServer", "Router",
            "WireError", "WireLimits", "close_channels", "credential_hash", "require_finite", "measure_link",
-           "name_peer", "ping", "use_tls", "wait_authorized"]
+           "name_peer", "ping", "route", "unroute", "use_tls", "wait_authorized"]

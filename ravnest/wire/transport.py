@@ -361,6 +361,42 @@ def name_peer(address: str, tls_name: str) -> None:
     _tls_names[address] = tls_name
 
 
+# planned address -> where that peer is dialled instead, once it says: a peer nobody can dial listens at
+# this node's relay for its peers (ravnest/relay), which hands this node a loopback port for it
+_routes: dict[str, Callable[[], str | None]] = {}
+ROUTE_WAIT_S = 10.0  # how long a stream waits for such a peer to listen there before it dials the planned address
+
+
+def route(address: str, find: Callable[[], str | None]) -> None:
+    """Streams to `address` go where `find()` says, once it says somewhere (until `unroute`)."""
+    _routes[address] = find
+
+
+def unroute(address: str) -> None:
+    _routes.pop(address, None)
+
+
+def _dialled(address: str, wait: float) -> str:
+    """Where a stream to `address` dials: its route's port once there is one (the peer's certificate is
+    checked against the name the planned address has), else after `wait` seconds the planned address."""
+    find = _routes.get(address)
+    deadline = time.monotonic() + wait
+    while find is not None:
+        found = find()
+        if found:
+            if address in _tls_names:
+                name_peer(found, _tls_names[address])
+            else:  # the peer's certificate names the host it was planned at, not this loopback port
+                name_peer(found, address.rpartition(":")[0].strip("[]"))
+            return found
+        if time.monotonic() >= deadline:
+            log.info("peer %s did not listen at this node's relay for peers within %.0f s: dialling it "
+                     "as planned", address, wait)
+            return address
+        time.sleep(0.05)
+    return address
+
+
 def new_pool() -> ChannelPool:
     """A channel pool of its own that dials as the process's default one (TLS included)."""
     return ChannelPool(_default_pool._root_certificate)
@@ -414,7 +450,7 @@ class OutboundStream:
         self._closed = False
         self.sent_bytes = 0  # frames handed to gRPC, as encoded (what the link carries)
         self._opened, self._idle_s = time.monotonic(), 0.0  # time with nothing queued to send
-        channel = (pool or _default_pool).get(address)
+        channel = (pool or _default_pool).get(_dialled(address, min(ROUTE_WAIT_S, wait_ready)))
         ready = grpc.channel_ready_future(channel)
         try:
             ready.result(timeout=wait_ready)
