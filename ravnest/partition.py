@@ -20,6 +20,8 @@ flight, is what the stage runner really holds:
     + a base: what any stage costs a node whatever its blocks (its computing thread's heap and stack,
       stream buffers, Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
     + its blocks' kernels' state on that thread, once (`BlockCost.kernel_bytes`: oneDNN's convolutions)
+    + the first stage: what its data feed keeps in memory (`BlockCost.feed_bytes` of block 0: a dataset
+      loaded whole, as digits is; text and token files are read from disk window by window)
     + a share of P for what is alive only around a step's peak, beyond the tensors above
       (`pipeline.memory.TRANSIENT` for real jobs)
 
@@ -148,7 +150,8 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     held = 1 if last or load.checkpoint_blocks or load.recompute else k
     activations += math.ceil(held * param_bytes * load.cast_weights)
     queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
-    fixed = kernels + load.stage_base + math.ceil(load.transient * param_bytes)
+    feed = costs[0].feed_bytes if start == 0 else 0  # the first stage holds the job's data
+    fixed = kernels + feed + load.stage_base + math.ceil(load.transient * param_bytes)
     return int(weights + load.heap_slack * (activations + recomputed + workspace + split) + queues + fixed)
 
 

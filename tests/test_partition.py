@@ -78,6 +78,23 @@ def test_stage_memory_formula() -> None:
     # and every stage costs a node its base, whatever its blocks
     assert stage_memory_bytes(costs, 0, 2, Load(in_flight=2, stage_base=1000)) == \
         stage_memory_bytes(costs, 0, 2, adam_k2) + 1000
+    # the first stage alone holds the job's data feed (block 0's feed_bytes)
+    fed = [dataclasses.replace(costs[0], feed_bytes=500), *costs[1:]]
+    assert stage_memory_bytes(fed, 0, 2, adam_k2) == stage_memory_bytes(costs, 0, 2, adam_k2) + 500
+    assert stage_memory_bytes(fed, 2, 3, adam_k2) == stage_memory_bytes(costs, 2, 3, adam_k2)
+
+
+def test_a_digits_job_plans_its_first_stage_with_the_dataset_it_loads_whole() -> None:
+    from coordinator.service.core import costs_of
+    from ravnest.data.datasets import DIGITS_RESIDENT_BYTES
+    from ravnest.spec import JobSpec
+    spec = {"name": "j", "model": {"name": "mlp", "config": {"input_dim": 64, "hidden": 32, "depth": 2}},
+            "dataset": {"name": "digits"}}
+    assert costs_of(JobSpec.model_validate(spec))[0].feed_bytes == DIGITS_RESIDENT_BYTES
+    spec["dataset"] = {"name": "text", "source": "corpus", "seq_len": 8}  # read from disk window by window
+    spec["model"] = {"name": "gpt", "config": {"vocab_size": 128, "seq_len": 8, "d_model": 16, "n_layers": 1,
+                                              "n_heads": 2}}
+    assert costs_of(JobSpec.model_validate(spec))[0].feed_bytes == 0
 
 
 def test_memory_forces_a_slower_split() -> None:

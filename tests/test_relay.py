@@ -4,6 +4,7 @@ nodes without the coordinator's token, closes what nobody claims and bounds what
 node whose relay goes listens again. Then whole jobs: real nodes that peers cannot dial, on loopback."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -131,7 +132,7 @@ def test_over_tls_a_peer_checks_the_relayed_nodes_certificate_against_its_own_na
     TLS session runs end to end through the relay, which holds no certificate at all."""
     from scripts.make_certs import make_certificates
     certs = make_certificates(tmp_path, ["node-a.example"])
-    monkeypatch.setattr(transport, "_tls_names", {})
+    monkeypatch.setattr(transport, "_tls_names", collections.OrderedDict())
     server = PeerServer(lambda msg, peer: None, token="peer-token",
                         tls=(certs["cert"].read_bytes(), certs["key"].read_bytes()))
     pool = ChannelPool(root_certificate=certs["ca"].read_bytes())
@@ -147,6 +148,17 @@ def test_over_tls_a_peer_checks_the_relayed_nodes_certificate_against_its_own_na
             tunnel.close()
             pool.close()
             server.stop()
+
+
+def test_a_node_remembers_the_certificate_names_of_its_latest_peers_only(monkeypatch):
+    """A node serving job after job names the relayed peers of each: the oldest names go first."""
+    monkeypatch.setattr(transport, "_tls_names", collections.OrderedDict())
+    monkeypatch.setattr(transport, "MAX_NAMED_PEERS", 3)
+    for port in range(4):
+        name_peer(f"relay.example:{port}", f"node-{port}.example")
+    name_peer("relay.example:1", "node-1.example")  # named again: the latest
+    name_peer("relay.example:4", "node-4.example")
+    assert list(transport._tls_names) == ["relay.example:3", "relay.example:1", "relay.example:4"]
 
 
 def test_the_relay_turns_away_a_node_without_the_coordinators_token(node_server):

@@ -15,6 +15,7 @@ Everything else lives in the store.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -22,6 +23,7 @@ import threading
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ravnest.data.datasets import resident_bytes
 from ravnest.models import build_model, profile_blocks, state_shapes
 from ravnest.models.profile import BlockCost
 from ravnest.spec import JobSpec
@@ -50,7 +52,10 @@ def _block_costs(name: str, config_json: str, batch_size: int) -> tuple[BlockCos
 
 
 def costs_of(spec: JobSpec) -> list[BlockCost]:
-    return list(_block_costs(spec.model.name, json.dumps(spec.model.config, sort_keys=True), spec.training.batch_size))
+    """The model's block costs for this job, the first block carrying the stage's data feed."""
+    costs = list(_block_costs(spec.model.name, json.dumps(spec.model.config, sort_keys=True), spec.training.batch_size))
+    costs[0] = dataclasses.replace(costs[0], feed_bytes=resident_bytes(spec.dataset))
+    return costs
 
 
 @functools.lru_cache(maxsize=32)

@@ -27,16 +27,19 @@ class BlockCost:
     saved_bytes: int = 0   # bytes autograd keeps from forward to backward for one micro-batch (not weights)
     owner_output_bytes: int = 0  # outputs of the modules owning parameters: their gradients wait from B to W
     kernel_bytes: int = 0  # state its kernels keep per computing thread, paid once per stage (see KERNEL_BYTES)
+    feed_bytes: int = 0    # block 0 only: what the job's data feed keeps in memory (set by the coordinator)
     output_shape: tuple[int, ...] = ()  # for one micro-batch, batch dimension first
     output_dtype: str = "float32"
     forward_seconds: float | None = None   # measured on the local device when measure=True
     backward_seconds: float | None = None
 
 
-# A convolution's first use on a thread sets up oneDNN's per-thread state: a digits CNN stage measured
-# 8.6-11.8 MiB above idle on a CPU node, of 3.1 MiB for its tensors, where an MLP stage's tensors and
-# base measured 2-4 MiB in all (bench.memory --small)
-KERNEL_BYTES = {nn.modules.conv._ConvNd: 5 << 20}
+# A kernel's first use in a node's process sets up its library's state (oneDNN's for convolutions, the
+# BLAS's for matrix products), which later jobs reuse: a digits CNN stage measured 8.6-11.8 MiB above
+# idle on a CPU node, of 3.1 MiB for its tensors; a digits MLP stage, 0.3 MiB of tensors, measured
+# 5.5-6.1 MiB on a node's first job and 2-3.5 MiB on later ones (bench.memory --small). A stage pays
+# the largest of its blocks' (`kernel_bytes`): the prediction is a bound for a node's first job.
+KERNEL_BYTES = {nn.modules.conv._ConvNd: 5 << 20, nn.Linear: 3 << 20}
 
 
 def kernel_bytes(block: nn.Module) -> int:

@@ -24,8 +24,9 @@ from ravnest.pipeline.schedule import batch_parts, prediction_order, staleness_m
 from ravnest.spec import OptimizerRef, TrainingSettings
 
 RING_COPIES = 2.0  # a ring averager keeps a snapshot and an average of its segment
-STAGE_BASE = 3 << 20  # what any stage adds to a node (its computing thread's heap and stack, stream
-                      # buffers, Python objects): small stages measure 2-4 MiB of it (bench.memory --small)
+# what any stage adds to a node (its computing thread's heap and stack, stream buffers, Python objects):
+# the last stage of the digits MLP, 0.3 MiB of tensors, measured a median 2.3 MiB (bench.memory --small)
+STAGE_BASE = 3 << 19
 # Per parameter byte, what a stage holds at its peak beyond the tensors the model counts. The last stage
 # of a 4-stage gpt with Adam (tests/test_big_models.py, P = 48 MiB) held 4.15 P of live tensors at a
 # weight gradient, as modelled, but peaked between 220 and 266 MiB over five identical runs: up to

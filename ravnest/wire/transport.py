@@ -10,6 +10,7 @@ bytes are still exactly `ravnest.v1.Frame`s, and any client of the generated stu
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import hmac
@@ -352,13 +353,19 @@ class ChannelPool:
 
 
 _default_pool = ChannelPool()
-_tls_names: dict[str, str] = {}  # address -> the name its certificate carries, where that is not its host
+# address -> the name its certificate carries, where that is not its host; the latest MAX_NAMED_PEERS
+# named, since a node serves job after job with peers on relays' ports that come and go
+_tls_names: collections.OrderedDict[str, str] = collections.OrderedDict()
+MAX_NAMED_PEERS = 4096
 
 
 def name_peer(address: str, tls_name: str) -> None:
     """Check the certificate of the peer at `address` against `tls_name` from now on (a relayed node's
     own host: the plan says which)."""
     _tls_names[address] = tls_name
+    _tls_names.move_to_end(address)
+    while len(_tls_names) > MAX_NAMED_PEERS:
+        _tls_names.popitem(last=False)
 
 
 # planned address -> where that peer is dialled instead, once it says: a peer nobody can dial listens at
