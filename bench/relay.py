@@ -8,7 +8,9 @@ Network namespaces (scripts/testbed.py), every link shaped with tbf both ways. D
 connection reaches it), and a third host at `--relay-rate` that only relays (`ravnest-node join --relay
 --max-memory 1MiB`: no stage fits there); the coordinator relays nothing (`--no-relay`). The README's
 digits CNN, one cluster of 2 stages, through the whole system: the coordinator finds the natted host
-unreachable, hands it the relay, measures the links and plans.
+unreachable, hands it the relay, measures the links and plans. The reachable host runs with
+`--no-peer-relay`: else the natted one would listen at its relay for peers and take no relay hop at
+all (node/relaying.py), and this measures the hop that links between two natted hosts take.
 
 Only what goes to the natted host takes the relay: it dials its peer directly to send the gradients
 back. The activations cross the relay's link twice, in on its download and out on its upload, each
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"bench.relay: {reason}", file=sys.stderr)
         return 2
-    relay_only = {2: ["--relay", "--max-memory", "1MiB"]}
+    # the reachable host opens no relay for its peers, or it would send to the natted one with no relay hop
+    relay_only = {0: ["--no-peer-relay"], 2: ["--relay", "--max-memory", "1MiB"]}
     lines, ratios, against_bound, states = [], [], [], []
     direct_runs, relayed_runs = [], []
     for repeat in range(args.repeat):

@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--peer-relay-port", type=int, default=0, metavar="PORT",
                       help="where peers in a job that nobody can dial connect to this node, to be sent to over that "
                            "connection (a port of --host; default: any free port). Let it in with the gRPC port")
+    join.add_argument("--no-peer-relay", dest="peer_relay_port", action="store_const", const=None,
+                      help="open no such port: this node sends to peers that nobody can dial through their relay")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list (default: none)")
     join.add_argument("--identity", type=Path, default=os.environ.get("RAVNEST_NODE_IDENTITY"), metavar="FILE",
                       help="this node's identity file, made on first use (a secret: keep it private): joining "

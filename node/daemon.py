@@ -130,7 +130,7 @@ class NodeDaemon:
                  datasets: dict[str, Path] | None = None, tls: tuple[bytes, bytes] | None = None,
                  identity: str = "", reload_offers: Callable[[], dict[str, Path]] | None = None,
                  reprofile_every: float = 600.0, use_relay: bool = True, relay_port: int | None = None,
-                 relay_ports: range | None = None, peer_relay_port: int = 0):
+                 relay_ports: range | None = None, peer_relay_port: int | None = 0):
         self.client = client
         self.identity = identity  # the secret of its identity file: joining again keeps its id
         self.progress = progress or Progress()

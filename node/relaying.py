@@ -32,12 +32,13 @@ REFUSED_AGAIN_S = 60.0  # a relay that turned this node away (it was full) is tr
 
 class Relaying:
     def __init__(self, client: CoordinatorClient, progress: Progress, *, use_relay: bool, relay_port: int | None,
-                 relay_ports: range | None, host: str, wake: Callable[[], None], peer_relay_port: int = 0):
+                 relay_ports: range | None, host: str, wake: Callable[[], None], peer_relay_port: int | None = 0):
         self.client, self.progress = client, progress
         self.use_relay = use_relay  # where peers cannot dial this node, be reached through the relay offered
         self._wake = wake  # the next heartbeat goes out now
         self.relay = RelayServer(b"", host, relay_port, node_ports=relay_ports) if relay_port is not None else None
-        self.for_peers = RelayServer(b"", host, peer_relay_port, node_host="::1" if ":" in host else "127.0.0.1")
+        self.for_peers = RelayServer(b"", host, peer_relay_port, node_host="::1" if ":" in host else "127.0.0.1") \
+            if peer_relay_port is not None else None
         self._tunnel: RelayTunnel | None = None
         self._to_peers: list[RelayTunnel] = []  # this job's, at its peers' relays for peers
         self._routed: list[str] = []  # this job's hidden peers' addresses, dialled through `for_peers`
@@ -49,12 +50,13 @@ class Relaying:
         return self.relay.port if self.relay else None
 
     @property
-    def peer_relay_port(self) -> int:
-        return self.for_peers.port
+    def peer_relay_port(self) -> int | None:
+        return self.for_peers.port if self.for_peers else None
 
     def joined(self, node_id: str, relay_secret: str) -> None:
         self._node_id = node_id
-        self.for_peers.secret = relay_secret.encode()
+        if self.for_peers:
+            self.for_peers.secret = relay_secret.encode()
         if self.relay:
             self.relay.secret = relay_secret.encode()
             self.progress.log(f"relays for nodes that peers cannot dial, at port {self.relay.port} (once the "
@@ -93,7 +95,7 @@ class Relaying:
             if peer.listen_at is not None:
                 self._to_peers.append(RelayTunnel(peer.listen_at.address, self._node_id, peer.listen_at.token, local,
                                                   self._peer_reaches(peer.node_id)))
-            if peer.dials_out:
+            if peer.dials_out and self.for_peers:
                 route(peer.address, functools.partial(self._hidden_peer, peer.node_id))
                 self._routed.append(peer.address)
 
@@ -106,7 +108,7 @@ class Relaying:
 
     def _hidden_peer(self, peer: str) -> str | None:
         """Where this node dials hidden `peer` now: its port on this node's relay for peers, once it listens."""
-        found = self.for_peers.address_of(peer)
+        found = self.for_peers.address_of(peer) if self.for_peers else None
         if found and peer not in self._found:
             self._found.add(peer)
             self.progress.log(f"sends to node {peer[:8]} over the connection it opened to this node")
@@ -124,7 +126,8 @@ class Relaying:
             self._tunnel.close()
         if self.relay:
             self.relay.stop()
-        self.for_peers.stop()
+        if self.for_peers:
+            self.for_peers.stop()
 
     def _address_of(self, relay: RelayOffer) -> str:
         if not relay.address.startswith(":"):
