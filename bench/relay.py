@@ -18,7 +18,11 @@ direction shaped to the relay's rate. So the extra hop allows at most `relay-rat
 per step)` steps/s, bytes as the first stage reports them; the relayed run can be no faster than
 that, nor than the direct run.
 
-Prints per run samples/s (steady state, the last stage's) and bytes per step, then last:
+A third run has the same natted host with its peer's relay for peers on (the default): it listens
+there, and the reachable host sends to it over that connection, so it should train as fast as direct.
+
+Prints per run samples/s (steady state, the last stage's) and bytes per step, then
+`relay natted_with_peer_relay_over_direct=<d>`, then last:
 `relay natted_job=<completed|its state> relayed_over_direct=<r> vs_bound=<b>`: r = relayed samples/s
 over direct (medians); b = relayed samples/s over min(direct, the relay hop's bound) (median of runs).
 """
@@ -39,7 +43,10 @@ READING = ("Two stages of the digits CNN, each on its own network namespace with
            "relayed: the second behind a NAT router, reached through a third host that only relays (the "
            "gradients go back directly: the natted host dials out). The bound: the activations cross the "
            "relay's link in and out, so it allows relay rate / (activation bytes per step) steps/s; vs_bound "
-           "is the relayed run's samples/s over the lower of that bound and the direct run's. One 2-core "
+           "is the relayed run's samples/s over the lower of that bound and the direct run's (the reachable "
+           "host runs with --no-peer-relay, so that the link takes the relay as between two natted hosts). "
+           "Natted with its peer's relay: the default, where the natted host listens at the reachable one's "
+           "relay for its peers and is sent to over that connection, with no relay hop. One 2-core "
            "machine runs every process.")
 
 
@@ -85,19 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"bench.relay: {reason}", file=sys.stderr)
         return 2
+    relay_only = {2: ["--relay", "--max-memory", "1MiB"]}
     # the reachable host opens no relay for its peers, or it would send to the natted one with no relay hop
-    relay_only = {0: ["--no-peer-relay"], 2: ["--relay", "--max-memory", "1MiB"]}
-    lines, ratios, against_bound, states = [], [], [], []
+    no_peer_relay = {0: ["--no-peer-relay"], **relay_only}
+    lines, ratios, against_bound, states, dialled_back = [], [], [], [], []
     direct_runs, relayed_runs = [], []
     for repeat in range(args.repeat):
-        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
+                tempfile.TemporaryDirectory() as c:
             direct = run(Path(a), [args.rate, args.rate], [], {}, args.steps, args.batch_size)
-            relayed = run(Path(b), [args.rate, args.rate, args.relay_rate], [1], relay_only, args.steps,
+            relayed = run(Path(b), [args.rate, args.rate, args.relay_rate], [1], no_peer_relay, args.steps,
                           args.batch_size)
-        states.append(relayed["state"])
-        if direct["state"] != "completed" or relayed["state"] != "completed":
-            lines.append(f"run {repeat + 1}: direct {direct['state']}, relayed {relayed['state']}: "
-                         f"{relayed.get('reason') or direct.get('reason')}")
+            natted = run(Path(c), [args.rate, args.rate, args.relay_rate], [1], relay_only, args.steps,
+                         args.batch_size)
+        states.extend([relayed["state"], natted["state"]])
+        if "completed" != direct["state"] or {relayed["state"], natted["state"]} != {"completed"}:
+            lines.append(f"run {repeat + 1}: direct {direct['state']}, relayed {relayed['state']}, natted with "
+                         f"its peer's relay {natted['state']}: "
+                         f"{relayed.get('reason') or natted.get('reason') or direct.get('reason')}")
             print(lines[-1], flush=True)
             continue
         hop = args.relay_rate * 1e6 / 8 / relayed["bytes_per_step"] * relayed["batch_size"]  # samples/s
@@ -106,23 +118,28 @@ def main(argv: list[str] | None = None) -> int:
         relayed_runs.append(relayed["samples_per_s"])
         ratios.append(relayed["samples_per_s"] / direct["samples_per_s"])
         against_bound.append(relayed["samples_per_s"] / bound)
+        dialled_back.append(natted["samples_per_s"] / direct["samples_per_s"])
         lines.append(f"run {repeat + 1}: direct {direct['samples_per_s']:.0f} samples/s "
                      f"({direct['bytes_per_step'] / 1e3:.1f} kB/step to stage 1), "
                      f"relayed {relayed['samples_per_s']:.0f} "
                      f"({relayed['bytes_per_step'] / 1e3:.1f} kB/step); the relay hop allows {hop:.0f}: "
-                     f"relayed / direct {ratios[-1]:.2f}, / bound {against_bound[-1]:.2f}")
+                     f"relayed / direct {ratios[-1]:.2f}, / bound {against_bound[-1]:.2f}; natted, sent to over "
+                     f"the connection it opened to its peer: {natted['samples_per_s']:.0f}, "
+                     f"/ direct {dialled_back[-1]:.2f}")
         print(lines[-1], flush=True)
-    natted = "completed" if states and all(s == "completed" for s in states) else next(
+    job_state = "completed" if states and all(s == "completed" for s in states) else next(
         (s for s in states if s != "completed"), "not run")
-    summary = (f"relay natted_job={natted} relayed_over_direct={statistics.median(ratios) if ratios else 0:.2f} "
+    no_hop = f"relay natted_with_peer_relay_over_direct={statistics.median(dialled_back) if dialled_back else 0:.2f}"
+    summary = (f"relay natted_job={job_state} relayed_over_direct={statistics.median(ratios) if ratios else 0:.2f} "
                f"vs_bound={statistics.median(against_bound) if against_bound else 0:.2f}")
     if not args.no_docs and ratios:
         write_section("Relayed links", (
             f"Command (as root): `{command_line('bench.relay', argv)}`\n\n{READING}\n\n```\n"
             f"hosts {args.rate:g} Mbit/s, the relay's {args.relay_rate:g} Mbit/s, {args.steps} steps\n"
-            + "\n".join(lines) + f"\n{summary}\n```\n"))
+            + "\n".join(lines) + f"\n{no_hop}\n{summary}\n```\n"))
+    print(no_hop)
     print(summary)
-    return 0 if natted == "completed" else 1
+    return 0 if job_state == "completed" else 1
 
 
 if __name__ == "__main__":

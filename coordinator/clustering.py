@@ -36,6 +36,8 @@ class NodeInfo:
     # reached through a volunteer's relay: the bytes/s of that relay's link it may count on, shared with
     # the relay's other nodes (service/reachability.py `relay_shares`); inf: dialled directly
     relay_share: float = math.inf
+    hidden: bool = False  # nobody can dial it: it listens at a relay
+    peer_relay: bool = False  # it can be dialled and runs a relay for its peers (node/relaying.py)
     message_s: float = MESSAGE_OVERHEAD_S  # one message's cost beyond bytes and latency, as its jobs measured
 
     @property

@@ -288,6 +288,13 @@ def test_the_coordinator_hands_out_the_least_loaded_relay_and_takes_the_address_
         here, there = (NodeInfo(n, 1e10, 2**30, 1e8) for n in ("a", "b"))
         assert link(here, replace(there, relay_share=5e6)) == (5e6, 0.0)  # estimated, then capped
         assert link(here, replace(there, relay_share=5e6), {("a", "b"): (4e7, 0.01)}) == (5e6, 0.01)  # measured too
+        # but no relay hop between a hidden node and a peer that runs a relay for its peers: what the hidden
+        # one measured probing that peer (both ways, over the connection it opened) is the link
+        hidden_b = replace(there, relay_share=5e6, hidden=True)
+        measured = {("a", "b"): (4e6, 0.02), ("b", "a"): (4e7, 0.01)}  # a's probe went through b's relay
+        assert link(replace(here, peer_relay=True), hidden_b, measured) == (4e7, 0.01)
+        assert link(hidden_b, replace(here, peer_relay=True), measured) == (4e7, 0.01)  # either order
+        assert link(here, hidden_b, measured) == (4e6, 0.02)  # a opens no relay for peers: b's relay, as before
 
         def heartbeat_from(node, address: str) -> dict:
             r = client.post(f"/v1/nodes/{node[0]}/heartbeat", json={"address": address}, headers=node[1])

@@ -149,7 +149,9 @@ class Placement:
         infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
                           min(node.profile["bandwidth_bytes_per_s"], shares.get(node.id, math.inf)),
                           node.profile["latency_s"], node.address, slowdowns[node.id],
-                          shares.get(node.id, math.inf), messages[node.id])
+                          shares.get(node.id, math.inf), node.relayed_by is not None,
+                          node.relayed_by is None and bool(node.reachable) and node.peer_relay_port is not None,
+                          messages[node.id])
                  for node in nodes]
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))
