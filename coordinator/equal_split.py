@@ -22,7 +22,7 @@ from ravnest.pipeline.memory import training_load
 from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 
 from .clustering import NodeInfo
-from .planning import Links, PlanningError, _mib, _n, assemble, capacities, make_shape
+from .planning import Links, PlanningError, _mib, _n, assemble, capacities, less_relaying, make_shape
 from .schemas import Plan
 
 
@@ -59,6 +59,7 @@ def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placemen
     PlanningError with the reason if impossible."""
     if not nodes:
         raise PlanningError("no idle nodes")
+    nodes = less_relaying(nodes)
     whole = stage_memory_bytes(costs, 0, len(costs), training_load(training, 1))
     by_memory = sorted(nodes, key=lambda n: -n.memory_bytes)  # stable: ties stay in join order
     if placement.stages_per_cluster:

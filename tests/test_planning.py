@@ -351,3 +351,23 @@ def test_the_plan_says_where_a_cluster_has_fewer_stages_than_the_job_asks() -> N
                     Placement(clusters=2, min_nodes=3, stages_per_cluster=2))
     assert sorted(len(c.stages) for c in plan.clusters) == [1, 2]
     assert plan.reason.endswith("2 stages per cluster, as the job asks, 1 where a cluster has fewer nodes")
+
+
+def test_relay_code_is_counted_on_the_nodes_it_runs_on() -> None:
+    """A hidden node's tunnels, and the relay for its peers of a node sent to hidden ones, hold buffers
+    beside the stage: the prediction counts them there, and a stage fits only what is left of the offer."""
+    from coordinator.planning import RELAYING_BYTES
+    costs, one = mlp_costs(2), Placement(clusters=1, stages_per_cluster=1)
+    need = plan_job(costs, [node("plain")], one).clusters[0].stages[0].predicted_memory_bytes
+    hidden = dataclasses.replace(node("hidden", memory=need + RELAYING_BYTES), hidden=True)
+    assert plan_job(costs, [hidden], one).clusters[0].stages[0].predicted_memory_bytes == need + RELAYING_BYTES
+    with pytest.raises(PlanningError, match="the model needs"):  # its stage fits, but not beside relay code
+        plan_job(costs, [dataclasses.replace(hidden, memory_bytes=need + RELAYING_BYTES - 1)], one)
+    two = Placement(clusters=1, stages_per_cluster=2)
+    plain = {s.node_id: s.predicted_memory_bytes for s in plan_job(costs, [node("shown"), node("hidden")], two)
+             .clusters[0].stages}
+    for peer_relay, extra in ((True, RELAYING_BYTES), (False, 0)):  # sent to hidden through its relay for peers
+        shown = dataclasses.replace(node("shown"), peer_relay=peer_relay)
+        planned = {s.node_id: s.predicted_memory_bytes for s in plan_job(
+            costs, [shown, dataclasses.replace(node("hidden"), hidden=True)], two).clusters[0].stages}
+        assert planned == {"shown": plain["shown"] + extra, "hidden": plain["hidden"] + RELAYING_BYTES}

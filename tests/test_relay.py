@@ -318,7 +318,6 @@ def test_the_coordinator_hands_out_the_least_loaded_relay_and_takes_the_address_
         assert beat(client, *hidden[1])["relay"]["address"] == f":{coordinator_port}"  # moved off it
 
 
-@pytest.mark.slow
 def direct_where_one_side_can_be_dialled(job: dict, hidden: set[str], logs: Path, nodes: list[dict]) -> int:
     """Checks, in the nodes' logs, that each hidden node listened at the relay for peers of each neighbour
     (in its pipeline or its ring) that can be dialled, which sent to it through there; returns how many
@@ -334,6 +333,7 @@ def direct_where_one_side_can_be_dialled(job: dict, hidden: set[str], logs: Path
     return len(mixed)
 
 
+@pytest.mark.slow
 def test_nodes_that_peers_cannot_dial_train_through_the_coordinators_relay(tmp_path):
     """On loopback: two of four real nodes advertise 127.0.0.2, where nobody listens (their servers are
     on 127.0.0.1), as a NAT hides a home machine. The coordinator's dial-back finds them out, they
