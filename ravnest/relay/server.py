@@ -79,7 +79,7 @@ class RelayServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}" if ":" not in self.host else f"[{self.host}]:{self.port}"
+        return _joined(self.host, self.port)
 
     @property
     def listening(self) -> list[str]:
@@ -91,7 +91,7 @@ class RelayServer:
         listener = self._listeners.get(node_id)
         if listener is None or not listener.port:
             return None
-        return f"[{self.node_host}]:{listener.port}" if ":" in self.node_host else f"{self.node_host}:{listener.port}"
+        return _joined(self.node_host, listener.port)
 
     async def _start(self, port: int) -> int:
         self._server = aio.server(options=[*GRPC_OPTIONS, *SERVER_KEEPALIVE_OPTIONS])  # nodes ping: keeps NATs open
@@ -102,8 +102,7 @@ class RelayServer:
             "Carry": grpc.stream_stream_rpc_method_handler(
                 self.carry, request_deserializer=relay_pb2.Chunk.FromString,
                 response_serializer=relay_pb2.Chunk.SerializeToString)}),))
-        bound = self._server.add_insecure_port(f"{self.host}:{port}" if ":" not in self.host
-                                               else f"[{self.host}]:{port}")
+        bound = self._server.add_insecure_port(_joined(self.host, port))
         if bound == 0:
             raise OSError(f"the relay could not listen on {self.host}:{port}")
         await self._server.start()
@@ -215,3 +214,8 @@ class RelayServer:
             upward.cancel()
             writer.close()
             listener.connections -= 1
+
+
+def _joined(host: str, port: int) -> str:
+    """"host:port", an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
