@@ -1,5 +1,5 @@
 """Training loss per step: the 2-stage pipeline (K=2, `staleness` none, predict, predict2) against synchronous
-training, and each against its own arithmetic done in one process (`ravnest.pipeline.reference`), which
+training, and each against its own arithmetic done in one process (`ravnest.pipeline.single_process`), which
 it must match: what the pipeline learns per step is then the algorithm's, not the machinery's.
 
     python -m bench.learning_curve [--steps 80] [--seed 0] [--batch-size 256]
@@ -16,7 +16,7 @@ import torch
 
 from bench.pipeline import balanced_cut, make_job
 from ravnest.pipeline import run_local_pipeline
-from ravnest.pipeline.reference import two_stage_reference
+from ravnest.pipeline.single_process import two_stage_reference
 
 WINDOW = 20  # micro-batches a stage's reported loss averages (StageClock's loss window)
 

@@ -25,7 +25,7 @@ import torch
 
 from bench.common import command_line, write_section
 from ravnest.wire import ChannelPool, Message, OutboundStream, PeerServer
-from ravnest.wire.codec import byte_view
+from ravnest.wire.tensors import byte_view
 from ravnest.wire.messages import DEFAULT_CHUNK_BYTES
 from ravnest.wire.transport import GRPC_OPTIONS, keep_freed_buffers
 

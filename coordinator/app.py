@@ -24,9 +24,9 @@ from ravnest.spec import JobSpec, field_names
 
 from .auth import Authentication, required
 from .config import Settings
-from .errors import CoordinatorError
+from .service_errors import CoordinatorError
 from .limits import BodyLimit
-from .routes import credentials, jobs, nodes, reports, site
+from .routes import credentials_api, jobs_api, nodes_api, reports_api, site
 from .schemas import ErrorBody
 from .service import Coordinator
 
@@ -93,7 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        routed=lambda method, path: _routed(app, method, path))
     _answer_refusals(app)
     site.mount_assets(app)
-    for routes in (site, nodes, credentials, jobs, reports):
+    for routes in (site, nodes_api, credentials_api, jobs_api, reports_api):
         app.include_router(routes.router)
     document_refusals(app)
     return app

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from ravnest.models.subspace import Subspace
 
-from .errors import InvalidRequest
+from .service_errors import InvalidRequest
 
 Shapes = dict[str, tuple[tuple[int, ...], int]]  # state-dict key -> (shape, bytes)
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one of ours

@@ -30,7 +30,7 @@ from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.pipeline.optim import build_optimizer
 from ravnest.spec import AUTO_CODEC, AveragingSettings, JobSpec, Ring, StageAssignment, StagePeer
 
-from .errors import Conflict, InvalidRequest
+from .service_errors import Conflict, InvalidRequest
 from .schemas import ClusterProgress, JobMetrics, Plan, PlannedStage, Progress, StageMetrics
 from .store import JobRow, StageRow
 

@@ -9,7 +9,7 @@ import os
 import secrets
 from pathlib import Path
 
-from .errors import Unauthorized
+from .service_errors import Unauthorized
 
 
 def new_token() -> str:

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
     import torch
 
-    from node import metrics
+    from node import exporter
     from node.client import CoordinatorClient
     from ravnest.client.api import ApiError
     from node.daemon import NodeDaemon
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         faults.inject(args.inject_fault)
         progress.log(f"injecting faults into this node's outbound streams: {args.inject_fault}")
     if args.metrics_port is not None:
-        port = metrics.serve(args.metrics_host, args.metrics_port)
+        port = exporter.serve(args.metrics_host, args.metrics_port)
         progress.log(f"metrics at http://{args.metrics_host}:{port}/metrics")
     stop = threading.Event()
     # Ctrl-C and SIGTERM end the node gracefully: stop the stage, tell the coordinator, exit.

@@ -16,12 +16,12 @@ import torch
 
 from node.client import CoordinatorClient
 from node.links import LinkProber, reachability_line
-from node.metrics import STAGES
-from node.offers import Offers
+from node.exporter import STAGES
+from node.offered_files import Offers
 from node.profiler import IdleProfiler, profile_node
 from node.progress import Progress
 from node.relaying import Relaying
-from ravnest.averaging import ring
+from ravnest.averaging import collectives
 from ravnest.client.api import ApiError
 from ravnest.failures import Failure, classify
 from ravnest.pipeline import neighbours
@@ -139,7 +139,7 @@ class NodeDaemon:
         self.device = device
         self.name = name
         # peers of a job get their assignments at different heartbeats: their first messages may wait
-        self.router = Router(wait_for_route=60.0, expected_kinds=(*neighbours.MESSAGE_KINDS, ring.KIND))
+        self.router = Router(wait_for_route=60.0, expected_kinds=(*neighbours.MESSAGE_KINDS, collectives.KIND))
         self.gate = PeerGate()  # the job's planned peers may call; the coordinator's probe token may Ping
         self.server = PeerServer(self.router, host, port, gate=self.gate, tls=tls)  # tls: (certificate, key) PEM
         self._prober: LinkProber | None = None

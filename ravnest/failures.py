@@ -2,9 +2,10 @@
 
 A node that fails (or leaves its averaging) reports a `Failure`: its kind, the peer it lost by node id
 where it knows one, the step, a sentence, and the transport detail apart. The coordinator words the
-reason a user reads from it, the lost node first (coordinator/failures.py), and keeps the event in the
-job's recovery record. `classify` makes one from the exception that ended the stage: the pipeline's
-and the wire's errors say which peer they concern (`PipelineError.peer`, `PeerError.address`).
+reason a user reads from it, the lost node first (coordinator/failure_reasons.py), and keeps the event in the
+job's recovery record. `classify` makes one from the exception that ended the stage: our errors say
+what they are (`KnownFailure`: the pipeline's, the wire's, the ring's), and torch's are read once, in
+`torch_failure_kind`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from ravnest.errors import RavnestError
 
 
 class FailureKind(str, Enum):
@@ -40,8 +43,48 @@ class Failure(BaseModel):
     detail: str = Field("", max_length=2000, description="the transport's or the library's own words")
 
 
-# a GPU's words ("CUDA out of memory"), and a CPU's (torch: "DefaultCPUAllocator: can't allocate memory")
-_OUT_OF_MEMORY = re.compile(r"out of memory|can't allocate memory|cannot allocate memory", re.IGNORECASE)
+class KnownFailure(RavnestError):
+    """An error that says what failure it is: its kind, and the address of the peer to blame where it
+    knows one. The pipeline's, the wire's and the ring's errors are such (`PipelineError`, `PeerError`,
+    `RingTimeout`, `NotFinite`); `failure_kind` None: this one says nothing (e.g. this side ended a
+    stream), and what caused it is asked instead."""
+
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        return FailureKind.LOCAL_ERROR
+
+    @property
+    def peer_address(self) -> str | None:
+        return None
+
+
+class NotFinite(KnownFailure, ValueError):
+    """A value that is not finite, computed here or refused from a peer."""
+
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        return FailureKind.NAN
+
+
+# What torch says where it raises no type of its own: a CPU out of memory ("DefaultCPUAllocator: can't
+# allocate memory"; a GPU's is torch.OutOfMemoryError, "CUDA out of memory"), and anomaly detection's
+# NaN ("Function 'MulBackward0' returned nan values in its 0th output."). tests/test_failures.py holds
+# one test per message.
+_TORCH_WORDS = [
+    (re.compile(r"out of memory|can't allocate memory|cannot allocate memory", re.IGNORECASE),
+     FailureKind.OUT_OF_MEMORY),
+    (re.compile(r"returned nan values", re.IGNORECASE), FailureKind.NAN),
+]
+
+
+def torch_failure_kind(exc: BaseException) -> FailureKind | None:
+    """The kind of a failure torch (or Python) raised, from its type, else from its words: the one
+    place text decides a kind, at the boundary with a library that has no type for it."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return FailureKind.OUT_OF_MEMORY
+    if isinstance(exc, RuntimeError) and not isinstance(exc, RavnestError):
+        return next((kind for words, kind in _TORCH_WORDS if words.search(str(exc))), None)
+    return None
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -55,28 +98,13 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def classify(exc: BaseException, peers: Mapping[str, str] | None = None, step: int | None = None) -> Failure:
     """The failure `exc` (or what caused it) describes; `peers` maps the addresses of the stage's planned
     peers to their node ids, so the peer is named by id."""
-    from ravnest.pipeline.inbox import PipelineError  # the pipeline imports this module's users
-    from ravnest.wire import PeerError
-
     chain = _chain(exc)
     detail = "; ".join(dict.fromkeys(str(e) for e in chain if str(e)))[:2000]
     kind, address = FailureKind.LOCAL_ERROR, None
     for e in chain:
-        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _OUT_OF_MEMORY.search(str(e)):
-            kind = FailureKind.OUT_OF_MEMORY
-            break
-        if isinstance(e, PipelineError) and e.kind is not None:
-            kind, address = e.kind, e.peer
-            break
-        if isinstance(e, TimeoutError) and getattr(e, "address", None):  # a ring member that sent nothing
-            kind, address = FailureKind.TIMEOUT, e.address  # type: ignore[attr-defined]
-            break
-        if isinstance(e, PeerError) and e.address is not None:
-            kind = FailureKind.PEER_UNREACHABLE if e.unreachable else FailureKind.PEER_LOST
-            address = e.address
-            break
-        if "not finite" in str(e) or "nan" in str(e).lower().split():
-            kind = FailureKind.NAN
+        found = e.failure_kind if isinstance(e, KnownFailure) else torch_failure_kind(e)
+        if found is not None:
+            kind, address = found, e.peer_address if isinstance(e, KnownFailure) else None
             break
     peer_id = (peers or {}).get(address) if address else None
     message = str(chain[0]).splitlines()[0][:1000] if str(chain[0]) else type(chain[0]).__name__

@@ -1,5 +1,5 @@
 """The figures a stage reports (to the coordinator, and as Prometheus gauges on /metrics): their
-meanings and their metric names. The node exports its stages' figures (node/metrics.py), the
+meanings and their metric names. The node exports its stages' figures (node/exporter.py), the
 coordinator every stage's latest report (coordinator/metrics.py); both name them the same way."""
 from __future__ import annotations
 

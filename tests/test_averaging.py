@@ -688,7 +688,7 @@ def test_a_chunk_for_a_segment_this_node_joins_a_moment_later_waits_for_it():
     """A peer's first round can reach a node that is still setting up its rings, one segment at a time
     (CI once saw 'no ring for segment 2 on this node' re-plan a healthy job): the chunk is held, bounded,
     and handed over when the segment joins; one past the bound is refused as before."""
-    from ravnest.averaging.ring import EARLY_BYTES, KIND, TENSOR, RingHub
+    from ravnest.averaging.collectives import EARLY_BYTES, KIND, TENSOR, RingHub
     from ravnest.wire import Message, WireError
 
     hub = RingHub(Router(), "t")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ravnest.spec import JobSpec
 from ravnest.v1 import peer_pb2
 from ravnest.wire import Message, WireError, WireLimits, codecs
-from ravnest.wire.codec import ByteBudget, encode
+from ravnest.wire.tensors import ByteBudget, encode
 from ravnest.wire.codecs.topk import chunk_bytes
 from ravnest.wire.messages import MessageAssembler, chunk_frame, encode_message
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from coordinator.failures import failure_reason
+from coordinator.failure_reasons import failure_reason
 from coordinator.store import NodeRow, StageRow
 from ravnest.failures import FailureKind, classify
 from ravnest.pipeline.inbox import PipelineError

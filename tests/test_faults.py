@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ravnest.wire.transport import SERVER_THREADS
+from ravnest.wire.transport.options import SERVER_THREADS
 from scripts.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow

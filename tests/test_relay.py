@@ -4,7 +4,6 @@ nodes without the coordinator's token, closes what nobody claims and bounds what
 node whose relay goes listens again. Then whole jobs: real nodes that peers cannot dial, on loopback."""
 from __future__ import annotations
 
-import collections
 import json
 import os
 import socket
@@ -32,7 +31,8 @@ from ravnest.relay.ports import port_range
 from ravnest.relay.server import RelayServer, relay_token
 from ravnest.relay.tunnel import RelayTunnel
 from ravnest.v1 import relay_pb2, relay_pb2_grpc
-from ravnest.wire import ChannelPool, PeerServer, name_peer, transport
+from ravnest.wire import PeerServer
+from ravnest.wire.transport import DIALER, Dialer
 from ravnest.wire.messages import Message
 from ravnest.wire.transport import OutboundStream, measure_link, ping
 from scripts.local_cluster import LocalCluster
@@ -97,22 +97,22 @@ def test_a_peer_that_can_be_dialled_sends_to_a_hidden_node_over_the_connection_i
     with RelayServer(SECRET, node_host="127.0.0.1") as for_peers:
         tunnel, _ = tunnel_to(for_peers, node_server, "hidden")
         try:
-            transport.route(planned, lambda: for_peers.address_of("hidden"))
+            DIALER.route(planned, lambda: for_peers.address_of("hidden"))
             with OutboundStream(planned, token="peer-token", wait_ready=10) as out:
                 out.send(Message("forward", 7, {"x": torch.ones(3)}))
             assert [m.id for m, _ in node_server.received] == [7]
             assert for_peers.address_of("hidden").startswith("127.0.0.1:") and for_peers.address_of("other") is None
         finally:
-            transport.unroute(planned)
+            DIALER.unroute(planned)
             tunnel.close()
-    monkeypatch.setattr(transport, "ROUTE_WAIT_S", 0.3)
-    transport.route(node_server.address, lambda: None)  # it never listens: after the wait, the planned address
+    monkeypatch.setattr(DIALER, "route_wait_s", 0.3)
+    DIALER.route(node_server.address, lambda: None)  # it never listens: after the wait, the planned address
     try:
         with OutboundStream(node_server.address, token="peer-token") as out:
             out.send(Message("forward", 8, {"x": torch.ones(3)}))
         assert [m.id for m, _ in node_server.received] == [7, 8]
     finally:
-        transport.unroute(node_server.address)
+        DIALER.unroute(node_server.address)
 
 
 def test_the_coordinator_has_a_hidden_node_listen_at_its_dialable_peers_and_those_send_to_it_there():
@@ -132,17 +132,18 @@ def test_over_tls_a_peer_checks_the_relayed_nodes_certificate_against_its_own_na
     TLS session runs end to end through the relay, which holds no certificate at all."""
     from scripts.make_certs import make_certificates
     certs = make_certificates(tmp_path, ["node-a.example"])
-    monkeypatch.setattr(transport, "_tls_names", collections.OrderedDict())
     server = PeerServer(lambda msg, peer: None, token="peer-token",
                         tls=(certs["cert"].read_bytes(), certs["key"].read_bytes()))
-    pool = ChannelPool(root_certificate=certs["ca"].read_bytes())
+    dialer = Dialer()
+    dialer.use_tls(certs["ca"].read_bytes())
+    pool = dialer.pool
     with RelayServer(SECRET) as relay:
         tunnel, _ = tunnel_to(relay, server)
         try:
             address = wait_for(lambda: tunnel.address, 10, "the relay's port")
             with pytest.raises(grpc.RpcError):  # the relay's host is not a name the certificate carries
                 ping(address, token="peer-token", pool=pool, timeout=5)
-            name_peer(address, "node-a.example")
+            dialer.name_peer(address, "node-a.example")
             assert ping(address, token="peer-token", pool=pool, timeout=5) > 0
         finally:
             tunnel.close()
@@ -152,13 +153,12 @@ def test_over_tls_a_peer_checks_the_relayed_nodes_certificate_against_its_own_na
 
 def test_a_node_remembers_the_certificate_names_of_its_latest_peers_only(monkeypatch):
     """A node serving job after job names the relayed peers of each: the oldest names go first."""
-    monkeypatch.setattr(transport, "_tls_names", collections.OrderedDict())
-    monkeypatch.setattr(transport, "MAX_NAMED_PEERS", 3)
+    dialer = Dialer(max_named=3)
     for port in range(4):
-        name_peer(f"relay.example:{port}", f"node-{port}.example")
-    name_peer("relay.example:1", "node-1.example")  # named again: the latest
-    name_peer("relay.example:4", "node-4.example")
-    assert list(transport._tls_names) == ["relay.example:3", "relay.example:1", "relay.example:4"]
+        dialer.name_peer(f"relay.example:{port}", f"node-{port}.example")
+    dialer.name_peer("relay.example:1", "node-1.example")  # named again: the latest
+    dialer.name_peer("relay.example:4", "node-4.example")
+    assert list(dialer.tls_names) == ["relay.example:3", "relay.example:1", "relay.example:4"]
 
 
 def test_the_relay_turns_away_a_node_without_the_coordinators_token(node_server):

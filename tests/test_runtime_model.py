@@ -119,7 +119,7 @@ def test_auto_plans_dear_on_fast_links_and_gossip_on_slow_ones(bandwidth, expect
 
 def test_a_stage_measures_the_spread_of_its_steps() -> None:
     """The straggler term's input: the standard deviation of single steps' wall times, steady state."""
-    from ravnest.pipeline.metrics import StageClock
+    from ravnest.pipeline.stage_metrics import StageClock
     clock = StageClock(samples_per_step=1)
     clock.steps = [(float(t), 0.0) for t in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)]  # every step 1 s
     assert clock.steady_state()["steady_step_sd_s"] == pytest.approx(0.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ravnest.pipeline import StageRunner, run_local_pipeline, run_threaded_pipeline
-from ravnest.pipeline.reference import two_stage_reference
+from ravnest.pipeline.single_process import two_stage_reference
 from ravnest.pipeline.stash import StageCompute
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, ScheduleError,
                                        check_stage_schedule, stage_actions, staleness, steps_before_next_forward,

@@ -7,7 +7,7 @@ import torch
 
 from ravnest.v1 import peer_pb2
 from ravnest.wire import Message, WireError, WireLimits
-from ravnest.wire.codec import DTYPES, decode, encode, require_finite, validate_header
+from ravnest.wire.tensors import DTYPES, decode, encode, require_finite, validate_header
 from ravnest.wire.messages import (MessageAssembler, chunk_frame, encode_message, message_frames,
                                    parse_frame, read_chunk)
 

@@ -15,7 +15,7 @@ from ravnest.pipeline.neighbours import MESSAGE_KINDS
 from ravnest.spec import JobSpec
 from ravnest.v1 import peer_pb2
 from ravnest.wire import Message, Router, WireError, WireLimits
-from ravnest.wire.codec import DTYPES, ByteBudget
+from ravnest.wire.tensors import DTYPES, ByteBudget
 from ravnest.wire.messages import MessageAssembler, chunk_frame, encode_message
 
 LIMITS = WireLimits(max_tensor_bytes=1 << 16, max_message_bytes=1 << 17, max_chunk_bytes=1 << 12,

@@ -17,7 +17,7 @@ from ravnest.v1 import peer_pb2, peer_pb2_grpc
 from ravnest.wire import (ChannelPool, Message, OutboundStream, PeerError, PeerGate, PeerServer, Router, WireError,
                           WireLimits, credential_hash, measure_link, ping)
 from ravnest.wire.messages import message_frames
-from ravnest.wire.transport import GRPC_OPTIONS, STREAM_METHOD, _server_options
+from ravnest.wire.transport.options import GRPC_OPTIONS, STREAM_METHOD, server_options
 
 CHUNK = 64 << 10
 LIMITS = WireLimits(max_tensor_bytes=1 << 20, max_message_bytes=2 << 20, max_chunk_bytes=CHUNK)
@@ -511,6 +511,6 @@ def test_a_message_waiting_for_its_route_is_refused_when_the_routes_are_cleared(
 
 def test_idle_clients_keepalive_pings_are_within_what_servers_accept() -> None:
     """Servers answer pings more frequent than their minimum with GOAWAY "too_many_pings"."""
-    client, server = dict(GRPC_OPTIONS), dict(_server_options(LIMITS))
+    client, server = dict(GRPC_OPTIONS), dict(server_options(LIMITS))
     assert client["grpc.keepalive_permit_without_calls"] == server["grpc.keepalive_permit_without_calls"] == 1
     assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]

@@ -19,7 +19,7 @@ from ..dashboard import ASSETS as DASHBOARD_ASSETS, render_dashboard, render_log
 from ..metrics import scrape
 from ..login_links import LINK_S, LoginLinks
 from ..schemas import DashboardLink, Health
-from ..errors import TooMany
+from ..service_errors import TooMany
 from ..limits import ProbeSlots
 from . import own_jobs, principal, service
 

@@ -16,9 +16,9 @@ from ravnest.models.hf import hf_key, hf_texts
 from ravnest.models.subspace import Subspace
 
 from .. import files, jobs
-from ..errors import Conflict, Forbidden, Implausible, InvalidRequest, NotFound
+from ..service_errors import Conflict, Forbidden, Implausible, InvalidRequest, NotFound
 from ..jobs import JobState
-from ..recovery import StoredState, resume_point
+from ..resume_point import StoredState, resume_point
 from ..store import CheckpointRow, JobRow, StageRow, stages_of
 from .core import HEADER_ALLOWANCE, OPTIMIZER_STATE_FACTOR, PERIODIC, Core, costs_of, initial_rms_of, state_shapes_of
 

@@ -29,7 +29,7 @@ from ravnest.models.profile import BlockCost
 from ravnest.spec import JobSpec
 
 from ..config import Settings
-from ..errors import Forbidden, NotFound, Unauthorized
+from ..service_errors import Forbidden, NotFound, Unauthorized
 from ..failure_policy import FailurePolicy
 from ..files import rms
 from ..schemas import Plan

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..errors import Conflict, NotFound
+from ..service_errors import Conflict, NotFound
 from ..schemas import CredentialCreated, CredentialView, JoinTokenRequest, KeyRequest
 from ..security import hash_token, new_id, new_token
 from ..store import CredentialRow, NodeRow

@@ -12,9 +12,9 @@ from ravnest.spec import FailureReport, JobSpec, MetricsReport
 from ravnest.telemetry import is_stage_figure
 
 from .. import calibration, jobs
-from ..errors import Conflict, Forbidden, Implausible, InvalidRequest
+from ..service_errors import Conflict, Forbidden, Implausible, InvalidRequest
 from ..failure_policy import StageSpeed
-from ..failures import failure_reason, who
+from ..failure_reasons import failure_reason, who
 from ..jobs import JobState
 from ..schemas import CurvePoint, JobCreated, JobSummary, JobView
 from ..security import new_id

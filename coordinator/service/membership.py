@@ -14,15 +14,15 @@ from ravnest.wire.gate import credential_hash
 
 from .. import jobs
 from ..calibration import remeasured
-from ..errors import Conflict, NotFound, Unauthorized
-from ..failures import who
+from ..service_errors import Conflict, NotFound, Unauthorized
+from ..failure_reasons import who
 from ..jobs import JobState
 from ..schemas import Health, NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
 from ..store import JobRow, LinkRow, NodeRow, OfferRow, StageRow, stage_of_node
 from .core import BUSY, GONE, IDLE, Core, node_refusal, quarantined, undelivered
 from .credentials import Credentials
-from .links import LinkProbes
+from .link_probes import LinkProbes
 from .offers import Offers
 from .placement import Placement
 from .reachability import Reachability, direct_links, tls_names

@@ -31,7 +31,7 @@ from ravnest.relay.dial import dial, host_of
 from ravnest.relay.server import RelayServer, relay_token
 from ravnest.spec import RelayOffer
 
-from ..failures import who
+from ..failure_reasons import who
 from ..store import COORDINATOR_RELAY as COORDINATOR
 from ..store import LinkRow, NodeRow
 from .core import GONE, Core

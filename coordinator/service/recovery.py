@@ -1,6 +1,6 @@
 """Re-planning a job after a lost node or stage, onto new nodes, or on request: its nodes hand in
 their state, then it is placed again one generation later (where each block continues from:
-coordinator/recovery.py). Each re-plan is one typed `Recovery` record in the job's `faults`.
+coordinator/resume_point.py). Each re-plan is one typed `Recovery` record in the job's `faults`.
 
 After a loss, the clusters that lost nothing keep training while the job is re-planned: first every
 node is told `train_alone` (a stage that can leaves its averaging and trains on; the lost cluster's
@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from ravnest.failures import Failure, FailureKind
 
 from .. import jobs
-from ..failures import who
+from ..failure_reasons import who
 from ..jobs import JobState
 from ..schemas import Recovery
 from ..store import CheckpointRow, JobRow, NodeRow, StageRow, stage_of_node, stages_of

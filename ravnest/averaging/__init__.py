@@ -1,5 +1,5 @@
 """Averaging across clusters: strategies (`strategy.py`, `registry.py`, `strategies/`) on collectives
-over the peer wire (`ring.py`): every segment of the model has one group, one member per cluster.
+over the peer wire (`collectives.py`): every segment of the model has one group, one member per cluster.
 
 The names below load on first use, so the job spec can ask `registry.py` about strategies without
 importing the collectives (which import the spec)."""
@@ -10,8 +10,8 @@ from typing import Any
 
 _EXPORTS = {
     "FlatLayout": "layout", "canonical_keys": "layout",
-    "reference_average": "reference", "reference_mean": "reference",
-    "RingError": "ring", "RingHub": "ring", "RingMember": "ring", "RingTimeout": "ring",
+    "reference_average": "plain_mean", "reference_mean": "plain_mean",
+    "RingError": "collectives", "RingHub": "collectives", "RingMember": "collectives", "RingTimeout": "collectives",
     "segment_rings": "segments",
     "balanced_shares": "shares", "ring_link_loads": "shares", "ring_time_bound": "shares", "share_bounds": "shares",
     "AveragingStrategy": "strategy", "StageContext": "strategy", "make_strategy": "strategy",

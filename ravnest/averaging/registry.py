@@ -26,15 +26,12 @@ which gets no settings). "none" (no averaging) and "auto" (the planner picks) ar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
 from ravnest.errors import RavnestError
 from ravnest.plugins import PluginRegistry
-
-if TYPE_CHECKING:  # the runtime model's types; it imports this module
-    from ravnest.averaging.runtime import Group
 
 ENTRY_POINT_GROUP = "ravnest.averaging"
 NO_AVERAGING = "none"
@@ -48,6 +45,16 @@ class StrategyError(RavnestError, ValueError):
 class StrategySettings(BaseModel):
     """Base of a strategy's own settings: strict (a misspelt option is refused, not ignored)."""
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One averaging group as the runtime model sees it (runtime.py)."""
+    members: int
+    param_bytes: float
+    bandwidth: float  # bytes/s, the slowest link around the group
+    latency: float    # seconds
+    fine_overlap: bool = False  # every member's stage is a whole replica (dear's own setting)
 
 
 @dataclass(frozen=True)

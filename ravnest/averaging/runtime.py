@@ -48,29 +48,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
 
 from typing import Any, Callable
 
 from ravnest.averaging.fusion import MB
-from ravnest.averaging.registry import NO_AVERAGING, CostInputs, strategy_info
+from ravnest.averaging.registry import NO_AVERAGING, CostInputs, Group, strategy_info
 from ravnest.averaging.topology import TOPOLOGIES, mixing_row
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward costs about twice the forward
 AUTO_TOLERANCE = 1.05
 DEFAULT_FUSION_BYTES = 25 * MB  # the reference all-reduce's buckets (DDP's default)
-
-
-@dataclass(frozen=True)
-class Group:
-    """One averaging group as the model sees it."""
-    members: int
-    param_bytes: float
-    bandwidth: float  # bytes/s, the slowest link around the group
-    latency: float    # seconds
-    fine_overlap: bool = False  # every member's stage is a whole replica (dear's own setting)
 
 
 def half_allreduce_s(group: Group, messages: int = 1) -> float:

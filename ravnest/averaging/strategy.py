@@ -32,7 +32,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from torch import nn
 
-from ravnest.averaging.ring import RingMember
+from ravnest.averaging.collectives import RingMember
 from ravnest.averaging.registry import (AUTO, NO_AVERAGING, StrategyError, available_strategies, is_strategy,
                                         register_strategy, strategy_info)
 from ravnest.spec import Ring, StageAssignment

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
-from ravnest.averaging.ring import RingError, RingMember, _work_buffer
+from ravnest.averaging.collectives import RingError, RingMember, _work_buffer
 from ravnest.wire import Router
 
 RENDEZVOUS_ROUND = 0  # the wire round carrying the store's port (the wire member is used for nothing else)

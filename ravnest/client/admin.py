@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ravnest.client.app import app, call, err, keys, nodes, out, table, tokens, when, duration
+from ravnest.client.typer_app import app, call, err, keys, nodes, out, table, tokens, when, duration
 
 def show_credentials(rows: list[dict], with_role: bool) -> None:
     table_ = table("id", "name", *(["role"] if with_role else ["uses left", "used"]), "created", "expires", "revoked")

@@ -8,8 +8,8 @@ Exit codes: 0 done, 1 refused (the reason is printed), 2 wrong usage, 3 coordina
 """
 from __future__ import annotations
 
-from ravnest.client import admin, data, generate, jobs, models  # noqa: F401 -- their commands register on `app`
-from ravnest.client.app import app
+from ravnest.client import admin, data, generate, job_commands, models  # noqa: F401 -- their commands register on `app`
+from ravnest.client.typer_app import app
 
 app.info.help = __doc__
 

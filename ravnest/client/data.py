@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ravnest.client.app import app, err
+from ravnest.client.typer_app import app, err
 
 data = typer.Typer(help="Datasets: prepare a token file from text.", no_args_is_help=True)
 app.add_typer(data, name="data")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ravnest.client.app import app, err
+from ravnest.client.typer_app import app, err
 
 
 @app.command()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ravnest.client.app import app, err
+from ravnest.client.typer_app import app, err
 
 model = typer.Typer(help="Models: start a job from a Hugging Face checkpoint.", no_args_is_help=True)
 app.add_typer(model, name="model")

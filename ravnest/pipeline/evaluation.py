@@ -14,7 +14,7 @@ import torch
 
 from ravnest.pipeline.averaging_hooks import AveragingHooks
 from ravnest.pipeline.feed import BatchFeed
-from ravnest.pipeline.metrics import EvalAccumulator, StageClock
+from ravnest.pipeline.stage_metrics import EvalAccumulator, StageClock
 from ravnest.pipeline.neighbours import EVAL, EVAL_END, NEXT, Neighbours
 from ravnest.pipeline.inbox import PipelineError
 from ravnest.pipeline.stash import StageCompute

@@ -19,7 +19,7 @@ from ravnest.pipeline.checkpoint_timing import CheckpointTiming
 from ravnest.pipeline.evaluation import StageEvaluation
 from ravnest.pipeline.feed import BatchFeed
 from ravnest.pipeline.inbox import PipelineError
-from ravnest.pipeline.metrics import BackwardRecord, PipelineTrace, StageClock
+from ravnest.pipeline.stage_metrics import BackwardRecord, PipelineTrace, StageClock
 from ravnest.pipeline.neighbours import BACKWARD, FORWARD, NEXT, PREV, Neighbours
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action,

@@ -15,18 +15,25 @@ from collections import deque
 import grpc
 import torch
 
-from ravnest.errors import RavnestError
-from ravnest.failures import FailureKind
+from ravnest.failures import FailureKind, KnownFailure, NotFinite
 from ravnest.wire import Message, WireError, require_finite
 
 
-class PipelineError(RavnestError, RuntimeError):
+class PipelineError(KnownFailure, RuntimeError):
     """The pipeline cannot go on: a peer failed, the run was stopped, or peers went silent. `kind` and
     `peer` (its address), where known, say so as data (ravnest/failures.py)."""
 
     def __init__(self, message: str, kind: FailureKind | None = None, peer: str | None = None):
         super().__init__(message)
         self.kind, self.peer = kind, peer
+
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        return self.kind
+
+    @property
+    def peer_address(self) -> str | None:
+        return self.peer
 
 
 class TrainedAlone(PipelineError):
@@ -64,7 +71,8 @@ class Inbox:
                                     f"{list(shape)}, got {got}")
                 require_finite(grad, f"gradient for micro-batch {msg.id}")
             except WireError as refused:  # the schedule waits for exactly this gradient: it will not come
-                self._failure = self._failure or PipelineError(f"a neighbour sent a bad gradient: {refused}")
+                kind = FailureKind.NAN if isinstance(refused, NotFinite) else None
+                self._failure = self._failure or PipelineError(f"a neighbour sent a bad gradient: {refused}", kind)
                 self._ready.notify_all()
                 raise
             del self._owed[msg.id]

@@ -20,7 +20,7 @@ from safetensors.torch import save as save_tensors
 from ravnest.averaging import segment_rings
 from ravnest.data import load_dataset
 from ravnest.models import BlockCost, build_model, profile_blocks, stage_input
-from ravnest.pipeline.metrics import EvalAccumulator, StageClock
+from ravnest.pipeline.stage_metrics import EvalAccumulator, StageClock
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JobSpec, Ring, StageAssignment, StagePeer

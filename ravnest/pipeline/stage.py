@@ -20,7 +20,7 @@ The runner puts the stage together from its parts and is what the node talks to:
       ├─ CheckpointTiming  checkpoint_timing.py when to checkpoint (by steps, or by seconds)
       ├─ AveragingHooks    averaging_hooks.py   the averaging strategy's hooks, the train-alone policy
       ├─ StageCompute      stash.py             forward, B and W on versioned weights
-      └─ state.py, metrics.py                   state in and out; what the stage measures
+      └─ state.py, stage_metrics.py  state in and out; what the stage measures
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from ravnest.pipeline.executor import StageExecutor
 from ravnest.pipeline.feed import BatchFeed
 from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.pipeline.memory import PeakMemory
-from ravnest.pipeline.metrics import PipelineTrace, StageClock
+from ravnest.pipeline.stage_metrics import PipelineTrace, StageClock
 from ravnest.pipeline.neighbours import MESSAGE_KINDS, NEXT, PREV, Neighbours
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (batch_parts, check_stage_schedule, prediction_order, stage_actions,

@@ -1,5 +1,5 @@
 """Tensors and messages on the wire, and the gRPC transport that carries them."""
-from ravnest.wire.codec import WireError, WireLimits, require_finite
+from ravnest.wire.tensors import WireError, WireLimits, require_finite
 from ravnest.wire.gate import PeerGate, credential_hash
 from ravnest.wire.messages import Message
 from ravnest.wire.transport import (ChannelPool, OutboundStream, PeerError, PeerServer, Router, close_channels,

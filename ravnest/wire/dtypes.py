@@ -5,6 +5,7 @@ import grpc
 import torch
 
 from ravnest.errors import RavnestError
+from ravnest.failures import NotFinite
 
 # Every dtype we are willing to put on the wire, by its wire name. Nothing else is accepted.
 DTYPES: dict[str, torch.dtype] = {
@@ -29,3 +30,7 @@ class WireError(RavnestError):
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
         super().__init__(message)
         self.code = code
+
+
+class NotFiniteValues(WireError, NotFinite):
+    """A peer's tensor holds NaN or infinite values: refused before it spreads into the weights."""

@@ -16,7 +16,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from ravnest.v1 import peer_pb2
-from ravnest.wire.codec import (ByteBudget, CodecState, WireError, WireLimits, allocate, decoded_nbytes, encode,
+from ravnest.wire.tensors import (ByteBudget, CodecState, WireError, WireLimits, allocate, decoded_nbytes, encode,
                                 restore, validate_header, wrap)
 
 DEFAULT_CHUNK_BYTES = 4 << 20

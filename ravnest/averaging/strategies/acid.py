@@ -44,7 +44,7 @@ import torch
 
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
-from ravnest.averaging.ring import RingError, RingMember
+from ravnest.averaging.collectives import RingError, RingMember
 from pydantic import Field
 
 from ravnest.averaging.registry import StrategySettings

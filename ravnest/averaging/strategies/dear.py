@@ -34,7 +34,7 @@ import torch
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.fusion import MB, FusionTuner, fusion_groups
 from ravnest.averaging.layout import FlatLayout, block_index, canonical_keys
-from ravnest.averaging.ring import RingMember
+from ravnest.averaging.collectives import RingMember
 from pydantic import Field
 
 from ravnest.averaging.registry import CostInputs, StrategySettings

@@ -30,7 +30,7 @@ import torch
 
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
-from ravnest.averaging.ring import RingMember
+from ravnest.averaging.collectives import RingMember
 from ravnest.averaging.registry import CostInputs
 from ravnest.averaging.runtime import mean_degree, slowest_of
 from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy

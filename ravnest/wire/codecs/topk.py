@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from ravnest.wire.codecs import Codec, CodecState, Encoded, chunks_of, register
-from ravnest.wire.dtypes import WireError
+from ravnest.wire.dtypes import NotFiniteValues, WireError
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -80,7 +80,7 @@ class TopK(Codec):
         negative = (payload[signs_at:scales_at].unsqueeze(1) & _BITS).ne(0).view(rows, k)
         scales = payload[scales_at:].clone().view(torch.float32).view(rows, 2)
         if not bool(torch.isfinite(scales).all()):
-            raise WireError("topk magnitudes are not finite")
+            raise NotFiniteValues("topk magnitudes are not finite")
         n = 1
         for d in shape:
             n *= d

@@ -1,6 +1,6 @@
 """What every `ravnest` command shares: the typer app and its options (the coordinator's URL and the
 API key), the client, and how results and refusals are printed. The commands register on `app`:
-ravnest/client/admin.py (tokens, keys, nodes) and ravnest/client/jobs.py (jobs); cli.py runs it."""
+ravnest/client/admin.py (tokens, keys, nodes) and ravnest/client/job_commands.py (jobs); cli.py runs it."""
 from __future__ import annotations
 
 import os

@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 
 from ravnest.spec import FailureReport, MetricsReport
 
-from ..errors import TooLarge
+from ..service_errors import TooLarge
 from ..service import Coordinator
 from . import AUTH, service
 

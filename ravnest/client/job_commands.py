@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from ravnest.client.api import ApiError
 from ravnest.client.admin import node_list
-from ravnest.client.app import app, call, err, out, table, when
+from ravnest.client.typer_app import app, call, err, out, table, when
 
 ENDED = ("completed", "failed", "cancelled")
 

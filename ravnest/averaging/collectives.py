@@ -29,10 +29,11 @@ import torch
 from ravnest.averaging.mailbox import Mailbox
 from ravnest.averaging.shares import share_bounds
 from ravnest.errors import RavnestError
+from ravnest.failures import FailureKind, KnownFailure
 from ravnest.timeouts import FAILED_FLUSH_S
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
 from ravnest.wire import codecs
-from ravnest.wire.codec import decode, encode
+from ravnest.wire.tensors import decode, encode
 from ravnest.wire.transport import AUTH_GRACE_S, new_pool
 
 KIND = "ring"
@@ -46,12 +47,20 @@ class RingError(RavnestError, RuntimeError):
     """A ring round failed; the message names the segment, round, step and peer."""
 
 
-class RingTimeout(RingError, TimeoutError):
+class RingTimeout(RingError, KnownFailure, TimeoutError):
     """A ring step's data did not arrive before its deadline; `address`: the member that sent nothing."""
 
     def __init__(self, message: str, *, address: str | None = None):
         super().__init__(message)
         self.address = address
+
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        return FailureKind.TIMEOUT if self.address else None
+
+    @property
+    def peer_address(self) -> str | None:
+        return self.address
 
 
 class RingHub:

@@ -18,7 +18,7 @@ import torch
 from ravnest.v1 import peer_pb2
 from ravnest.wire import codecs
 from ravnest.wire.codecs import CodecState
-from ravnest.wire.dtypes import DTYPE_NAMES, DTYPES, ITEMSIZES, WireError
+from ravnest.wire.dtypes import DTYPE_NAMES, DTYPES, ITEMSIZES, NotFiniteValues, WireError
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "ITEMSIZES", "WireError", "WireLimits", "ByteBudget", "CodecState", "encode",
            "decode", "validate_header", "allocate", "wrap", "restore", "byte_view", "require_finite"]
@@ -35,7 +35,7 @@ def require_finite(tensor: torch.Tensor, what: str) -> None:
     if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum())):
         return
     if not bool(torch.isfinite(tensor).all()):
-        raise WireError(f"{what} holds NaN or infinite values; refused")
+        raise NotFiniteValues(f"{what} holds NaN or infinite values; refused")
 
 
 @dataclass(frozen=True)
