@@ -21,11 +21,12 @@ class Settings:
     heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals
     recovery_wait_s: float = 120.0  # a recovering job waits this long at most for its nodes' state
     recovery_silence_intervals: float = 2.0  # ... and not for a member silent this many heartbeat intervals
-    # a stage this many times slower than planned, and than the job's other stages, is re-planned around
-    # (coordinator/failure_policy.py), once it is slow_after_steps in and for slow_checks reports in a row
+    # a stage this many times slower than planned, and than its cluster's other stages, is re-planned
+    # around (coordinator/failure_rules/slow_stage.py), once it is slow_after_steps in and has been slow in
+    # every report for slow_window_s (nodes report every heartbeat interval)
     slow_factor: float = 8.0
     slow_after_steps: int = 20
-    slow_checks: int = 3
+    slow_window_s: float = 6.0
     # a stage alone in its job (no peers to compare with) this many times slower than its node's profile
     # promised: the profile was a lie (a tiny stage on a crowded machine measured up to 9.2x), corrected
     claim_factor: float = 100.0
@@ -35,7 +36,7 @@ class Settings:
     # handed-in weights are implausible where a tensor's RMS exceeds this many times its initial RMS
     # (at least 1): training does not grow weights a hundredfold without diverging first
     weight_growth_bound: float = 100.0
-    # no single node decides a job's fate (failure_policy.py): a job fails at a report that it cannot
+    # no single node decides a job's fate (failure_rules/reports.py): a job fails at a report that it cannot
     # start only once that many different nodes said so; a node whose reports caused quarantine_after
     # re-plans within quarantine_window_s is not placed for quarantine_s
     fail_after_nodes: int = 2
@@ -73,3 +74,8 @@ class Settings:
     @property
     def heartbeat_timeout_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_timeout_factor
+
+    @property
+    def recovery_silence_s(self) -> float:
+        """While its job recovers, a member silent this long is not waited for (nor its relay blamed)."""
+        return self.heartbeat_interval_s * self.recovery_silence_intervals

@@ -27,7 +27,12 @@ class FailureKind(str, Enum):
     NAN = "nan"  # a value that is not finite, computed here or refused from a peer
     OUT_OF_MEMORY = "out_of_memory"
     LOCAL_ERROR = "local_error"  # anything else on this node: bad data, a model that raised, a bug
-    SLOW = "slow"  # the coordinator's own finding: a stage far slower than its prediction
+    # the coordinator's own findings (coordinator/failure_rules)
+    SLOW = "slow"  # a stage far slower than its prediction and its cluster
+    SILENT = "silent"  # a node stopped sending heartbeats
+    LEFT = "left"  # a node left, restarted or was revoked while it held work
+    STALLED = "stalled"  # a stage alone in its cluster stopped reporting progress
+    IMPLAUSIBLE = "implausible"  # what a node handed in cannot be believed (e.g. weights far beyond training's)
 
 
 PEER_KINDS = (FailureKind.PEER_LOST, FailureKind.PEER_UNREACHABLE, FailureKind.TIMEOUT)  # the peer is to blame

@@ -4,13 +4,15 @@ components they call (and nothing else) when they are built.
     Credentials   who a token belongs to; join tokens and API keys
     Artifacts     weights, checkpoints, snapshots, the merged model; where a re-plan continues from
     Recoveries    re-planning after a loss, a grow or a resume            (Artifacts)
+    Rulings       carrying out what the failure rules decide               (Recoveries)
     Offers        the files nodes offer, and their proofs of holding them
     Placement     planning pending jobs onto idle nodes; growing jobs     (Offers, Recoveries)
     Membership    nodes join, beat and leave; the liveness tick           (Credentials, Offers, Placement,
-                  (with its LinkProbes: which links a node measures)       Recoveries)
-    JobLifecycle  submit, view, cancel, resume; metrics, failure reports  (Placement, Recoveries, Artifacts)
+                  (with its LinkProbes: which links a node measures)       Recoveries, Rulings)
+    JobLifecycle  submit, view, cancel, resume; metrics, failure reports  (Placement, Recoveries, Artifacts,
+                                                                           Rulings)
 
-Each is given the `Core` too (core.py: settings, store, lock, clock, failure policy, lookups), which
+Each is given the `Core` too (core.py: settings, store, lock, clock, failure rules, lookups), which
 also says what per-process state there is and why losing it is safe.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .membership import Membership
 from .offers import Offers
 from .placement import Placement
 from .recovery import Recoveries
+from .rulings import Rulings
 
 
 class Coordinator:
@@ -37,8 +40,10 @@ class Coordinator:
         self.recoveries = Recoveries(self.core, self.artifacts)
         self.offers = Offers(self.core)
         self.placement = Placement(self.core, self.offers, self.recoveries)
-        self.membership = Membership(self.core, self.credentials, self.offers, self.placement, self.recoveries)
-        self.jobs = JobLifecycle(self.core, self.placement, self.recoveries, self.artifacts)
+        self.rulings = Rulings(self.core, self.recoveries)
+        self.membership = Membership(self.core, self.credentials, self.offers, self.placement, self.recoveries,
+                                     self.rulings)
+        self.jobs = JobLifecycle(self.core, self.placement, self.recoveries, self.artifacts, self.rulings)
 
     @property
     def store(self) -> Store:

@@ -30,7 +30,7 @@ from ravnest.spec import JobSpec
 
 from ..config import Settings
 from ..service_errors import Forbidden, NotFound, Unauthorized
-from ..failure_policy import FailurePolicy
+from ..failure_rules import FailureRules
 from ..files import rms
 from ..schemas import Plan
 from ..security import bearer_token, derive_token, hash_token, token_file
@@ -83,7 +83,9 @@ class Core:
         self.clock = settings.clock
         self.started_at = self.clock()
         self.lock = threading.RLock()
-        self.policy = FailurePolicy(settings)  # when a node is gone or too slow, and what then
+        # when a node is gone, too slow or not believed (failure_rules/); their memory is per process, on
+        # purpose: a restarted coordinator observes again, which only delays a decision
+        self.rules = FailureRules(settings)
         self._plans: dict[str, Plan] = {}
         # secure by default: without configured tokens, the coordinator makes its own and keeps them in
         # owner-only files (the log says where); nothing but /healthz is open without one
@@ -185,7 +187,7 @@ def planning_flops(node: NodeRow) -> float:
 
 
 def quarantined(node: NodeRow, now: float) -> bool:
-    """Its failure reports caused too many re-plans (failure_policy.py): not placed, not believed."""
+    """Its word caused too many re-plans (failure_rules/quarantine.py): not placed, not believed."""
     return node.quarantined_until is not None and node.quarantined_until > now
 
 

@@ -7,13 +7,14 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ravnest.failures import Failure, FailureKind
 from ravnest.pipeline.memory import training_load
 from ravnest.spec import FailureReport, JobSpec, MetricsReport
 from ravnest.telemetry import is_stage_figure
 
 from .. import calibration, jobs
 from ..service_errors import Conflict, Forbidden, Implausible, InvalidRequest
-from ..failure_policy import StageSpeed
+from ..failure_rules.base import Blame, JobPace, Member, Replan, Report, StagePace
 from ..failure_reasons import failure_reason, who
 from ..jobs import JobState
 from ..schemas import CurvePoint, JobCreated, JobSummary, JobView
@@ -23,14 +24,17 @@ from .artifacts import Artifacts
 from .core import RESUME, Core, costs_of, planning_flops, quarantined
 from .placement import Placement
 from .recovery import Recoveries
+from .rulings import Rulings
 
 log = logging.getLogger(__name__)
 CURVE_POINTS = 5000  # most points of a curve sent at once: the newest
 
 
 class JobLifecycle:
-    def __init__(self, core: Core, placement: Placement, recoveries: Recoveries, artifacts: Artifacts) -> None:
+    def __init__(self, core: Core, placement: Placement, recoveries: Recoveries, artifacts: Artifacts,
+                 rulings: Rulings) -> None:
         self.core, self.placement, self.recoveries, self.artifacts = core, placement, recoveries, artifacts
+        self.rulings = rulings
 
     def submit(self, spec: JobSpec, owner: str | None = None) -> JobCreated:
         """`owner`: the id of the submitting key (a submitter sees and acts on its own jobs only)."""
@@ -163,23 +167,15 @@ class JobLifecycle:
             calibration.measured(node, spec.model.name, "message_s", observed)
 
     def _check_speed(self, session: Session, job: JobRow, rows: list[StageRow]) -> None:
-        """A stage far slower than planned and than its peers: re-plan without its node (failure_policy.py)."""
-        costs, nodes = costs_of(jobs.spec_of(job)), members_of(session, job.id)
+        """Every stage's pace to the failure rules (failure_rules/slow_stage.py)."""
+        costs, nodes, now = costs_of(jobs.spec_of(job)), members_of(session, job.id), self.core.clock()
         planned = {(c.cluster, s.stage): s for c in self.core.plan(job).clusters for s in c.stages}
-        speeds = [StageSpeed(row.node_id, row.cluster, row.stage, row.step, row.metrics.get("compute_s"),
-                             plan.predicted_seconds, planning_flops(nodes[row.node_id]),
-                             3 * sum(c.flops for c in costs[slice(*plan.blocks)]))  # forward, backward twice
-                  for row in rows
-                  if row.node_id in nodes and (plan := planned.get((row.cluster, row.stage)))]
-        slow = self.core.policy.slow_stage(job.id, speeds)
-        if slow is None:
-            return
-        stage, node = slow.stage, nodes[slow.stage.node_id]
-        node.measured_flops = slow.measured_flops  # the planner believes this from now on, not its profile
-        calibration.forget_slowdowns(node)  # measured against the old figure
-        reason = (f"node {who(node)} is too slow: cluster {stage.cluster} stage {stage.stage} {slow.said}; "
-                  f"re-planning without it")
-        self.recoveries.recover(session, job, reason, failure=slow.failure, left_out=[stage.node_id])
+        stages = tuple(StagePace(now, job.id, row.node_id, who(nodes[row.node_id]), row.cluster, row.stage, row.step,
+                                 row.metrics.get("compute_s"), plan.predicted_seconds,
+                                 planning_flops(nodes[row.node_id]),
+                                 3 * sum(c.flops for c in costs[slice(*plan.blocks)]))  # forward, backward twice
+                       for row in rows if row.node_id in nodes and (plan := planned.get((row.cluster, row.stage))))
+        self.rulings.observe(session, JobPace(now, job.id, stages))
 
     def curve(self, job_id: str, owner: str | None = None, after: int = 0,
               limit: int = CURVE_POINTS) -> list[CurvePoint]:
@@ -195,10 +191,10 @@ class JobLifecycle:
                     for row in reversed(list(rows))]
 
     def report_failure(self, job_id: str, authorization: str | None, report: FailureReport) -> None:
-        """A node's failure report is a claim: it re-plans the job without whom it names (or without the
-        reporter), and counts against the reporter; it fails the job only when different nodes say
-        the job cannot start (failure_policy.py)."""
-        now, policy = self.core.clock(), self.core.policy
+        """A node's failure report is a claim, judged by the failure rules (failure_rules/reports.py,
+        relay.py): it re-plans the job without whom it names (or without the reporter), and counts
+        against the reporter; it fails the job only when different nodes say the job cannot start."""
+        now = self.core.clock()
         with self.core.lock, self.core.store.session() as session:
             job, stage = self.core.job_member(session, job_id, authorization, report.node_id)
             reporter = session.get_one(NodeRow, report.node_id)  # (job_member checked it)
@@ -212,24 +208,13 @@ class JobLifecycle:
             relays = {relay.id: relay for node in members.values()
                       if node.relayed_by and (relay := session.get(NodeRow, node.relayed_by)) is not None}
             reason = failure_reason(report.failure, report.reason, reporter, stage, members, relays)
-            could_not_start_on = {r.reported_by for r in job.faults if r.could_not_start and r.reported_by}
-            if not report.recoverable and policy.fails_job(could_not_start_on | {reporter.id}):
-                nodes = len(could_not_start_on | {reporter.id})
-                jobs.transition(job, JobState.FAILED, f"{reason} (the stage could not start on {nodes} different "
-                                                      f"nodes)", now)
-                return
-            left_out = [reporter.id] if not report.recoverable else \
-                policy.left_out_by(report.failure, reporter.id, report.still_training, members)
-            lost = members.get(report.failure.peer_id or "") if report.failure else None
-            if lost is not None and lost.relayed_by:  # its relay may be what failed: it stays (a node that
-                left_out = [node for node in left_out if node != lost.id]  # is gone is not placed anyway)
-                relay = relays.get(lost.relayed_by)
-                if relay is not None and lost.last_seen >= policy.waited_for_since(now):
-                    self._blame(relay, reason)  # the node lives, so its relay lost or withheld what it carried
-            self.recoveries.recover(session, job, reason, failure=report.failure, left_out=left_out,
-                                    reported_by=reporter.id, could_not_start=not report.recoverable)
+            # a node that words its failure only (older nodes) reports a failure of its own
+            failure = report.failure or Failure(kind=FailureKind.LOCAL_ERROR, message=report.reason[:1000] or "failed")
+            seen = Report(now, job.id, reporter.id, reason, failure, report.recoverable, report.still_training,
+                          {node.id: Member(node.id, node.last_seen, node.relayed_by) for node in members.values()},
+                          {r.reported_by for r in job.faults if r.could_not_start and r.reported_by})
+            self.rulings.observe(session, seen, reported_by=reporter.id, could_not_start=not report.recoverable)
             self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
-            self._blame(reporter, reason)
 
     def hand_in_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int,
                         upload: Path) -> None:
@@ -242,20 +227,11 @@ class JobLifecycle:
                 job, node = self.core.job(session, job_id), session.get_one(NodeRow, refused.node_id)
                 reason = f"node {who(node)} handed in cluster {cluster} stage {stage}'s {refused.detail}"
                 log.warning("job %s: %s", job_id, reason)
-                if job.state in jobs.ACTIVE:
-                    self.recoveries.recover(session, job, f"{reason}; re-planning without it",
-                                            left_out=[node.id], reported_by=node.id)
-                    self._blame(node, reason)
+                failure = Failure(kind=FailureKind.IMPLAUSIBLE, message=f"handed in {refused.detail}", peer_id=node.id,
+                                  detail=f"weight_growth_bound {self.core.settings.weight_growth_bound:g}")
+                self.rulings.enforce(session, [Replan(job.id, f"{reason}; re-planning without it", failure, (node.id,)),
+                                               Blame(node.id, reason)], reported_by=node.id)
             raise
-
-    def _blame(self, node: NodeRow, reason: str) -> None:
-        """What `node` said or handed in caused a re-plan: quarantine it when that happens too often."""
-        node.replans_caused, node.quarantined_until = self.core.policy.blame(node.replans_caused or [],
-                                                                             self.core.clock())
-        if node.quarantined_until is not None:
-            node.quarantine_reason = (f"what it reported caused {self.core.settings.quarantine_after} re-plans "
-                                      f"within {self.core.settings.quarantine_window_s:.0f} s; the last: {reason}")
-            log.warning("node %s quarantined: %s", node.id, node.quarantine_reason)
 
 
 def _summary(job: JobRow) -> JobSummary:

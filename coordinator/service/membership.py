@@ -7,6 +7,7 @@ import logging
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from ravnest.failures import Failure, FailureKind
 from ravnest.relay.dial import host_of
 from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           NodeProfile, Offered)
@@ -27,6 +28,7 @@ from .offers import Offers
 from .placement import Placement
 from .reachability import Reachability, direct_links, tls_names
 from .recovery import Recoveries
+from .rulings import Rulings
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +40,21 @@ def known_as(request: JoinRequest) -> str | None:
 
 class Membership:
     def __init__(self, core: Core, credentials: Credentials, offers: Offers, placement: Placement,
-                 recoveries: Recoveries) -> None:
+                 recoveries: Recoveries, rulings: Rulings) -> None:
         self.core, self.credentials, self.offers = core, credentials, offers
-        self.placement, self.recoveries = placement, recoveries
+        self.placement, self.recoveries, self.rulings = placement, recoveries, rulings
         self.links = LinkProbes(core)
         self.reachability = Reachability(core)
 
     def tick(self) -> None:
-        """Mark nodes without recent heartbeats gone (failing their jobs), then place pending jobs."""
+        """Silent nodes and stalled stages to the failure rules, then place pending jobs."""
         core = self.core
         now = core.clock()
         with core.lock:
             if now >= core.started_at + core.settings.heartbeat_timeout_s:  # after a restart, give nodes time
                 with core.store.session() as session:
-                    gone = core.policy.gone_before(now)
-                    for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < gone)):
-                        self.node_lost(session, node, f"node {node.id} ({node.name or node.address}) stopped sending "
-                                                      f"heartbeats (last seen {now - node.last_seen:.0f} s ago)")
+                    self.rulings.check_silence(session, now)
                     self._prune_nodes(session, now - core.settings.node_retention_s)
-                    self.recoveries.replan_stalled(session, now)
             with core.store.session() as session:
                 self.recoveries.replan_recovered(session)
             self.placement.place_pending()
@@ -109,7 +107,9 @@ class Membership:
             raise Unauthorized(f"node {who(node)} was revoked by this coordinator's operator; its identity file "
                                f"cannot join again")
         if node.state != GONE:
-            self.node_lost(session, node, f"node {who(node)} restarted")
+            said = "restarted (a node's state does not survive its process)"
+            self.rulings.node_lost(session, node, f"node {who(node)} restarted",
+                                   Failure(kind=FailureKind.LEFT, message=said, peer_id=node.id))
         return node
 
     def offer(self, node_id: str, authorization: str | None, offered: Offered) -> None:
@@ -211,7 +211,8 @@ class Membership:
     def leave(self, node_id: str, authorization: str | None) -> None:
         with self.core.lock, self.core.store.session() as session:
             node = self._node(session, node_id, authorization)
-            self.node_lost(session, node, f"node {node.id} ({node.name or node.address}) left")
+            self.rulings.node_lost(session, node, f"node {node.id} ({node.name or node.address}) left",
+                                   Failure(kind=FailureKind.LEFT, message="left", peer_id=node.id))
             node.credential_ended = "left"
 
     def revoke_node(self, node_id: str) -> None:
@@ -221,7 +222,9 @@ class Membership:
             if node is None:
                 raise NotFound(f"no node {node_id}")
             if node.credential_ended != "revoked":
-                self.node_lost(session, node, f"node {node.id} ({node.name or node.address}) was revoked")
+                self.rulings.node_lost(session, node, f"node {node.id} ({node.name or node.address}) was revoked",
+                                       Failure(kind=FailureKind.LEFT, message="was revoked by the operator",
+                                               peer_id=node.id))
                 node.credential_ended = "revoked"
 
     def health(self) -> Health:
@@ -285,11 +288,3 @@ class Membership:
             session.execute(delete(OfferRow).where(OfferRow.node_id.in_(ids)))
             session.execute(delete(NodeRow).where(NodeRow.id.in_(ids)))
 
-    def node_lost(self, session: Session, node: NodeRow, reason: str) -> None:
-        """The node is gone: a job that still needed it is re-planned without it."""
-        job = session.get(JobRow, node.job_id) if node.job_id else None
-        stage = stage_of_node(session, job.id, node.id) if job is not None else None
-        if job is not None and job.state in jobs.ACTIVE and stage is not None and not stage.weights_uploaded:
-            self.recoveries.recover(session, job, f"{reason} while holding cluster {stage.cluster} stage {stage.stage}")
-        node.state, node.job_id = GONE, None
-        log.info("node %s: %s", node.id, reason)

@@ -47,9 +47,9 @@ class Placement:
                                            .order_by(JobRow.created_at)))
             idle = list(session.scalars(select(NodeRow).where(
                 NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
-                NodeRow.last_seen >= self.core.policy.gone_before(now),
+                NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s,  # not gone
                 NodeRow.reachable.is_not(False),  # peers could not dial it (it may get a relay: reachability.py)
-                or_(NodeRow.quarantined_until.is_(None), NodeRow.quarantined_until <= now))  # (failure_policy.py)
+                or_(NodeRow.quarantined_until.is_(None), NodeRow.quarantined_until <= now))  # (failure_rules/)
                 .order_by(NodeRow.joined_at)))
             if not idle and not pending:
                 return
@@ -135,7 +135,7 @@ class Placement:
                     plan.predicted_samples_per_s >= (1 + self.core.settings.grow_gain) * baseline:
                 self.recoveries.recover(session, job, f"{some} can speed it up: predicted "
                                             f"{baseline:,.0f} -> {plan.predicted_samples_per_s:,.0f} samples/s",
-                              kind=GROW)
+                                        failure=None, kind=GROW)
                 return  # the idle nodes wait for its re-plan
             log.info("job %s stays on its nodes: with %s the planner predicts %.0f -> %.0f samples/s "
                      "(%s; it grows at +%.0f%%)", job.id, some, baseline,

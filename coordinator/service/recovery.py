@@ -20,10 +20,9 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from ravnest.failures import Failure, FailureKind
+from ravnest.failures import Failure
 
 from .. import jobs
-from ..failure_reasons import who
 from ..jobs import JobState
 from ..schemas import Recovery
 from ..store import CheckpointRow, JobRow, NodeRow, StageRow, stage_of_node, stages_of
@@ -36,40 +35,27 @@ class Recoveries:
         self.core, self.artifacts = core, artifacts
         self._training_alone: dict[str, str] = {}  # node id -> the job it trains alone (its last heartbeat)
 
-    def recover(self, session: Session, job: JobRow, reason: str, kind: str = LOST, failure: Failure | None = None,
+    def recover(self, session: Session, job: JobRow, reason: str, *, failure: Failure | None, kind: str = LOST,
                 left_out: Sequence[str] = (), **record: Any) -> None:
         """Re-plan `job`: its nodes are told to stop and hand in their state; once they did (or left),
         `replan_recovered` plans it again from the freshest state of every block. Losses since the
         last resume are bounded by placement.max_recoveries; growing onto new nodes is not a loss.
+        `failure`: what happened, as data (None only where nothing failed: a grow).
         `record`: more fields of the Recovery record (who reported it)."""
         spec, clock = jobs.spec_of(job), self.core.clock
         since_resume = list(itertools.takewhile(lambda r: r.kind != RESUME, reversed(job.faults or [])))
         losses = sum(r.kind == LOST for r in since_resume)
-        if kind == LOST and not self.core.policy.recoveries_left(spec.placement.max_recoveries, losses):
+        if kind == LOST and failure is None:
+            raise ValueError(f"a re-plan after a loss needs its failure: {reason}")
+        if kind == LOST and losses >= spec.placement.max_recoveries:
             jobs.transition(job, JobState.FAILED, f"{reason}; no recovery left (placement.max_recoveries = "
                                                   f"{spec.placement.max_recoveries})", clock())
             return
         self.open(session, job, kind, reason, failure, left_out, **record)
-        self.core.policy.forget(job.id)
+        self.core.rules.forget(job.id)
         words = "intact clusters train on, then its nodes hand in their state" if kind == LOST else \
             "its nodes hand in their state"
         jobs.transition(job, JobState.RECOVERING, f"{reason}; {words}, then it is planned again", clock())
-
-    def replan_stalled(self, session: Session, now: float) -> None:
-        """A stage alone in its cluster that reported nothing for `stall_s` while its job ran: its node
-        heartbeats but does no work (or lies about it). Nobody else would notice; re-plan without it."""
-        before = now - self.core.settings.stall_s
-        for row in session.scalars(select(StageRow).join(JobRow, JobRow.id == StageRow.job_id).where(
-                JobRow.state == JobState.RUNNING.value, StageRow.updated_at < before, JobRow.updated_at < before)):
-            job, node = session.get_one(JobRow, row.job_id), session.get(NodeRow, row.node_id)
-            if job.state != JobState.RUNNING.value or node is None or \
-                    len(self.core.plan(job).clusters[row.cluster].stages) > 1:
-                continue
-            said = f"reported no progress for {now - max(row.updated_at, job.updated_at):.0f} s (at step {row.step})"
-            self.recover(session, job, f"node {who(node)} {said}: cluster {row.cluster} stage {row.stage}; "
-                                       f"re-planning without it", left_out=[node.id],
-                         failure=Failure(kind=FailureKind.TIMEOUT, message=said, peer_id=node.id, step=row.step,
-                                         detail=f"stall_s {self.core.settings.stall_s:g}"))
 
     def open(self, session: Session, job: JobRow, kind: str, reason: str,
              failure: Failure | None = None, left_out: Sequence[str] = (), **record: Any) -> None:
@@ -132,7 +118,7 @@ class Recoveries:
         hands in nothing (if it is only late, the new credential ends what it still runs). True if any
         job went back to pending."""
         now, replanned = self.core.clock(), False
-        silent_since = self.core.policy.waited_for_since(now)
+        silent_since = now - self.core.settings.recovery_silence_s
         for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RECOVERING.value)):
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id, NodeRow.state != GONE)))
             waited_out = now - job.updated_at >= self.core.settings.recovery_wait_s

@@ -1,0 +1,36 @@
+"""A node's failure report is a claim. No single node decides a job's fate: a report re-plans the job
+without the node it names (a peer it lost) or, naming none, without the reporter itself; a stage that
+trains on alone leaves out nobody. A report that the stage could not start at all fails the job only
+once `fail_after_nodes` different nodes said so (a model that cannot run anywhere); before that, the
+job is re-planned without the reporter. Every re-plan a report causes counts against the reporter
+(quarantine.py)."""
+from __future__ import annotations
+
+from ravnest.failures import PEER_KINDS, FailureKind
+
+from . import rule
+from .base import Blame, Decision, FailJob, Replan, Report, Rule
+
+
+@rule
+class FailureReports(Rule[Report]):
+    observes = Report
+
+    def decide(self, seen: Report) -> list[Decision]:
+        said_so = {*seen.could_not_start_on, seen.reporter_id}
+        if not seen.recoverable and len(said_so) >= self.settings.fail_after_nodes:
+            return [FailJob(seen.job_id, f"{seen.reason} (the stage could not start on {len(said_so)} different "
+                                         f"nodes)")]
+        return [Replan(seen.job_id, seen.reason, seen.failure, tuple(self.left_out(seen))),
+                Blame(seen.reporter_id, seen.reason)]
+
+    @staticmethod
+    def left_out(seen: Report) -> list[str]:
+        """Whom the re-plan leaves out: the peer the report names, else the reporter unless it trains on."""
+        if not seen.recoverable:
+            return [seen.reporter_id]
+        named = seen.failure.peer_id if seen.failure is not None else None
+        if named is not None and named in seen.members and named != seen.reporter_id \
+                and seen.failure is not None and seen.failure.kind in (*PEER_KINDS, FailureKind.PEER_FAILED):
+            return [named]
+        return [] if seen.still_training else [seen.reporter_id]

@@ -1,0 +1,94 @@
+"""Carrying out what the failure rules decide (coordinator/failure_rules): the one place their decisions
+touch the store. Services observe (a silent node, a stalled stage, a job's pace, a failure report) and
+hand the decisions here."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ravnest.failures import Failure
+
+from .. import calibration, jobs
+from ..failure_reasons import who
+from ..failure_rules.base import (Blame, Blamed, BlameRecord, CorrectFlops, Decision, FailJob, NodeGone, Observation,
+                                  Quarantine, Replan, Silence, Spare, Stall)
+from ..jobs import JobState
+from ..store import JobRow, NodeRow, StageRow, stage_of_node
+from .core import GONE, Core
+from .recovery import Recoveries
+
+log = logging.getLogger(__name__)
+
+
+class Rulings:
+    def __init__(self, core: Core, recoveries: Recoveries) -> None:
+        self.core, self.recoveries = core, recoveries
+
+    def observe(self, session: Session, observation: Observation, **record: Any) -> list[Decision]:
+        """What the rules decide about `observation`, carried out; `record`: more fields of a re-plan's
+        Recovery record (who reported it)."""
+        decisions = self.core.rules.observe(observation)
+        self.enforce(session, decisions, **record)
+        return decisions
+
+    def enforce(self, session: Session, decisions: Sequence[Decision], **record: Any) -> None:
+        spared = {d.node_id for d in decisions if isinstance(d, Spare)}
+        for d in decisions:
+            if isinstance(d, FailJob):
+                jobs.transition(session.get_one(JobRow, d.job_id), JobState.FAILED, d.reason, self.core.clock())
+            elif isinstance(d, Replan):
+                job = session.get_one(JobRow, d.job_id)
+                if job.state in jobs.ACTIVE:
+                    self.recoveries.recover(session, job, d.reason, failure=d.failure,
+                                            left_out=[n for n in d.left_out if n not in spared], **record)
+            elif isinstance(d, NodeGone):
+                node = session.get(NodeRow, d.node_id)
+                if node is not None and node.state != GONE:
+                    self.node_lost(session, node, d.reason, d.failure)
+            elif isinstance(d, CorrectFlops):
+                node = session.get(NodeRow, d.node_id)
+                if node is not None:
+                    node.measured_flops = d.flops  # the planner believes this from now on, not its profile
+                    calibration.forget_slowdowns(node)  # measured against the old figure
+            elif isinstance(d, Blame):
+                self.blame(session, d.node_id, d.reason)
+            elif isinstance(d, BlameRecord):
+                session.get_one(NodeRow, d.node_id).replans_caused = list(d.caused)
+            elif isinstance(d, Quarantine):
+                node = session.get_one(NodeRow, d.node_id)
+                node.quarantined_until, node.quarantine_reason = d.until, d.reason
+                log.warning("node %s quarantined: %s", node.id, d.reason)
+
+    def blame(self, session: Session, node_id: str, reason: str) -> None:
+        """What the node said or handed in caused a re-plan (a relay's id may be the coordinator's own)."""
+        node = session.get(NodeRow, node_id)
+        if node is not None:
+            self.observe(session, Blamed(self.core.clock(), node.id, reason, tuple(node.replans_caused or ())))
+
+    def node_lost(self, session: Session, node: NodeRow, reason: str, failure: Failure) -> None:
+        """The node is gone: a job that still needed it is re-planned without it."""
+        job = session.get(JobRow, node.job_id) if node.job_id else None
+        stage = stage_of_node(session, job.id, node.id) if job is not None else None
+        if job is not None and job.state in jobs.ACTIVE and stage is not None and not stage.weights_uploaded:
+            self.recoveries.recover(session, job, f"{reason} while holding cluster {stage.cluster} stage {stage.stage}",
+                                    failure=failure)
+        node.state, node.job_id = GONE, None
+        log.info("node %s: %s", node.id, reason)
+
+    def check_silence(self, session: Session, now: float) -> None:
+        """Every node that missed a heartbeat, and every stage alone in its cluster that has not reported
+        since the last interval while its job ran, as the rules see them."""
+        late = now - self.core.settings.heartbeat_interval_s
+        for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < late)):
+            self.observe(session, Silence(now, node.id, f"{node.id} ({node.name or node.address})", node.last_seen))
+        for row in session.scalars(select(StageRow).join(JobRow, JobRow.id == StageRow.job_id).where(
+                JobRow.state == JobState.RUNNING.value, StageRow.updated_at < late, JobRow.updated_at < late)):
+            job, holder = session.get_one(JobRow, row.job_id), session.get(NodeRow, row.node_id)
+            if job.state == JobState.RUNNING.value and holder is not None \
+                    and len(self.core.plan(job).clusters[row.cluster].stages) == 1:
+                self.observe(session, Stall(now, job.id, holder.id, who(holder), row.cluster, row.stage, row.step,
+                                            max(row.updated_at, job.updated_at)))
