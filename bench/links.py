@@ -13,7 +13,7 @@ planner cuts for two equal nodes. Runs, in this order:
 - bf16 on the slow tier;
 - compressed on the slow tier: the model with `residual_rank` 12 (ravnest/models/subspace.py: 14
   numbers per token cross the cut instead of 256) and `codec: "auto"`, whose per-link pick is the
-  planner's own (coordinator/planning.py `pick_codecs`) from the tier's bandwidth and this machine's
+  planner's own (coordinator/codec_choice.py `pick_codecs`) from the tier's bandwidth and this machine's
   measured FLOP/s.
 
 Then, for the averaging codec, 2 clusters x 2 stages of the compressed model on loopback with
@@ -43,7 +43,7 @@ import torch
 from bench.allreduce import TESTBED
 from bench.common import command_line, write_section
 from bench.lm import PACKAGES
-from coordinator.planning import pick_codecs
+from coordinator.codec_choice import pick_codecs
 from node.profiler import matmul_flops
 from ravnest.data.tokens import prepare
 from ravnest.models import build_model, profile_blocks

@@ -19,7 +19,7 @@ its own jobs). A stranger never gets as far as a parsed body.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -35,8 +35,12 @@ JOB_VIEWS = {"curve", "events"}  # GET /v1/jobs/{id}/curve|events: what the job 
 COOKIE = "ravnest_key"
 
 
-def required(method: str, path: str) -> str:
-    """"open" | "join" | "node" | "reader" | "submitter" | "operator": what a call needs."""
+# what a call needs: nothing, a join token, a node's own credential, or an API key of at least a role
+Need = Literal["open", "join", "node", "reader", "submitter", "operator"]
+
+
+def required(method: str, path: str) -> Need:
+    """What a call needs."""
     if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
         return "open"
     parts = path.strip("/").split("/")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ravnest.averaging.registry import NO_AVERAGING
 from ravnest.models.profile import BlockCost
 from ravnest.partition import stage_memory_bytes
 from ravnest.pipeline.memory import training_load
@@ -80,7 +81,7 @@ def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placemen
     unused = {n.node_id: "spare: equal-split takes whole clusters" for n in by_memory[k * size:]}
 
     ranges = equal_parameter_cuts([c.params for c in costs], size)
-    averaged = averaging.strategy != "none" and k > 1
+    averaged = averaging.strategy != NO_AVERAGING and k > 1
     load = training_load(training, size, averaging=averaged)
     shapes, why = [], []
     for chain in clusters:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ravnest.averaging.registry import NO_AVERAGING
 from ravnest.averaging.strategy import AUTO
 from ravnest.data.datasets import DatasetError, load_dataset
 from ravnest.models import ModelError, ModelSpec, build_model
@@ -187,7 +188,7 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
 
     def peer(s: int, link: int) -> StagePeer:  # link: the stage whose link to the next one joins the two
         return member(stages[s], stages[link].codec)
-    rings = [] if spec.averaging.strategy == "none" else [
+    rings = [] if spec.averaging.strategy == NO_AVERAGING else [
         Ring(segment=ring.segment, blocks=ring.blocks, weights=ring.weights, order=ring.order,
              members=[member(plan.clusters[c].stages[s]) for c, s in enumerate(ring.stages)])
         for ring in plan.rings if ring.stages[cluster] == stage]

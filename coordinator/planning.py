@@ -38,8 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ravnest.averaging.registry import AUTO, NO_AVERAGING, strategy_info
 from ravnest.averaging import runtime
-from ravnest.averaging.registry import strategy_info
 from ravnest.averaging.segments import segment_rings
 from ravnest.averaging.shares import balanced_shares
 from ravnest.errors import RavnestError
@@ -47,20 +47,16 @@ from ravnest.models.profile import BlockCost, stage_input
 from ravnest.partition import (Load, NodeCapacity, PartitionError, compute_seconds, partition, stage_memory_bytes,
                                stage_seconds)
 from ravnest.pipeline.memory import training_load
-from ravnest.pipeline.precision import wire_codec
 from ravnest.spec import AUTO_CODEC, AveragingSettings, Placement, TrainingSettings
 from ravnest.wire import codecs
 
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
+from .codec_choice import averaging_candidates, averaging_codec, averaging_predictions, coded_links, pick_codecs
 from .ring_order import best_ring
 from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, PlannedStage
 
 
 NEAR_BEST = 0.9  # within this share of the best predicted throughput the simpler plan wins (shallower, more groups)
-AUTO_LINK_SHARE = 0.5  # codec "auto": a link whose transfer at full precision takes longer than this share
-                       # of its stages' compute is compressed (the asynchronous pipeline hides the rest)
-AUTO_COMPRESSED = "bf16"  # what "auto" sends on such a link: half the bytes, float32's range
-AUTO_AVERAGING_SLACK = 1.05  # averaging codec "auto": compress no further than what gains over 5% a step
 # what relay code holds on a node whose links run through it (node/relaying.py): a hidden node's tunnels, or the
 # relay for its peers of a node sent to hidden ones; with 2 of 4 nodes hidden, the digits CNN's stages measured
 # 0.9-3 MiB above their prediction on either side, and within it with no node hidden
@@ -213,7 +209,7 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
         merged, inputs, memory = per_shape[id(shape)]
         chain = capacities(replica, links)
         link_codecs = pick_codecs(merged, chain, training)
-        coded = _coded_links(merged, link_codecs)
+        coded = coded_links(merged, link_codecs)
         stage_times = [stage_seconds(coded, capacity, s, s + 1) for s, capacity in enumerate(chain)]
         step_s.append(_compute_step_s(stage_times, shape.load, training))
         per_step = 2 * training.accumulation * shape.load.parts  # activations forward, gradients back
@@ -238,7 +234,7 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
     depths = sorted({len(s.ranges) for s in shapes})
     reason = (f"{_n(len(clusters), 'cluster')} x {'/'.join(map(str, depths))} stage{'s' if depths != [1] else ''}, "
               f"predicted {_rate(throughput)}; " + "; ".join(_counted(why)))
-    if averaging_plan is not None and averaging.strategy == "auto":
+    if averaging_plan is not None and averaging.strategy == AUTO:
         reason += f"; averaging: {averaging_plan.strategy}" + (f" ({averaging_plan.topology})" if
                                                                averaging_plan.topology else "") + \
             f", predicted fastest at {averaging_plan.predicted_step_s[_table_key(averaging_plan)] * 1e3:.3g} ms/step"
@@ -362,7 +358,7 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
             count = len(chain) // depth if many else 1
             # stage i of every replica comes from slice i of the chain order
             dealt = [[chain[i * count + r] for i in range(depth)] for r in range(count)]
-            with_rings = averaging.strategy != "none" and (averaged or count > 1)
+            with_rings = averaging.strategy != NO_AVERAGING and (averaged or count > 1)
             load = training_load(training, depth, averaging=with_rings)
             weakest = _weakest(dealt, links)
             try:
@@ -410,9 +406,9 @@ def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: 
     the weakest capacity over the replicas), and with averaging among them (the runtime model) times
     their number."""
     plain = _merge_stages(costs, ranges, load.parts)
-    merged = _coded_links(plain, pick_codecs(plain, weakest, training))  # what each link carries, as coded
+    merged = coded_links(plain, pick_codecs(plain, weakest, training))  # what each link carries, as coded
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
-    codec = _averaging_candidates(averaging)[-1] if averaging.codec == AUTO_CODEC else averaging.codec
+    codec = averaging_candidates(averaging)[-1] if averaging.codec == AUTO_CODEC else averaging.codec
     groups = [runtime.Group(len(replicas), coded_bytes(merged[s].param_bytes, codec, len(replicas)),
                             min(r[s].bandwidth for r in replicas),
                             max(r[s].latency for r in replicas), fine_overlap=len(ranges) == 1)
@@ -433,57 +429,28 @@ def _averaged_step_s(averaging: AveragingSettings, training: TrainingSettings, s
                      groups: list[runtime.Group]) -> float:
     """Seconds per step with the job's averaging (the fastest candidate for "auto"); rounds by the
     clock (`every_seconds`) and plug-ins the model does not know are taken as free."""
-    if averaging.strategy == "auto":
-        return min(v for k, v in _predictions(averaging, training, step_s, groups).items() if k != "allreduce")
+    if averaging.strategy == AUTO:
+        return min(v for k, v in averaging_predictions(averaging, training, step_s, groups).items() if k != "allreduce")
     if averaging.every_seconds is not None or strategy_info(averaging.strategy).cost is None:
         return step_s
     return runtime.strategy_step_s(averaging.strategy, step_s, groups, every=averaging.every,
                                    topology=averaging.topology, settings=averaging.of(averaging.strategy))
 
 
-def _predictions(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
-                 groups: list[runtime.Group]) -> dict[str, float]:
-    return runtime.predictions(step_s, groups, every=averaging.every, optimizer=training.optimizer.name,
-                               settings=averaging.of)
-
-
 def _planned_averaging(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
                        ring_groups: Callable[[str], list[runtime.Group]]) -> PlannedAveraging | None:
     """The runtime model's table for the plan, and the strategy (and codec) the stages will run."""
-    if averaging.strategy == "none" or not ring_groups(""):
+    if averaging.strategy == NO_AVERAGING or not ring_groups(""):
         return None
     codec = averaging.codec if averaging.codec != AUTO_CODEC else \
-        _averaging_codec(averaging, training, step_s, ring_groups)
+        averaging_codec(averaging, training, step_s, ring_groups)
     groups = ring_groups(codec)
-    table = _predictions(averaging, training, step_s, groups)
-    strategy, topology = ((averaging.strategy, averaging.topology) if averaging.strategy != "auto"
+    table = averaging_predictions(averaging, training, step_s, groups)
+    strategy, topology = ((averaging.strategy, averaging.topology) if averaging.strategy != AUTO
                           else runtime.pick(table))
     return PlannedAveraging.model_construct(strategy=strategy, topology=topology, compute_step_s=step_s,
                                             predicted_step_s=table, paced=runtime.link_bound(step_s, groups),
                                             codec=codec)
-
-
-def _averaging_candidates(averaging: AveragingSettings) -> list[str]:
-    """What averaging codec "auto" chooses among, least lossy first (a shape is priced with the last)."""
-    changes = averaging.strategy != "auto" and strategy_info(averaging.strategy).averages_changes
-    return ["", "int8", *(["topk"] if changes else [])]
-
-
-def _averaging_codec(averaging: AveragingSettings, training: TrainingSettings, step_s: float,
-                     ring_groups: Callable[[str], list[runtime.Group]]) -> str:
-    """codec "auto": the least lossy codec (raw, then int8, then topk where the strategy averages changes)
-    whose predicted step is within AUTO_AVERAGING_SLACK of the fastest one's: compress only where it pays
-    (not where rounds keep up anyway, nor where latency, not bytes, sets their pace)."""
-    if averaging.strategy != "auto" and strategy_info(averaging.strategy).cost is None:
-        return ""  # a plug-in the runtime model cannot price: no reason to compress
-    predicted = {}
-    for codec in _averaging_candidates(averaging):
-        predicted[codec] = min(_predictions(averaging, training, step_s, ring_groups(codec)).values()) \
-            if averaging.strategy == "auto" else runtime.strategy_step_s(
-                averaging.strategy, step_s, ring_groups(codec), every=averaging.every, topology=averaging.topology,
-                settings=averaging.of(averaging.strategy))
-    fastest = min(predicted.values())
-    return next(codec for codec, step in predicted.items() if step <= AUTO_AVERAGING_SLACK * fastest)
 
 
 MAX_WEIGHTED_RING = 16  # balancing costs O(members^2) per iteration; larger rings share equally
@@ -500,36 +467,6 @@ def ring_weights(members: Sequence[NodeInfo], links: Links | None = None) -> lis
 @lru_cache(maxsize=1024)  # replicas dealt from one group often give rings with the same links
 def _balanced(links: tuple[float, ...]) -> list[float]:
     return balanced_shares(list(links), iterations=200)  # within 1e-4 of 4000 iterations' bound
-
-
-def pick_codecs(merged: list[BlockCost], chain: list[NodeCapacity], training: TrainingSettings | None,
-                ) -> list[str | None]:
-    """Per stage, the codec on its link to the next stage (None on the last). The job's, or with
-    `codec: "auto"` the precision's own (float32 for fp32) wherever the link moves a micro-batch's
-    activations and gradients in under AUTO_LINK_SHARE of the slower end's compute, else bf16: a link
-    is compressed only where it would otherwise hold its stages up."""
-    asked, precision = (training.codec, training.precision) if training else ("", "fp32")
-    plain = wire_codec(asked, precision)
-    chosen: list[str | None] = []
-    for s in range(len(merged) - 1):
-        if asked != AUTO_CODEC:
-            chosen.append(plain)
-            continue
-        wire_s = 2 * _coded(merged[s].activation_bytes, plain) / chain[s].bandwidth_to_next
-        compute_s = max(compute_seconds(merged[s].flops, chain[s]), compute_seconds(merged[s + 1].flops, chain[s + 1]))
-        chosen.append(plain if wire_s <= AUTO_LINK_SHARE * compute_s else AUTO_COMPRESSED)
-    return [*chosen, None]
-
-
-def _coded_links(merged: list[BlockCost], link_codecs: list[str | None]) -> list[BlockCost]:
-    """Each stage's profile with what its link to the next carries under that link's codec."""
-    return [dataclasses.replace(m, activation_bytes=_coded(m.activation_bytes, codec))
-            for m, codec in zip(merged, link_codecs)]
-
-
-def _coded(activation_bytes: int, codec: str | None) -> int:
-    """Bytes `codec` sends for float32 activations of `activation_bytes`."""
-    return activation_bytes if not codec else codecs.codec(codec).wire_bytes(activation_bytes // 4)
 
 
 def _merge_stages(costs: list[BlockCost], ranges: list[tuple[int, int]], parts: int = 1) -> list[BlockCost]:

@@ -1,6 +1,8 @@
 """Bodies of the coordinator's own REST responses (the node contract lives in ravnest.spec)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from ravnest.failures import Failure
@@ -243,7 +245,8 @@ class JobCreated(BaseModel):
     reason: str = ""
 
 
-ROLES = ("operator", "submitter", "reader")
+# what an API key may do (auth.py says which calls need which): the one list of roles
+Role = Literal["operator", "submitter", "reader"]
 MAX_LIFETIME_S = 366 * 86400.0
 
 
@@ -258,16 +261,15 @@ class JoinTokenRequest(BaseModel):
 class KeyRequest(BaseModel):
     model_config = {"extra": "forbid", "strict": True}
     name: str = Field("", max_length=128, description="whose key, e.g. 'alice'")
-    role: str = Field(pattern="^(operator|submitter|reader)$",
-                      description="operator: everything; submitter: submits jobs and sees, cancels, resumes and "
-                                  "downloads its own; reader: sees every job and node, changes nothing")
+    role: Role = Field(description="operator: everything; submitter: submits jobs and sees, cancels, resumes and "
+                                   "downloads its own; reader: sees every job and node, changes nothing")
     expires_in_s: float | None = Field(None, gt=0, le=MAX_LIFETIME_S)
 
 
 class Identity(BaseModel):
     """Who the caller's API key is, and what it may do (the dashboard shows only what works)."""
     id: str
-    role: str = Field(description="operator | submitter | reader")
+    role: Role
     name: str
     sees_every_job: bool
     may_submit: bool

@@ -206,12 +206,6 @@ def profile_node(client: httpx.Client, device: torch.device, max_memory: int | N
         idle_bytes=status_bytes("VmRSS") or 0)
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -8,12 +8,13 @@ out. Every token is kept only as its hash; every refusal says why (expired, revo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast, get_args
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..service_errors import Conflict, NotFound
-from ..schemas import CredentialCreated, CredentialView, JoinTokenRequest, KeyRequest
+from ..schemas import CredentialCreated, CredentialView, JoinTokenRequest, KeyRequest, Role
 from ..security import hash_token, new_id, new_token
 from ..store import CredentialRow, NodeRow
 from .core import Core, node_refusal
@@ -26,7 +27,7 @@ class Principal:
     """Who is calling: an API key (with its role), a join token, or a joined node."""
     kind: str
     id: str
-    role: str | None = None
+    role: Role | None = None
     name: str = ""
 
     @property
@@ -40,6 +41,11 @@ class Principal:
     def describe(self) -> str:
         what = f"{self.role} key" if self.kind == KEY else "join token" if self.kind == JOIN else "credential of node"
         return f"{what} {self.name or self.id!r}" if self.kind != NODE else f"{what} {self.id}"
+
+
+def _role(stored: str | None) -> Role | None:
+    """A key's role as the store keeps it (text; KeyRequest lets only roles in)."""
+    return cast(Role, stored) if stored in get_args(Role) else None
 
 
 def credential_refusal(row: CredentialRow, now: float) -> str | None:
@@ -63,7 +69,7 @@ class Credentials:
         with self.core.store.session() as session:
             row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == digest)).first()
             if row is not None:
-                return credential_refusal(row, now) or Principal(row.kind, row.id, row.role, row.name)
+                return credential_refusal(row, now) or Principal(row.kind, row.id, _role(row.role), row.name)
             node = session.scalars(select(NodeRow).where(NodeRow.token_hash == digest)).first()
             if node is not None:
                 return node_refusal(node, now) or Principal(NODE, node.id, name=node.name)
@@ -109,7 +115,7 @@ class Credentials:
         row.used += 1
         if row.uses_left is not None:
             row.uses_left -= 1
-        return Principal(row.kind, row.id, row.role, row.name)
+        return Principal(row.kind, row.id, _role(row.role), row.name)
 
 
 def _view(row: CredentialRow) -> CredentialView:

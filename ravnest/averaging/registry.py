@@ -81,6 +81,10 @@ class StrategyInfo:
     cost: Callable[[CostInputs], float] | None = None
     flat_keys: dict[str, str] = field(default_factory=dict)
     averages_changes: bool = False
+    # `auto`: the planner may choose it (it needs a `cost`), preferring the lower rank (the more
+    # synchronous) within 5% (runtime.py), for the optimizers `fits` accepts (by name)
+    auto_rank: int | None = None
+    fits: Callable[[str], bool] = lambda optimizer: True
 
 
 def _adapt(name: str, loaded: Any) -> StrategyInfo | None:
@@ -100,7 +104,8 @@ _RESERVED = {NO_AVERAGING: StrategyInfo(NO_AVERAGING, lambda context: None, wait
 def register_strategy(name: str, *, settings: type[StrategySettings] = StrategySettings, gossip: bool = False,
                       by_seconds: bool = False, waits_for_peers: bool = True,
                       cost: Callable[[CostInputs], float] | None = None,
-                      flat_keys: dict[str, str] | None = None, averages_changes: bool = False) -> Callable:
+                      flat_keys: dict[str, str] | None = None, averages_changes: bool = False,
+                      auto_rank: int | None = None, fits: Callable[[str], bool] = lambda optimizer: True) -> Callable:
     """Decorator registering `factory(context) -> AveragingStrategy` (a class will do) under `name`,
     with what the strategy declares about itself (the module docstring)."""
     if name in _RESERVED:
@@ -108,7 +113,7 @@ def register_strategy(name: str, *, settings: type[StrategySettings] = StrategyS
 
     def decorate(factory: Callable) -> Callable:
         _REGISTRY.register(name, StrategyInfo(name, factory, settings, gossip, by_seconds, waits_for_peers, cost,
-                                              dict(flat_keys or {}), averages_changes))
+                                              dict(flat_keys or {}), averages_changes, auto_rank, fits))
         return factory
     return decorate
 
@@ -130,3 +135,17 @@ def is_strategy(name: str) -> bool:
 def registered() -> list[StrategyInfo]:
     """Every strategy registered so far, built-ins included (plug-ins once looked up)."""
     return _REGISTRY.items()
+
+
+def auto_candidates(optimizer: str) -> list[StrategyInfo]:
+    """The strategies `auto` chooses among for `optimizer`, most synchronous (lowest rank) first: every
+    one registered or installed that declares an `auto_rank` and a cost, and fits the optimizer."""
+    found = []
+    for name in _REGISTRY.names():
+        try:
+            info = _REGISTRY.get(name)
+        except StrategyError:  # a broken plug-in is named where a job asks for it, never chosen
+            continue
+        if info.auto_rank is not None and info.cost is not None and info.fits(optimizer):
+            found.append(info)
+    return sorted(found, key=lambda info: (info.auto_rank, info.name))

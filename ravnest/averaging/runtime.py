@@ -41,8 +41,9 @@ machine, as in tests and benchmarks here) communication takes its CPU from the c
 strategy costs T plus all it moves per step (`spare_core=False`; ring: T + AR / E, dear: T + RS + AG,
 gossip: T + X / E). The planner assumes one node per machine, with a core to spare.
 
-`auto` picks the fastest predicted strategy; within 5% it prefers the more synchronous one (dear,
-then ring, then gossip): exact averages cost nothing extra there.
+`auto` picks the fastest predicted strategy among those that declare an `auto_rank` (registry.py);
+within 5% it prefers the more synchronous one (the lower rank: dear, then ring, then gossip): exact
+averages cost nothing extra there.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ from statistics import NormalDist
 from typing import Any, Callable
 
 from ravnest.averaging.fusion import MB
-from ravnest.averaging.registry import NO_AVERAGING, CostInputs, Group, strategy_info
+from ravnest.averaging.registry import NO_AVERAGING, CostInputs, Group, auto_candidates, strategy_info
 from ravnest.averaging.topology import TOPOLOGIES, mixing_row
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward costs about twice the forward
@@ -133,10 +134,11 @@ def mean_degree(topology: str, members: int) -> float:
 
 
 def candidates(optimizer: str) -> list[tuple[str, str]]:
-    """(strategy, topology) pairs `auto` chooses among, most synchronous first; gossip is named
-    "dadam" for Adam-type optimizers, else "dsgd" (the same mixing)."""
-    gossip = "dadam" if "adam" in optimizer.lower() else "dsgd"
-    return [("dear", ""), ("ring", ""), *((gossip, topology) for topology in TOPOLOGIES)]
+    """(strategy, topology) pairs `auto` chooses among, most synchronous first, as the strategies
+    declare (`auto_rank`, `fits`: dear, ring, then gossip, "dadam" for Adam-type optimizers, else
+    "dsgd"); a gossip strategy once per topology."""
+    return [(info.name, topology) for info in auto_candidates(optimizer)
+            for topology in (TOPOLOGIES if info.gossip else ("",))]
 
 
 def predictions(step_s: float, groups: Sequence[Group], *, every: int, optimizer: str, spare_core: bool = True,

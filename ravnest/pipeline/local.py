@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ravnest.averaging.registry import NO_AVERAGING
 from ravnest.averaging import segment_rings
 from ravnest.data import load_dataset
 from ravnest.models import BlockCost, build_model, profile_blocks, stage_input
@@ -59,7 +60,7 @@ def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], add
     clusters = [make_assignments(job, ranges, addrs, token, job_id, cluster=c, num_clusters=len(cluster_ranges),
                                  costs=costs)
                 for c, (ranges, addrs) in enumerate(zip(cluster_ranges, addresses))]
-    if job.averaging.strategy == "none" or len(clusters) < 2:
+    if job.averaging.strategy == NO_AVERAGING or len(clusters) < 2:
         return clusters
     for segment, (blocks, holders) in enumerate(segment_rings([list(r) for r in cluster_ranges])):
         ring = Ring(segment=segment, blocks=blocks, members=[

@@ -26,6 +26,8 @@ from typing import Callable, ContextManager
 
 import torch
 
+from ravnest.wire import codecs
+
 log = logging.getLogger(__name__)
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FORCE_ENV = "RAVNEST_PRECISION_ANYWAY"  # "1": compute in bf16/fp16 even where it is emulated (to measure it)
@@ -38,7 +40,7 @@ WIRE_CODEC = {"bf16": "bf16"}
 def wire_codec(asked: str, precision: str) -> str:
     """The pipeline codec of a link whose job asked for `asked`: the precision's default where it named
     none, or left the choice to a planner that did not make one ("auto" run outside the coordinator)."""
-    return WIRE_CODEC.get(precision, "") if asked in ("", "auto") else asked
+    return WIRE_CODEC.get(precision, "") if asked in ("", codecs.AUTO) else asked
 
 
 def usable_precision(asked: str, device: torch.device) -> str:

@@ -11,7 +11,7 @@ from ravnest.wire import codecs
 
 from .base import DATASET_NAME, MAX_STEPS, SHA256, Strict, plain_json
 
-AUTO_CODEC = "auto"  # training.codec: the planner picks each link's
+AUTO_CODEC = codecs.AUTO  # training.codec, averaging.codec: the planner picks
 
 
 def known_codec(name: str, use: str) -> str:

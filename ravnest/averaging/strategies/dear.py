@@ -89,7 +89,7 @@ def dear_cost(c: CostInputs) -> float:
             + straggler_s(c))
 
 
-@register_strategy("dear", settings=DearSettings, cost=dear_cost,
+@register_strategy("dear", settings=DearSettings, cost=dear_cost, auto_rank=0,
                    flat_keys={"fusion_mb": "fusion_mb", "tune_fusion": "tune_fusion"})
 class DecoupledAllReduce(GroupStrategy):
     name = "dear"

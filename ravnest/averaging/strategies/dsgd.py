@@ -59,7 +59,8 @@ def gossip_cost(c: CostInputs) -> float:
     return c.step_s + max(0.0, exchange - (c.step_s if c.spare_core else 0.0)) / c.every
 
 
-@register_strategy("dsgd", gossip=True, cost=gossip_cost)
+@register_strategy("dsgd", gossip=True, cost=gossip_cost, auto_rank=2,
+                   fits=lambda optimizer: "adam" not in optimizer.lower())
 class GossipMixing(GroupStrategy):
     """See the module docstring; the optimizer is the job's (with Adam-type optimizers this is
     decentralized Adam: strategy "dadam")."""

@@ -86,7 +86,7 @@ def ring_cost(c: CostInputs) -> float:
     return ring_round_s(c, max(1, c.every // 2) if c.spare_core else 0)
 
 
-@register_strategy("ring", by_seconds=True, cost=ring_cost)
+@register_strategy("ring", by_seconds=True, cost=ring_cost, auto_rank=1)
 class RingAveraging(GroupStrategy):
     """Periodic, overlapped averaging of the segments `assignment.rings` names (one ring each).
 

@@ -14,18 +14,26 @@ added to the next tensor of the same name), held by the sender in a dict it pass
     int8       1 byte + a scale per tensor      -                averaging
     topk       17 bits of 1 in 64 values        error feedback   averaging (all-gather, diloco)
 
-Built-ins register themselves on import; `codec(name)` finds one, `names(use)` lists them.
+A codec declares where `auto` may choose it (`auto`: per use, its loss rank there, 0 lossless): the
+planners choose among the registered codecs that say so (coordinator/codec_choice.py), least lossy first.
+
+Built-ins are the modules of this package, found by listing it (as averaging strategies are); installed
+packages add codecs through the entry-point group "ravnest.codecs" (a `Codec` subclass). Every codec is
+known from the first lookup on, so a name read off the wire never loads code. `codec(name)` finds one,
+`names(use)` lists them.
 """
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
-from ravnest.errors import did_you_mean
-from ravnest.wire.dtypes import DTYPES, ITEMSIZES
+from ravnest.errors import RavnestError, did_you_mean
+from ravnest.plugins import PluginRegistry
+from ravnest.wire.dtypes import ITEMSIZES
 
+AUTO = "auto"  # a job's codec: the planner picks (coordinator/codec_choice.py)
 CodecState = dict[str, torch.Tensor]  # per link and direction: what a stateful codec carries over, by tensor name
 Encoded = tuple[torch.Tensor, list[float]]  # the flat payload in the codec's wire dtype, the header's parameters
 
@@ -38,6 +46,8 @@ class Codec:
     wire_dtype: ClassVar[str | None] = None  # the payload's element dtype; None: the tensor's own (raw)
     params: ClassVar[int] = 0               # how many float parameters its header carries
     reduces: ClassVar[bool] = True          # decoded values may be summed as they arrive (a ring's reduce)
+    auto: ClassVar[dict[str, int]] = {}     # use -> its loss rank there, where `auto` may choose it (0: lossless)
+    needs_changes: ClassVar[bool] = False   # averaging: only for strategies that average changes (diloco)
 
     def payload_numel(self, numel: int, params: Sequence[float]) -> int:
         """Elements of `wire_dtype` that a tensor of `numel` values takes on the wire."""
@@ -62,39 +72,49 @@ class Codec:
         return self.payload_numel(numel, ()) * wire
 
 
-_CODECS: dict[str, Codec] = {}
+class CodecError(RavnestError, ValueError):
+    """An unknown codec name, or a codec plug-in that failed to load."""
+
+
+def _adapt(name: str, loaded: Any) -> Codec | None:
+    """A plug-in's entry point: a Codec subclass (or instance) whose name is the entry point's."""
+    codec = loaded() if isinstance(loaded, type) and issubclass(loaded, Codec) else loaded
+    return codec if isinstance(codec, Codec) and codec.name == name else None
+
+
+_REGISTRY: PluginRegistry[Codec] = PluginRegistry("ravnest.codecs", "codec", CodecError, package=__name__,
+                                                  adapt=_adapt, eager=True)
 
 
 def register(cls: type[Codec]) -> type[Codec]:
     """Class decorator: make `cls` known by its name."""
-    _CODECS[cls.name] = cls()
+    _REGISTRY.register(cls.name, cls())
     return cls
 
 
 def codec(name: str) -> Codec:
-    """The codec called `name`; ValueError naming the known ones otherwise."""
-    try:
-        return _CODECS[name]
-    except KeyError:
-        raise ValueError(f"unknown codec {name[:40]!r}{did_you_mean(name, list(_CODECS))}; "
-                         f"known: {', '.join(repr(n) for n in sorted(_CODECS))}") from None
+    """The codec called `name`; CodecError (a ValueError) naming the known ones otherwise."""
+    if not _REGISTRY.known(name):
+        raise CodecError(f"unknown codec {name[:40]!r}{did_you_mean(name, names())}; "
+                         f"known: {', '.join(repr(n) for n in names())}")
+    return _REGISTRY.get(name)
 
 
 def known(name: str) -> bool:
-    return name in _CODECS
+    return _REGISTRY.known(name)
 
 
 def names(use: str | None = None) -> list[str]:
     """The codecs a job may name for `use` ("pipeline" or "averaging"), or all."""
-    return sorted(n for n, c in _CODECS.items() if use is None or use in c.uses)
+    return sorted(c.name for c in _REGISTRY.items() if use is None or use in c.uses)
+
+
+def auto_candidates(use: str, averages_changes: bool = False) -> list[Codec]:
+    """The codecs `auto` chooses among for `use`, least lossy first; for averaging, those that need a
+    strategy averaging changes only where it does."""
+    found = [c for c in _REGISTRY.items() if use in c.auto and (averages_changes or not c.needs_changes)]
+    return sorted(found, key=lambda c: (c.auto[use], c.name))
 
 
 def chunks_of(numel: int, size: int) -> int:
     return math.ceil(numel / size) if numel else 0
-
-
-def wire_dtype_of(c: Codec) -> torch.dtype | None:
-    return None if c.wire_dtype is None else DTYPES[c.wire_dtype]
-
-
-from ravnest.wire.codecs import plain, topk  # noqa: E402,F401  (built-ins register themselves)

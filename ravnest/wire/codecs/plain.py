@@ -15,6 +15,7 @@ class Raw(Codec):
     """The tensor's own bytes, any dtype (integers always travel so)."""
 
     name, uses = "", frozenset({"pipeline", "averaging"})
+    auto = {"pipeline": 0, "averaging": 0}
 
     def encode(self, t: torch.Tensor, state: CodecState | None = None, key: str = "") -> Encoded:
         return t.reshape(-1), []
@@ -46,6 +47,7 @@ class Fp16(_Cast):
 @register
 class Bf16(_Cast):
     name, wire_dtype = "bf16", "bfloat16"
+    auto = {"pipeline": 1}  # float32's range: what `auto` compresses activations and gradients to
 
 
 @register
@@ -54,6 +56,7 @@ class Int8(Codec):
     header's one parameter, a float32: quantized with exactly that value). Receivers sum in fp32."""
 
     name, uses, wire_dtype, params = "int8", frozenset({"averaging"}), "int8", 1
+    auto = {"averaging": 1}
 
     def check(self, params: Sequence[float]) -> str | None:
         return None if math.isfinite(params[0]) else f"int8 scale {params[0]} is not finite"

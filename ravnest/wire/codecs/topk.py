@@ -34,6 +34,7 @@ def chunk_bytes(k: int) -> int:
 @register
 class TopK(Codec):
     name, uses, wire_dtype, params, reduces = "topk", frozenset({"averaging"}), "uint8", 2, False
+    auto, needs_changes = {"averaging": 2}, True  # error feedback on what replicas changed (diloco)
     chunk, k = 4096, 64
 
     def payload_numel(self, numel: int, params: Sequence[float]) -> int:
