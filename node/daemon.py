@@ -336,7 +336,7 @@ class NodeDaemon:
             self.progress.log(f"node {self.client.node_id} ({run.prefix}): {reason}"
                               + ("" if expected else f"\n{traceback.format_exc()}"))
         if runner is not None and job.stopped_for != "cancel":
-            self._hand_in_state(runner, a, run.scratch / "snapshot.safetensors", run.prefix)
+            hand_in_state(self.client, self.progress, runner, a, run.scratch / "snapshot.safetensors", run.prefix)
         if not job.stopped_for:
             # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
             failure = classify(e, a.peer_addresses(), runner.optimizer.steps if runner is not None else None)
@@ -366,19 +366,20 @@ class NodeDaemon:
         except (httpx.HTTPError, ApiError):
             pass
 
-    def _hand_in_state(self, runner: StageRunner, a: StageAssignment, path: Path, prefix: str) -> None:
-        """The job is re-planned: upload this stage's state so its blocks continue from here."""
-        if runner.optimizer.steps <= a.resume_step:
-            return  # nothing newer than what the coordinator already holds
-        try:
-            step = runner.save_state(path)
-            self.client.upload_checkpoint(a.job_id, a.cluster, a.stage, a.generation, step, "snapshot", path)
-            self.progress.log(f"{prefix}: handed in its state at step {step}")
-        except (httpx.HTTPError, ApiError, OSError) as e:
-            self.progress.log(f"{prefix}: could not hand in its state: {e}")
-
     def _stop_job(self, timeout: float) -> None:
         if self._job and self._job.thread.is_alive():
             self._job.stop_for("leave")  # hands in its state, then leaves
             self._job.thread.join(timeout)
 
+
+def hand_in_state(client: CoordinatorClient, progress: Progress, runner: StageRunner, a: StageAssignment, path: Path,
+                  prefix: str) -> None:
+    """The job is re-planned: upload this stage's state so its blocks continue from here."""
+    if runner.optimizer.steps <= a.resume_step:
+        return  # nothing newer than what the coordinator already holds
+    try:
+        step = runner.save_state(path)
+        client.upload_checkpoint(a.job_id, a.cluster, a.stage, a.generation, step, "snapshot", path)
+        progress.log(f"{prefix}: handed in its state at step {step}")
+    except (httpx.HTTPError, ApiError, OSError) as e:
+        progress.log(f"{prefix}: could not hand in its state: {e}")

@@ -55,3 +55,40 @@ def test_every_source_path_the_readme_and_docs_name_exists():
             if "*" not in path and not (ROOT / path).exists():
                 missing.append(f"{page.relative_to(ROOT)} names {path}")
     assert not missing, missing
+
+
+def _quoted(text: str) -> set[str]:
+    """The names `text` quotes: 'ring', `ring`, `"ring"`, and '' or `""` (raw)."""
+    return {next(g for g in m.groups() if g is not None)
+            for m in re.finditer(r"'([\w-]*)'|`\"([\w-]*)\"`|`([\w-]+)`", text)}
+
+
+def test_the_specs_and_docs_lists_of_codecs_and_strategies_are_the_registries():
+    """The registries are the only lists: wherever a page or a field's description names the choices,
+    it names every built-in one, and only registered ones."""
+    from ravnest.averaging.registry import available_strategies
+    from ravnest.spec import AveragingSettings, TrainingSettings
+    from ravnest.wire import codecs
+
+    fields = {"training.codec": (TrainingSettings.model_fields["codec"].description, codecs.names("pipeline")),
+              "averaging.codec": (AveragingSettings.model_fields["codec"].description, codecs.names("averaging")),
+              "averaging.strategy": (AveragingSettings.model_fields["strategy"].description,
+                                     available_strategies())}
+    sections = dict(re.findall(r"\*\*`(\w+)`\*\*(.*?)(?=\n\*\*`|\n## )", (ROOT / "docs/jobs.md").read_text(),
+                               re.DOTALL))
+
+    def bullet(section: str, field: str) -> str:
+        return re.search(rf"- `{field}`: .*?\n(?=- `|\Z)", sections[section], re.DOTALL).group(0)
+    table = "\n".join(line for line in (ROOT / "docs/links.md").read_text().split("\n## ")[0].splitlines()
+                      if line.startswith("| `"))
+    pages = {"docs/links.md (its table)": (table, codecs.names()),
+             "docs/jobs.md (training.codec)": (bullet("training", "codec"), codecs.names("pipeline")),
+             "docs/jobs.md (averaging.codec)": (bullet("averaging", "codec"), codecs.names("averaging")),
+             "docs/averaging.md (strategies)": (re.search(r"Strategies today:.*?\n\n", (ROOT / "docs/averaging.md")
+                                                          .read_text(), re.DOTALL).group(0),
+                                                [s for s in available_strategies() if s not in ("none", "auto")])}
+    wrong = []
+    for where, (text, names) in {**fields, **pages}.items():
+        named = _quoted(text)
+        wrong += [f"{where} does not name {name!r}" for name in names if name not in named]
+    assert not wrong, wrong

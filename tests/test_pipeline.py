@@ -17,7 +17,8 @@ from ravnest.models import build_model
 from ravnest.pipeline import (PipelineError, StageOptimizer, StageRunner, build_optimizer, lr_factor,
                               run_single_process, run_threaded_pipeline)
 from ravnest.pipeline.local import make_assignments
-from ravnest.pipeline.stash import PIECE, StageCompute, WeightVersions
+from ravnest.pipeline.stash import StageCompute
+from ravnest.pipeline.weight_versions import PIECE, WeightVersions
 from ravnest.spec import JobSpec, OptimizerRef, TrainingSettings
 from ravnest.wire import Message, OutboundStream, PeerError, PeerGate, PeerServer, Router, credential_hash
 

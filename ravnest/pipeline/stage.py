@@ -43,8 +43,8 @@ from ravnest.pipeline.executor import StageExecutor
 from ravnest.pipeline.feed import BatchFeed
 from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.pipeline.memory import PeakMemory
-from ravnest.pipeline.stage_metrics import PipelineTrace, StageClock
-from ravnest.pipeline.neighbours import MESSAGE_KINDS, NEXT, PREV, Neighbours
+from ravnest.pipeline.stage_metrics import PipelineTrace, StageClock, link_figures
+from ravnest.pipeline.neighbours import MESSAGE_KINDS, Neighbours
 from ravnest.pipeline.optim import StageOptimizer
 from ravnest.pipeline.schedule import (batch_parts, check_stage_schedule, prediction_order, stage_actions,
                                        staleness_method, warmup)
@@ -245,24 +245,13 @@ class StageRunner:
                 "stage": float(self.assignment.stage),
                 "in_flight": float(admitted - completed if self.is_first else self.compute.in_flight),
                 "lr": self.optimizer.lr, **({"memory_peak_bytes": float(peak)} if peak is not None else {}),
-                # computing, not waiting: what the coordinator compares with the plan (failure_policy.py)
+                # computing, not waiting: what the coordinator compares with the plan (failure_rules/slow_stage.py)
                 **({"compute_s": busy / self.per_step} if busy is not None else {}),
                 **({"step_wall_s": wall} if wall is not None else {}),  # ... and the pace that compute keeps
                 **throughput.figures(clock["samples_per_s"], self.flops_per_sample, self.tokens_per_sample,
                                      self.peak_flops),
-                **self._link_figures(), **self.averaging.metrics()}
-
-    def _link_figures(self) -> dict[str, float]:
-        """Per neighbour: bytes per optimizer step this stage sent (activations to the next stage,
-        gradients to the previous one, as the pipeline's codec encoded them), and the share of time its
-        stream had something to send (near 1: the link, not the compute, sets the pace)."""
-        steps, figures = max(1, self.optimizer.steps), {}
-        for side, present in ((NEXT, not self.is_last), (PREV, not self.is_first)):
-            busy = self.neighbours.busy(side) if present else None
-            if busy is not None:
-                figures[f"{side}_bytes_per_step"] = self.neighbours.sent_bytes(side) / steps
-                figures[f"{side}_link_busy"] = busy
-        return figures
+                **link_figures(self.neighbours, self.optimizer.steps, self.is_first, self.is_last),
+                **self.averaging.metrics()}
 
     # --- state in and out (state.py) ------------------------------------------------------------------
 

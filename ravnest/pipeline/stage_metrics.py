@@ -11,6 +11,8 @@ from typing import Iterator
 
 import torch
 
+from ravnest.pipeline.neighbours import NEXT, PREV, Neighbours
+
 
 class StageClock:
     """Wall time, time spent computing, and the time of every optimizer step."""
@@ -136,3 +138,16 @@ class PipelineTrace:
 
     def in_flight(self, count: int) -> None:
         self.max_in_flight = max(self.max_in_flight, count)
+
+
+def link_figures(neighbours: Neighbours, steps: int, is_first: bool, is_last: bool) -> dict[str, float]:
+    """Per neighbour: bytes per optimizer step this stage sent (activations to the next stage,
+    gradients to the previous one, as the pipeline's codec encoded them), and the share of time its
+    stream had something to send (near 1: the link, not the compute, sets the pace)."""
+    figures = {}
+    for side, present in ((NEXT, not is_last), (PREV, not is_first)):
+        busy = neighbours.busy(side) if present else None
+        if busy is not None:
+            figures[f"{side}_bytes_per_step"] = neighbours.sent_bytes(side) / max(1, steps)
+            figures[f"{side}_link_busy"] = busy
+    return figures

@@ -6,10 +6,10 @@ Everything here is plain data: architecture names and configs, never code.
 - `job`: the job a user submits (`JobSpec` and its parts);
 - `assignment`: what a node is told to run (`StageAssignment`, its peers and rings);
 - `protocol`: the node <-> coordinator REST bodies (join, heartbeat, reports);
-- `base`: strict models, bounds and name patterns they share.
+- `common`: strict models, bounds and name patterns they share.
 """
 from .assignment import RelayOffer, Ring, StageAssignment, StagePeer
-from .base import DATASET_NAME, FINGERPRINT, HEX_NONCE, MAX_STEPS, SHA256, BlockRange, Strict, field_names
+from .common import DATASET_NAME, FINGERPRINT, HEX_NONCE, MAX_STEPS, SHA256, BlockRange, Strict, field_names
 from .job import (AUTO_CODEC, AveragingSettings, CheckpointSettings, DatasetRef, JobSpec, ModelRef, OptimizerRef,
                   Placement, StartingWeights, TrainingSettings)
 from .protocol import (ADDRESS, BANDWIDTH, FLOPS, LATENCY, DataChallenge, DataProof, FailureReport, HeartbeatRequest,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import BlockRange, Strict
+from .common import BlockRange, Strict
 from .job import AveragingSettings, DatasetRef, ModelRef, TrainingSettings, known_codec
 
 

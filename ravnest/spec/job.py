@@ -9,7 +9,7 @@ from ravnest.averaging.registry import AUTO, NO_AVERAGING, available_strategies,
 from ravnest.errors import did_you_mean
 from ravnest.wire import codecs
 
-from .base import DATASET_NAME, MAX_STEPS, SHA256, Strict, plain_json
+from .common import DATASET_NAME, MAX_STEPS, SHA256, Strict, plain_json
 
 AUTO_CODEC = codecs.AUTO  # training.codec, averaging.codec: the planner picks
 

@@ -9,7 +9,7 @@ from ravnest.failures import Failure
 from ravnest.telemetry import MAX_FIGURES
 
 from .assignment import RelayOffer, StageAssignment
-from .base import DATASET_NAME, FINGERPRINT, HEX_NONCE, MAX_STEPS, SHA256, Strict
+from .common import DATASET_NAME, FINGERPRINT, HEX_NONCE, MAX_STEPS, SHA256, Strict
 
 
 class _Measured(Strict):
