@@ -66,7 +66,7 @@ def _quoted(text: str) -> set[str]:
 def test_the_specs_and_docs_lists_of_codecs_and_strategies_are_the_registries():
     """The registries are the only lists: wherever a page or a field's description names the choices,
     it names every built-in one, and only registered ones."""
-    from ravnest.averaging.registry import available_strategies
+    from ravnest.averaging.registry import AUTO, NO_AVERAGING, available_strategies
     from ravnest.spec import AveragingSettings, TrainingSettings
     from ravnest.wire import codecs
 
@@ -86,7 +86,7 @@ def test_the_specs_and_docs_lists_of_codecs_and_strategies_are_the_registries():
              "docs/jobs.md (averaging.codec)": (bullet("averaging", "codec"), codecs.names("averaging")),
              "docs/averaging.md (strategies)": (re.search(r"Strategies today:.*?\n\n", (ROOT / "docs/averaging.md")
                                                           .read_text(), re.DOTALL).group(0),
-                                                [s for s in available_strategies() if s not in ("none", "auto")])}
+                                                [s for s in available_strategies() if s not in (NO_AVERAGING, AUTO)])}
     wrong = []
     for where, (text, names) in {**fields, **pages}.items():
         named = _quoted(text)

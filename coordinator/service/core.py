@@ -1,11 +1,12 @@
 """What every component of the coordinator is given: settings, the store, the lock, the clock, the
-failure policy, and looking up jobs, plans and the node behind a token. One lock serialises every
+failure rules, and looking up jobs, plans and the node behind a token. One lock serialises every
 change (one coordinator process per store); each operation is one SQL transaction, so a refused
 request writes nothing. State that must survive a restart lives in the store.
 
 Per-process state, all of it soft: rebuilt, or harmless to lose on a restart (which is also what a
 second coordinator would see). Each component keeps its own, and says so where it is kept:
-    Core          parsed plans (and jobs.spec_of: parsed specs), the failure policy's slow-report counts
+    Core          parsed plans (and jobs.spec_of: parsed specs), the failure rules' memory (since when a
+                  stage has been slow: a restart only starts the window again)
     LinkProbes    the probes asked for and not yet answered (Membership's)
     Placement     why a node was left out of the last placement; what a running job was last weighed
                   with for growing

@@ -29,7 +29,7 @@ class StageEvaluation:
         self.assignment, self.compute, self._loss = assignment, compute, loss
         self.neighbours, self.averaging, self.clock = neighbours, averaging, clock
         self._steps, self._report, self.feed = steps, report, feed
-        self.is_last = assignment.stage == assignment.num_stages - 1
+        self.is_last = assignment.is_last
         self.results: dict[str, float] = {}  # the last stage's latest test_loss and test_accuracy
         self.finished = False  # the final round is done
         self._sums = EvalAccumulator()

@@ -10,6 +10,7 @@ and last (plain data parallelism) reads no messages, and stops there all the sam
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -31,21 +32,44 @@ from ravnest.wire import Message
 METRICS_EVERY = 10  # optimizer steps between metrics reports
 
 
+@dataclass(frozen=True)
+class StageParts:
+    """What a stage is made of (stage.py builds them); the executor runs the schedule over them."""
+    compute: StageCompute
+    optimizer: StageOptimizer
+    neighbours: Neighbours
+    averaging: AveragingHooks
+    evaluation: StageEvaluation
+    checkpoints: CheckpointTiming
+    clock: StageClock
+    trace: PipelineTrace
+    feed: BatchFeed | None  # stage 0's data
+    loss: Callable  # the last stage's
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How the schedule runs: weights predicted `predict` updates ahead, `per_step` micro-batches an
+    optimizer step, `window` (K) in flight, `total_micro_batches` in the whole run."""
+    predict: int
+    per_step: int
+    window: int
+    total_micro_batches: int
+
+
 class StageExecutor:
-    def __init__(self, assignment: StageAssignment, *, compute: StageCompute, optimizer: StageOptimizer,
-                 neighbours: Neighbours, averaging: AveragingHooks, evaluation: StageEvaluation,
-                 checkpoints: CheckpointTiming, clock: StageClock, trace: PipelineTrace, feed: BatchFeed | None,
-                 loss: Callable, predict: int, per_step: int, window: int, total_micro_batches: int,
+    def __init__(self, assignment: StageAssignment, parts: StageParts, cadence: Cadence, *,
                  on_checkpoint: Callable[[int], None], report: Callable[[dict[str, float]], None]):
         self.assignment, self.training = assignment, assignment.training
-        self.compute, self.optimizer, self.neighbours = compute, optimizer, neighbours
-        self.inbox, self.averaging, self.evaluation = neighbours.inbox, averaging, evaluation
-        self.checkpoints, self.clock, self.trace, self.feed = checkpoints, clock, trace, feed
-        self._loss, self.predict, self.per_step, self.window = loss, predict, per_step, window
-        self.total_micro_batches = total_micro_batches
+        self.compute, self.optimizer, self.neighbours = parts.compute, parts.optimizer, parts.neighbours
+        self.inbox, self.averaging, self.evaluation = parts.neighbours.inbox, parts.averaging, parts.evaluation
+        self.checkpoints, self.clock, self.trace, self.feed = parts.checkpoints, parts.clock, parts.trace, parts.feed
+        self._loss = parts.loss
+        self.predict, self.per_step, self.window = cadence.predict, cadence.per_step, cadence.window
+        self.total_micro_batches = cadence.total_micro_batches
         self.on_checkpoint, self._report = on_checkpoint, report
-        self.is_first, self.is_last = assignment.stage == 0, assignment.stage == assignment.num_stages - 1
-        self.device = compute.device
+        self.is_first, self.is_last = assignment.is_first, assignment.is_last
+        self.device = parts.compute.device
         self.admitted = self.completed = 0  # stage 0: micro-batches taken from the data, and finished
         self.staleness_sum = 0  # optimizer steps between each micro-batch's forward and its W
         self._forward_versions: dict[int, int] = {}

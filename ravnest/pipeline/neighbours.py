@@ -39,7 +39,7 @@ class Neighbours:
     def __init__(self, assignment: StageAssignment, *, task: str, window: int,
                  total_micro_batches: int, peer_timeout: float, codec: str, target_limit: int | None = None):
         a = self.assignment = assignment
-        self.is_first, self.is_last = a.stage == 0, a.stage == a.num_stages - 1
+        self.is_first, self.is_last = a.is_first, a.is_last
         for needed, peer, side in ((not self.is_first, a.prev, PREV), (not self.is_last, a.next, NEXT)):
             if needed and peer is None:
                 raise ValueError(f"stage {a.stage} of {a.num_stages} needs a '{side}' peer")

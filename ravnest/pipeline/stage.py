@@ -39,7 +39,7 @@ from ravnest.pipeline import state, throughput
 from ravnest.pipeline.averaging_hooks import AveragingHooks
 from ravnest.pipeline.checkpoint_timing import CheckpointTiming
 from ravnest.pipeline.evaluation import StageEvaluation
-from ravnest.pipeline.executor import StageExecutor
+from ravnest.pipeline.executor import Cadence, StageExecutor, StageParts
 from ravnest.pipeline.feed import BatchFeed
 from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.pipeline.memory import PeakMemory
@@ -75,7 +75,7 @@ class StageRunner:
         if not 0 <= a.stage < a.num_stages:
             raise ValueError(f"stage {a.stage} is outside 0..{a.num_stages - 1}")
         self.assignment, self.training, self.router = a, training, router
-        self.is_first, self.is_last = a.stage == 0, a.stage == a.num_stages - 1
+        self.is_first, self.is_last = a.is_first, a.is_last
         self.device = torch.device(device)
         self.on_metrics, self.on_checkpoint, self.on_alone = on_metrics, on_checkpoint, on_alone
         self.window = training.microbatches_in_flight or a.num_stages  # K, the staleness bound
@@ -205,12 +205,11 @@ class StageRunner:
         evaluation = StageEvaluation(self.assignment, compute=self.compute, loss=self._loss,
                                      neighbours=self.neighbours, averaging=self.averaging, clock=self.clock,
                                      steps=lambda: self.optimizer.steps, report=report, feed=self.feed)
-        return StageExecutor(self.assignment, compute=self.compute, optimizer=self.optimizer,
-                             neighbours=self.neighbours, averaging=self.averaging, evaluation=evaluation,
-                             checkpoints=CheckpointTiming(self.assignment, self.per_step), clock=self.clock,
-                             trace=self.trace, feed=self.feed,
-                             loss=self._loss, predict=self.predict, per_step=self.per_step, window=self.window,
-                             total_micro_batches=self.total_micro_batches,
+        parts = StageParts(self.compute, self.optimizer, self.neighbours, self.averaging, evaluation,
+                           CheckpointTiming(self.assignment, self.per_step), self.clock, self.trace, self.feed,
+                           self._loss)
+        return StageExecutor(self.assignment, parts,
+                             Cadence(self.predict, self.per_step, self.window, self.total_micro_batches),
                              on_checkpoint=lambda step: self.on_checkpoint(step), report=report)
 
     def stop(self, reason: str = "stopped") -> None:

@@ -100,6 +100,16 @@ class StageAssignment(Strict):
         """The nodes that may call this stage: its pipeline neighbours and the other members of its rings."""
         return {p.node_id for p in self.peers()}
 
+    @property
+    def is_first(self) -> bool:
+        """Stage 0: it feeds the pipeline its data."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """It computes the loss."""
+        return self.stage == self.num_stages - 1
+
     def tls_names(self) -> dict[str, str]:
         """address -> the name its certificate carries, for the peers this stage dials at a relay."""
         return {p.address: p.tls_name for p in self.peers() if p.tls_name}

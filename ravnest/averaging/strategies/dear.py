@@ -118,7 +118,7 @@ class DecoupledAllReduce(GroupStrategy):
         self._segment_of_key = {k: s for s in self._segments for k in s.keys}
         self._group_of_key: dict[str, _Group] = {}
         # the fine-grained overlap (see the module docstring) where the stage allows it
-        self._overlap = context.forward_reads_live and a.stage == 0
+        self._overlap = context.forward_reads_live and a.is_first
         self._hooks = []
         if self._overlap:
             self._hooks += [p.register_hook(self._gradient_hook(key)) for key, p in params.items()]
