@@ -63,6 +63,7 @@ def test_the_inbox_keeps_what_closed_it_as_data() -> None:
     assert classify(silent.value).kind == FailureKind.TIMEOUT
 
 
+@pytest.mark.filterwarnings("ignore:Error detected in")  # anomaly mode's own warning, with the forward's trace
 @pytest.mark.parametrize("raise_it, kind", [
     # a CPU's allocator (torch raises a plain RuntimeError with these words)
     (lambda: torch.empty(1 << 62, dtype=torch.uint8), FailureKind.OUT_OF_MEMORY),

@@ -177,8 +177,13 @@ def test_a_maximal_fake_profile_loses_its_work_once_measured_and_its_fabricated_
         measured = Liar(cluster, "measured", profile=MAXIMAL)
         job_id = cluster.submit(spec)
         cluster.wait_for(lambda: measured.beat()["assignment"], 30, "the first liar's assignment")
-        for step in (25, 30, 35):  # what a real CPU takes: 5 ms a micro-batch
+        # what a real CPU takes (5 ms a micro-batch), reported each second as a node's metrics come, until
+        # the rule has seen it slow for its window (slow_window_s, 6 s): bounded by 20 reports
+        for step in range(25, 125, 5):
+            if cluster.job(job_id)["recoveries"]:
+                break
             assert measured.report(job_id, step, compute_s=0.005, loss=2.0).status_code == 204
+            time.sleep(1.0)
         job = cluster.wait_job(job_id, timeout=300)  # it says nothing more, and hands in nothing
         assert job["state"] == "completed", job["reason"]
         [recovery] = job["recoveries"]
