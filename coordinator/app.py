@@ -29,6 +29,7 @@ from .limits import BodyLimit
 from .routes import credentials_api, jobs_api, nodes_api, reports_api, site
 from .schemas import ErrorBody
 from .service import Coordinator
+from .service.presence import FLUSH_S
 
 
 def _validation_reason(error: RequestValidationError, body: type[BaseModel] | None = None) -> str:
@@ -71,14 +72,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await asyncio.sleep(settings.heartbeat_interval_s)
                 await run_in_threadpool(service.tick)
 
-        task = asyncio.create_task(reap_and_place()) if settings.background else None
+        async def write_and_place() -> None:  # heartbeats' sightings, and placements asked for since
+            while True:
+                await asyncio.sleep(min(settings.placement_debounce_s, FLUSH_S))
+                await run_in_threadpool(service.membership.presence.flush)
+                await run_in_threadpool(service.placement.place_if_asked)
+
+        tasks = [asyncio.create_task(reap_and_place()), asyncio.create_task(write_and_place())] \
+            if settings.background else []
         try:
             yield
         finally:
-            if task:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            service.membership.presence.flush()
             service.close()
 
     app = FastAPI(title="Ravnest coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,

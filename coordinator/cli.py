@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from .app import create_app
     from .config import Settings
-    from .store import SchemaError
+    from .store import SchemaError, StoreInUse
 
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                         relay_bytes_per_s=args.relay_bandwidth * 1e6 / 8 if args.relay_bandwidth else None)
     try:
         app = create_app(settings)
-    except SchemaError as e:
+    except (SchemaError, StoreInUse) as e:
         raise SystemExit(f"ravnest-coordinator: {e}") from None
     except OSError as e:  # the relay's port is taken
         raise SystemExit(f"ravnest-coordinator: {e} (choose another with --relay-port, or --no-relay)") from None

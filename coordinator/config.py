@@ -18,7 +18,11 @@ class Settings:
     heartbeat_interval_s: float = 2.0
     node_credential_ttl_s: float = 86400.0  # a node silent this long must join again
     node_retention_s: float = 7 * 86400.0  # a node gone this long is forgotten (pruned from the store)
-    heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals
+    heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals (its own)
+    # beats a second all nodes together send at most: past heartbeat_rate x heartbeat_interval_s live nodes
+    # the interval grows (service/presence.py), and so does the time it takes to notice a lost node
+    heartbeat_rate: float = 250.0
+    placement_debounce_s: float = 0.5  # joins and offers ask for a placement; it runs at most this often
     recovery_wait_s: float = 120.0  # a recovering job waits this long at most for its nodes' state
     recovery_silence_intervals: float = 2.0  # ... and not for a member silent this many heartbeat intervals
     # a stage this many times slower than planned, and than its cluster's other stages, is re-planned

@@ -8,6 +8,7 @@
                                                averaging_round_s, averaging_rounds, generation
     ravnest_stage_<figure>{job,cluster,stage,node}
                                                each stage's latest report (as the node exports it)
+    ravnest_db_seconds_total                   time this process waited on database statements
 plus the coordinator process's own (memory, CPU, open files).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ravnest.telemetry import stage_gauges
@@ -44,11 +45,12 @@ class CoordinatorFigures(Collector):
         self.membership, self.jobs, self.owner = membership, jobs, owner  # owner: a submitter sees its own jobs
 
     def collect(self):
-        nodes, _ = self.membership.list_nodes()
         by_state = GaugeMetricFamily("ravnest_nodes", "nodes known to the coordinator", labels=["state"])
-        for state in ("idle", "busy", "gone"):
-            by_state.add_metric([state], sum(n.state == state for n in nodes))
+        for state, count in self.membership.presence.count_by_state().items():
+            by_state.add_metric([state], count)
         yield by_state
+        yield CounterMetricFamily("ravnest_db_seconds", "seconds this process waited on database statements",
+                                  value=self.membership.core.store.db_seconds)
         summaries, _ = self.jobs.list_jobs(self.owner)
         jobs = GaugeMetricFamily("ravnest_jobs", "jobs per state", labels=["state"])
         for state in sorted({j.state for j in summaries} | {"pending", "running", "completed", "failed"}):

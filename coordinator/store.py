@@ -7,8 +7,10 @@ through a migration (coordinator/migrations/versions/), which every start applie
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.resources
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -70,6 +72,9 @@ class NodeRow(Base):
     state: Mapped[str] = mapped_column(String(16), index=True)  # idle | busy | gone
     joined_at: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float, index=True)
+    # the heartbeat interval it was last told (None: the configured one); it is silent after
+    # heartbeat_timeout_factor of them (service/presence.py)
+    beat_interval_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     job_id: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)
     # its failure reports are claims (failure_policy.py): when the re-plans they caused happened, and
     # until when it is not placed because they were too many
@@ -212,21 +217,36 @@ class Store:
     def __init__(self, url: str) -> None:
         connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
         self.engine = create_engine(url, connect_args=connect_args)
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
         upgrade(self.engine)
         _check_columns(self.engine)
+        self._held = None
         if self.engine.url.get_backend_name() == "sqlite" and self.engine.url.database not in (None, "", ":memory:"):
+            self._held = _hold_alone(self.engine.url.database)
             os.chmod(self.engine.url.database, 0o600)  # node records and job specs: the owner's only
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.db_seconds = 0.0  # time spent waiting on statements (ravnest_db_seconds_total of /metrics)
+        event.listen(self.engine, "before_cursor_execute", self._started)
+        event.listen(self.engine, "after_cursor_execute", self._finished)
         self.changes = Changes()  # what live views wait on: bumped by transactions that wrote
         event.listen(self._sessions, "after_flush", lambda session, _: session.info.__setitem__("wrote", True))
 
     @contextmanager
-    def session(self) -> Iterator[Session]:
-        """A transaction: committed when the block ends normally, rolled back on any exception."""
+    def session(self, quiet: bool = False) -> Iterator[Session]:
+        """A transaction: committed when the block ends normally, rolled back on any exception. A
+        quiet one wakes no live view (what it writes, when nodes were last seen, shows nothing new)."""
         with self._sessions.begin() as session:
             yield session
-        if session.info.get("wrote"):
+        if session.info.get("wrote") and not quiet:
             self.changes.bump()
+
+    @staticmethod
+    def _started(connection, *_: Any) -> None:
+        connection.info["statement_started"] = time.perf_counter()
+
+    def _finished(self, connection, *_: Any) -> None:
+        self.db_seconds += time.perf_counter() - connection.info.pop("statement_started", time.perf_counter())
 
     def count(self, model: type[Base]) -> int:
         with self._sessions() as session:
@@ -234,6 +254,18 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+        if self._held is not None:
+            self._held.close()  # (which releases its lock)
+
+
+def _sqlite_pragmas(connection: Any, _: Any) -> None:
+    """Write-ahead logging: readers never wait for the writer, and a commit appends to the log instead
+    of syncing the database file (synchronous=NORMAL: a power cut may lose the last commits, never
+    corrupt the file); a writer that finds the file locked waits up to 30 s instead of failing."""
+    cursor = connection.cursor()
+    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000"):
+        cursor.execute(f"PRAGMA {pragma}")
+    cursor.close()
 
 
 def upgrade(engine, revision: str = "head") -> None:
@@ -250,6 +282,25 @@ def upgrade(engine, revision: str = "head") -> None:
             Base.metadata.create_all(connection, tables=[Base.metadata.tables[name] for name in FIRST_TABLES])
             command.stamp(config, FIRST_REVISION)
         command.upgrade(config, revision)
+
+
+class StoreInUse(RavnestError, RuntimeError):
+    """Another coordinator process has the SQLite file open."""
+
+
+def _hold_alone(database: str):
+    """One coordinator process per SQLite file: its soft state and its lock are per process, and SQLite
+    serialises writers across processes anyway. Held (an flock on DATABASE.lock) until the store closes;
+    the kernel drops it when the process dies, so a crash never leaves it behind."""
+    held = open(f"{database}.lock", "a")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.close()
+        raise StoreInUse(f"another coordinator process is using {database}: one SQLite file serves one coordinator "
+                         f"process; stop the other, or run several coordinators on PostgreSQL (--db "
+                         f"postgresql+psycopg://...)") from None
+    return held
 
 
 class SchemaError(RavnestError, RuntimeError):

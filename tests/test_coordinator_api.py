@@ -126,7 +126,7 @@ def test_join_heartbeat_list_leave(client: TestClient) -> None:
     reply = beat(client, node_id, auth)
     reachability = {key: reply.pop(key) for key in ("reachable", "reachability", "relay")}  # (not dialled here)
     assert reply == {"assignment": None, "cancel_job": None, "recover_job": None, "train_alone": None, "probe": [],
-                     "note": "", "challenges": []}
+                     "note": "", "challenges": [], "heartbeat_interval_s": 1.0}  # (this client's setting: few nodes)
     assert reachability == {"reachable": None, "reachability": "", "relay": None}  # tests dial no node back
     nodes = client.get("/v1/nodes").json()
     assert [(n["id"], n["name"], n["state"]) for n in nodes] == [(node_id, "alpha", "idle")]
@@ -540,11 +540,11 @@ def test_a_lone_stage_that_heartbeats_but_reports_no_progress_is_left_out(client
     """Two clusters of one stage each, no averaging: nobody would notice a node that only heartbeats.
     After stall_s without a report it is left out; the one that reports is not."""
     job_id, members = placed_job(client, nodes=2, clusters=2, stages_per_cluster=1, min_nodes=2)
-    for node_id, auth in members:
-        beat(client, node_id, auth, job_id=job_id)
+    given = {node_id: beat(client, node_id, auth, job_id=job_id)["assignment"] for node_id, auth in members}
     assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "running"
     (worker, worker_auth), (idler, _) = members
-    cluster = beat(client, worker, worker_auth, job_id=job_id)["assignment"]["cluster"]
+    assert beat(client, worker, worker_auth, job_id=job_id)["assignment"] is None  # it runs it: nothing to tell
+    cluster = given[worker]["cluster"]
     for step in (5, 10):
         clock.now += settings.stall_s / 2 + 1
         report = {"node_id": worker, "cluster": cluster, "stage": 0, "step": step, "metrics": {"loss": 1.0}}

@@ -96,8 +96,8 @@ def test_a_lone_stage_far_off_its_profile_is_a_false_claim_and_gets_the_measured
 
 def test_a_node_silent_past_the_timeout_is_gone(rules) -> None:
     rules = rules(heartbeat_interval_s=2.0, heartbeat_timeout_factor=3.0)
-    assert rules.observe(Silence(at=105.9, node_id="a", who="a (1)", last_seen=100.0)) == []
-    [gone] = rules.observe(Silence(at=106.0, node_id="a", who="a (1)", last_seen=100.0))
+    assert rules.observe(Silence(at=105.9, node_id="a", who="a (1)", last_seen=100.0, interval_s=2.0)) == []
+    [gone] = rules.observe(Silence(at=106.0, node_id="a", who="a (1)", last_seen=100.0, interval_s=2.0))
     assert gone == NodeGone("a", "node a (1) stopped sending heartbeats (last seen 6 s ago)", gone.failure)
     assert gone.failure.kind == FailureKind.SILENT and gone.failure.peer_id == "a"
 

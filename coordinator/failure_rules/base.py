@@ -51,6 +51,7 @@ class Silence(Observation):
     node_id: str
     who: str  # how a user knows it: "c (2f8c...)"
     last_seen: float
+    interval_s: float  # the heartbeat interval it was told: it grows with the number of nodes
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Member:
     id: str
     last_seen: float
     relayed_by: str | None = None  # the volunteer (or the coordinator) its peers reach it through
+    interval_s: float | None = None  # the heartbeat interval it was told (None: the configured one)
 
 
 @dataclass(frozen=True)

@@ -14,5 +14,6 @@ class RelayBlame(Rule[Report]):
         lost = seen.members.get(seen.failure.peer_id or "") if seen.failure else None
         if lost is None or not lost.relayed_by:
             return []
-        alive = lost.last_seen >= seen.at - self.settings.recovery_silence_s
+        alive = lost.last_seen >= seen.at - self.settings.recovery_silence_s * (
+            (lost.interval_s or self.settings.heartbeat_interval_s) / self.settings.heartbeat_interval_s)
         return [Spare(lost.id), *([Blame(lost.relayed_by, seen.reason)] if alive else [])]

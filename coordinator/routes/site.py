@@ -45,7 +45,7 @@ def mount_assets(app: FastAPI) -> None:
 
 @router.get("/healthz", response_model=Health, tags=["service"])
 def healthz(request: Request) -> Health:
-    return service(request).membership.health()
+    return service(request).membership.presence.health()
 
 
 @router.get("/v1/probe", tags=["nodes"], response_class=Response,

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import threading
+from typing import Protocol
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -158,8 +159,23 @@ class Core:
         other node may take it."""
         return session.scalars(select(NodeRow).where(
             NodeRow.address == address, NodeRow.id != other_than, NodeRow.state != GONE,
-            NodeRow.credential_ended.is_(None),
-            NodeRow.last_seen >= self.clock() - self.settings.heartbeat_timeout_s)).first()
+            NodeRow.credential_ended.is_(None), self.live(self.clock()))).first()
+
+    def live(self, now: float):
+        """SQL: the node beat within its timeout (heartbeat_timeout_factor of the interval it was told)."""
+        interval = func.coalesce(NodeRow.beat_interval_s, self.settings.heartbeat_interval_s)
+        return NodeRow.last_seen >= now - self.settings.heartbeat_timeout_factor * interval
+
+    def silence_s(self, node: NodeRow) -> float:
+        """While its job recovers, a member silent this long is not waited for (recovery_silence_s, in
+        the node's own intervals)."""
+        base = self.settings.heartbeat_interval_s
+        return self.settings.recovery_silence_s * (node.beat_interval_s or base) / base
+
+    def gone(self, node: NodeRow, now: float) -> bool:
+        """Silent past its timeout (as `live` says in SQL), whatever its row's state says yet."""
+        interval = node.beat_interval_s or self.settings.heartbeat_interval_s
+        return node.last_seen < now - self.settings.heartbeat_timeout_factor * interval
 
     def node_by_token(self, session: Session, authorization: str | None) -> NodeRow:
         token_hash = hash_token(bearer_token(authorization))
@@ -172,7 +188,14 @@ class Core:
         return node
 
 
-def node_refusal(node: NodeRow, now: float) -> str | None:
+class Credentialed(Protocol):
+    """What decides whether a node's credential still works: a NodeRow, or those columns alone."""
+    id: str
+    credential_ended: str | None
+    token_expires_at: float | None
+
+
+def node_refusal(node: Credentialed, now: float) -> str | None:
     if node.credential_ended == "revoked":
         return f"node {node.id}'s credential was revoked by the operator"
     if node.credential_ended == "left":

@@ -211,7 +211,8 @@ class JobLifecycle:
             # a node that words its failure only (older nodes) reports a failure of its own
             failure = report.failure or Failure(kind=FailureKind.LOCAL_ERROR, message=report.reason[:1000] or "failed")
             seen = Report(now, job.id, reporter.id, reason, failure, report.recoverable, report.still_training,
-                          {node.id: Member(node.id, node.last_seen, node.relayed_by) for node in members.values()},
+                          {node.id: Member(node.id, node.last_seen, node.relayed_by, node.beat_interval_s)
+                           for node in members.values()},
                           {r.reported_by for r in job.faults if r.could_not_start and r.reported_by})
             self.rulings.observe(session, seen, reported_by=reporter.id, could_not_start=not report.recoverable)
             self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)

@@ -18,7 +18,7 @@ from ..calibration import remeasured
 from ..service_errors import Conflict, NotFound, Unauthorized
 from ..failure_reasons import who
 from ..jobs import JobState
-from ..schemas import Health, NodeView
+from ..schemas import NodeView
 from ..security import bearer_token, hash_token, new_id, new_token, token_matches
 from ..store import JobRow, LinkRow, NodeRow, OfferRow, StageRow, stage_of_node
 from .core import BUSY, GONE, IDLE, Core, node_refusal, quarantined, undelivered
@@ -26,6 +26,7 @@ from .credentials import Credentials
 from .link_probes import LinkProbes
 from .offers import Offers
 from .placement import Placement
+from .presence import Presence
 from .reachability import Reachability, direct_links, tls_names
 from .recovery import Recoveries
 from .rulings import Rulings
@@ -45,10 +46,12 @@ class Membership:
         self.placement, self.recoveries, self.rulings = placement, recoveries, rulings
         self.links = LinkProbes(core)
         self.reachability = Reachability(core)
+        self.presence = Presence(core, self.links, offers, placement)
 
     def tick(self) -> None:
         """Silent nodes and stalled stages to the failure rules, then place pending jobs."""
         core = self.core
+        self.presence.flush()
         now = core.clock()
         with core.lock:
             if now >= core.started_at + core.settings.heartbeat_timeout_s:  # after a restart, give nodes time
@@ -62,6 +65,7 @@ class Membership:
     def join(self, authorization: str | None, request: JoinRequest) -> JoinResponse:
         offered = bearer_token(authorization)
         token, now = new_token(), self.core.clock()
+        interval = self.presence.interval(busy=False)
         with self.core.lock:
             with self.core.store.session() as session:
                 admitted = self.credentials.consume_join(session, offered)
@@ -83,15 +87,16 @@ class Membership:
                 node.token_hash = hash_token(token)
                 node.token_expires_at = now + self.core.settings.node_credential_ttl_s
                 node.state, node.last_seen, node.job_id, node.credential_ended = IDLE, now, None, None
+                node.beat_interval_s = interval
                 session.add(node)
                 self.offers.record(session, node, request.profile)
             log.info("node %s (%s) %s from %s: %.1f GFLOP/s, %.1f GiB, %.0f MB/s", node.id, node.name or "unnamed",
                      "joined again" if known else "joined", node.address, request.profile.flops / 1e9,
                      request.profile.memory_bytes / 2**30, request.profile.bandwidth_bytes_per_s / 1e6)
-            self.placement.place_pending()
+        self.placement.request()
         self.reachability.dial_back(node.id, request.address, request.relay_port)
         return JoinResponse(node_id=node.id, node_token=token, probe_token=self.core.probe_token,
-                            heartbeat_interval_s=self.core.settings.heartbeat_interval_s,
+                            heartbeat_interval_s=interval,
                             relay_secret=self.core.relay_secret(node.id).decode()
                             if request.relay_port or request.peer_relay_port else "")
 
@@ -120,9 +125,13 @@ class Membership:
                 node.profile = {**node.profile, **offered.model_dump(mode="json")}
                 self.offers.record(session, node, offered)
             log.info("node %s now offers %s", node_id, ", ".join(offered.datasets) or "nothing")
-            self.placement.place_pending()  # a job waiting for one of them may start
+        self.placement.request()  # a job waiting for one of them may start
 
     def heartbeat(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse:
+        """Most beats change nothing and take the fast path (presence.py); the others are recorded here."""
+        quiet = self.presence.answer(node_id, authorization, request)
+        if quiet is not None:
+            return quiet
         with self.core.lock:
             with self.core.store.session() as session:
                 node = self._node(session, node_id, authorization)
@@ -155,11 +164,12 @@ class Membership:
                 if request.flops is not None and node.state == IDLE and not request.job_id:
                     remeasured(node, request.flops)
                 if node.state == IDLE and not request.job_id:  # probes never take bandwidth from training
-                    response.probe = self.links.probes_for(session, node)
+                    response.probe = self.links.probes_for(session, node.id)
                     response.note = self.placement.left_out_note(node.id)
                 response.challenges = self.offers.challenges_for(session, node)
                 response.reachable, response.reachability = node.reachable, node.reachability or ""
                 response.relay = self.reachability.relay_offer(session, node)
+                response.heartbeat_interval_s = node.beat_interval_s = self.presence.interval(node.state == BUSY)
             if moved:
                 self.reachability.dial_back(node_id, str(request.address))
             # a re-plan may have waited for this node; placing may give it work at once
@@ -227,19 +237,9 @@ class Membership:
                                                peer_id=node.id))
                 node.credential_ended = "revoked"
 
-    def health(self) -> Health:
-        cutoff = self.core.clock() - self.core.settings.heartbeat_timeout_s
-        with self.core.store.session() as session:
-            alive = session.scalar(select(func.count()).select_from(NodeRow).where(
-                NodeRow.state != GONE, NodeRow.last_seen >= cutoff)) or 0
-            active = session.scalar(select(func.count()).select_from(JobRow).where(
-                JobRow.state.not_in(jobs.TERMINAL))) or 0
-        return Health(nodes_alive=alive, jobs_active=active)
-
     def list_nodes(self, limit: int | None = None, offset: int = 0) -> tuple[list[NodeView], int]:
         """A page of nodes in the order they joined, and how many there are."""
         now = self.core.clock()
-        cutoff = now - self.core.settings.heartbeat_timeout_s
         with self.core.store.session() as session:
             total = session.scalar(select(func.count()).select_from(NodeRow)) or 0
             rows = session.execute(select(NodeRow, StageRow).outerjoin(
@@ -253,7 +253,7 @@ class Membership:
                     peer_id=row.peer_id, bandwidth_bytes_per_s=row.bandwidth, latency_s=row.latency))
             return [NodeView(id=node.id, name=node.name, address=node.address,
                              profile=NodeProfile.model_validate(node.profile),
-                             state=GONE if node.last_seen < cutoff else node.state,
+                             state=GONE if self.core.gone(node, now) else node.state,
                              joined_at=node.joined_at, last_seen=node.last_seen, job_id=node.job_id,
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
                              links=links.get(node.id, []), offers=offers.get(node.id, {}),

@@ -60,6 +60,20 @@ class Offers:
             session.add(OfferRow(node_id=node.id, name=name, fingerprint=found, offered_at=now,
                                  state=CHALLENGED if known else FIRST))
 
+    def has_news_for(self, session: Session, node_id: str) -> bool:
+        """Whether `challenges_for` may have something for the node (reads only): a claim of its awaits
+        its challenge, or it holds a file whose bank of challenges runs low."""
+        offers = session.execute(select(OfferRow.state, OfferRow.fingerprint).where(OfferRow.node_id == node_id)).all()
+        if any(state == CHALLENGED for state, _ in offers):
+            return True
+        held = {fingerprint for state, fingerprint in offers if state in HOLDS}
+        if not held:
+            return False
+        banked = dict(session.execute(select(ChallengeRow.fingerprint, func.count()).where(
+            ChallengeRow.fingerprint.in_(held)).group_by(ChallengeRow.fingerprint)).all())
+        pending = Counter(filling[1] for filling in list(self._filling.values()))
+        return any(banked.get(fingerprint, 0) + pending[fingerprint] < BANK_LOW for fingerprint in held)
+
     def challenges_for(self, session: Session, node: NodeRow) -> list[DataChallenge]:
         """What the node is to prove with its next heartbeat: its own claims, and bank challenges if
         it is a reference holder whose bank runs low."""

@@ -2,6 +2,8 @@
 less the ones it left out and those quarantined), and idle nodes may grow a running job."""
 from __future__ import annotations
 
+import threading
+
 import logging
 import math
 
@@ -33,6 +35,20 @@ class Placement:
         self._left_out: dict[str, str] = {}  # node id -> why the last placement gave it no stage
         # job -> (generation, idle node ids, links measured among them) it was last weighed with, to grow it
         self._grow_considered: dict[str, tuple[int, frozenset[str], int]] = {}
+        self._asked = threading.Event()  # a placement was asked for (request)
+
+    def request(self) -> None:
+        """Place soon: a burst of joins asks once. At once where there is no background work (tests
+        drive it), else within `placement_debounce_s` (the app's loop calls `place_if_asked`)."""
+        if self.core.settings.background:
+            self._asked.set()
+        else:
+            self.place_pending()
+
+    def place_if_asked(self) -> None:
+        if self._asked.is_set():
+            self._asked.clear()
+            self.place_pending()
 
     def left_out_note(self, node_id: str) -> str:
         """Why the last placement gave this idle node no stage ("" if none did)."""
@@ -47,7 +63,7 @@ class Placement:
                                            .order_by(JobRow.created_at)))
             idle = list(session.scalars(select(NodeRow).where(
                 NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
-                NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s,  # not gone
+                self.core.live(now),  # not gone
                 NodeRow.reachable.is_not(False),  # peers could not dial it (it may get a relay: reachability.py)
                 or_(NodeRow.quarantined_until.is_(None), NodeRow.quarantined_until <= now))  # (failure_rules/)
                 .order_by(NodeRow.joined_at)))

@@ -83,7 +83,7 @@ class Reachability:
         for relay in session.scalars(select(NodeRow).where(
                 NodeRow.relay_port.is_not(None), NodeRow.reachable.is_(True), NodeRow.relayed_by.is_(None),
                 NodeRow.id != node.id, NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
-                NodeRow.last_seen >= now - self.core.settings.heartbeat_timeout_s,
+                self.core.live(now),
                 or_(NodeRow.quarantined_until.is_(None), NodeRow.quarantined_until <= now))):
             relays[relay.id] = f"{relay.address.rpartition(':')[0]}:{relay.relay_port}"
         return relays

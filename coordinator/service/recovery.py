@@ -118,11 +118,10 @@ class Recoveries:
         hands in nothing (if it is only late, the new credential ends what it still runs). True if any
         job went back to pending."""
         now, replanned = self.core.clock(), False
-        silent_since = now - self.core.settings.recovery_silence_s
         for job in session.scalars(select(JobRow).where(JobRow.state == JobState.RECOVERING.value)):
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id, NodeRow.state != GONE)))
             waited_out = now - job.updated_at >= self.core.settings.recovery_wait_s
-            live = [node for node in members if node.last_seen >= silent_since]
+            live = [node for node in members if node.last_seen >= now - self.core.silence_s(node)]
             if live and not waited_out:
                 broken = set(job.faults[-1].broken)
                 if not self.told_to_hand_in(job) and all(
@@ -131,7 +130,7 @@ class Recoveries:
                     _amend_last(job, hand_in_at=now)  # the lost cluster is done: the others hand in now
                 continue
             for node in members:  # whatever it still runs is ignored from now on; a silent one is not placed
-                node.job_id, node.state = None, IDLE if node.last_seen >= silent_since else GONE
+                node.job_id, node.state = None, IDLE if node.last_seen >= now - self.core.silence_s(node) else GONE
             self._forget_lost_clusters(session, job)
             resume = self.artifacts.resume_point(session, job)
             self.start_generation(session, job, resume)

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ravnest.failures import Failure
@@ -82,9 +82,12 @@ class Rulings:
     def check_silence(self, session: Session, now: float) -> None:
         """Every node that missed a heartbeat, and every stage alone in its cluster that has not reported
         since the last interval while its job ran, as the rules see them."""
-        late = now - self.core.settings.heartbeat_interval_s
-        for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < late)):
-            self.observe(session, Silence(now, node.id, f"{node.id} ({node.name or node.address})", node.last_seen))
+        base = self.core.settings.heartbeat_interval_s
+        late = now - base
+        told = func.coalesce(NodeRow.beat_interval_s, base)
+        for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < now - told)):
+            self.observe(session, Silence(now, node.id, f"{node.id} ({node.name or node.address})", node.last_seen,
+                                          node.beat_interval_s or base))
         for row in session.scalars(select(StageRow).join(JobRow, JobRow.id == StageRow.job_id).where(
                 JobRow.state == JobState.RUNNING.value, StageRow.updated_at < late, JobRow.updated_at < late)):
             job, holder = session.get_one(JobRow, row.job_id), session.get(NodeRow, row.node_id)

@@ -155,6 +155,8 @@ class HeartbeatResponse(Strict):
     reachability: str = Field("", description="how that was found, in words")
     relay: RelayOffer | None = Field(None, description="peers cannot dial this node: listen on this relay and send "
                                                        "the address it gives with the next heartbeats")
+    heartbeat_interval_s: float | None = Field(None, description=(
+        "beat every this many seconds from now on (it grows with the number of nodes); None: as before"))
 
 
 class MetricsReport(Strict):

@@ -1,0 +1,126 @@
+"""Heartbeats that change nothing: answered without the coordinator's lock, their `last_seen` written
+in batches, at an interval that grows with the number of nodes.
+
+Most heartbeats say "still here": an idle node with nothing to report, or a busy one running the job
+it was given. Such a beat needs one read (the node's row with its job's state and its stage: a
+primary-key lookup) and no write: when it was seen goes into a buffer that `flush` writes as one
+statement (a background thread, every FLUSH_S), never moving `last_seen` back. Every other beat (a
+probe's result, a proof, a new address, a job to start, hand in or stop) takes the slow path,
+Membership.heartbeat, under the lock.
+
+The interval. Nodes beat every `heartbeat_interval_s` until there are more than `heartbeat_rate`
+times that many live nodes; past that, the interval grows so that all of them together send about
+`heartbeat_rate` beats a second, up to IDLE_CAP_S for idle nodes and BUSY_CAP_S for busy ones. A node
+is lost after `heartbeat_timeout_factor` of *its own* intervals (the one it was last told, kept in
+`nodes.beat_interval_s`), so noticing a lost node takes at most 3 x 40 s = 2 minutes while idle and
+3 x 10 s = 30 s while busy (where its pipeline peers also report it at once). With the defaults
+(2 s, 250 beats/s) that starts past 500 nodes; 10,000 idle nodes beat every 40 s.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from sqlalchemy import and_, bindparam, case, func, select, update
+
+from ravnest.spec import HeartbeatRequest, HeartbeatResponse
+
+from .. import jobs
+from ..jobs import JobState
+from ..schemas import Health
+from ..security import bearer_token, token_matches
+from ..store import JobRow, NodeRow, StageRow
+from .core import BUSY, GONE, IDLE, Core, node_refusal
+from .link_probes import LinkProbes
+from .offers import Offers
+from .placement import Placement
+
+log = logging.getLogger(__name__)
+FLUSH_S = 0.5  # the buffer of sightings is written this often: far below any heartbeat timeout
+IDLE_CAP_S, BUSY_CAP_S = 40.0, 10.0  # the longest intervals told (see the docstring)
+COUNT_EVERY_S = 5.0  # live nodes are counted again this often to set the interval
+
+
+class Presence:
+    def __init__(self, core: Core, links: LinkProbes, offers: Offers, placement: Placement) -> None:
+        self.core, self.links, self.offers, self.placement = core, links, offers, placement
+        self._seen: dict[str, tuple[float, float]] = {}  # node id -> (when, interval told): not yet written
+        self._lock = threading.Lock()  # guards _seen only
+        self._live, self._counted_at = 0, float("-inf")
+
+    def interval(self, busy: bool) -> float:
+        """The heartbeat interval to tell a node now (see the docstring)."""
+        settings, now = self.core.settings, self.core.clock()
+        if now - self._counted_at >= COUNT_EVERY_S:
+            with self.core.store.session() as session:
+                self._live = session.scalar(select(func.count()).select_from(NodeRow).where(
+                    NodeRow.state != GONE, self.core.live(now))) or 0
+            self._counted_at = now
+        spread = self._live / max(settings.heartbeat_rate, 1e-9)
+        return max(settings.heartbeat_interval_s, min(spread, BUSY_CAP_S if busy else IDLE_CAP_S))
+
+    def answer(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse | None:
+        """The reply to a beat that changes nothing, or None where the slow path must answer (anything
+        to record, to tell, or to refuse: the slow path says why)."""
+        if request.links or request.unreached or request.proofs or request.training_alone or \
+                request.address is not None or request.flops is not None:
+            return None
+        now = self.core.clock()
+        with self.core.store.session() as session:
+            row = session.execute(
+                select(NodeRow.id, NodeRow.token_hash, NodeRow.credential_ended, NodeRow.token_expires_at,
+                       NodeRow.state, NodeRow.job_id, NodeRow.reachable, NodeRow.reachability, NodeRow.relayed_by,
+                       JobRow.state.label("job_state"), StageRow.delivered, StageRow.weights_uploaded)
+                .outerjoin(JobRow, JobRow.id == NodeRow.job_id)
+                .outerjoin(StageRow, and_(StageRow.job_id == NodeRow.job_id, StageRow.node_id == NodeRow.id))
+                .where(NodeRow.id == node_id)).first()
+            if row is None or node_refusal(row, now) or not token_matches(bearer_token(authorization), row.token_hash):
+                return None
+            idle = row.state == IDLE and row.job_id is None and request.job_id is None
+            running = row.state == BUSY and row.job_id is not None and request.job_id == row.job_id and \
+                row.job_state == JobState.RUNNING.value and row.delivered and not row.weights_uploaded
+            if not (idle or running) or row.reachable is False or row.relayed_by is not None or \
+                    self.offers.has_news_for(session, node_id):
+                return None
+            probes = self.links.probes_for(session, node_id) if idle else []
+        interval = self.interval(busy=running)
+        self.seen(node_id, now, interval)
+        if not self.core.settings.background:  # no loop to write it (tests drive the coordinator)
+            self.flush()
+        return HeartbeatResponse(probe=probes, note=self.placement.left_out_note(node_id) if idle else "",
+                                 reachable=row.reachable, reachability=row.reachability or "",
+                                 heartbeat_interval_s=interval)
+
+    def count_by_state(self) -> dict[str, int]:
+        """How many nodes are idle, busy and gone (silent past the timeout counts as gone, as listed)."""
+        shown = case((~self.core.live(self.core.clock()), GONE), else_=NodeRow.state)
+        with self.core.store.session() as session:
+            counts: dict[str, int] = dict(session.execute(select(shown, func.count()).group_by(shown)).all())
+        return {state: counts.get(state, 0) for state in (IDLE, BUSY, GONE)}
+
+    def health(self) -> Health:
+        with self.core.store.session() as session:
+            alive = session.scalar(select(func.count()).select_from(NodeRow).where(
+                NodeRow.state != GONE, self.core.live(self.core.clock()))) or 0
+            active = session.scalar(select(func.count()).select_from(JobRow).where(
+                JobRow.state.not_in(jobs.TERMINAL))) or 0
+        return Health(nodes_alive=alive, jobs_active=active)
+
+    def seen(self, node_id: str, at: float, interval: float) -> None:
+        with self._lock:
+            self._seen[node_id] = (at, interval)
+
+    def flush(self) -> None:
+        """Write the buffered sightings: one statement, outside the lock; `last_seen` only moves on (a
+        slow-path beat may have written a later one meanwhile)."""
+        with self._lock:
+            seen, self._seen = self._seen, {}
+        if not seen:
+            return
+        ttl = self.core.settings.node_credential_ttl_s
+        with self.core.store.session(quiet=True) as session:
+            session.connection().execute(
+                update(NodeRow).where(NodeRow.id == bindparam("node"), NodeRow.last_seen < bindparam("at"))
+                .values(last_seen=bindparam("at"), beat_interval_s=bindparam("interval"),
+                        token_expires_at=bindparam("at") + ttl),
+                [{"node": node, "at": at, "interval": interval} for node, (at, interval) in seen.items()])
