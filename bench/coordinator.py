@@ -41,7 +41,7 @@ from bench.common import command_line, write_section
 
 P99_BOUND_MS = 250.0
 WINDOW_S = 20.0  # heartbeats timed per level (after every volunteer of the level joined and beat once)
-CONNECTIONS = 256  # keep-alive connections per coordinator URL, shared by the volunteers
+CONNECTIONS = 16  # keep-alive connections per coordinator URL, shared by the volunteers
 PROFILE = {"flops": 2e12, "memory_bytes": 8 << 30, "bandwidth_bytes_per_s": 1.2e8, "latency_s": 0.002,
            "device": "cpu", "cores": 4}
 ROOT = Path(__file__).resolve().parent.parent

@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-timeout", type=float, default=None,
                         help="seconds without a heartbeat before a node is declared lost and its job re-planned "
                              "(default: 3 intervals)")
+    parser.add_argument("--heartbeat-rate", type=float, default=250.0, metavar="PER_S",
+                        help="beats a second all nodes together send at most: past rate x interval nodes, the interval "
+                             "grows (up to 40 s idle, 10 s busy), and so does the time to notice a lost node "
+                             "(default: 250)")
     parser.add_argument("--recovery-wait", type=float, default=120.0,
                         help="most seconds a re-planned job waits for its live nodes to hand in their state "
                              "(default: 120)")
@@ -70,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="job and node events at info, every request at debug (default: info)")
     args = parser.parse_args(argv)
     check_tls_options(parser, args)
+    if not 0 < args.heartbeat_rate < math.inf:
+        parser.error("--heartbeat-rate is beats a second: a positive number")
     if not 0 <= args.grow_gain < math.inf:
         parser.error("--grow-gain is a fraction of the job's predicted throughput: 0 or more")
     if args.relay_bandwidth is not None and not 0 < args.relay_bandwidth < math.inf:
@@ -96,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                         operator_token=args.operator_token,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait,
+                        heartbeat_rate=args.heartbeat_rate,
                         grow_gain=args.grow_gain,
                         relay_host=args.host, relay_port=None if args.no_relay else
                         args.port + 1 if args.relay_port is None else args.relay_port,

@@ -8,7 +8,8 @@ components they call (and nothing else) when they are built.
     Offers        the files nodes offer, and their proofs of holding them
     Placement     planning pending jobs onto idle nodes; growing jobs     (Offers, Recoveries)
     Membership    nodes join, beat and leave; the liveness tick           (Credentials, Offers, Placement,
-                  (with its LinkProbes: which links a node measures)       Recoveries, Rulings)
+                  (with its LinkProbes: which links a node measures,       Recoveries, Rulings)
+                  and Presence: beats that change nothing, the interval)
     JobLifecycle  submit, view, cancel, resume; metrics, failure reports  (Placement, Recoveries, Artifacts,
                                                                            Rulings)
 

@@ -7,7 +7,9 @@ Per-process state, all of it soft: rebuilt, or harmless to lose on a restart (wh
 second coordinator would see). Each component keeps its own, and says so where it is kept:
     Core          parsed plans (and jobs.spec_of: parsed specs), the failure rules' memory (since when a
                   stage has been slow: a restart only starts the window again)
-    LinkProbes    the probes asked for and not yet answered (Membership's)
+    LinkProbes    the probes asked for and not yet answered, nodes that measured enough (Membership's)
+    Presence      sightings not yet written (at most half a second's: a crash loses them, and the
+                  node's next beat says it again), the live nodes' count the interval comes from
     Placement     why a node was left out of the last placement; what a running job was last weighed
                   with for growing
     Recoveries    who trains alone (each heartbeat says it again)

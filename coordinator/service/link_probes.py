@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ravnest.spec import LinkReport, PeerProbe
@@ -19,6 +19,7 @@ from ..store import LinkRow, NodeRow
 from .core import IDLE, MAX_LINKS_PER_NODE, Core
 
 MAX_ROUNDS = 64  # probe rounds at once, in all (each a prober and probe_peers targets)
+SLACK = 32  # candidate rows read beyond those known to be skipped (silent ones not yet marked gone)
 FORGET_ENOUGH_S = 600.0  # how long "measured enough" is believed without counting again
 
 
@@ -73,15 +74,17 @@ class LinkProbes:
                     or len(self._rounds) >= MAX_ROUNDS:
                 return []
             busy = len(self._busy)
-        measured = select(LinkRow.peer_id).where(LinkRow.node_id == node_id)
-        if (session.scalar(select(func.count()).select_from(measured.subquery())) or 0) >= MAX_LINKS_PER_NODE:
+        measured = set(session.scalars(select(LinkRow.peer_id).where(LinkRow.node_id == node_id)))
+        if len(measured) >= MAX_LINKS_PER_NODE:
             with self._lock:
                 self._enough.add(node_id)
             return []
-        candidates = list(session.scalars(select(NodeRow).where(
-            NodeRow.id != node_id, NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
-            self.core.live(now), NodeRow.id.not_in(measured))
-            .order_by(NodeRow.joined_at, NodeRow.id).limit(want + busy)))
+        # the oldest idle nodes, filtered here rather than in SQL (where liveness and "not measured" would
+        # make the database look at every node): enough rows to skip the measured, busy and silent ones
+        candidates = [peer for peer in session.scalars(select(NodeRow).where(
+            NodeRow.id != node_id, NodeRow.state == IDLE, NodeRow.credential_ended.is_(None))
+            .order_by(NodeRow.joined_at, NodeRow.id).limit(want + busy + len(measured) + SLACK))
+            if peer.id not in measured and not self.core.gone(peer, now)]
         with self._lock:
             if self._busy.get(node_id, 0.0) > now or len(self._rounds) >= MAX_ROUNDS:
                 return []  # another thread gave it (or the last round) meanwhile

@@ -111,14 +111,16 @@ class Presence:
             self._seen[node_id] = (at, interval)
 
     def flush(self) -> None:
-        """Write the buffered sightings: one statement, outside the lock; `last_seen` only moves on (a
-        slow-path beat may have written a later one meanwhile)."""
+        """Write the buffered sightings in one statement; `last_seen` only moves on (a slow-path beat
+        may have written a later one meanwhile)."""
         with self._lock:
             seen, self._seen = self._seen, {}
         if not seen:
             return
         ttl = self.core.settings.node_credential_ttl_s
-        with self.core.store.session(quiet=True) as session:
+        # under the lock: SQLite has one writer at a time, and one that finds the file locked sleeps
+        # (up to 100 ms a try); one statement every FLUSH_S keeps the locked path waiting least
+        with self.core.lock, self.core.store.session(quiet=True) as session:
             session.connection().execute(
                 update(NodeRow).where(NodeRow.id == bindparam("node"), NodeRow.last_seen < bindparam("at"))
                 .values(last_seen=bindparam("at"), beat_interval_s=bindparam("interval"),
