@@ -144,6 +144,7 @@ class NodeDaemon:
         self.server = PeerServer(self.router, host, port, gate=self.gate, tls=tls)  # tls: (certificate, key) PEM
         self._prober: LinkProber | None = None
         self._note = ""  # the coordinator's last word on why this node is idle
+        self._interval = 2.0  # seconds between heartbeats: what the coordinator said last
         self.address = f"{advertise or host}:{self.server.port}"
         self._job: _Job | None = None
         self._finished: set[tuple[str, int]] = set()  # (job id, generation): a re-planned job comes back
@@ -168,6 +169,7 @@ class NodeDaemon:
         self.progress.log(f"joined as {joined.node_id} at {self.address} ({profile.device}, "
                           f"{profile.flops / 1e9:.1f} GFLOP/s, offers {profile.memory_bytes / 2**30:.2f} GiB)")
         self.relaying.joined(joined.node_id, joined.relay_secret)
+        self._interval = joined.heartbeat_interval_s  # what each reply says from now on
         if joined.probe_token:
             self.gate.set_probe_tokens([joined.probe_token])
             self._prober = LinkProber(joined.probe_token)
@@ -181,9 +183,9 @@ class NodeDaemon:
                 self._heartbeat()
                 if self._running_job_id() is None:
                     trim_heap()  # what peers' probes made the wire buffer (kept for speed) goes back
-                if self._prober and self._prober.settle(joined.heartbeat_interval_s):
+                if self._prober and self._prober.settle(self._interval):
                     continue  # report the links measured now rather than an interval later
-                self._beat_now.wait(joined.heartbeat_interval_s)
+                self._beat_now.wait(self._interval)
                 self._beat_now.clear()
         finally:
             self._stop_job(timeout=30.0)
@@ -226,6 +228,7 @@ class NodeDaemon:
         if reply.note and reply.note != self._note:
             self.progress.log(f"coordinator: {reply.note}")
         self._note = reply.note
+        self._interval = reply.heartbeat_interval_s or self._interval  # it grows with the number of nodes
         relayed = self.relaying.offered(reply.relay, self.server.address) is not None
         if reply.reachable is not None and reply.reachable != self._reachable:
             self.progress.log(reachability_line(self.relaying.advertised(self.address), reply.reachable,
