@@ -34,6 +34,7 @@ from .core import BUSY, GONE, IDLE, Core, node_refusal
 from .link_probes import LinkProbes
 from .offers import Offers
 from .placement import Placement
+from .recovery import Recoveries
 
 log = logging.getLogger(__name__)
 FLUSH_S = 0.5  # the buffer of sightings is written this often: far below any heartbeat timeout
@@ -42,8 +43,10 @@ COUNT_EVERY_S = 5.0  # live nodes are counted again this often to set the interv
 
 
 class Presence:
-    def __init__(self, core: Core, links: LinkProbes, offers: Offers, placement: Placement) -> None:
+    def __init__(self, core: Core, links: LinkProbes, offers: Offers, placement: Placement,
+                 recoveries: Recoveries) -> None:
         self.core, self.links, self.offers, self.placement = core, links, offers, placement
+        self.recoveries = recoveries
         self._seen: dict[str, tuple[float, float]] = {}  # node id -> (when, interval told): not yet written
         self._lock = threading.Lock()  # guards _seen only
         self._live, self._counted_at = 0, float("-inf")
@@ -83,6 +86,7 @@ class Presence:
                     self.offers.has_news_for(session, node_id):
                 return None
             probes = self.links.probes_for(session, node_id) if idle else []
+        self.recoveries.not_alone(node_id)  # (a quiet beat is not training alone)
         interval = self.interval(busy=running)
         self.seen(node_id, now, interval)
         if not self.core.settings.background:  # no loop to write it (tests drive the coordinator)

@@ -77,10 +77,14 @@ class Recoveries:
     def trains_alone(self, session: Session, node: NodeRow, job_id: str | None) -> None:
         """What the node's heartbeat said: it trains alone in `job_id` (None: it does not)."""
         if job_id is None:
-            self._training_alone.pop(node.id, None)
+            self.not_alone(node.id)
         else:
             self._training_alone[node.id] = job_id
             self.kept_training(session, node)
+
+    def not_alone(self, node_id: str) -> None:
+        """Its heartbeat did not say it trains alone (presence.py's quiet beats say so too)."""
+        self._training_alone.pop(node_id, None)
 
     def kept_training(self, session: Session, node: NodeRow) -> None:
         """The node's cluster trains on while its recovering job is re-planned: say so in the record."""
