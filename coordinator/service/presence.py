@@ -18,7 +18,6 @@ is lost after `heartbeat_timeout_factor` of *its own* intervals (the one it was 
 """
 from __future__ import annotations
 
-import logging
 import threading
 
 from sqlalchemy import and_, bindparam, case, func, select, update
@@ -36,7 +35,6 @@ from .offers import Offers
 from .placement import Placement
 from .recovery import Recoveries
 
-log = logging.getLogger(__name__)
 FLUSH_S = 0.5  # the buffer of sightings is written this often: far below any heartbeat timeout
 IDLE_CAP_S, BUSY_CAP_S = 40.0, 10.0  # the longest intervals told (see the docstring)
 COUNT_EVERY_S = 5.0  # live nodes are counted again this often to set the interval
