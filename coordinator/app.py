@@ -1,8 +1,8 @@
 """The HTTP face of the coordinator: versioned REST under /v1, OpenAPI at /docs, a dashboard at /.
 
 Every body is a pydantic model; every refusal is a 4xx with {"detail": "<reason>"}. The routes live
-by concern in coordinator/routes/; this puts them together with the gates they pass first (the body
-limit, then authentication) and the one shape refusals have.
+by concern in coordinator/routes/; this puts them together with the gates they pass first (quiet
+heartbeats' own door, then authentication, then the body limit) and the one shape refusals have.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from .auth import Authentication, required
 from .config import Settings
 from .service_errors import CoordinatorError
 from .limits import BodyLimit
+from .quiet_beats import QuietBeats
 from .routes import credentials_api, jobs_api, nodes_api, reports_api, site
 from .schemas import ErrorBody
 from .service import Coordinator
@@ -52,6 +54,7 @@ def _validation_reason(error: RequestValidationError, body: type[BaseModel] | No
 
 
 METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE")
+THREADS = 16  # requests served at once (their handlers are synchronous: see lifespan)
 
 
 def _routed(app: FastAPI, method: str, path: str) -> bool:
@@ -67,6 +70,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # fewer threads than AnyIO's 40: on a few cores more of them only queue for the GIL, each
+        # request's wait growing with their number (and each wants a database connection)
+        anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
         async def reap_and_place() -> None:  # one pass per heartbeat interval: cheap, never busy
             while True:
                 await asyncio.sleep(settings.heartbeat_interval_s)
@@ -98,8 +104,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
 
-    app.add_middleware(Authentication, identify=service.credentials.identify,  # added last: runs first
+    app.add_middleware(Authentication, identify=service.credentials.identify,
                        routed=lambda method, path: _routed(app, method, path))
+    app.add_middleware(QuietBeats, answer=service.membership.presence.answer_raw,  # added last: runs first
+                       max_bytes=settings.max_request_bytes)
     _answer_refusals(app)
     site.mount_assets(app)
     for routes in (site, nodes_api, credentials_api, jobs_api, reports_api):

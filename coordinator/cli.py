@@ -46,10 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-timeout", type=float, default=None,
                         help="seconds without a heartbeat before a node is declared lost and its job re-planned "
                              "(default: 3 intervals)")
-    parser.add_argument("--heartbeat-rate", type=float, default=250.0, metavar="PER_S",
+    parser.add_argument("--heartbeat-rate", type=float, default=100.0, metavar="PER_S",
                         help="beats a second all nodes together send at most: past rate x interval nodes, the interval "
                              "grows (up to 40 s idle, 10 s busy), and so does the time to notice a lost node "
-                             "(default: 250)")
+                             "(default: 100)")
     parser.add_argument("--recovery-wait", type=float, default=120.0,
                         help="most seconds a re-planned job waits for its live nodes to hand in their state "
                              "(default: 120)")

@@ -21,7 +21,7 @@ class Settings:
     heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals (its own)
     # beats a second all nodes together send at most: past heartbeat_rate x heartbeat_interval_s live nodes
     # the interval grows (service/presence.py), and so does the time it takes to notice a lost node
-    heartbeat_rate: float = 250.0
+    heartbeat_rate: float = 100.0
     placement_debounce_s: float = 0.5  # joins and offers ask for a placement; it runs at most this often
     recovery_wait_s: float = 120.0  # a recovering job waits this long at most for its nodes' state
     recovery_silence_intervals: float = 2.0  # ... and not for a member silent this many heartbeat intervals

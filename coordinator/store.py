@@ -213,10 +213,15 @@ class LinkRow(Base):
     measured_at: Mapped[float] = mapped_column(Float)
 
 
+POOL_SIZE = 24  # THREADS (app.py) and a few for the background loops
+
+
 class Store:
     def __init__(self, url: str) -> None:
         connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
-        self.engine = create_engine(url, connect_args=connect_args)
+        # as many connections kept as threads ask for them (the server's thread pool and the background
+        # loops): an overflow connection is opened and closed for each use
+        self.engine = create_engine(url, connect_args=connect_args, pool_size=POOL_SIZE, max_overflow=POOL_SIZE)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         upgrade(self.engine)

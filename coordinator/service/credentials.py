@@ -70,7 +70,8 @@ class Credentials:
             row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == digest)).first()
             if row is not None:
                 return credential_refusal(row, now) or Principal(row.kind, row.id, _role(row.role), row.name)
-            node = session.scalars(select(NodeRow).where(NodeRow.token_hash == digest)).first()
+            node = session.execute(select(NodeRow.id, NodeRow.name, NodeRow.credential_ended, NodeRow.token_expires_at)
+                                   .where(NodeRow.token_hash == digest)).first()  # (not the whole row: most calls)
             if node is not None:
                 return node_refusal(node, now) or Principal(NODE, node.id, name=node.name)
         return "unknown token"

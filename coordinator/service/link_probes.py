@@ -2,13 +2,16 @@
 nodes it places, so each idle node probes a few peers at a time until it has measured enough of them.
 
 What is asked and not yet answered is per process (a cache: lost on a restart, a probe is only asked
-again). Bounded three ways, so that 10,000 nodes cost no more per beat than 10: a node takes part in
-one round of probes at a time, as prober or as target; at most MAX_ROUNDS rounds run at once; and a
-node that measured MAX_LINKS_PER_NODE links is not asked again (remembered without a query).
+again; several coordinator processes each run their own rounds). Bounded three ways, so that 10,000
+nodes cost no more per beat than 10: a node takes part in one round of probes at a time, as prober or
+as target; at most MAX_ROUNDS rounds run at once; and a node that measured MAX_LINKS_PER_NODE links
+is not asked again (remembered without a query). Peers are drawn at random from the idle nodes.
 """
 from __future__ import annotations
 
+import random
 import threading
+from typing import NamedTuple
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -19,8 +22,16 @@ from ..store import LinkRow, NodeRow
 from .core import IDLE, MAX_LINKS_PER_NODE, Core
 
 MAX_ROUNDS = 64  # probe rounds at once, in all (each a prober and probe_peers targets)
-SLACK = 32  # candidate rows read beyond those known to be skipped (silent ones not yet marked gone)
+DRAWS = 8  # random idle nodes looked at per probe asked (those measured or in a round are passed over)
+IDLE_EVERY_S = 2.0  # the idle nodes probes are drawn from are read again this often
 FORGET_ENOUGH_S = 600.0  # how long "measured enough" is believed without counting again
+
+
+class Candidate(NamedTuple):
+    id: str
+    address: str
+    tls_name: str | None
+    relayed_by: str | None
 
 
 class LinkProbes:
@@ -32,27 +43,37 @@ class LinkProbes:
         self._busy: dict[str, float] = {}  # node -> until when it is in a round (as prober or target)
         self._enough: set[str] = set()  # nodes that measured MAX_LINKS_PER_NODE links
         self._expired_at = self._enough_since = core.clock()
+        self._idle: list[Candidate] = []
+        self._idle_at = float("-inf")
 
-    def record(self, session: Session, node: NodeRow, reports: list[LinkReport], unreached: list[str]) -> set[str]:
-        """Keep the latest measurement per peer; reports on unknown peers or itself are dropped
-        (a peer may have left and been forgotten meanwhile). A peer it could not dial is an answer too.
-        Returns the peers it was asked to probe and answered for (what it says of others is not asked)."""
-        now = self.core.clock()
+    def answered(self, node_id: str, reports: list[LinkReport], unreached: list[str]) -> set[str]:
+        """The peers it was asked to probe and answered for (what it says of others is not asked): its
+        round ends with the last of them. A peer it could not dial is an answer too."""
         with self._lock:
             answered = {peer for peer in [*unreached, *(r.peer_id for r in reports)]
-                        if self._asked.pop((node.id, peer), None) is not None}
+                        if self._asked.pop((node_id, peer), None) is not None}
             for peer in answered:
                 self._busy.pop(peer, None)
-                self._rounds.get(node.id, set()).discard(peer)
-            if not self._rounds.get(node.id, True):
-                del self._rounds[node.id]
-                self._busy.pop(node.id, None)
-        for report in reports:
-            if report.peer_id == node.id or session.get(NodeRow, report.peer_id) is None:
-                continue
-            session.merge(LinkRow(node_id=node.id, peer_id=report.peer_id, bandwidth=report.bandwidth_bytes_per_s,
-                                  latency=report.latency_s, measured_at=now))
+                self._rounds.get(node_id, set()).discard(peer)
+            if not self._rounds.get(node_id, True):
+                del self._rounds[node_id]
+                self._busy.pop(node_id, None)
         return answered
+
+    def record(self, session: Session, node_id: str, reports: list[LinkReport], at: float) -> None:
+        """Keep the latest measurement per peer; reports on unknown peers or itself are dropped (a peer
+        may have left and been forgotten meanwhile). The peers' rows stay loaded in `session`."""
+        peers = {report.peer_id for report in reports} - {node_id}
+        known = {peer.id for peer in session.scalars(select(NodeRow).where(NodeRow.id.in_(peers)))} if peers else set()
+        links = {link.peer_id: link for link in session.scalars(select(LinkRow).where(
+            LinkRow.node_id == node_id, LinkRow.peer_id.in_(known)))} if known else {}
+        for report in reports:
+            if report.peer_id not in known:
+                continue
+            link = links.get(report.peer_id) or LinkRow(node_id=node_id, peer_id=report.peer_id)
+            link.bandwidth, link.latency, link.measured_at = report.bandwidth_bytes_per_s, report.latency_s, at
+            links[report.peer_id] = link
+            session.add(link)
 
     def forget_probes_of(self, peer_id: str) -> None:
         """The peer moved (to a relay's address): what probes of its old address find says nothing of
@@ -61,8 +82,8 @@ class LinkProbes:
             self._asked = {pair: at for pair, at in self._asked.items() if pair[1] != peer_id}
 
     def probes_for(self, session: Session, node_id: str) -> list[PeerProbe]:
-        """Up to `probe_peers` idle peers whose link this node has not measured, oldest members first;
-        none once it measured MAX_LINKS_PER_NODE links. A peer that trains is not probed: a probe's
+        """Up to `probe_peers` idle peers whose link this node has not measured, drawn at random; none
+        once it measured MAX_LINKS_PER_NODE links. A peer that trains is not probed: a probe's
         megabytes would take its link's bandwidth and its memory from the job. A node takes part in
         one round of probes at a time, as prober or as target (until reported, or `probe_retry_s`):
         two probes through one host's link each measured about half of it (a 400 Mbit/s pair came out
@@ -73,22 +94,21 @@ class LinkProbes:
             if want <= 0 or node_id in self._enough or self._busy.get(node_id, 0.0) > now \
                     or len(self._rounds) >= MAX_ROUNDS:
                 return []
-            busy = len(self._busy)
         measured = set(session.scalars(select(LinkRow.peer_id).where(LinkRow.node_id == node_id)))
         if len(measured) >= MAX_LINKS_PER_NODE:
             with self._lock:
                 self._enough.add(node_id)
             return []
-        # the oldest idle nodes, filtered here rather than in SQL (where liveness and "not measured" would
-        # make the database look at every node): enough rows to skip the measured, busy and silent ones
-        candidates = [peer for peer in session.scalars(select(NodeRow).where(
-            NodeRow.id != node_id, NodeRow.state == IDLE, NodeRow.credential_ended.is_(None))
-            .order_by(NodeRow.joined_at, NodeRow.id).limit(want + busy + len(measured) + SLACK))
-            if peer.id not in measured and not self.core.gone(peer, now)]
+        idle = self._idle_nodes(session, now)
         with self._lock:
             if self._busy.get(node_id, 0.0) > now or len(self._rounds) >= MAX_ROUNDS:
                 return []  # another thread gave it (or the last round) meanwhile
-            chosen = [peer for peer in candidates if self._busy.get(peer.id, 0.0) <= now][:want]
+            chosen: list[Candidate] = []
+            for peer in random.sample(idle, min(len(idle), DRAWS * want)):
+                if peer.id != node_id and peer.id not in measured and self._busy.get(peer.id, 0.0) <= now:
+                    chosen.append(peer)
+                    if len(chosen) == want:
+                        break
             if not chosen:
                 return []
             self._rounds[node_id] = {peer.id for peer in chosen}
@@ -98,6 +118,21 @@ class LinkProbes:
                 self._asked[(node_id, peer.id)] = now
         return [PeerProbe(node_id=peer.id, address=peer.address, tls_name=peer.tls_name if peer.relayed_by else None)
                 for peer in chosen]
+
+    def _idle_nodes(self, session: Session, now: float) -> list[Candidate]:
+        """The idle, live nodes, read again every IDLE_EVERY_S (one query, whatever the number of beats;
+        one that fell silent meanwhile is at worst asked for, and its round runs out). Read every time
+        where no background loop runs (tests drive the coordinator, and its clock)."""
+        with self._lock:
+            if now - self._idle_at < IDLE_EVERY_S and self.core.settings.background:
+                return self._idle
+            self._idle_at = now  # (the other threads take the last list meanwhile, not a read each)
+        idle = [Candidate(*row) for row in session.execute(select(
+            NodeRow.id, NodeRow.address, NodeRow.tls_name, NodeRow.relayed_by).where(
+            NodeRow.state == IDLE, NodeRow.credential_ended.is_(None), self.core.live(now)))]
+        with self._lock:
+            self._idle = idle
+        return idle
 
     def _expire(self, now: float) -> None:
         """Rounds never answered end after `probe_retry_s` (once a second is enough to look)."""

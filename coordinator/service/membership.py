@@ -46,7 +46,7 @@ class Membership:
         self.placement, self.recoveries, self.rulings = placement, recoveries, rulings
         self.links = LinkProbes(core)
         self.reachability = Reachability(core)
-        self.presence = Presence(core, self.links, offers, placement, recoveries)
+        self.presence = Presence(core, self.links, self.reachability, offers, placement, recoveries)
 
     def tick(self) -> None:
         """Silent nodes and stalled stages to the failure rules, then place pending jobs."""
@@ -141,9 +141,7 @@ class Membership:
                     self.reachability.moved(session, node, request.address)
                 if moved:
                     self.links.forget_probes_of(node.id)
-                asked = self.links.record(session, node, request.links, request.unreached)
-                self.reachability.from_probes(session, node, [r.peer_id for r in request.links if r.peer_id in asked],
-                                              [peer for peer in request.unreached if peer in asked])
+                self.presence.take_probes(session, node, request)
                 proven = self.offers.take_proofs(session, node, request.proofs)
                 self.recoveries.trains_alone(session, node, request.job_id if request.training_alone else None)
                 # a re-plan may wait for this node to train alone, or for a lost one to fall silent: the
@@ -172,11 +170,12 @@ class Membership:
                 response.heartbeat_interval_s = node.beat_interval_s = self.presence.interval(node.state == BUSY)
             if moved:
                 self.reachability.dial_back(node_id, str(request.address))
-            # a re-plan may have waited for this node; placing may give it work at once
+            # a re-plan may have waited for this node; placing may give it work (debounced: after an
+            # outage, thousands come back at once)
             if freed or replanned or proven:
                 with self.core.store.session() as session:
                     self.recoveries.replan_recovered(session)
-                self.placement.place_pending()
+                self.placement.request()
                 with self.core.store.session() as session:
                     node = session.get_one(NodeRow, node_id)
                     if node.job_id and response.assignment is None and not request.job_id:

@@ -61,6 +61,10 @@ class Placement:
         with self.core.lock, self.core.store.session() as session:
             pending = list(session.scalars(select(JobRow).where(JobRow.state == JobState.PENDING.value)
                                            .order_by(JobRow.created_at)))
+            grown_since = now - self.core.settings.grow_after_s
+            if not pending and not session.scalar(select(func.count()).select_from(JobRow).where(
+                    JobRow.state == JobState.RUNNING.value, JobRow.updated_at <= grown_since)):
+                return  # nothing to place, nothing to grow: the idle nodes are not read (10,000 rows)
             idle = list(session.scalars(select(NodeRow).where(
                 NodeRow.state == IDLE, NodeRow.credential_ended.is_(None),
                 self.core.live(now),  # not gone

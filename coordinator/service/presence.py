@@ -1,12 +1,12 @@
 """Heartbeats that change nothing: answered without the coordinator's lock, their `last_seen` written
 in batches, at an interval that grows with the number of nodes.
 
-Most heartbeats say "still here": an idle node with nothing to report, or a busy one running the job
-it was given. Such a beat needs one read (the node's row with its job's state and its stage: a
-primary-key lookup) and no write: when it was seen goes into a buffer that `flush` writes as one
-statement (a background thread, every FLUSH_S), never moving `last_seen` back. Every other beat (a
-probe's result, a proof, a new address, a job to start, hand in or stop) takes the slow path,
-Membership.heartbeat, under the lock.
+Most heartbeats say "still here": an idle node with nothing to report but its link probes' results,
+or a busy one running the job it was given. Such a beat needs one read (the node's row with its job's
+state and its stage: a primary-key lookup) and no write: when it was seen, and what its probes
+measured, go into a buffer that `flush` writes in one transaction (a background thread, every
+FLUSH_S), never moving `last_seen` back. Every other beat (a proof, a new address, a job to start,
+hand in or stop) takes the slow path, Membership.heartbeat, under the lock.
 
 The interval. Nodes beat every `heartbeat_interval_s` until there are more than `heartbeat_rate`
 times that many live nodes; past that, the interval grows so that all of them together send about
@@ -14,25 +14,30 @@ times that many live nodes; past that, the interval grows so that all of them to
 is lost after `heartbeat_timeout_factor` of *its own* intervals (the one it was last told, kept in
 `nodes.beat_interval_s`), so noticing a lost node takes at most 3 x 40 s = 2 minutes while idle and
 3 x 10 s = 30 s while busy (where its pipeline peers also report it at once). With the defaults
-(2 s, 250 beats/s) that starts past 500 nodes; 10,000 idle nodes beat every 40 s.
+(2 s, 100 beats/s) that starts past 200 nodes; 4,000 idle nodes and more beat every 40 s (10,000 of
+them: 250 beats/s, shared by the coordinator processes).
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from sqlalchemy import and_, bindparam, case, func, select, update
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
 
-from ravnest.spec import HeartbeatRequest, HeartbeatResponse
+from ravnest.spec import HeartbeatRequest, HeartbeatResponse, LinkReport
 
 from .. import jobs
 from ..jobs import JobState
 from ..schemas import Health
 from ..security import bearer_token, token_matches
-from ..store import JobRow, NodeRow, StageRow
+from ..store import JobRow, NodeRow, OfferRow, StageRow
 from .core import BUSY, GONE, IDLE, Core, node_refusal
 from .link_probes import LinkProbes
 from .offers import Offers
 from .placement import Placement
+from .reachability import Reachability
 from .recovery import Recoveries
 
 FLUSH_S = 0.5  # the buffer of sightings is written this often: far below any heartbeat timeout
@@ -40,13 +45,31 @@ IDLE_CAP_S, BUSY_CAP_S = 40.0, 10.0  # the longest intervals told (see the docst
 COUNT_EVERY_S = 5.0  # live nodes are counted again this often to set the interval
 
 
+# a node's row with its job's state, its stage and how many files it offers: one primary-key lookup
+# (built once)
+NODE_AND_JOB = (
+    select(NodeRow.id, NodeRow.token_hash, NodeRow.credential_ended, NodeRow.token_expires_at, NodeRow.state,
+           NodeRow.job_id, NodeRow.reachable, NodeRow.reachability, NodeRow.relayed_by,
+           JobRow.state.label("job_state"), StageRow.delivered, StageRow.weights_uploaded,
+           select(func.count()).where(OfferRow.node_id == NodeRow.id).scalar_subquery().label("offers"))
+    .outerjoin(JobRow, JobRow.id == NodeRow.job_id)
+    .outerjoin(StageRow, and_(StageRow.job_id == NodeRow.job_id, StageRow.node_id == NodeRow.id))
+    .where(NodeRow.id == bindparam("node")))
+
+
+def _may_be_quiet(request: HeartbeatRequest) -> bool:
+    """Nothing in it that only the slow path records (its probes' results are taken here too)."""
+    return not (request.proofs or request.training_alone or request.address is not None or request.flops is not None)
+
+
 class Presence:
-    def __init__(self, core: Core, links: LinkProbes, offers: Offers, placement: Placement,
-                 recoveries: Recoveries) -> None:
-        self.core, self.links, self.offers, self.placement = core, links, offers, placement
-        self.recoveries = recoveries
+    def __init__(self, core: Core, links: LinkProbes, reachability: Reachability, offers: Offers,
+                 placement: Placement, recoveries: Recoveries) -> None:
+        self.core, self.links, self.reachability, self.offers = core, links, reachability, offers
+        self.placement, self.recoveries = placement, recoveries
         self._seen: dict[str, tuple[float, float]] = {}  # node id -> (when, interval told): not yet written
-        self._lock = threading.Lock()  # guards _seen only
+        self._probed: list[Probed] = []  # link probes' results not yet written
+        self._lock = threading.Lock()  # guards _seen and _probed only
         self._live, self._counted_at = 0, float("-inf")
 
     def interval(self, busy: bool) -> float:
@@ -60,33 +83,44 @@ class Presence:
         spread = self._live / max(settings.heartbeat_rate, 1e-9)
         return max(settings.heartbeat_interval_s, min(spread, BUSY_CAP_S if busy else IDLE_CAP_S))
 
-    def answer(self, node_id: str, authorization: str | None, request: HeartbeatRequest) -> HeartbeatResponse | None:
+    def answer_raw(self, node_id: str, authorization: str, body: bytes) -> bytes | None:
+        """`answer` for a body not yet parsed (quiet_beats.py): the reply's JSON, or None."""
+        reply = self.answer(node_id, authorization, body)
+        return None if reply is None else reply.model_dump_json().encode()
+
+    def answer(self, node_id: str, authorization: str | None,
+               request: HeartbeatRequest | bytes) -> HeartbeatResponse | None:
         """The reply to a beat that changes nothing, or None where the slow path must answer (anything
-        to record, to tell, or to refuse: the slow path says why)."""
-        if request.links or request.unreached or request.proofs or request.training_alone or \
-                request.address is not None or request.flops is not None:
+        to record, to tell, or to refuse: the slow path says why). A body not yet parsed is parsed
+        only once the node's credential is found good."""
+        if isinstance(request, HeartbeatRequest) and not _may_be_quiet(request):
             return None
         now = self.core.clock()
         with self.core.store.session() as session:
-            row = session.execute(
-                select(NodeRow.id, NodeRow.token_hash, NodeRow.credential_ended, NodeRow.token_expires_at,
-                       NodeRow.state, NodeRow.job_id, NodeRow.reachable, NodeRow.reachability, NodeRow.relayed_by,
-                       JobRow.state.label("job_state"), StageRow.delivered, StageRow.weights_uploaded)
-                .outerjoin(JobRow, JobRow.id == NodeRow.job_id)
-                .outerjoin(StageRow, and_(StageRow.job_id == NodeRow.job_id, StageRow.node_id == NodeRow.id))
-                .where(NodeRow.id == node_id)).first()
+            row = session.execute(NODE_AND_JOB, {"node": node_id}).first()
             if row is None or node_refusal(row, now) or not token_matches(bearer_token(authorization), row.token_hash):
                 return None
+            if isinstance(request, bytes):
+                try:
+                    request = HeartbeatRequest.model_validate_json(request)
+                except ValidationError:
+                    return None  # (the route says what is wrong with it)
+                if not _may_be_quiet(request):
+                    return None
             idle = row.state == IDLE and row.job_id is None and request.job_id is None
             running = row.state == BUSY and row.job_id is not None and request.job_id == row.job_id and \
                 row.job_state == JobState.RUNNING.value and row.delivered and not row.weights_uploaded
             if not (idle or running) or row.reachable is False or row.relayed_by is not None or \
-                    self.offers.has_news_for(session, node_id):
+                    (row.offers and self.offers.has_news_for(session, node_id)):
                 return None
-            probes = self.links.probes_for(session, node_id) if idle else []
+            probed = bool(request.links or request.unreached)  # (its next beat is asked for more)
+            probes = self.links.probes_for(session, node_id) if idle and not probed else []
         self.recoveries.not_alone(node_id)  # (a quiet beat is not training alone)
         interval = self.interval(busy=running)
         self.seen(node_id, now, interval)
+        if probed:
+            with self._lock:
+                self._probed.append(self._probed_by(node_id, request, now))
         if not self.core.settings.background:  # no loop to write it (tests drive the coordinator)
             self.flush()
         return HeartbeatResponse(probe=probes, note=self.placement.left_out_note(node_id) if idle else "",
@@ -108,23 +142,52 @@ class Presence:
                 JobRow.state.not_in(jobs.TERMINAL))) or 0
         return Health(nodes_alive=alive, jobs_active=active)
 
+    def take_probes(self, session: Session, node: NodeRow, request: HeartbeatRequest) -> None:
+        """What a beat on the slow path says its link probes measured, written now."""
+        self._write_probed(session, self._probed_by(node.id, request, self.core.clock()), node)
+
     def seen(self, node_id: str, at: float, interval: float) -> None:
         with self._lock:
             self._seen[node_id] = (at, interval)
 
     def flush(self) -> None:
-        """Write the buffered sightings in one statement; `last_seen` only moves on (a slow-path beat
-        may have written a later one meanwhile)."""
+        """Write the buffered sightings (one statement) and probe results; `last_seen` only moves on (a
+        slow-path beat may have written a later one meanwhile)."""
         with self._lock:
             seen, self._seen = self._seen, {}
-        if not seen:
+            probed, self._probed = self._probed, []
+        if not seen and not probed:
             return
         ttl = self.core.settings.node_credential_ttl_s
         # under the lock: SQLite has one writer at a time, and one that finds the file locked sleeps
-        # (up to 100 ms a try); one statement every FLUSH_S keeps the locked path waiting least
-        with self.core.lock, self.core.store.session(quiet=True) as session:
-            session.connection().execute(
-                update(NodeRow).where(NodeRow.id == bindparam("node"), NodeRow.last_seen < bindparam("at"))
-                .values(last_seen=bindparam("at"), beat_interval_s=bindparam("interval"),
-                        token_expires_at=bindparam("at") + ttl),
-                [{"node": node, "at": at, "interval": interval} for node, (at, interval) in seen.items()])
+        # (up to 100 ms a try); one transaction every FLUSH_S keeps the locked path waiting least
+        with self.core.lock, self.core.store.session(quiet=not probed) as session:
+            if seen:
+                session.connection().execute(
+                    update(NodeRow).where(NodeRow.id == bindparam("node"), NodeRow.last_seen < bindparam("at"))
+                    .values(last_seen=bindparam("at"), beat_interval_s=bindparam("interval"),
+                            token_expires_at=bindparam("at") + ttl),
+                    [{"node": node, "at": at, "interval": interval} for node, (at, interval) in seen.items()])
+            for result in probed:
+                if (prober := session.get(NodeRow, result.node_id)) is not None:
+                    self._write_probed(session, result, prober)
+
+    def _probed_by(self, node_id: str, request: HeartbeatRequest, at: float) -> Probed:
+        answered = self.links.answered(node_id, request.links, request.unreached)
+        return Probed(node_id, at, request.links, [r.peer_id for r in request.links if r.peer_id in answered],
+                      [peer for peer in request.unreached if peer in answered])
+
+    def _write_probed(self, session: Session, result: Probed, prober: NodeRow) -> None:
+        self.links.record(session, result.node_id, result.reports, result.at)
+        self.reachability.from_probes(session, prober, result.reached, result.unreached)
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What one beat said its link probes found: every measurement, and which peers it was asked to
+    probe that it reached or could not dial (what it says of others is not believed)."""
+    node_id: str
+    at: float
+    reports: list[LinkReport]
+    reached: list[str]
+    unreached: list[str]

@@ -62,9 +62,11 @@ class Reachability:
         """The relay for a node that peers could not dial, or whose relay no longer serves (it went, or
         was quarantined), if there is one: the one it was given while that one is there and it has not
         left it, else the one relaying for the fewest nodes (the one it left only if there is no other)."""
+        if node.reachable is not False and node.relayed_by is None:
+            return None  # dialled directly (most nodes: no query)
         relays, left = self._relays(session, node), self._left.get(node.id)
-        if node.reachable is not False and (node.relayed_by is None or node.relayed_by in relays):
-            return None  # dialled directly, or through a relay that still serves it
+        if node.reachable is not False and node.relayed_by in relays:
+            return None  # through a relay that still serves it
         if node.relayed_by not in relays or node.relayed_by == left:
             if not relays:
                 return None
@@ -130,8 +132,9 @@ class Reachability:
     def from_probes(self, session: Session, prober: NodeRow, reached: list[str], unreached: list[str]) -> None:
         """What a node's link probes found: the peers it measured were dialled, the others not."""
         for peer_id, ok in [*((p, True) for p in reached), *((p, False) for p in unreached)]:
-            peer = session.get(NodeRow, peer_id)
-            if peer is not None and peer.id != prober.id:
+            peer = session.get(NodeRow, peer_id)  # (loaded already: LinkProbes.record)
+            known = peer is not None and peer.reachable is ok and (peer.reachability or "").startswith("node ")
+            if peer is not None and peer.id != prober.id and not known:  # (what a peer found is kept, not rewritten)
                 self._record(peer, ok, f"node {who(prober)} {'dialled' if ok else 'could not dial'} {peer.address}")
 
     @staticmethod
