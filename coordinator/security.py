@@ -58,9 +58,16 @@ def matches(offered: str | None, expected: str | None) -> bool:
 def token_file(path: Path) -> str:
     """The token kept in `path`, created (random, readable by the owner only) on first use, so it
     outlives a restart."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    if not path.exists():  # written aside, then linked in place: coordinator processes sharing the data
+        path.parent.mkdir(parents=True, exist_ok=True)  # directory and starting at once agree on one token
+        aside = path.with_name(f".{path.name}.{os.getpid()}")
+        handle = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(handle, "w") as out:
             out.write(new_token() + "\n")
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass  # another process made it first: its token is the one
+        finally:
+            os.unlink(aside)
     return path.read_text().strip()

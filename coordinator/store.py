@@ -100,6 +100,8 @@ class NodeRow(Base):
     peer_relay_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # the host it joined at: what its TLS certificate names, once a relay's address has replaced it
     tls_name: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # the job it trains on alone, as its last heartbeat said (a recovery waits for that: recovery.py)
+    training_alone: Mapped[str | None] = mapped_column(ID, nullable=True)
 
 
 class JobRow(Base):
@@ -201,6 +203,14 @@ class CurvePointRow(Base):
     test_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     samples_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     test_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class LoginLinkRow(Base):
+    """An unused one-time dashboard link (login_links.py): the key it stands for, sealed with the code."""
+    __tablename__ = "login_links"
+    code_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    sealed_key: Mapped[str] = mapped_column(Text)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)
 
 
 class LinkRow(Base):

@@ -72,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     join = commands.add_parser("join", help="join a coordinator and train what it assigns")
-    join.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://127.0.0.1:8470")
+    join.add_argument("--coordinator", required=True,
+                      help="coordinator URL, e.g. http://127.0.0.1:8470; several, separated by commas, for "
+                           "coordinator processes on one store: the next is used when one does not answer")
     join.add_argument("--token", default=os.environ.get("RAVNEST_JOIN_TOKEN"),
                       help="the coordinator's join token (default: $RAVNEST_JOIN_TOKEN); its operator finds it "
                            "in the coordinator's data directory, file join_token")

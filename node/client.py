@@ -26,9 +26,10 @@ def _worth_retrying(error: BaseException) -> bool:
 
 def must_arrive(call):
     """Retry a call whose result the job depends on (weights, state, failure reports) with exponential
-    backoff for up to COORDINATOR_RETRY_S seconds: a coordinator restart mid-job loses nothing."""
+    backoff and jitter for up to COORDINATOR_RETRY_S seconds: a coordinator restart mid-job loses
+    nothing, and thousands of nodes that lost it at once do not come back in step."""
     return tenacity.retry(retry=tenacity.retry_if_exception(_worth_retrying), reraise=True,
-                          wait=tenacity.wait_exponential(multiplier=0.2, max=10),
+                          wait=tenacity.wait_exponential(multiplier=0.2, max=10) + tenacity.wait_random(0, 1),
                           stop=tenacity.stop_after_delay(COORDINATOR_RETRY_S))(call)
 
 
@@ -38,8 +39,7 @@ class CoordinatorClient:
     def __init__(self, url: str, *, join_token: str | None = None, timeout: float = 30.0,
                  verify: ssl.SSLContext | bool = True):
         # the join token also opens /v1/probe (bandwidth, measured before joining); node calls send their own
-        self.api = Api(url, join_token, timeout, verify)
-        self.http = self.api.http
+        self.api = Api(url, join_token, timeout, verify)  # (several URLs: one fails over to the next)
         self._join_token = join_token
         self.node_id: str | None = None
         self._node_token: str | None = None
@@ -53,9 +53,9 @@ class CoordinatorClient:
         delay = 0.2
         while True:
             try:
-                self.http.get("/healthz").raise_for_status()
+                self.api.request("GET", "/healthz")
                 return
-            except httpx.HTTPError:
+            except ApiError:
                 if time.monotonic() + delay > deadline or stop.is_set():
                     raise
             stop.wait(delay)
@@ -129,5 +129,10 @@ class CoordinatorClient:
         if self.node_id:
             self._call("DELETE", f"/v1/nodes/{self.node_id}", token=self._node_token)
 
+    @property
+    def http(self) -> httpx.Client:
+        """The HTTP client of the coordinator in use."""
+        return self.api.http
+
     def close(self) -> None:
-        self.http.close()
+        self.api.close()

@@ -262,15 +262,22 @@ def test_a_one_time_dashboard_link_logs_in_once_within_a_minute(client: TestClie
     assert client.get("/login?once=made-up", follow_redirects=False).status_code == 401
 
 
-def test_login_links_expire_and_are_bounded() -> None:
+def test_login_links_expire_are_bounded_and_keep_no_key_readable(tmp_path) -> None:
     from coordinator.login_links import LINK_S, MAX_OPEN, LoginLinks
+    from coordinator.store import LoginLinkRow, Store
+    store = Store(f"sqlite:///{tmp_path / 'links.db'}")
     now = [0.0]
-    links = LoginLinks(lambda: now[0])
-    late, soon = links.create("key-a"), links.create("key-b")
-    assert links.redeem(soon) == "key-b" and links.redeem(soon) is None
+    links, other_process = LoginLinks(store, lambda: now[0]), LoginLinks(store, lambda: now[0])
+    late, soon = links.create("key-a"), links.create("key-b" * 40)
+    assert other_process.redeem(soon) == "key-b" * 40 and links.redeem(soon) is None  # any process; once
+    with store.session() as session:
+        [row] = session.query(LoginLinkRow).all()
+        assert "key-a" not in row.sealed_key and late not in row.code_hash and b"key-a" not in bytes.fromhex(
+            row.sealed_key)
     now[0] = LINK_S + 1
     assert links.redeem(late) is None
     first = links.create("k")
     for _ in range(MAX_OPEN):
         links.create("k")
-    assert links.redeem(first) is None and len(links._open) == MAX_OPEN  # the oldest went first
+    assert links.redeem(first) is None and store.count(LoginLinkRow) == MAX_OPEN  # the oldest went first
+    store.close()

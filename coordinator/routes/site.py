@@ -36,7 +36,7 @@ def mount_assets(app: FastAPI) -> None:
     """The API docs work on an offline cluster: Swagger UI's and ReDoc's assets come from an installed
     package; the dashboard's from ours. (And the probes' slots and the one-time login links, per app.)"""
     app.state.probe_slots = ProbeSlots(PROBES_PER_CREDENTIAL, PROBE_SLOT_S)
-    app.state.login_links = LoginLinks(time.monotonic)
+    app.state.login_links = LoginLinks(app.state.service.store, time.time)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")),
               name="docs-assets")
     app.mount(DASHBOARD_ASSETS, StaticFiles(directory=str(importlib.resources.files("coordinator") / "static")),

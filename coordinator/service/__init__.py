@@ -19,6 +19,7 @@ also says what per-process state there is and why losing it is safe.
 from __future__ import annotations
 
 from ..config import Settings
+from ..db_locks import Lease
 from ..store import Store
 from .artifacts import Artifacts
 from .core import Core
@@ -36,6 +37,7 @@ class Coordinator:
 
     def __init__(self, settings: Settings) -> None:
         self.core = Core(settings)
+        self.lease = Lease(settings.database_url)  # whether this process runs the tick (db_locks.py)
         self.credentials = Credentials(self.core)
         self.artifacts = Artifacts(self.core)
         self.recoveries = Recoveries(self.core, self.artifacts)
@@ -52,11 +54,17 @@ class Coordinator:
 
     def close(self) -> None:
         self.membership.reachability.close()
+        self.lease.close()
+        self.core.lock.close()
         self.store.close()
 
     def tick(self) -> None:
-        """What the coordinator does once per heartbeat interval (Membership.tick)."""
-        self.membership.tick()
+        """What the coordinator does once per heartbeat interval (Membership.tick), in the process that
+        holds the lease; the others only write their sightings."""
+        if self.lease.held():
+            self.membership.tick()
+        else:
+            self.membership.presence.flush()
 
 
 __all__ = ["Coordinator", "Principal"]

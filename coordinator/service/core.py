@@ -1,10 +1,11 @@
 """What every component of the coordinator is given: settings, the store, the lock, the clock, the
 failure rules, and looking up jobs, plans and the node behind a token. One lock serialises every
-change (one coordinator process per store); each operation is one SQL transaction, so a refused
-request writes nothing. State that must survive a restart lives in the store.
+change, in all the coordinator processes on one store (db_locks.py); each operation is one SQL
+transaction, so a refused request writes nothing. State that must survive a restart lives in the store.
 
-Per-process state, all of it soft: rebuilt, or harmless to lose on a restart (which is also what a
-second coordinator would see). Each component keeps its own, and says so where it is kept:
+Per-process state, all of it soft: rebuilt, or harmless to lose on a restart, and harmless where
+another process on the same store keeps a different one (a node's next call may go to either). Each
+component keeps its own, and says so where it is kept:
     Core          parsed plans (and jobs.spec_of: parsed specs), the failure rules' memory (since when a
                   stage has been slow: a restart only starts the window again)
     LinkProbes    the probes asked for and not yet answered, nodes that measured enough (Membership's)
@@ -12,8 +13,7 @@ second coordinator would see). Each component keeps its own, and says so where i
                   node's next beat says it again), the live nodes' count the interval comes from
     Placement     why a node was left out of the last placement; what a running job was last weighed
                   with for growing
-    Recoveries    who trains alone (each heartbeat says it again)
-    the app       open bandwidth probes per credential, unused one-time login links (routes/site.py)
+    the app       open bandwidth probes per credential (routes/site.py)
 Everything else lives in the store.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import threading
 from typing import Protocol
 
 from sqlalchemy import func, select
@@ -33,6 +32,7 @@ from ravnest.models.profile import BlockCost
 from ravnest.spec import JobSpec
 
 from ..config import Settings
+from ..db_locks import ChangeLock
 from ..service_errors import Forbidden, NotFound, Unauthorized
 from ..failure_rules import FailureRules
 from ..files import rms
@@ -86,11 +86,11 @@ class Core:
         self.store = Store(settings.database_url)
         self.clock = settings.clock
         self.started_at = self.clock()
-        self.lock = threading.RLock()
+        self.lock = ChangeLock(settings.database_url)  # every change (db_locks.py: across processes too)
         # when a node is gone, too slow or not believed (failure_rules/); their memory is per process, on
         # purpose: a restarted coordinator observes again, which only delays a decision
         self.rules = FailureRules(settings)
-        self._plans: dict[str, Plan] = {}
+        self._plans: dict[str, tuple[dict | None, Plan]] = {}  # job id -> (its stored plan, parsed)
         # secure by default: without configured tokens, the coordinator makes its own and keeps them in
         # owner-only files (the log says where); nothing but /healthz is open without one
         self.probe_token = token_file(settings.data_dir / "probe_token")
@@ -144,9 +144,12 @@ class Core:
         return derive_token(self._secret, "relay", relay).encode()
 
     def plan(self, job: JobRow) -> Plan:
-        if job.id not in self._plans:  # parsed once per process; the store keeps it across restarts
-            self._plans[job.id] = Plan.model_validate(job.plan)
-        return self._plans[job.id]
+        """The job's plan, parsed once per process and plan: another process may have re-planned it
+        (the stored form is compared, which costs far less than parsing it)."""
+        kept = self._plans.get(job.id)
+        if kept is None or kept[0] != job.plan:
+            kept = self._plans[job.id] = (job.plan, Plan.model_validate(job.plan))
+        return kept[1]
 
     def keep_plan(self, job: JobRow, plan: Plan | None) -> None:
         """Store the job's plan (None: it has none until it is placed again)."""
@@ -154,7 +157,7 @@ class Core:
         if plan is None:
             self._plans.pop(job.id, None)
         else:
-            self._plans[job.id] = plan
+            self._plans[job.id] = (job.plan, plan)
 
     def holder_of(self, session: Session, address: str, other_than: str = "") -> NodeRow | None:
         """The live node (other than `other_than`) that holds `address`: peers dial it there, so no

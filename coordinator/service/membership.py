@@ -46,7 +46,7 @@ class Membership:
         self.placement, self.recoveries, self.rulings = placement, recoveries, rulings
         self.links = LinkProbes(core)
         self.reachability = Reachability(core)
-        self.presence = Presence(core, self.links, self.reachability, offers, placement, recoveries)
+        self.presence = Presence(core, self.links, self.reachability, offers, placement)
 
     def tick(self) -> None:
         """Silent nodes and stalled stages to the failure rules, then place pending jobs."""

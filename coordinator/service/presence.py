@@ -38,7 +38,6 @@ from .link_probes import LinkProbes
 from .offers import Offers
 from .placement import Placement
 from .reachability import Reachability
-from .recovery import Recoveries
 
 FLUSH_S = 0.5  # the buffer of sightings is written this often: far below any heartbeat timeout
 IDLE_CAP_S, BUSY_CAP_S = 40.0, 10.0  # the longest intervals told (see the docstring)
@@ -49,7 +48,7 @@ COUNT_EVERY_S = 5.0  # live nodes are counted again this often to set the interv
 # (built once)
 NODE_AND_JOB = (
     select(NodeRow.id, NodeRow.token_hash, NodeRow.credential_ended, NodeRow.token_expires_at, NodeRow.state,
-           NodeRow.job_id, NodeRow.reachable, NodeRow.reachability, NodeRow.relayed_by,
+           NodeRow.job_id, NodeRow.reachable, NodeRow.reachability, NodeRow.relayed_by, NodeRow.training_alone,
            JobRow.state.label("job_state"), StageRow.delivered, StageRow.weights_uploaded,
            select(func.count()).where(OfferRow.node_id == NodeRow.id).scalar_subquery().label("offers"))
     .outerjoin(JobRow, JobRow.id == NodeRow.job_id)
@@ -64,9 +63,9 @@ def _may_be_quiet(request: HeartbeatRequest) -> bool:
 
 class Presence:
     def __init__(self, core: Core, links: LinkProbes, reachability: Reachability, offers: Offers,
-                 placement: Placement, recoveries: Recoveries) -> None:
-        self.core, self.links, self.reachability, self.offers = core, links, reachability, offers
-        self.placement, self.recoveries = placement, recoveries
+                 placement: Placement) -> None:
+        self.core, self.links, self.reachability = core, links, reachability
+        self.offers, self.placement = offers, placement
         self._seen: dict[str, tuple[float, float]] = {}  # node id -> (when, interval told): not yet written
         self._probed: list[Probed] = []  # link probes' results not yet written
         self._lock = threading.Lock()  # guards _seen and _probed only
@@ -111,11 +110,11 @@ class Presence:
             running = row.state == BUSY and row.job_id is not None and request.job_id == row.job_id and \
                 row.job_state == JobState.RUNNING.value and row.delivered and not row.weights_uploaded
             if not (idle or running) or row.reachable is False or row.relayed_by is not None or \
+                    row.training_alone is not None or \
                     (row.offers and self.offers.has_news_for(session, node_id)):
                 return None
             probed = bool(request.links or request.unreached)  # (its next beat is asked for more)
             probes = self.links.probes_for(session, node_id) if idle and not probed else []
-        self.recoveries.not_alone(node_id)  # (a quiet beat is not training alone)
         interval = self.interval(busy=running)
         self.seen(node_id, now, interval)
         if probed:

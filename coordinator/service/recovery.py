@@ -33,7 +33,6 @@ from .core import GONE, IDLE, LOST, RESUME, Core
 class Recoveries:
     def __init__(self, core: Core, artifacts: Artifacts) -> None:
         self.core, self.artifacts = core, artifacts
-        self._training_alone: dict[str, str] = {}  # node id -> the job it trains alone (its last heartbeat)
 
     def recover(self, session: Session, job: JobRow, reason: str, *, failure: Failure | None, kind: str = LOST,
                 left_out: Sequence[str] = (), **record: Any) -> None:
@@ -76,15 +75,9 @@ class Recoveries:
 
     def trains_alone(self, session: Session, node: NodeRow, job_id: str | None) -> None:
         """What the node's heartbeat said: it trains alone in `job_id` (None: it does not)."""
-        if job_id is None:
-            self.not_alone(node.id)
-        else:
-            self._training_alone[node.id] = job_id
+        node.training_alone = job_id
+        if job_id is not None:
             self.kept_training(session, node)
-
-    def not_alone(self, node_id: str) -> None:
-        """Its heartbeat did not say it trains alone (presence.py's quiet beats say so too)."""
-        self._training_alone.pop(node_id, None)
 
     def kept_training(self, session: Session, node: NodeRow) -> None:
         """The node's cluster trains on while its recovering job is re-planned: say so in the record."""
@@ -129,7 +122,7 @@ class Recoveries:
             if live and not waited_out:
                 broken = set(job.faults[-1].broken)
                 if not self.told_to_hand_in(job) and all(
-                        self._training_alone.get(node.id) == job.id for node in live
+                        node.training_alone == job.id for node in live
                         if (stage := stage_of_node(session, job.id, node.id)) is None or stage.cluster not in broken):
                     _amend_last(job, hand_in_at=now)  # the lost cluster is done: the others hand in now
                 continue

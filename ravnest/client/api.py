@@ -2,6 +2,7 @@
 refusal becomes one ApiError with the coordinator's reason and status (0: it could not be reached)."""
 from __future__ import annotations
 
+import logging
 import ssl
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,10 @@ from typing import Any
 import httpx
 
 from ravnest.errors import RavnestError
+
+log = logging.getLogger(__name__)
+CONNECT_S = 5.0  # how long a connection may take before the next coordinator is tried
+GATEWAY_ERRORS = (502, 503, 504)  # a proxy or load balancer found no coordinator behind it
 
 
 def refusal_reason(response: httpx.Response) -> str:
@@ -31,26 +36,65 @@ class ApiError(RavnestError, RuntimeError):
 
 
 class Api:
-    """`key`: the bearer token every call sends unless it names another (`token=`). `verify`: e.g.
-    ssl.create_default_context(cafile=...) for a coordinator a private CA certified."""
+    """`url`: the coordinator's URL, or several separated by commas (coordinator processes on one
+    store): a call that cannot reach the one in use, or that a proxy answers 502-504 for, goes to the
+    next, which stays in use. `key`: the bearer token every call sends unless it names another
+    (`token=`). `verify`: e.g. ssl.create_default_context(cafile=...) for a coordinator a private CA
+    certified."""
 
     def __init__(self, url: str, key: str | None, timeout: float = 30.0, verify: ssl.SSLContext | bool = True):
-        self.url, self.keyed = url.rstrip("/"), bool(key)
-        self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=verify,
-                                 headers={"Authorization": f"Bearer {key}"} if key else None)
+        self.urls = [part.strip().rstrip("/") for part in url.split(",") if part.strip()]
+        if not self.urls:
+            raise ApiError("no coordinator URL given")
+        self.keyed = bool(key)
+        # a coordinator that is gone is noticed within CONNECT_S: the next one is tried then
+        self._clients = [httpx.Client(base_url=one, timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_S)),
+                                      verify=verify, headers={"Authorization": f"Bearer {key}"} if key else None)
+                         for one in self.urls]
+        self._current = 0
+
+    @property
+    def url(self) -> str:
+        """The coordinator URL in use."""
+        return self.urls[self._current]
+
+    @property
+    def http(self) -> httpx.Client:
+        """The HTTP client of the coordinator in use."""
+        return self._clients[self._current]
 
     def request(self, method: str, path: str, *, token: str | None = None, headers: dict | None = None,
                 prefix: str = "", **kwargs) -> httpx.Response:
-        """The response, or ApiError("{prefix}{status}: {reason}") for a refusal or an unreachable
-        coordinator."""
+        """The response, or ApiError("{prefix}{status}: {reason}") for a refusal or when no coordinator
+        could be reached."""
         headers = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
-        try:
-            response = self.http.request(method, path, headers=headers, **kwargs)
-        except httpx.HTTPError as e:
-            raise ApiError(f"{prefix}cannot reach the coordinator at {self.url}: {e}") from e
-        if response.is_error:
-            raise self._refused(response, token, prefix)
-        return response
+        failed: list[str] = []
+        for index in self._in_turn():
+            rewind = getattr(kwargs.get("content"), "seek", None)
+            if rewind is not None:
+                rewind(0)  # (a file: sent again from its start)
+            try:
+                response = self._clients[index].request(method, path, headers=headers, **kwargs)
+            except httpx.HTTPError as e:
+                failed.append(f"{self.urls[index]}: {e}")
+                continue
+            if response.status_code in GATEWAY_ERRORS and len(failed) < len(self.urls) - 1:
+                failed.append(f"{self.urls[index]}: {response.status_code}")
+                continue
+            self._use(index)
+            if response.is_error:
+                raise self._refused(response, token, prefix)
+            return response
+        raise ApiError(f"{prefix}cannot reach the coordinator at {'; '.join(failed)}")
+
+    def _in_turn(self) -> list[int]:
+        """The coordinators' indices, the one in use first."""
+        return [(self._current + i) % len(self.urls) for i in range(len(self.urls))]
+
+    def _use(self, index: int) -> None:
+        if index != self._current:
+            log.warning("the coordinator at %s did not answer: using %s", self.url, self.urls[index])
+            self._current = index
 
     def _refused(self, response: httpx.Response, token: str | None, prefix: str = "") -> ApiError:
         hint = NO_KEY_HINT if response.status_code == 401 and not (self.keyed or token) else ""
@@ -65,6 +109,7 @@ class Api:
         """Stream a file to `target` (written whole or not at all); returns its size in bytes."""
         partial = target.with_name(target.name + ".part")
         headers = {"Authorization": f"Bearer {token}"} if token else None
+        self.request("GET", "/healthz")  # (finds a coordinator that answers)
         try:
             with self.http.stream("GET", path, params=params, headers=headers) as response:
                 if response.is_error:
@@ -83,4 +128,5 @@ class Api:
         return target.stat().st_size
 
     def close(self) -> None:
-        self.http.close()
+        for client in self._clients:
+            client.close()

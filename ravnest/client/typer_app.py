@@ -67,8 +67,9 @@ def show_version(value: bool) -> None:
 @app.callback()
 def connect(ctx: typer.Context,
             coordinator: Optional[str] = typer.Option(None, envvar="RAVNEST_COORDINATOR", show_default=False,
-                                                      help=f"the coordinator's URL (default: the config file's, "
-                                                           f"else {DEFAULT_URL})"),
+                                                      help=f"the coordinator's URL, or several separated by "
+                                                           f"commas (the next is used when one does not answer; "
+                                                           f"default: the config file's, else {DEFAULT_URL})"),
             key: Optional[str] = typer.Option(None, envvar="RAVNEST_KEY", show_default=False,
                                               help="your API key (an operator's for tokens, keys and nodes; "
                                                    "default: the config file's)"),
