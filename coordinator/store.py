@@ -61,7 +61,7 @@ class NodeRow(Base):
     __tablename__ = "nodes"
     id: Mapped[str] = mapped_column(ID, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), default="")
-    address: Mapped[str] = mapped_column(String(256))
+    address: Mapped[str] = mapped_column(String(256), index=True)
     profile: Mapped[dict[str, Any]] = mapped_column(JSON)
     token_hash: Mapped[str] = mapped_column(String(64), index=True)
     # the hash of the secret in the node's identity file (`ravnest-node join --identity`): a node that

@@ -100,12 +100,18 @@ def test_probes_services_and_secrets_point_at_what_exists():
     assert database.drivername == "postgresql+psycopg" and ("Service", database.host) in docs
     postgres = docs[("StatefulSet", "ravnest-postgres")]
     assert postgres["spec"]["volumeClaimTemplates"] and database.port == 5432
-    assert docs[("Deployment", "ravnest-coordinator")]["spec"]["replicas"] == 1  # one coordinator per store
+    coordinators = docs[("Deployment", "ravnest-coordinator")]["spec"]
+    assert coordinators["replicas"] >= 2  # several processes on one store: one may die
+    [claim] = [v["persistentVolumeClaim"]["claimName"] for v in coordinators["template"]["spec"]["volumes"]]
+    assert docs[("PersistentVolumeClaim", claim)]["spec"]["accessModes"] == ["ReadWriteMany"]  # both see uploads
 
 
-@pytest.mark.parametrize("compose_service", ["coordinator", "node"])
+@pytest.mark.parametrize("compose_service", ["coordinator-a", "coordinator-b", "node"])
 def test_compose_and_the_image_run_real_entry_points(compose_service):
     compose = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+    coordinators = [name for name in compose["services"] if name.startswith("coordinator")]
+    assert len(coordinators) >= 2 and all(f"http://{name}:8470" in compose["services"]["node"]["command"][2]
+                                          for name in coordinators)  # nodes are given every coordinator
     command = compose["services"][compose_service]["command"]
     words = shlex.split(command[2]) if command[0] == "sh" else command
     assert words[0] in SCRIPTS

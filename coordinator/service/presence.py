@@ -22,8 +22,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from sqlalchemy import and_, bindparam, case, func, select, update
 from pydantic import ValidationError
+from sqlalchemy import and_, bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from ravnest.spec import HeartbeatRequest, HeartbeatResponse, LinkReport
