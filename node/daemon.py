@@ -1,6 +1,8 @@
 """The node daemon: join the coordinator, heartbeat, run the stages it is assigned, report back."""
 from __future__ import annotations
 
+import logging
+import math
 import os
 import queue
 import shutil
@@ -31,6 +33,7 @@ from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import DataProof, JoinRequest, MetricsReport, StageAssignment
 from ravnest.wire import PeerGate, PeerServer, Router, name_peer
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 SCRATCH_PREFIX = "ravnest-job-"  # + pid: a job's scratch folder in the temporary directory
 
@@ -51,6 +54,15 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process
     return True
+
+
+def reportable(metrics: dict[str, float]) -> dict[str, float]:
+    """The figures JSON can carry: a NaN or an infinity (a loss gone non-finite, say) is left out of
+    the report, and said in the node's log, rather than failing the report (and the stage with it)."""
+    dropped = sorted(name for name, value in metrics.items() if not math.isfinite(value))
+    if dropped:
+        log.warning("not reported, not finite: %s", ", ".join(f"{name}={metrics[name]}" for name in dropped))
+    return {name: value for name, value in metrics.items() if name not in dropped}
 
 
 class BackgroundSender(Generic[T]):
@@ -82,6 +94,8 @@ class BackgroundSender(Generic[T]):
                 self._send(item)
             except (httpx.HTTPError, ApiError, OSError):
                 pass  # best effort
+            except Exception:  # noqa: BLE001  (what one item held never ends the sending of the next)
+                log.exception("could not send %s; sending on", type(item).__name__)
             finally:
                 self._discard(item)
 
@@ -286,7 +300,7 @@ class NodeDaemon:
 
         def on_metrics(metrics: dict[str, float]) -> None:
             run.reporter.put(MetricsReport(node_id=self.client.me, cluster=a.cluster, stage=a.stage,
-                                           step=int(metrics.get("step", 0)), metrics=metrics))
+                                           step=int(metrics.get("step", 0)), metrics=reportable(metrics)))
             STAGES.update(a.job_id, a.cluster, a.stage, metrics)
             self.progress.update(run.prefix, metrics)
 
@@ -319,7 +333,7 @@ class NodeDaemon:
         # the final metrics reach the coordinator before the weights do (the job's result is taken then)
         self.client.report_final_metrics(a.job_id, MetricsReport(
             node_id=self.client.me, cluster=a.cluster, stage=a.stage, step=int(final.get("step", 0)),
-            metrics=final))
+            metrics=reportable(final)))
         weights = run.scratch / "stage.safetensors"
         runner.save_weights(weights)
         self.client.upload_weights(a.job_id, a.cluster, a.stage, weights)

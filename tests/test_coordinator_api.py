@@ -999,3 +999,35 @@ def test_a_node_changes_its_offers_without_rejoining_and_only_its_own(client: Te
     assert client.put(f"/v1/nodes/{node}/offers", json={}, headers=auth).status_code == 204  # withdrawn
     [row] = [n for n in client.get("/v1/nodes").json() if n["id"] == node]
     assert row["offers"] == {}
+
+
+def test_a_node_once_left_out_of_a_job_is_no_helper_for_it(client: TestClient, clock: FakeClock,
+                                                          settings: Settings) -> None:
+    """Built directly: a running job whose last re-plan left out idle nodes that would speed it up.
+    It is not re-planned onto them (before, it was, and left them out again, round after round); the
+    same nodes never left out are taken in."""
+    from coordinator.schemas import Recovery
+    job_id, members = placed_job(client, nodes=2, clusters="auto", min_nodes=2, stages_per_cluster=2)
+    for node_id, auth in members:
+        beat(client, node_id, auth)  # (its assignment)
+    fast = [join(client, f"fast{i}", flops=1e13) for i in range(2)]  # a pipeline of their own: far faster
+    service = client.app.state.service
+
+    def left_out(nodes: list[str]) -> None:
+        with service.store.session() as session:
+            session.get(JobRow, job_id).faults = [Recovery(at=clock(), reason="too slow", generation=0,
+                                                           reached_step=0, left_out=nodes)]
+    left_out([node_id for node_id, _ in fast])
+    for _ in range(3):  # ticks after the job ran grow_after_s, its nodes and the left-out one alive
+        clock.now += settings.grow_after_s
+        for node_id, auth in members:
+            beat(client, node_id, auth, job_id=job_id)
+        for node_id, auth in fast:
+            beat(client, node_id, auth)
+        service.tick()
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        assert job["state"] == "running" and job["generation"] == 0, job["reason"]
+    left_out([])
+    service.tick()
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "recovering" and "can speed it up" in job["reason"], job["reason"]

@@ -82,9 +82,8 @@ class Placement:
                     continue
                 # a job already under way continues on whatever nodes there are; a new one waits for min_nodes
                 needed = 1 if job.generation else spec.placement.min_nodes or 1  # (set by the spec)
-                left_out = {node for fault in job.faults or [] for node in fault.left_out}  # slow, lost, failed
                 offered, content = self.offers.holders(session, spec, idle)  # only proven holders read a file
-                candidates = [node for node in offered if node.id not in left_out]
+                candidates = [node for node in offered if node.id not in left_out_of(job)]
                 if len(candidates) < needed:
                     files = " and ".join(f"{field.replace('.', ' ')} {name!r}" for field, name, _ in files_read(spec))
                     source = f" proven to hold {files}" if files else ""
@@ -123,7 +122,10 @@ class Placement:
             if now - job.updated_at < self.core.settings.grow_after_s:
                 continue
             spec, current = jobs.spec_of(job), self.core.plan(job)
-            newcomers = self.offers.holders(session, spec, idle)[0]
+            # a node once left out of it (too slow, lost, blamed) is no helper: it would be planned in and
+            # left out again, round after round
+            newcomers = [node for node in self.offers.holders(session, spec, idle)[0]
+                         if node.id not in left_out_of(job)]
             if not newcomers:
                 continue
             members = list(session.scalars(select(NodeRow).where(NodeRow.job_id == job.id)))
@@ -229,3 +231,7 @@ class Placement:
         job.reason = f"planned {plan.reason}; waiting for every node to fetch its stage"
         return used
 
+
+def left_out_of(job: JobRow) -> set[str]:
+    """The nodes a job is no longer placed on: too slow, lost, or failed in it (its re-plans say)."""
+    return {node for fault in job.faults or [] for node in fault.left_out}
