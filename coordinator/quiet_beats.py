@@ -42,7 +42,8 @@ class QuietBeats:
                 break  # (a disconnect)
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        reply = None if more else await run_in_threadpool(self.answer, node_id, authorization, body)
+        whole = not more and len(body) <= self.max_bytes  # (else BodyLimit refuses it, with its reason)
+        reply = await run_in_threadpool(self.answer, node_id, authorization, body) if whole else None
         if reply is None:
             await self.app(scope, _replaying(messages, receive), send)
             return

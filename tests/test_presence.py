@@ -71,3 +71,23 @@ def test_one_sqlite_file_serves_one_coordinator_process(tmp_path: Path) -> None:
         Store(url)
     first.close()
     Store(url).close()  # free again once the first one closed
+
+
+def test_quiet_beats_are_answered_before_the_framework_and_everything_else_as_before(tmp_path: Path) -> None:
+    """coordinator/quiet_beats.py answers a quiet beat itself; a beat it declines (a wrong credential,
+    a body that does not validate or is over the limit) gets the reply the application always gave."""
+    with coordinator(tmp_path, FakeClock(), max_request_bytes=2048) as client:
+        node, auth = join(client)
+        calls = []
+        presence = client.app.state.service.membership.presence
+        answer = presence.answer
+        presence.answer = lambda *args: calls.append(type(args[2]).__name__) or answer(*args)  # (records the door)
+        quiet = beat(client, node, auth)
+        assert calls == ["bytes"] and quiet["reachable"] is None and quiet["heartbeat_interval_s"] == 1.0
+        wrong = client.post(f"/v1/nodes/{node}/heartbeat", json={}, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["detail"] == "unknown token"
+        bad = client.post(f"/v1/nodes/{node}/heartbeat", json={"links": "many"}, headers=auth)
+        assert bad.status_code == 422 and bad.json()["detail"].startswith("links:")
+        big = client.post(f"/v1/nodes/{node}/heartbeat", content="{" + " " * 4096 + "}",  # quiet, but too long
+                          headers={**auth, "Content-Type": "application/json"})
+        assert big.status_code == 413 and "exceeds 2,048 bytes" in big.json()["detail"]
