@@ -35,7 +35,7 @@ from sqlalchemy.pool import NullPool
 log = logging.getLogger(__name__)
 
 CHANGE_KEY, LEADER_KEY = 0x7261766E_6C6F636B, 0x7261766E_6C656164  # advisory lock ids ("ravnlock", "ravnlead")
-WAIT_S = 60  # a change waits this long at most for the other processes' (then it is refused, 503)
+WAIT_S = 60  # a change waits this long at most for the other processes' (then it fails, and says why)
 KEEPALIVE_S = (5, 2, 3)  # idle, interval, count: a dead peer's connection ends within about 11 s
 
 
