@@ -13,6 +13,13 @@ every pending job), so row locks would have to cover nearly everything any decis
 serializable transactions would fail and retry under exactly the load that matters. The locked work
 is the rare part (a probe round, a join, a report): bench.coordinator measures what it holds.
 
+Keyed locks. A join changes no other node's row and no job's, so it need not wait for every other
+change: what it must not race is another join (or a move) to the same address or under the same
+identity. On PostgreSQL, `hold_keys` takes a transaction-level advisory lock per key (pg_advisory_xact_lock
+on the key's hash, let go at commit or rollback). A path that also needs the change lock takes that
+first, then its keys, so the order is always the same and no two transactions wait on each other in a
+circle. On SQLite (one process, whose joins take the change lock) `hold_keys` does nothing.
+
 The leader lease. Background work that must happen once (the liveness tick: silent nodes, stalled
 stages, recoveries that waited long enough, placing, pruning) runs in the process holding another
 advisory lock, taken with pg_try_advisory_lock and kept as long as its connection lives. A process
@@ -26,15 +33,18 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import AbstractContextManager, nullcontext
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 log = logging.getLogger(__name__)
 
 CHANGE_KEY, LEADER_KEY = 0x7261766E_6C6F636B, 0x7261766E_6C656164  # advisory lock ids ("ravnlock", "ravnlead")
+KEYED = 0x7261766B  # the first half of a keyed lock's two-part id ("ravk"): a space apart from the two above
 WAIT_S = 60  # a change waits this long at most for the other processes' (then it fails, and says why)
 KEEPALIVE_S = (5, 2, 3)  # idle, interval, count: a dead peer's connection ends within about 11 s
 
@@ -109,6 +119,25 @@ class ChangeLock:
                     pass  # the connection broke, and the lock went with it
         finally:
             self._local.release()
+
+    @property
+    def shared(self) -> bool:
+        """Held against other processes (PostgreSQL), where keyed locks let joins skip it."""
+        return self._db is not None
+
+    def own_rows(self) -> AbstractContextManager:
+        """For a write to rows nothing else decides on at once (when nodes were last seen, what dialling a
+        node found): this lock on SQLite, where a writer that finds the file locked sleeps up to 100 ms a
+        try, so writers do best taking turns; nothing on PostgreSQL, whose row locks are enough."""
+        return nullcontext() if self.shared else self
+
+    def hold_keys(self, session: Session, *keys: str | None) -> None:
+        """Advisory locks on `keys` (None: skipped) for the rest of `session`'s transaction, on PostgreSQL
+        (see the module's docstring); in sorted order, so two holders of the same keys never deadlock."""
+        if self._db is None:
+            return
+        for key in sorted({key for key in keys if key}):
+            session.execute(text("SELECT pg_advisory_xact_lock(:space, hashtext(:key))"), {"space": KEYED, "key": key})
 
     def _take(self) -> None:
         assert self._db is not None

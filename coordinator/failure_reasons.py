@@ -3,6 +3,8 @@ node that was lost rather than the survivor that noticed. The node's own words a
 detail stay in the event (`Failure`), which the job's recovery record keeps."""
 from __future__ import annotations
 
+from typing import Protocol
+
 from ravnest.failures import PEER_KINDS, Failure, FailureKind
 
 from .store import COORDINATOR_RELAY, NodeRow, StageRow
@@ -11,7 +13,14 @@ _LOST_VERB = {FailureKind.PEER_LOST: "stopped answering", FailureKind.PEER_UNREA
               FailureKind.TIMEOUT: "went silent"}
 
 
-def who(node: NodeRow) -> str:
+class Named(Protocol):
+    """A node as `who` names it: a NodeRow, or those columns alone."""
+    id: str
+    name: str
+    address: str
+
+
+def who(node: Named) -> str:
     """'c (2f8c1a0b3d4e5f60)': the name a volunteer chose, then the id `ravnest node revoke` takes."""
     return f"{node.name} ({node.id})" if node.name else f"{node.id} at {node.address}"
 

@@ -138,3 +138,39 @@ def test_conflicting_operations_at_two_processes_leave_one_story(tmp_path, postg
             assert not busy or all(n.get("job_id") in (None, job_id) for n in busy)
         placed = [s["node_id"] for c in (job.get("plan") or {}).get("clusters", []) for s in c["stages"]]
         assert len(placed) == len(set(placed))  # no node placed twice
+
+
+def test_joins_at_once_at_two_processes_spend_a_token_once_and_take_an_address_once(tmp_path, postgres_url):
+    """Joins take no lock shared by every change (db_locks.py, keyed locks): a token with N uses admits
+    N of 2N joins made at once at two processes, an unlimited one counts every join, and of several
+    nodes claiming one address at once, one gets it."""
+    from coordinator.app import create_app
+    from coordinator.config import Settings
+    from fastapi.testclient import TestClient
+    from tests.test_coordinator_api import profile
+
+    settings = dict(data_dir=tmp_path, db_url=postgres_url, background=False, join_token="t" * 32,
+                    operator_token="o" * 32)
+    operator = {"Authorization": f"Bearer {'o' * 32}"}
+    with TestClient(create_app(Settings(**settings))) as a, TestClient(create_app(Settings(**settings))) as b:
+        limited = a.post("/v1/join-tokens", headers=operator, json={"name": "few", "uses": JOINS // 2}).json()
+
+        def at_once(token: str, address: callable) -> list[httpx.Response]:
+            ready = threading.Barrier(JOINS)
+
+            def join(i: int) -> httpx.Response:
+                ready.wait()
+                return (a, b)[i % 2].post("/v1/nodes", headers={"Authorization": f"Bearer {token}"},
+                                          json={"name": f"n{i}", "address": address(i), "profile": profile()})
+            with concurrent.futures.ThreadPoolExecutor(JOINS) as pool:
+                return list(pool.map(join, range(JOINS)))
+
+        replies = at_once(limited["token"], lambda i: f"127.0.0.1:{22000 + i}")
+        assert sorted(r.status_code for r in replies) == [201] * (JOINS // 2) + [401] * (JOINS // 2)
+        assert all("used up" in r.json()["detail"] for r in replies if r.status_code == 401)
+        replies = at_once("t" * 32, lambda i: "127.0.0.1:23000")
+        assert sorted(r.status_code for r in replies) == [201] + [409] * (JOINS - 1)
+        assert "is held by node" in next(r for r in replies if r.status_code == 409).json()["detail"]
+        tokens = {t["name"]: t for t in b.get("/v1/join-tokens", headers=operator).json()}
+        assert tokens["few"]["used"] == JOINS // 2 and tokens["few"]["uses_left"] == 0
+        assert [t["used"] for t in tokens.values() if t["name"] != "few"] == [JOINS]  # (the 409s were admitted)

@@ -60,11 +60,12 @@ class Coordinator:
 
     def tick(self) -> None:
         """What the coordinator does once per heartbeat interval (Membership.tick), in the process that
-        holds the lease; the others only write their sightings."""
+        holds the lease; the others only write their sightings. Every process writes its join tokens' uses."""
         if self.lease.held():
             self.membership.tick()
         else:
             self.membership.presence.flush()
+        self.credentials.flush_uses()
 
 
 __all__ = ["Coordinator", "Principal"]

@@ -1,7 +1,9 @@
 """What every component of the coordinator is given: settings, the store, the lock, the clock, the
 failure rules, and looking up jobs, plans and the node behind a token. One lock serialises every
-change, in all the coordinator processes on one store (db_locks.py); each operation is one SQL
-transaction, so a refused request writes nothing. State that must survive a restart lives in the store.
+change, in all the coordinator processes on one store (db_locks.py), but for the writes that decide
+nothing for others (a join, when nodes were seen, what dialling one found: row and keyed locks); each
+operation is one SQL transaction, so a refused request writes nothing. State that must survive a
+restart lives in the store.
 
 Per-process state, all of it soft: rebuilt, or harmless to lose on a restart, and harmless where
 another process on the same store keeps a different one (a node's next call may go to either). Each
@@ -11,6 +13,8 @@ component keeps its own, and says so where it is kept:
     LinkProbes    the probes asked for and not yet answered, nodes that measured enough (Membership's)
     Presence      sightings not yet written (at most half a second's: a crash loses them, and the
                   node's next beat says it again), the live nodes' count the interval comes from
+    Credentials   uses of unlimited join tokens not yet counted in the store (a crash loses a tick's:
+                  the count is shown, it limits nothing)
     Placement     why a node was left out of the last placement; what a running job was last weighed
                   with for growing
     the app       open bandwidth probes per credential (routes/site.py)
@@ -23,7 +27,7 @@ import functools
 import json
 from typing import Protocol
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, Float, Row, Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from ravnest.data.datasets import resident_bytes
@@ -91,6 +95,7 @@ class Core:
         # purpose: a restarted coordinator observes again, which only delays a decision
         self.rules = FailureRules(settings)
         self._plans: dict[str, tuple[dict | None, Plan]] = {}  # job id -> (its stored plan, parsed)
+        self._holder: Select | None = None  # holder_of's statement
         # secure by default: without configured tokens, the coordinator makes its own and keeps them in
         # owner-only files (the log says where); nothing but /healthz is open without one
         self.probe_token = token_file(settings.data_dir / "probe_token")
@@ -159,14 +164,18 @@ class Core:
         else:
             self._plans[job.id] = (job.plan, plan)
 
-    def holder_of(self, session: Session, address: str, other_than: str = "") -> NodeRow | None:
-        """The live node (other than `other_than`) that holds `address`: peers dial it there, so no
-        other node may take it."""
-        return session.scalars(select(NodeRow).where(
-            NodeRow.address == address, NodeRow.id != other_than, NodeRow.state != GONE,
-            NodeRow.credential_ended.is_(None), self.live(self.clock()))).first()
+    def holder_of(self, session: Session, address: str, other_than: str = "") -> Row | None:
+        """The live node (other than `other_than`) that holds `address` (its id, name and address): peers
+        dial it there, so no other node may take it. Every join asks: one statement, built once."""
+        if self._holder is None:
+            self._holder = select(NodeRow.id, NodeRow.name, NodeRow.address).where(
+                NodeRow.address == bindparam("address"), NodeRow.id != bindparam("other_than"),
+                NodeRow.state != GONE, NodeRow.credential_ended.is_(None),
+                self.live(bindparam("now", type_=Float))).limit(1)
+        return session.execute(self._holder, {"address": address, "other_than": other_than,
+                                              "now": self.clock()}).first()
 
-    def live(self, now: float):
+    def live(self, now: float | ColumnElement[float]):
         """SQL: the node beat within its timeout (heartbeat_timeout_factor of the interval it was told)."""
         interval = func.coalesce(NodeRow.beat_interval_s, self.settings.heartbeat_interval_s)
         return NodeRow.last_seen >= now - self.settings.heartbeat_timeout_factor * interval

@@ -7,10 +7,12 @@ out. Every token is kept only as its hash; every refusal says why (expired, revo
 """
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from dataclasses import dataclass
-from typing import cast, get_args
+from typing import Protocol, cast, get_args
 
-from sqlalchemy import func, select
+from sqlalchemy import CursorResult, bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from ..service_errors import Conflict, NotFound
@@ -48,7 +50,18 @@ def _role(stored: str | None) -> Role | None:
     return cast(Role, stored) if stored in get_args(Role) else None
 
 
-def credential_refusal(row: CredentialRow, now: float) -> str | None:
+class Checked(Protocol):
+    """What decides whether a credential still works: a CredentialRow, or those columns alone (CHECKED)."""
+    id: str
+    kind: str
+    name: str
+    revoked_at: float | None
+    expires_at: float | None
+    uses_left: int | None
+    used: int
+
+
+def credential_refusal(row: Checked, now: float) -> str | None:
     what = f"{'join token' if row.kind == JOIN else 'key'} {row.name or row.id}"
     if row.revoked_at is not None:
         return f"{what} was revoked"
@@ -62,6 +75,8 @@ def credential_refusal(row: CredentialRow, now: float) -> str | None:
 class Credentials:
     def __init__(self, core: Core) -> None:
         self.core = core
+        self._uses: Counter[str] = Counter()  # unlimited join tokens' uses not yet written (flush_uses)
+        self._lock = threading.Lock()  # guards _uses only
 
     def identify(self, token: str) -> Principal | str:
         """The principal `token` belongs to, or why it is refused."""
@@ -106,17 +121,48 @@ class Credentials:
             row.revoked_at = row.revoked_at or self.core.clock()
 
     def consume_join(self, session: Session, token: str) -> Principal | str:
-        """At a join: the join token (or operator key) it was made with, one use fewer; or why not."""
-        row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == hash_token(token))).first()
+        """At a join: the join token (or operator key) it was made with, one use counted; or why not.
+
+        A token with uses left loses one in a single UPDATE that counts down only what is left, so joins
+        at once in any number of processes never spend a single-use token twice. An unlimited one (what a
+        crowd joins with, thousands at once after an outage) has its uses counted in memory and written
+        by `flush_uses`: one row every join updated would make all joins, in all processes, take turns."""
+        row = session.execute(select(*CHECKED).where(CredentialRow.token_hash == hash_token(token))).first()
         if row is None or not (row.kind == JOIN or row.role == "operator"):
             return "wrong join token"
         refusal = credential_refusal(row, self.core.clock())
         if refusal:
             return refusal
-        row.used += 1
-        if row.uses_left is not None:
-            row.uses_left -= 1
+        if row.uses_left is None:
+            with self._lock:
+                self._uses[row.id] += 1
+            if not self.core.settings.background:  # no loop to write it (tests drive the coordinator)
+                self.flush_uses()
+            return Principal(row.kind, row.id, _role(row.role), row.name)
+        taken = cast(CursorResult, session.execute(update(CredentialRow).where(
+            CredentialRow.id == row.id, CredentialRow.revoked_at.is_(None), CredentialRow.uses_left > 0).values(
+            used=CredentialRow.used + 1, uses_left=CredentialRow.uses_left - 1)
+            .execution_options(synchronize_session=False))).rowcount
+        if not taken:  # spent (or revoked) by another join meanwhile
+            row = session.execute(select(*CHECKED).where(CredentialRow.id == row.id)).one()
+            return credential_refusal(row, self.core.clock()) or "wrong join token"
         return Principal(row.kind, row.id, _role(row.role), row.name)
+
+    def flush_uses(self) -> None:
+        """Write the uses of unlimited join tokens counted since the last time (one statement)."""
+        with self._lock:
+            uses, self._uses = self._uses, Counter()
+        if uses:
+            with self.core.store.session() as session:
+                session.connection().execute(
+                    update(CredentialRow).where(CredentialRow.id == bindparam("credential"))
+                    .values(used=CredentialRow.used + bindparam("uses")),
+                    [{"credential": credential, "uses": n} for credential, n in uses.items()])
+
+
+# what a refusal reads of a credential (credential_refusal)
+CHECKED = (CredentialRow.id, CredentialRow.kind, CredentialRow.role, CredentialRow.name, CredentialRow.revoked_at,
+           CredentialRow.expires_at, CredentialRow.uses_left, CredentialRow.used)
 
 
 def _view(row: CredentialRow) -> CredentialView:

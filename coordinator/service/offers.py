@@ -40,11 +40,13 @@ class Offers:
         # not answered yet. Soft: one lost on a restart is asked again.
         self._filling: dict[str, tuple[str, str, tuple[tuple[int, int], ...], float]] = {}
 
-    def record(self, session: Session, node: NodeRow, profile: Offered) -> None:
+    def record(self, session: Session, node: NodeRow, profile: Offered, new: bool = False) -> None:
         """A node joined offering files: each is first, challenged, or refused (no fingerprint). A node
-        that joins again under its identity offers anew: its files may have changed meanwhile."""
+        that joins again under its identity offers anew: its files may have changed meanwhile (`new`:
+        a node first seen now, with no offers yet to forget)."""
         now = self.core.clock()
-        session.execute(delete(OfferRow).where(OfferRow.node_id == node.id))
+        if not new:
+            session.execute(delete(OfferRow).where(OfferRow.node_id == node.id))
         for name in profile.datasets:
             found = profile.fingerprints.get(name)
             if found is None:

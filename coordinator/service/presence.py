@@ -158,18 +158,19 @@ class Presence:
         if not seen and not probed:
             return
         ttl = self.core.settings.node_credential_ttl_s
-        # under the lock: SQLite has one writer at a time, and one that finds the file locked sleeps
-        # (up to 100 ms a try); one transaction every FLUSH_S keeps the locked path waiting least
-        with self.core.lock, self.core.store.session(quiet=not probed) as session:
-            if seen:
+        if seen:  # (one transaction every FLUSH_S keeps SQLite's other writers waiting least)
+            with self.core.lock.own_rows(), self.core.store.session(quiet=True) as session:
                 session.connection().execute(
                     update(NodeRow).where(NodeRow.id == bindparam("node"), NodeRow.last_seen < bindparam("at"))
                     .values(last_seen=bindparam("at"), beat_interval_s=bindparam("interval"),
                             token_expires_at=bindparam("at") + ttl),
-                    [{"node": node, "at": at, "interval": interval} for node, (at, interval) in seen.items()])
-            for result in probed:
-                if (prober := session.get(NodeRow, result.node_id)) is not None:
-                    self._write_probed(session, result, prober)
+                    [{"node": node, "at": at, "interval": interval}  # (in key order, as SQLAlchemy writes
+                     for node, (at, interval) in sorted(seen.items())])  # rows: no deadlock with a change)
+        if probed:  # (what a node found of its peers decides where jobs go: a change like any other)
+            with self.core.lock, self.core.store.session() as session:
+                for result in probed:
+                    if (prober := session.get(NodeRow, result.node_id)) is not None:
+                        self._write_probed(session, result, prober)
 
     def _probed_by(self, node_id: str, request: HeartbeatRequest, at: float) -> Probed:
         answered = self.links.answered(node_id, request.links, request.unreached)

@@ -23,8 +23,9 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
-from sqlalchemy import delete, or_, select
+from sqlalchemy import CursorResult, case, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from ravnest.relay.dial import dial, host_of
@@ -93,6 +94,7 @@ class Reachability:
     def moved(self, session: Session, node: NodeRow, address: str) -> bool:
         """The node is reached at `address` now (its port on a relay, or its own again): dial it there
         (`dial_back`, once this session is committed). False where a live node holds that address."""
+        self.core.lock.hold_keys(session, address)  # (a join there waits, and then finds it held)
         holder = self.core.holder_of(session, address, other_than=node.id)
         if holder is not None:
             log.warning("node %s said it moved to %s, which node %s holds: ignored", who(node), address, who(holder))
@@ -115,15 +117,16 @@ class Reachability:
             reached, said = dial(address)
             relays, relay_said = dial(f"{address.rpartition(':')[0]}:{relay_port}") if relay_port and reached \
                 else (False, "")
-            with self.core.lock, self.core.store.session() as session:
-                node = session.get(NodeRow, node_id)
-                if node is not None and node.address == address:  # else it joined again meanwhile
-                    self._record(node, reached, f"the coordinator {said}")
-                    if reached and host_of(address) == node.tls_name:
-                        node.relayed_by = None  # dialled at its own address: it needs no relay now
-                    if relay_port and not relays:
-                        node.relay_port = None
-                        log.info("node %s does not relay: %s", node_id, relay_said or "peers cannot dial it")
+            found: dict[str, object] = {"reachable": reached, "reachability": f"the coordinator {said}"}
+            if reached:  # dialled at its own address: it needs no relay now
+                found["relayed_by"] = case((NodeRow.tls_name == host_of(address), None), else_=NodeRow.relayed_by)
+            if relay_port and not relays:
+                found["relay_port"] = None
+            with self.core.lock.own_rows(), self.core.store.session() as session:  # (one statement, every join)
+                updated = session.execute(update(NodeRow).where(NodeRow.id == node_id, NodeRow.address == address)
+                                          .values(found).execution_options(synchronize_session=False))
+            if relay_port and not relays and cast(CursorResult, updated).rowcount:  # (else it joined again meanwhile)
+                log.info("node %s does not relay: %s", node_id, relay_said or "peers cannot dial it")
             if not reached:
                 log.info("node %s is not reachable: the coordinator %s", node_id, said)
         finally:
