@@ -196,12 +196,15 @@ async def _read_reply(reader: asyncio.StreamReader) -> Reply:
 class Volunteer:
     """One simulated node: joins, listens where it said, beats at the interval it is told."""
 
-    def __init__(self, index: int, client: LightClient, token: str, timings: Timings) -> None:
+    def __init__(self, index: int, client: LightClient, token: str, timings: Timings,
+                 joins: LightClient | None = None) -> None:
         self.index, self.client, self.token, self.timings = index, client, token, timings
+        self.joins = joins or client  # the connections it joins over
         self.node_id = self.node_token = ""
         self.interval = 2.0
         self.links: list[dict] = []
         self.server: asyncio.Server | None = None
+        self.joined = asyncio.Event()
         self.beating = asyncio.Event()  # set after its first heartbeat
 
     async def join(self) -> None:
@@ -210,7 +213,7 @@ class Volunteer:
         body = {"name": f"v{self.index}", "address": f"127.0.0.1:{port}", "profile": PROFILE}
         started = time.perf_counter()
         while True:
-            reply = await self.client.post("/v1/nodes", json=body, headers={"Authorization": f"Bearer {self.token}"})
+            reply = await self.joins.post("/v1/nodes", json=body, headers={"Authorization": f"Bearer {self.token}"})
             if reply.status_code != 429 and reply.status_code < 500:
                 break
             await asyncio.sleep(random.uniform(0.5, 2.0))  # refused for load: back off, as a node does
@@ -225,8 +228,11 @@ class Volunteer:
         await self.join()
         await self.beat()
 
-    async def beat_forever(self) -> None:
-        await asyncio.sleep(random.uniform(0, self.interval))  # spread over the interval, as real nodes are
+    async def live(self, joining: asyncio.Semaphore) -> None:
+        """Join (while `joining` lets it), then beat at the interval told, from the first beat on."""
+        async with joining:
+            await self.join()
+        self.joined.set()
         while True:
             due = time.perf_counter() + self.interval
             await self.beat()
@@ -269,20 +275,22 @@ def percentile(values: list[float], q: float) -> float:
 async def ramp(coordinators: Coordinators, levels: list[int], window_s: float) -> list[dict]:
     """Volunteers added level by level; one window of heartbeats timed at each, until one is not held."""
     timings = Timings()
+    # joins and beats on connections of their own: a real node's beat never queues behind another's join
     clients = [LightClient(url) for url in coordinators.urls]
+    joins = [LightClient(url) for url in coordinators.urls]
     volunteers: list[Volunteer] = []
     tasks: list[asyncio.Task] = []
     rows = []
     try:
         for level in levels:
-            new = [Volunteer(i, clients[i % len(clients)], coordinators.token, timings)
+            new = [Volunteer(i, clients[i % len(clients)], coordinators.token, timings, joins[i % len(joins)])
                    for i in range(len(volunteers), level)]
             started = time.perf_counter()
-            for chunk in range(0, len(new), 200):  # joins at a steady rate, not a storm
-                await asyncio.gather(*(v.join() for v in new[chunk:chunk + 200]))
+            joining = asyncio.Semaphore(200)  # joins at a steady rate, not a storm
+            tasks += [asyncio.create_task(v.live(joining)) for v in new]
+            await asyncio.wait_for(asyncio.gather(*(v.joined.wait() for v in new)), timeout=600)
             joined_s = time.perf_counter() - started
             volunteers += new
-            tasks += [asyncio.create_task(v.beat_forever()) for v in new]
             await asyncio.wait_for(asyncio.gather(*(v.beating.wait() for v in new)), timeout=600)
             timings.reset()
             cpu, db, client = coordinators.cpu_s(), coordinators.db_s(), _own_cpu_s()
@@ -310,7 +318,7 @@ async def ramp(coordinators: Coordinators, levels: list[int], window_s: float) -
         for v in volunteers:
             if v.server:
                 v.server.close()
-        for client in clients:
+        for client in clients + joins:
             await client.aclose()
     return rows
 

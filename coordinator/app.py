@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 
 import anyio.to_thread
@@ -54,6 +55,7 @@ def _validation_reason(error: RequestValidationError, body: type[BaseModel] | No
 
 
 METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE")
+log = logging.getLogger(__name__)
 THREADS = 16  # requests served at once (their handlers are synchronous: see lifespan)
 
 
@@ -73,19 +75,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # fewer threads than AnyIO's 40: on a few cores more of them only queue for the GIL, each
         # request's wait growing with their number (and each wants a database connection)
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
-        async def reap_and_place() -> None:  # one pass per heartbeat interval: cheap, never busy
+        async def every(seconds: float, *work: Callable[[], None]) -> None:
+            """`work` in the thread pool every `seconds`; a pass that fails is logged, and the next one
+            runs (a database that went away for a moment must not end the liveness tick for good)."""
             while True:
-                await asyncio.sleep(settings.heartbeat_interval_s)
-                await run_in_threadpool(service.tick)
+                await asyncio.sleep(seconds)
+                for one in work:
+                    try:
+                        await run_in_threadpool(one)
+                    except Exception:
+                        log.exception("the coordinator's background work failed (it runs again in %.1f s)",
+                                      seconds)
 
-        async def write_and_place() -> None:  # heartbeats' sightings, and placements asked for since
-            while True:
-                await asyncio.sleep(min(settings.placement_debounce_s, FLUSH_S))
-                await run_in_threadpool(service.membership.presence.flush)
-                await run_in_threadpool(service.placement.place_if_asked)
+        # the tick: one pass per heartbeat interval, cheap, never busy; and every FLUSH_S the
+        # heartbeats' sightings, and placements asked for since
+        tasks = [asyncio.create_task(every(settings.heartbeat_interval_s, service.tick)),
+                 asyncio.create_task(every(min(settings.placement_debounce_s, FLUSH_S),
+                                           service.membership.presence.flush, service.placement.place_if_asked))
+                 ] if settings.background else []
 
-        tasks = [asyncio.create_task(reap_and_place()), asyncio.create_task(write_and_place())] \
-            if settings.background else []
         try:
             yield
         finally:

@@ -57,6 +57,23 @@ def test_a_quiet_beat_is_written_and_never_moves_last_seen_back(tmp_path: Path) 
             assert session.get_one(NodeRow, node).last_seen == clock.now
 
 
+def test_an_idle_node_marked_gone_comes_back_on_the_quiet_path(tmp_path: Path) -> None:
+    """After a stall thousands of idle nodes may be marked gone at once: each one's next beat brings it
+    back without the change lock (one write of its own row)."""
+    clock = FakeClock()
+    with coordinator(tmp_path, clock) as client:
+        service = client.app.state.service
+        node, auth = join(client)
+        clock.now += 3.5  # past 3 intervals of 1 s
+        service.tick()
+        assert client.get("/v1/nodes").json()[0]["state"] == "gone"
+        slow = []
+        service.membership.heartbeat = lambda *args: slow.append(args)  # (the slow path, were it taken)
+        reply = beat(client, node, auth)
+        assert not slow and reply["heartbeat_interval_s"] == 1.0
+        assert client.get("/v1/nodes").json()[0]["state"] == "idle"
+
+
 def test_a_refused_beat_takes_the_slow_path_and_says_why(tmp_path: Path) -> None:
     with coordinator(tmp_path, FakeClock()) as client:
         node, _ = join(client)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 from sqlalchemy import select
@@ -60,20 +61,22 @@ class LinkProbes:
                 self._busy.pop(node_id, None)
         return answered
 
-    def record(self, session: Session, node_id: str, reports: list[LinkReport], at: float) -> None:
-        """Keep the latest measurement per peer; reports on unknown peers or itself are dropped (a peer
-        may have left and been forgotten meanwhile). The peers' rows stay loaded in `session`."""
-        peers = {report.peer_id for report in reports} - {node_id}
-        known = {peer.id for peer in session.scalars(select(NodeRow).where(NodeRow.id.in_(peers)))} if peers else set()
-        links = {link.peer_id: link for link in session.scalars(select(LinkRow).where(
-            LinkRow.node_id == node_id, LinkRow.peer_id.in_(known)))} if known else {}
-        for report in reports:
-            if report.peer_id not in known:
-                continue
-            link = links.get(report.peer_id) or LinkRow(node_id=node_id, peer_id=report.peer_id)
-            link.bandwidth, link.latency, link.measured_at = report.bandwidth_bytes_per_s, report.latency_s, at
-            links[report.peer_id] = link
-            session.add(link)
+    def record(self, session: Session, measured: Sequence[tuple[str, list[LinkReport], float]],
+               known: Collection[str]) -> None:
+        """Each (prober, its reports, when): the latest measurement kept per link; reports on peers not
+        `known` or on itself are dropped (a peer may have left and been forgotten meanwhile). One read
+        whatever their number: a flush writes many beats' at once, under the change lock."""
+        probers = {node_id for node_id, _, _ in measured}
+        links = {(link.node_id, link.peer_id): link for link in session.scalars(select(LinkRow).where(
+            LinkRow.node_id.in_(probers)))} if measured else {}
+        for node_id, reports, at in measured:
+            for report in reports:
+                if report.peer_id not in known or report.peer_id == node_id:
+                    continue
+                link = links.get((node_id, report.peer_id)) or LinkRow(node_id=node_id, peer_id=report.peer_id)
+                link.bandwidth, link.latency, link.measured_at = report.bandwidth_bytes_per_s, report.latency_s, at
+                links[(node_id, report.peer_id)] = link
+                session.add(link)
 
     def forget_probes_of(self, peer_id: str) -> None:
         """The peer moved (to a relay's address): what probes of its old address find says nothing of

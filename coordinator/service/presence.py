@@ -5,8 +5,10 @@ Most heartbeats say "still here": an idle node with nothing to report but its li
 or a busy one running the job it was given. Such a beat needs one read (the node's row with its job's
 state and its stage: a primary-key lookup) and no write: when it was seen, and what its probes
 measured, go into a buffer that `flush` writes in one transaction (a background thread, every
-FLUSH_S), never moving `last_seen` back. Every other beat (a proof, a new address, a job to start,
-hand in or stop) takes the slow path, Membership.heartbeat, under the lock.
+FLUSH_S), never moving `last_seen` back. An idle node that was marked gone (it missed its beats: after
+an outage, thousands at once) comes back here too, with one write of its own row. Every other beat (a
+proof, a new address, a job to start, hand in or stop) takes the slow path, Membership.heartbeat,
+under the lock.
 
 The interval. Nodes beat every `heartbeat_interval_s` until there are more than `heartbeat_rate`
 times that many live nodes; past that, the interval grows so that all of them together send about
@@ -20,6 +22,7 @@ them: 250 beats/s, shared by the coordinator processes).
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -106,7 +109,8 @@ class Presence:
                     return None  # (the route says what is wrong with it)
                 if not _may_be_quiet(request):
                     return None
-            idle = row.state == IDLE and row.job_id is None and request.job_id is None
+            back = row.state == GONE and row.job_id is None  # (silent too long, and holding nothing)
+            idle = row.state in (IDLE, GONE) and row.job_id is None and request.job_id is None
             running = row.state == BUSY and row.job_id is not None and request.job_id == row.job_id and \
                 row.job_state == JobState.RUNNING.value and row.delivered and not row.weights_uploaded
             if not (idle or running) or row.reachable is False or row.relayed_by is not None or \
@@ -116,6 +120,8 @@ class Presence:
             probed = bool(request.links or request.unreached)  # (its next beat is asked for more)
             probes = self.links.probes_for(session, node_id) if idle and not probed else []
         interval = self.interval(busy=running)
+        if back and idle:
+            self._back(node_id, now)
         self.seen(node_id, now, interval)
         if probed:
             with self._lock:
@@ -125,6 +131,16 @@ class Presence:
         return HeartbeatResponse(probe=probes, note=self.placement.left_out_note(node_id) if idle else "",
                                  reachable=row.reachable, reachability=row.reachability or "",
                                  heartbeat_interval_s=interval)
+
+    def _back(self, node_id: str, now: float) -> None:
+        """An idle node marked gone (it missed its beats) beats again: idle once more, in one statement of
+        its own row. After a stall thousands may come back at once, so this takes no change lock, and a
+        placement is asked for (debounced), as for a node that joined."""
+        with self.core.lock.own_rows(), self.core.store.session() as session:
+            session.execute(update(NodeRow).where(NodeRow.id == node_id, NodeRow.state == GONE,
+                                                  NodeRow.job_id.is_(None)).values(state=IDLE, last_seen=now)
+                            .execution_options(synchronize_session=False))
+        self.placement.request()
 
     def count_by_state(self) -> dict[str, int]:
         """How many nodes are idle, busy and gone (silent past the timeout counts as gone, as listed)."""
@@ -143,7 +159,7 @@ class Presence:
 
     def take_probes(self, session: Session, node: NodeRow, request: HeartbeatRequest) -> None:
         """What a beat on the slow path says its link probes measured, written now."""
-        self._write_probed(session, self._probed_by(node.id, request, self.core.clock()), node)
+        self._write_probed(session, [self._probed_by(node.id, request, self.core.clock())])
 
     def seen(self, node_id: str, at: float, interval: float) -> None:
         with self._lock:
@@ -151,7 +167,9 @@ class Presence:
 
     def flush(self) -> None:
         """Write the buffered sightings (one statement) and probe results; `last_seen` only moves on (a
-        slow-path beat may have written a later one meanwhile)."""
+        slow-path beat may have written a later one meanwhile). On PostgreSQL the rows another
+        transaction holds (FOR UPDATE SKIP LOCKED) stay in the buffer for the next flush: a flush takes
+        no change lock, so waiting for them could deadlock with a change that writes many nodes."""
         with self._lock:
             seen, self._seen = self._seen, {}
             probed, self._probed = self._probed, []
@@ -159,27 +177,48 @@ class Presence:
             return
         ttl = self.core.settings.node_credential_ttl_s
         if seen:  # (one transaction every FLUSH_S keeps SQLite's other writers waiting least)
-            with self.core.lock.own_rows(), self.core.store.session(quiet=True) as session:
-                session.connection().execute(
-                    update(NodeRow).where(NodeRow.id == bindparam("node"), NodeRow.last_seen < bindparam("at"))
-                    .values(last_seen=bindparam("at"), beat_interval_s=bindparam("interval"),
-                            token_expires_at=bindparam("at") + ttl),
-                    [{"node": node, "at": at, "interval": interval}  # (in key order, as SQLAlchemy writes
-                     for node, (at, interval) in sorted(seen.items())])  # rows: no deadlock with a change)
+            try:
+                with self.core.lock.own_rows(), self.core.store.session(quiet=True) as session:
+                    free = sorted(seen)
+                    if self.core.lock.shared:  # rows a change holds now are written next time: never a wait
+                        free = list(session.scalars(select(NodeRow.id).where(NodeRow.id.in_(free))
+                                                    .with_for_update(skip_locked=True)))
+                    if free:
+                        session.connection().execute(
+                            update(NodeRow).where(NodeRow.id == bindparam("node"), NodeRow.last_seen < bindparam("at"))
+                            .values(last_seen=bindparam("at"), beat_interval_s=bindparam("interval"),
+                                    token_expires_at=bindparam("at") + ttl),
+                            [{"node": node, "at": seen[node][0], "interval": seen[node][1]} for node in free])
+                self._keep(seen, seen.keys() - set(free))
+            except BaseException:
+                self._keep(seen, seen.keys())  # (the next flush tries again)
+                raise
         if probed:  # (what a node found of its peers decides where jobs go: a change like any other)
             with self.core.lock, self.core.store.session() as session:
-                for result in probed:
-                    if (prober := session.get(NodeRow, result.node_id)) is not None:
-                        self._write_probed(session, result, prober)
+                self._write_probed(session, probed)
+
+    def _keep(self, seen: dict[str, tuple[float, float]], unwritten: Collection[str]) -> None:
+        """Sightings a flush did not write, back in the buffer (unless a later one came meanwhile)."""
+        with self._lock:
+            for node in unwritten:
+                if node not in self._seen or self._seen[node][0] < seen[node][0]:
+                    self._seen[node] = seen[node]
 
     def _probed_by(self, node_id: str, request: HeartbeatRequest, at: float) -> Probed:
         answered = self.links.answered(node_id, request.links, request.unreached)
         return Probed(node_id, at, request.links, [r.peer_id for r in request.links if r.peer_id in answered],
                       [peer for peer in request.unreached if peer in answered])
 
-    def _write_probed(self, session: Session, result: Probed, prober: NodeRow) -> None:
-        self.links.record(session, result.node_id, result.reports, result.at)
-        self.reachability.from_probes(session, prober, result.reached, result.unreached)
+    def _write_probed(self, session: Session, probed: list[Probed]) -> None:
+        """What beats said their probes found, in a few statements however many (the rows they touch are
+        read at once, and stay loaded for from_probes)."""
+        ends = {end for result in probed for end in (result.node_id, *result.reached, *result.unreached,
+                                                     *(report.peer_id for report in result.reports))}
+        nodes = {node.id: node for node in session.scalars(select(NodeRow).where(NodeRow.id.in_(ends)))}
+        self.links.record(session, [(result.node_id, result.reports, result.at) for result in probed], nodes.keys())
+        for result in probed:
+            if result.node_id in nodes:
+                self.reachability.from_probes(session, nodes[result.node_id], result.reached, result.unreached)
 
 
 @dataclass(frozen=True)
