@@ -42,12 +42,23 @@ with c a stage's measured compute seconds per micro-batch and x its link's secon
 sends nothing). Every stage reports its wall seconds per step, so the m that gives the pace measured
 is found (`observed_message_s`) and blended into each node of the pipeline like its slowdown. Four
 nodes sharing two cores here measured 0.2-0.7 ms (bench.prediction).
+
+A node's bandwidth is a claim too: its profile times a download from the coordinator, and a node can
+send any figure. Its peers measure its links (the idle nodes' link probes, LinkProbes) and, while it
+trains, its pipeline neighbours measure what their streams to it carry (bytes per step over the
+seconds the stream was busy). Each of those measures the slower end of a link, so none says how fast
+the node is; but a node is not LIE_FACTOR times faster than every link any peer measured to it.
+Where the measurements of at least EVIDENCE other nodes are all that far below its claim (so one
+lying peer cannot pull an honest node's figure down), the claim is not believed: the planner counts
+the fastest of them instead (`measured_bandwidth`), and the coordinator says so. An honest node's
+links measure about what its own download from the coordinator did, so only a liar's figure moves (a
+lie that placed a node on stage 0 claimed 1e10 B/s against 1.8-3.6e8 measured).
 """
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ravnest.partition import NodeCapacity, compute_seconds
 
@@ -55,6 +66,7 @@ from .store import NodeRow
 
 WEIGHT = 0.1
 BOUND = 100.0
+LIE_FACTOR, EVIDENCE = 10.0, 2  # a bandwidth claim this far above this many measurements is not believed
 MESSAGE_S = (1e-4, 1.0)  # the bounds of a learned message cost: below, timer noise; above, not a message
 
 
@@ -117,6 +129,16 @@ def measured(node: NodeRow, model: str, figure: str, observed: float) -> None:
     on_model = dict((node.by_model or {}).get(model, {}))
     on_model[figure] = blended(on_model.get(figure), observed)
     node.by_model = {**(node.by_model or {}), model: on_model}
+
+
+def refuted_bandwidth(claimed: float, measured_by_others: Mapping[str, float]) -> float | None:
+    """The bytes/s to plan a node with instead of its `claimed` figure, or None where the claim stands
+    (see the module docstring); `measured_by_others`: each peer that measured its links -> the fastest
+    it found. Worked example: a claim of 1e10 against {a: 3.6e8, b: 1.8e8}: 3.6e8."""
+    if len(measured_by_others) < EVIDENCE:
+        return None
+    fastest = max(measured_by_others.values())
+    return fastest if claimed > LIE_FACTOR * fastest else None
 
 
 def forget_slowdowns(node: NodeRow) -> None:

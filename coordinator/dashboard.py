@@ -21,7 +21,8 @@ def render_dashboard(nodes: list[NodeView], jobs: list[JobSummary]) -> str:
     node_rows = [[n.name or n.id, n.address + (" (unreachable)" if n.reachable is False else
                                                " (relayed)" if n.relayed_by else ""), n.state,
                   f"{(n.measured_flops or n.profile.flops) / (n.slowdown or 1) / 1e9:.1f}",
-                  f"{n.profile.memory_bytes / 2**30:.1f}", f"{n.profile.bandwidth_bytes_per_s / 1e6:.1f}",
+                  f"{n.profile.memory_bytes / 2**30:.1f}",
+                  f"{(n.measured_bandwidth or n.profile.bandwidth_bytes_per_s) / 1e6:.1f}",
                   n.job_id or "", "" if n.cluster is None else f"cluster {n.cluster} stage {n.stage}"] for n in nodes]
     job_rows = [[j.id, j.name, j.model, j.state, j.reason, ""] for j in reversed(jobs)]
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">

@@ -41,6 +41,9 @@ class NodeView(BaseModel):
                                                               "not placed (nor believed) until then")
     measured_flops: float | None = Field(None, description="FLOP/s its stages measured, where that was far below "
                                                            "its profile's claim: the planner's figure since")
+    measured_bandwidth: float | None = Field(None, description="bytes/s its peers measured of its links, where that "
+                                                               "was far below its profile's claim: the planner's "
+                                                               "figure since")
     slowdown: float | None = Field(None, description="its stages' compute seconds as measured over as its FLOP/s "
                                                      "predict, recent jobs weighing most; the planner counts its "
                                                      "FLOP/s divided by this (None: no job measured yet)")

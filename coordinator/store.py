@@ -83,6 +83,8 @@ class NodeRow(Base):
     quarantine_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     # its profile is a claim: the FLOP/s its stages measured where they were far below it (failure_policy.py)
     measured_flops: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # so is its bandwidth: what its peers measured of its links where that was far below it (calibration.py)
+    measured_bandwidth: Mapped[float | None] = mapped_column(Float, nullable=True)
     # its stages' compute seconds as measured over as predicted, recent jobs weighing most (calibration.py)
     slowdown: Mapped[float | None] = mapped_column(Float, nullable=True)
     # what one message between its stages and their neighbours cost, as its jobs' pace measured (calibration.py)

@@ -152,3 +152,10 @@ def test_an_idle_node_measures_its_compute_again_and_the_coordinator_takes_the_f
         again = float(re.findall(r"measured ([\d.]+) GFLOP/s again", log.read_text())[-1])
         cluster.wait_for(lambda: abs(cluster.alive_nodes()[0]["profile"]["flops"] / 1e9 - again) < 0.06, 30,
                          f"the coordinator to hold the last figure, {again} GFLOP/s")
+
+
+def test_a_bandwidth_claim_stands_until_two_peers_measured_it_ten_times_lower() -> None:
+    from coordinator.calibration import refuted_bandwidth
+    assert refuted_bandwidth(1e10, {"a": 3.6e8, "b": 1.8e8}) == 3.6e8  # the docstring's worked example
+    assert refuted_bandwidth(1e10, {"a": 3.6e8}) is None  # one peer's word: it may be the liar
+    assert refuted_bandwidth(3e9, {"a": 3.6e8, "b": 1.8e8}) is None  # within 10x: a slow peer, not a lie

@@ -22,6 +22,7 @@ from safetensors.torch import save as save_safetensors
 
 from coordinator.app import create_app
 from coordinator.config import Settings
+from coordinator.service.core import planning_bandwidth
 from coordinator.store import JobRow, NodeRow, StageRow
 from ravnest.data import proof
 from ravnest.models import build_model
@@ -1031,3 +1032,51 @@ def test_a_node_once_left_out_of_a_job_is_no_helper_for_it(client: TestClient, c
     service.tick()
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["state"] == "recovering" and "can speed it up" in job["reason"], job["reason"]
+
+
+def test_a_bandwidth_claim_far_above_what_two_peers_measured_is_not_believed(client: TestClient) -> None:
+    """A node that claims 1e10 B/s while two peers measured its links at 3.6e8 and 1.8e8 is planned at
+    3.6e8, and `ravnest nodes` says so; a node only one peer measured low (that peer may be the liar)
+    keeps its figure, and so do the honest nodes."""
+    liar = join(client, "liar", bandwidth=1e10)
+    honest = [join(client, f"h{i}", bandwidth=3e8) for i in range(3)]
+
+    def measured(by: tuple[str, dict], links: dict[str, float]) -> None:
+        client.post(f"/v1/nodes/{by[0]}/heartbeat", headers=by[1], json={"links": [
+            {"peer_id": peer, "bandwidth_bytes_per_s": bandwidth, "latency_s": 0.001}
+            for peer, bandwidth in links.items()]}).raise_for_status()
+
+    measured(honest[0], {liar[0]: 3.6e8, honest[1][0]: 3e8})
+    nodes = {n["name"]: n for n in client.get("/v1/nodes").json()}
+    assert nodes["liar"]["measured_bandwidth"] is None  # one peer's word is not enough
+    measured(liar, {honest[2][0]: 1e6})  # the liar's word on an honest node: one peer, not believed
+    measured(honest[1], {liar[0]: 1.8e8, honest[0][0]: 2.9e8})
+    nodes = {n["name"]: n for n in client.get("/v1/nodes").json()}
+    assert nodes["liar"]["measured_bandwidth"] == 3.6e8
+    assert all(nodes[f"h{i}"]["measured_bandwidth"] is None for i in range(3))
+    with client.app.state.service.store.session() as session:
+        assert planning_bandwidth(session.get_one(NodeRow, liar[0])) == 3.6e8
+
+
+def test_what_a_pipeline_neighbours_stream_carried_counts_against_a_bandwidth_claim(
+        client: TestClient, settings: Settings) -> None:
+    """The stage after a node reports what its stream of gradients to it carried per busy second; with
+    one peer's probe, two nodes' measurements far below the node's claim correct it."""
+    job_id, members = placed_job(client, nodes=2, clusters=1, min_nodes=2, stages_per_cluster=2)
+    given = {node_id: (auth, beat(client, node_id, auth)["assignment"]) for node_id, auth in members}
+    [first] = [node_id for node_id, (_, a) in given.items() if a["stage"] == 0]
+    [(second, (auth, a))] = [(node_id, x) for node_id, x in given.items() if x[1]["stage"] == 1]
+    beat(client, second, auth, job_id=job_id)
+    client.post(f"/v1/jobs/{job_id}/metrics", headers=auth, json={
+        "node_id": second, "cluster": a["cluster"], "stage": 1, "step": settings.slow_after_steps,
+        "metrics": {"compute_s": 0.01, "step_wall_s": 2.0, "prev_bytes_per_step": 1e6, "prev_link_busy": 0.5,
+                    "loss": 1.0}}).raise_for_status()  # 1e6 B/s while busy, against a claim of 1e8
+    assert {n["id"]: n for n in client.get("/v1/nodes").json()}[first]["measured_bandwidth"] is None  # one node
+    prober = join(client, "prober")
+    client.post(f"/v1/nodes/{prober[0]}/heartbeat", headers=prober[1], json={"links": [
+        {"peer_id": first, "bandwidth_bytes_per_s": 5e5, "latency_s": 0.001}]}).raise_for_status()
+    client.post(f"/v1/jobs/{job_id}/metrics", headers=auth, json={
+        "node_id": second, "cluster": a["cluster"], "stage": 1, "step": settings.slow_after_steps,
+        "metrics": {"compute_s": 0.01, "step_wall_s": 2.0, "prev_bytes_per_step": 1e6, "prev_link_busy": 0.5,
+                    "loss": 1.0}}).raise_for_status()
+    assert {n["id"]: n for n in client.get("/v1/nodes").json()}[first]["measured_bandwidth"] == 1e6

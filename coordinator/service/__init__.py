@@ -11,7 +11,7 @@ components they call (and nothing else) when they are built.
                   (with its LinkProbes: which links a node measures,       Recoveries, Rulings)
                   and Presence: beats that change nothing, the interval)
     JobLifecycle  submit, view, cancel, resume; metrics, failure reports  (Placement, Recoveries, Artifacts,
-                                                                           Rulings)
+                                                                           Rulings, LinkProbes)
 
 Each is given the `Core` too (core.py: settings, store, lock, clock, failure rules, lookups), which
 also says what per-process state there is and why losing it is safe.
@@ -46,7 +46,8 @@ class Coordinator:
         self.rulings = Rulings(self.core, self.recoveries)
         self.membership = Membership(self.core, self.credentials, self.offers, self.placement, self.recoveries,
                                      self.rulings)
-        self.jobs = JobLifecycle(self.core, self.placement, self.recoveries, self.artifacts, self.rulings)
+        self.jobs = JobLifecycle(self.core, self.placement, self.recoveries, self.artifacts, self.rulings,
+                                 self.membership.links)
 
     @property
     def store(self) -> Store:

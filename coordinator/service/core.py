@@ -224,6 +224,12 @@ def planning_flops(node: NodeRow) -> float:
     return node.measured_flops if node.measured_flops is not None else float(node.profile["flops"])
 
 
+def planning_bandwidth(node: NodeRow) -> float:
+    """The bytes/s the planner counts on: what its peers measured where that was far below its claim."""
+    return node.measured_bandwidth if node.measured_bandwidth is not None \
+        else float(node.profile["bandwidth_bytes_per_s"])
+
+
 def quarantined(node: NodeRow, now: float) -> bool:
     """Its word caused too many re-plans (failure_rules/quarantine.py): not placed, not believed."""
     return node.quarantined_until is not None and node.quarantined_until > now

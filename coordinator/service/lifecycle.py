@@ -22,19 +22,21 @@ from ..security import new_id
 from ..store import CurvePointRow, JobRow, NodeRow, StageRow, members_of, stages_of
 from .artifacts import Artifacts
 from .core import RESUME, Core, costs_of, planning_flops, quarantined
+from .link_probes import LinkProbes
 from .placement import Placement
 from .recovery import Recoveries
 from .rulings import Rulings
 
 log = logging.getLogger(__name__)
+BUSY = 0.2  # a stream to a neighbour busy this share of the time or more measures its link (_check_links)
 CURVE_POINTS = 5000  # most points of a curve sent at once: the newest
 
 
 class JobLifecycle:
     def __init__(self, core: Core, placement: Placement, recoveries: Recoveries, artifacts: Artifacts,
-                 rulings: Rulings) -> None:
+                 rulings: Rulings, links: LinkProbes) -> None:
         self.core, self.placement, self.recoveries, self.artifacts = core, placement, recoveries, artifacts
-        self.rulings = rulings
+        self.rulings, self.links = rulings, links
 
     def submit(self, spec: JobSpec, owner: str | None = None) -> JobCreated:
         """`owner`: the id of the submitting key (a submitter sees and acts on its own jobs only)."""
@@ -130,6 +132,7 @@ class JobLifecycle:
             if job.state == JobState.RUNNING.value and "compute_s" in figures:
                 rows = stages_of(session, job.id)  # every stage's latest figures, this one's included
                 self._calibrate(session, job, stage, report.step, figures, rows)
+                self._check_links(session, job, stage, figures)
                 self._check_speed(session, job, rows)
             if "loss" in figures or "test_accuracy" in figures:  # a last stage: a point of the curve
                 session.add(CurvePointRow(job_id=job.id, cluster=stage.cluster, step=report.step, at=self.core.clock(),
@@ -165,6 +168,23 @@ class JobLifecycle:
         observed = calibration.observed_message_s(pace, stages, load.in_flight)
         if observed is not None:
             calibration.measured(node, spec.model.name, "message_s", observed)
+
+    def _check_links(self, session: Session, job: JobRow, stage: StageRow, figures: dict[str, float]) -> None:
+        """What this stage's streams to its neighbours carried, per second the stream was busy, is what
+        the neighbours' links measure at least: their bandwidth claims are checked against it, with
+        their peers' probes (LinkProbes.check_claims). A stream busy under BUSY of the time says little
+        (it waited for compute, not for the link)."""
+        cluster = next((c for c in self.core.plan(job).clusters if c.cluster == stage.cluster), None)
+        wall = figures.get("step_wall_s", 0.0)
+        if cluster is None or not wall > 0:
+            return
+        rates: dict[str, dict[str, float]] = {}
+        for side, neighbour in (("next", stage.stage + 1), ("prev", stage.stage - 1)):
+            sent, busy = figures.get(f"{side}_bytes_per_step", 0.0), figures.get(f"{side}_link_busy", 0.0)
+            if 0 <= neighbour < len(cluster.stages) and sent > 0 and busy >= BUSY:
+                rates[cluster.stages[neighbour].node_id] = {stage.node_id: sent / (wall * busy)}
+        if rates:
+            self.links.check_claims(session, rates.keys(), rates)
 
     def _check_speed(self, session: Session, job: JobRow, rows: list[StageRow]) -> None:
         """Every stage's pace to the failure rules (failure_rules/slow_stage.py)."""

@@ -9,9 +9,11 @@ is not asked again (remembered without a query). Peers are drawn at random from 
 """
 from __future__ import annotations
 
+import logging
+import math
 import random
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from sqlalchemy import select
@@ -19,8 +21,12 @@ from sqlalchemy.orm import Session
 
 from ravnest.spec import LinkReport, PeerProbe
 
+from ..calibration import refuted_bandwidth
+from ..failure_reasons import who
 from ..store import LinkRow, NodeRow
 from .core import IDLE, MAX_LINKS_PER_NODE, Core
+
+log = logging.getLogger(__name__)
 
 MAX_ROUNDS = 64  # probe rounds at once, in all (each a prober and probe_peers targets)
 DRAWS = 8  # random idle nodes looked at per probe asked (those measured or in a round are passed over)
@@ -77,6 +83,27 @@ class LinkProbes:
                 link.bandwidth, link.latency, link.measured_at = report.bandwidth_bytes_per_s, report.latency_s, at
                 links[(node_id, report.peer_id)] = link
                 session.add(link)
+
+    def check_claims(self, session: Session, node_ids: Collection[str],
+                     pipeline: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        """The bandwidth claims of `node_ids` against what others measured of their links: their probes
+        (the links table) and `pipeline`'s rates (node -> {neighbour: what its stream to it carried}).
+        A claim far above all of it is not believed (calibration.refuted_bandwidth), and said so."""
+        measured = {node_id: dict((pipeline or {}).get(node_id, {})) for node_id in node_ids}
+        for prober, peer_id, bandwidth in session.execute(select(LinkRow.node_id, LinkRow.peer_id, LinkRow.bandwidth)
+                                                          .where(LinkRow.peer_id.in_(measured),
+                                                                 LinkRow.node_id != LinkRow.peer_id)):
+            measured[peer_id][prober] = max(bandwidth, measured[peer_id].get(prober, 0.0))
+        for node_id, figures in measured.items():
+            node = session.get(NodeRow, node_id)
+            claimed = float(node.profile["bandwidth_bytes_per_s"]) if node is not None else 0.0
+            believed = refuted_bandwidth(claimed, figures)
+            if node is None or believed is None or (node.measured_bandwidth or math.inf) <= believed:
+                continue
+            node.measured_bandwidth = believed
+            log.warning("node %s claims its link carries %.3g B/s, but %d other nodes measured its links at "
+                        "%.3g B/s at most: it is planned at that from now on", who(node), claimed, len(figures),
+                        believed)
 
     def forget_probes_of(self, peer_id: str) -> None:
         """The peer moved (to a relay's address): what probes of its old address find says nothing of

@@ -21,7 +21,7 @@ from ..equal_split import plan_equal_split
 from ..planning import PlanningError, _n, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
-from .core import BUSY, GROW, IDLE, Core, costs_of, planning_flops
+from .core import BUSY, GROW, IDLE, Core, costs_of, planning_bandwidth, planning_flops
 from .offers import Offers, files_read
 from .reachability import relay_shares
 from .recovery import Recoveries
@@ -169,7 +169,7 @@ class Placement:
         messages = calibration.planned(nodes, spec.model.name, "message_s", MESSAGE_OVERHEAD_S)
         shares = relay_shares(session, nodes, self.core.settings.relay_bytes_per_s)
         infos = [NodeInfo(node.id, planning_flops(node), node.profile["memory_bytes"],
-                          min(node.profile["bandwidth_bytes_per_s"], shares.get(node.id, math.inf)),
+                          min(planning_bandwidth(node), shares.get(node.id, math.inf)),
                           node.profile["latency_s"], node.address, slowdowns[node.id],
                           shares.get(node.id, math.inf), node.relayed_by is not None,
                           node.relayed_by is None and bool(node.reachable) and node.peer_relay_port is not None,

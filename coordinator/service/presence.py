@@ -219,6 +219,8 @@ class Presence:
         for result in probed:
             if result.node_id in nodes:
                 self.reachability.from_probes(session, nodes[result.node_id], result.reached, result.unreached)
+        self.links.check_claims(session, {report.peer_id for result in probed for report in result.reports
+                                          if report.peer_id in nodes and report.peer_id != result.node_id})
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from ravnest.spec import RelayOffer
 from ..failure_reasons import who
 from ..store import COORDINATOR_RELAY as COORDINATOR
 from ..store import LinkRow, NodeRow
-from .core import GONE, Core
+from .core import GONE, Core, planning_bandwidth
 
 log = logging.getLogger(__name__)
 DIALLERS = 4  # dial-backs at once; a burst of joins waits its turn
@@ -189,11 +189,11 @@ def relay_shares(session: Session, nodes: list[NodeRow], coordinators: float | N
     count on, when a job holds all of them. Every byte sent to such a node crosses the relay's link
     twice, in on its download and out on its upload (what it sends goes straight to a reachable peer),
     and a node in a pipeline receives on up to two links (activations from the previous stage,
-    gradients from the next): with n of them on one relay of bandwidth B (its profile's), each link
+    gradients from the next): with n of them on one relay of bandwidth B (as planned), each link
     gets B / 2n. The coordinator's relay has the bandwidth its operator gives it (`coordinators`,
     `--relay-bandwidth`), else its nodes are not capped: its link is not measured."""
     relayed = Counter(node.relayed_by for node in nodes if node.relayed_by)
-    bandwidth = {relay: row.profile["bandwidth_bytes_per_s"] for relay in relayed
+    bandwidth = {relay: planning_bandwidth(row) for relay in relayed
                  if relay != COORDINATOR and (row := session.get(NodeRow, relay)) is not None}
     if coordinators:
         bandwidth[COORDINATOR] = coordinators

@@ -113,6 +113,9 @@ def node_list(ctx: typer.Context) -> None:
         if node.get("measured_flops"):
             notes.append(f"{who} was too slow for its profile's {node['profile']['flops'] / 1e9:,.1f} GFLOP/s: "
                          f"its stages computed like {node['measured_flops'] / 1e9:,.1f}")
+        if node.get("measured_bandwidth"):
+            notes.append(f"{who}'s links measured at most {node['measured_bandwidth'] / 1e6:,.1f} MB/s, far below "
+                         f"the {node['profile']['bandwidth_bytes_per_s'] / 1e6:,.1f} it claims: planned at that")
         if (node.get("slowdown") or 1.0) >= 1.5:
             notes.append(f"{who} computes like {flops / 1e9:,.1f} GFLOP/s in its recent jobs' stages "
                          f"(its profile: {node['profile']['flops'] / 1e9:,.1f})")
