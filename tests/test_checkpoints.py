@@ -1,5 +1,6 @@
 """Checkpoints against a real coordinator process: a complete set gets a manifest, an upload cut off
-mid-body (its node killed while writing) leaves the previous checkpoint as it was, and a resumed
+mid-body (its node killed while writing) or holding NaN or implausibly grown weights leaves the
+previous checkpoint as it was, and a resumed
 job's stages fetch exactly the state that checkpoint holds. The test plays the two nodes over REST."""
 import socket
 from urllib.parse import urlparse
@@ -71,6 +72,9 @@ def test_a_torn_checkpoint_upload_changes_nothing_and_resume_uses_the_last_compl
         bad = {**saved[0], next(iter(saved[0])): torch.full_like(next(iter(saved[0].values())), float("nan"))}
         r = upload(*stage0, 100, save_safetensors(bad))
         assert r.status_code == 422 and "NaN" in r.json()["detail"]
+        poisoned = {k: v * 1e4 if ":" not in k and v.is_floating_point() else v for k, v in saved[0].items()}
+        r = upload(*stage0, 100, save_safetensors(poisoned))  # finite, but no training grows weights so
+        assert r.status_code == 422 and "not kept, its weights are implausible" in r.json()["detail"], r.text
         cut_off_upload(cluster.url, f"/v1/jobs/{job_id}/checkpoint?cluster=0&stage=0&generation=0&step=100",
                        stage0[0][1], save_safetensors(stage_state(tuple(stage0[1]["blocks"]), 100)))
         uploads = tmp_path / "jobs" / job_id / "uploads"

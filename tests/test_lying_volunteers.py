@@ -219,3 +219,23 @@ def test_a_maximal_fake_profile_loses_its_work_once_measured_and_its_fabricated_
             assert recovery["left_out"] == [liar_id] and why in recovery["reason"], recovery
             assert {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]} <= honest
             assert job["metrics"]["test_accuracy"] >= 0.9
+
+
+def test_a_bandwidth_lie_is_measured_by_honest_peers_and_corrected(tmp_path):
+    """Before: a node that claimed 1e10 B/s was believed, listed with it and placed on stage 0. Now the
+    honest nodes' link probes of it (real gRPC probes of its server) correct its figure to what they
+    measured, the coordinator says so, and no honest node's figure moves."""
+    with LocalCluster(tmp_path, nodes=3) as cluster:
+        liar = Liar(cluster, profile={**PROFILE, "bandwidth_bytes_per_s": 1e10})
+
+        def corrected():  # it beats, so that it stays idle and probed, and "measures" its peers as it likes
+            asked = liar.beat()["probe"]
+            if asked:
+                liar.post(f"/v1/nodes/{liar.id}/heartbeat", {"links": [
+                    {"peer_id": peer["node_id"], "bandwidth_bytes_per_s": 1e12, "latency_s": 0.0} for peer in asked]})
+            return {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}[liar.id]["measured_bandwidth"]
+        figure = cluster.wait_for(corrected, 60, "the honest nodes' probes to correct the liar's bandwidth")
+        assert figure <= 1e9, figure  # what loopback carried, not what it said
+        nodes = cluster.http.get("/v1/nodes").json()
+        assert [n["id"] for n in nodes if n["measured_bandwidth"] is not None] == [liar.id]
+        assert "claims its link carries 1e+10 B/s" in (cluster.data_dir / "logs" / cluster.coordinator_log).read_text()

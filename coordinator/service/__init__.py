@@ -9,7 +9,8 @@ components they call (and nothing else) when they are built.
     Placement     planning pending jobs onto idle nodes; growing jobs     (Offers, Recoveries)
     Membership    nodes join, beat and leave; the liveness tick           (Credentials, Offers, Placement,
                   (with its LinkProbes: which links a node measures,       Recoveries, Rulings)
-                  and Presence: beats that change nothing, the interval)
+                  Presence: beats that change nothing, the interval,
+                  and Admission: a join, with keyed locks)
     JobLifecycle  submit, view, cancel, resume; metrics, failure reports  (Placement, Recoveries, Artifacts,
                                                                            Rulings, LinkProbes)
 

@@ -116,13 +116,22 @@ class Artifacts:
                           step: int, kind: str, upload: Path) -> None:
         """Keep a stage's state (parameters, optimizer state) at `step`: a periodic checkpoint, or the
         snapshot a stage hands in when its job is re-planned. A complete set of periodic checkpoints at
-        one step gets a manifest, and older periodic ones are deleted."""
+        one step gets a manifest, and older periodic ones are deleted.
+
+        Weights that grew past the plausible (files.implausible, as for final weights) are refused and not
+        kept, so a re-plan resumes from the last plausible state rather than from poison. The uploader
+        is not blamed: poison reaches honest stages through averaging, and it is the source's to answer
+        for (the job goes on; only what this upload would have replaced stays)."""
         tensors, _ = files.index(upload)
-        files.scan(upload, tensors)  # no NaN (outside the lock: it reads the whole file)
+        scales = files.scan(upload, tensors)  # no NaN (outside the lock: it reads the whole file)
         with self.core.lock, self.core.store.session() as session:
             job, row = self.core.job_member(session, job_id, authorization)
             self._check_upload_target(job, row, cluster, stage, checkpoint=True, generation=generation)
             files.check_stage_tensors(tensors, self._stage_shapes(job, row), optimizer_state=True)
+            why = files.implausible(scales, self._initial_rms(job, row), self.core.settings.weight_growth_bound)
+            if why is not None:
+                raise InvalidRequest(f"this state is not kept, its weights are implausible: {why}; a re-plan "
+                                     f"continues from the last plausible state")
             start, end = self.core.plan(job).clusters[cluster].stages[stage].blocks
             name = f"checkpoints/g{generation}-c{cluster}-s{stage}-{kind}-{step}.safetensors"
             files.commit(upload, self.job_dir(job.id) / name)
