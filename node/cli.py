@@ -115,8 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="offer a file to jobs under NAME (repeatable): jobs name datasets, never paths, so "
                            "nothing else on this machine can be read (default: only the built-in datasets)")
     join.add_argument("--offers", type=Path, default=None, metavar="FILE",
-                      help="a file of NAME=PATH lines offered as --dataset is; the node reads it again on SIGHUP "
-                           "and tells the coordinator, keeping its id")
+                      help="a file of NAME=PATH lines, datasets and model weights alike (as --dataset and "
+                           "--model-file offer them); the node reads it again on SIGHUP and tells the "
+                           "coordinator, keeping its id: no restart")
     join.add_argument("--model-file", action="append", type=_offered, default=[], metavar="NAME=PATH",
                       help="offer a model's weights (a safetensors file: a Hugging Face checkpoint's or a `ravnest "
                            "download`) under NAME to jobs that start from it (model.weights.source; repeatable)")

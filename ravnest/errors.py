@@ -10,8 +10,10 @@ class RavnestError(Exception):
 
 
 def did_you_mean(word: str, choices: list[str]) -> str:
-    """" (did you mean 'x'?)" for the closest of `choices` to a mistyped `word`, else ""."""
+    """" (did you mean 'x'?)" for the closest of `choices` to a mistyped `word`, else "". Case does not
+    count against a choice ('adamw' is close to 'AdamW')."""
     import difflib
 
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    by_lower = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""

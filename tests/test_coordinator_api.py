@@ -225,6 +225,8 @@ BAD_JOBS = {
     "a path on the nodes": ({**digits_job(), "model": {"name": "gpt"}, "dataset": {"name": "text", "path": "/etc/passwd"}},
                             "never names a file on a volunteer's machine"),
     "unknown optimizer": ({**digits_job(), "training": {"optimizer": {"name": "Nope"}}}, "Nope"),
+    "an optimizer in the wrong case": ({**digits_job(), "training": {"optimizer": {"name": "adamw"}}},
+                                       "unknown optimizer 'adamw' (did you mean 'AdamW'?)"),
     "bad optimizer kwargs": ({**digits_job(), "training": {"optimizer": {"name": "SGD", "kwargs": {"lr": -1}}}}, "learning rate"),
     "a switch as text": ({**digits_job(), "training": {"optimizer": {"name": "Adam", "kwargs": {"fused": "no"}}}},
                          "fused must be true or false"),

@@ -8,6 +8,7 @@ from typing import Iterable
 
 import torch
 
+from ravnest.errors import did_you_mean
 from ravnest.pipeline.accum_adam import OPTIMIZERS
 from ravnest.spec import OptimizerRef, TrainingSettings
 
@@ -25,8 +26,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], ref: OptimizerRef) -> 
     (a dtype, device or option it lacks) the default implementation is used."""
     cls = OPTIMIZERS.get(ref.name) or getattr(torch.optim, ref.name, None)
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-        raise ValueError(f"unknown optimizer {ref.name!r}: expected a torch.optim class such as Adam or SGD, "
-                         f"or {', '.join(OPTIMIZERS)}")
+        known = [*OPTIMIZERS, *(name for name, member in vars(torch.optim).items() if inspect.isclass(member)
+                                and issubclass(member, torch.optim.Optimizer) and member is not torch.optim.Optimizer)]
+        raise ValueError(f"unknown optimizer {ref.name!r}{did_you_mean(ref.name, known)}: expected a torch.optim "
+                         f"class such as Adam or SGD, or {', '.join(OPTIMIZERS)}")
     _check_switches(cls, ref.kwargs)
     params = list(params)
     if cls not in OPTIMIZERS.values() and "fused" in inspect.signature(cls).parameters \
