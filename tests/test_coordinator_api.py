@@ -1082,3 +1082,18 @@ def test_what_a_pipeline_neighbours_stream_carried_counts_against_a_bandwidth_cl
         "metrics": {"compute_s": 0.01, "step_wall_s": 2.0, "prev_bytes_per_step": 1e6, "prev_link_busy": 0.5,
                     "loss": 1.0}}).raise_for_status()
     assert {n["id"]: n for n in client.get("/v1/nodes").json()}[first]["measured_bandwidth"] == 1e6
+
+
+def test_a_job_pinning_content_no_node_holds_says_which_checksums_differ(client: TestClient) -> None:
+    """A wrong weights.sha256 left the job waiting for 'proven holders (0 available)' while nodes listed
+    the file as proven. The reason now says the offered file's checksum differs from the job's, with both."""
+    holder = join(client, "library", datasets=["books"])
+    prove(client, [holder])
+    wrong = "0123456789abcdef" * 4
+    job = {"model": {"name": "gpt", "config": {"n_layers": 1}},
+           "dataset": {"name": "text", "source": "books", "sha256": wrong}, "placement": {"clusters": 1}}
+    view = client.get(f"/v1/jobs/{client.post('/v1/jobs', json=job).json()['id']}").json()
+    held = BOOKS_FINGERPRINT.rpartition(":")[2]
+    assert view["state"] == "pending" and view["reason"].startswith(
+        f"dataset 'books' is held by 1 node with sha256 {held[:16]}..., not the job's dataset.sha256 "
+        f"0123456789abcdef...; waiting for 1 idle node proven to hold dataset 'books' (0 available)"), view["reason"]

@@ -152,6 +152,23 @@ class Offers:
                                f"{flag} {source}=PATH`)")
         return " nor ".join(missing)
 
+    def other_content(self, session: Session, spec: JobSpec) -> str:
+        """The files the job pins a sha256 for that live nodes hold only with other content, as a user
+        reads it ("" when none): `model weights 'base' is held by 5 nodes with sha256 1a2b..., not the
+        job's model.weights.sha256 9f8e...` (a wrong checksum in the spec, or a file changed since)."""
+        wrong = []
+        for field, source, pinned in files_read(spec):
+            if pinned is None:
+                continue
+            held = Counter(fingerprint.rpartition(":")[2] for fingerprint in session.scalars(
+                select(OfferRow.fingerprint).join(NodeRow, NodeRow.id == OfferRow.node_id).where(
+                    OfferRow.name == source, OfferRow.state.in_(HOLDS), NodeRow.state != GONE)))
+            if held and pinned not in held:
+                sha, nodes = held.most_common(1)[0]
+                wrong.append(f"{field.replace('.', ' ')} {source!r} is held by {nodes} node{'s' * (nodes != 1)} "
+                             f"with sha256 {sha[:16]}..., not the job's {field}.sha256 {pinned[:16]}...")
+        return "; ".join(wrong)
+
     def describe(self, session: Session, node_ids: list[str]) -> dict[str, dict[str, str]]:
         """node id -> each file it offers -> its state (and why, where it was refused)."""
         described: dict[str, dict[str, str]] = {}

@@ -91,8 +91,11 @@ class Placement:
                     also = f"; {excluded} more left out of this job after failures" if excluded else ""
                     reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available{also})"
                     unoffered = self.offers.unoffered(session, spec)
-                    if unoffered:  # the likeliest reason first: nobody has the file
+                    other = self.offers.other_content(session, spec)
+                    if unoffered:  # the likeliest reason first: nobody has the file, or not with that content
                         reason = f"no node offers {unoffered} yet; {reason}"
+                    elif other:
+                        reason = f"{other}; {reason}"
                     if job.reason != reason:
                         job.reason = reason
                     continue
