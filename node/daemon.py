@@ -176,7 +176,7 @@ class NodeDaemon:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
         remove_orphaned_scratch()
         fingerprints = self.offers.fingerprints()
-        profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints)
+        profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints, self.offers.vocabularies())
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile,
                                               identity=self.identity, relay_port=self.relaying.relay_port,
                                               peer_relay_port=self.relaying.peer_relay_port))

@@ -15,7 +15,7 @@ import httpx
 from node.client import CoordinatorClient
 from node.progress import Progress
 from ravnest.client.api import ApiError
-from ravnest.data import proof
+from ravnest.data import proof, tokens
 from ravnest.spec import DataChallenge, DataProof, Offered
 
 
@@ -34,6 +34,11 @@ class Offers:
             self.progress.log(f"offering {name}: {proof.size_of(fingerprint):,} bytes, "
                               f"sha256 {fingerprint.split(':')[1]}")
         return found
+
+    def vocabularies(self, files: dict[str, Path] | None = None) -> dict[str, int]:
+        """Each offered token file's vocabulary (the coordinator checks a job's model against it)."""
+        found = {name: tokens.vocab_size_of(path) for name, path in (self.files if files is None else files).items()}
+        return {name: size for name, size in found.items() if size is not None}
 
     def prove(self, challenge: DataChallenge) -> DataProof | None:
         """Answer a challenge to prove this node holds a file it offers (ravnest/data/proof.py)."""
@@ -64,7 +69,8 @@ class Offers:
         try:
             offered = self._reload() if self._reload else self.files
             fingerprints = {name: proof.fingerprint(path) for name, path in offered.items()}
-            client.offer(Offered(datasets=sorted(offered), fingerprints=fingerprints))
+            client.offer(Offered(datasets=sorted(offered), fingerprints=fingerprints,
+                                 vocab_sizes=self.vocabularies(offered)))
         except (OSError, ValueError, httpx.HTTPError, ApiError) as e:
             self.progress.log(f"offers unchanged: {e}")
             return

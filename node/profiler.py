@@ -194,8 +194,10 @@ def warm_up(device: torch.device) -> None:
 
 
 def profile_node(client: httpx.Client, device: torch.device, max_memory: int | None = None,
-                 datasets: Mapping[str, str] | None = None) -> NodeProfile:
-    """`datasets`: each offered name -> its file's fingerprint (ravnest/data/proof.py)."""
+                 datasets: Mapping[str, str] | None = None,
+                 vocab_sizes: Mapping[str, int] | None = None) -> NodeProfile:
+    """`datasets`: each offered name -> its file's fingerprint (ravnest/data/proof.py); `vocab_sizes`:
+    each offered token file's vocabulary."""
     warm_up(device)
     latency, bandwidth = coordinator_link(client)
     return NodeProfile(
@@ -203,6 +205,7 @@ def profile_node(client: httpx.Client, device: torch.device, max_memory: int | N
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
         cores=torch.get_num_threads(), bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),
         latency_s=min(latency, LATENCY["le"]), datasets=sorted(datasets or {}), fingerprints=dict(datasets or {}),
+        vocab_sizes=dict(vocab_sizes or {}),
         idle_bytes=status_bytes("VmRSS") or 0)
 
 

@@ -1097,3 +1097,27 @@ def test_a_job_pinning_content_no_node_holds_says_which_checksums_differ(client:
     assert view["state"] == "pending" and view["reason"].startswith(
         f"dataset 'books' is held by 1 node with sha256 {held[:16]}..., not the job's dataset.sha256 "
         f"0123456789abcdef...; waiting for 1 idle node proven to hold dataset 'books' (0 available)"), view["reason"]
+
+
+def test_a_vocabulary_below_the_offered_token_files_is_refused_at_submit_or_waited_out(client: TestClient) -> None:
+    """A vocab_size of 2,000 on a token file of 4,096 ids was accepted and failed on three nodes. Now the
+    nodes say each token file's vocabulary: where every offered file has more ids, the submit is
+    refused naming both numbers; where some do, the job waits for nodes whose file fits, saying why."""
+    def node(name: str, vocab: int) -> tuple[str, dict]:
+        r = client.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{next(_ports)}", "profile": {
+            **profile(datasets=["books"]), "vocab_sizes": {"books": vocab}}})
+        assert r.status_code == 201, r.text
+        return r.json()["node_id"], {"Authorization": f"Bearer {r.json()['node_token']}"}
+
+    prove(client, [node(f"big{i}", 4096) for i in range(2)])
+    job = {"model": {"name": "llama", "config": {"vocab_size": 2000, "num_hidden_layers": 2}},
+           "dataset": {"name": "tokens", "source": "books", "seq_len": 32}, "placement": {"clusters": 1, "min_nodes": 2}}
+    r = client.post("/v1/jobs", json=job)
+    assert r.status_code == 422 and r.json()["detail"] == (
+        "the model's vocab_size 2,000 is below the 4,096 ids of token file 'books', as every node offering it says "
+        "(`ravnest data prepare` prints what a model needs): set model.config.vocab_size to 4,096 or more"), r.text
+    prove(client, [node("fits", 1000)])  # one file that fits: accepted, and waiting for a second
+    view = client.get(f"/v1/jobs/{client.post('/v1/jobs', json=job).json()['id']}").json()
+    assert view["state"] == "pending" and view["reason"].startswith(
+        "token file 'books' has 4,096 ids or more on 2 nodes, more than the model's vocab_size 2,000; waiting for "
+        "2 idle nodes proven to hold dataset 'books' (1 available)"), view["reason"]

@@ -105,3 +105,16 @@ print([int(line.split()[1]) for line in open("/proc/self/status") if line.starts
         rss[path.name] = int(done.stdout.strip())
     print(f"\nRssAnon after 300 batches: {rss} KiB")
     assert rss["big.tokens"] <= 1.1 * rss[corpus.name], rss
+
+
+def test_a_node_tells_the_coordinator_each_offered_token_files_vocabulary(corpus, tmp_path):
+    """What the coordinator checks a job's vocab_size against (coordinator/service/offers.py)."""
+    from node.offered_files import Offers
+    from node.progress import Progress
+    from ravnest.data.tokens import vocab_size_of
+
+    text = tmp_path / "plain.txt"
+    text.write_text("not a token file")
+    offers = Offers({"corpus": corpus, "plain": text}, Progress())
+    assert offers.vocabularies() == {"corpus": read_header(corpus).vocab_size}
+    assert vocab_size_of(tmp_path / "missing") is None

@@ -40,7 +40,7 @@ class JobLifecycle:
 
     def submit(self, spec: JobSpec, owner: str | None = None) -> JobCreated:
         """`owner`: the id of the submitting key (a submitter sees and acts on its own jobs only)."""
-        jobs.validate_spec(spec, self.core.settings.max_blocks)
+        model = jobs.validate_spec(spec, self.core.settings.max_blocks)
         # profile now, outside the lock, so placing later never stalls heartbeats
         parameters = sum(cost.params for cost in costs_of(spec))
         if parameters > self.core.settings.max_parameters:
@@ -49,6 +49,9 @@ class JobLifecycle:
         now = self.core.clock()
         with self.core.lock:
             with self.core.store.session() as session:
+                refusal = self.placement.offers.vocabulary_refusal(session, spec, model.input.high)
+                if refusal:
+                    raise InvalidRequest(refusal)
                 job = JobRow(id=new_id(), name=spec.name, owner=owner, spec=spec.model_dump(mode="json"),
                              state=JobState.PENDING.value, reason="waiting for nodes", created_at=now,
                              updated_at=now, history=[{"state": "pending", "at": now, "reason": "submitted"}],

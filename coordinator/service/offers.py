@@ -169,6 +169,31 @@ class Offers:
                              f"with sha256 {sha[:16]}..., not the job's {field}.sha256 {pinned[:16]}...")
         return "; ".join(wrong)
 
+    def vocabulary_refusal(self, session: Session, spec: JobSpec, vocab: int | None) -> str:
+        """Why the job cannot train on any token file offered under its source, where every live node
+        that offers it says it has more ids than the model's `vocab` ("" where one fits, or none is
+        offered yet: then placement waits for one, `too_many_ids`)."""
+        if spec.dataset.name != "tokens" or not spec.dataset.source or vocab is None:
+            return ""
+        offering = list(session.scalars(select(NodeRow).join(OfferRow, OfferRow.node_id == NodeRow.id).where(
+            OfferRow.name == spec.dataset.source, OfferRow.state.in_(HOLDS), NodeRow.state != GONE)))
+        sizes = self.too_many_ids(spec, vocab, offering)
+        if not offering or len(sizes) < len(offering):
+            return ""
+        least = min(sizes.values())
+        return (f"the model's vocab_size {vocab:,} is below the {least:,} ids of token file "
+                f"{spec.dataset.source!r}, as every node offering it says (`ravnest data prepare` prints what a "
+                f"model needs): set model.config.vocab_size to {least:,} or more")
+
+    @staticmethod
+    def too_many_ids(spec: JobSpec, vocab: int | None, nodes: list[NodeRow]) -> dict[str, int]:
+        """node id -> the vocabulary of the token file it offers for the job, for those of `nodes` whose
+        file has more ids than the model's `vocab` (a stage there would fail at its first batch)."""
+        if spec.dataset.name != "tokens" or not spec.dataset.source or vocab is None:
+            return {}
+        found = {node.id: (node.profile.get("vocab_sizes") or {}).get(spec.dataset.source) for node in nodes}
+        return {node_id: size for node_id, size in found.items() if size is not None and size > vocab}
+
     def describe(self, session: Session, node_ids: list[str]) -> dict[str, dict[str, str]]:
         """node id -> each file it offers -> its state (and why, where it was refused)."""
         described: dict[str, dict[str, str]] = {}

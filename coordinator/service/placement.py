@@ -83,11 +83,13 @@ class Placement:
                 # a job already under way continues on whatever nodes there are; a new one waits for min_nodes
                 needed = 1 if job.generation else spec.placement.min_nodes or 1  # (set by the spec)
                 offered, content = self.offers.holders(session, spec, idle)  # only proven holders read a file
-                candidates = [node for node in offered if node.id not in left_out_of(job)]
+                vocab = build_model(spec.model.name, spec.model.config).input.high
+                misfits = self.offers.too_many_ids(spec, vocab, offered)
+                candidates = [node for node in offered if node.id not in left_out_of(job) and node.id not in misfits]
                 if len(candidates) < needed:
                     files = " and ".join(f"{field.replace('.', ' ')} {name!r}" for field, name, _ in files_read(spec))
                     source = f" proven to hold {files}" if files else ""
-                    excluded = len(offered) - len(candidates)
+                    excluded = sum(node.id in left_out_of(job) for node in offered)
                     also = f"; {excluded} more left out of this job after failures" if excluded else ""
                     reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available{also})"
                     unoffered = self.offers.unoffered(session, spec)
@@ -96,6 +98,9 @@ class Placement:
                         reason = f"no node offers {unoffered} yet; {reason}"
                     elif other:
                         reason = f"{other}; {reason}"
+                    elif misfits:
+                        reason = (f"token file {spec.dataset.source!r} has {min(misfits.values()):,} ids or more on "
+                                  f"{_n(len(misfits), 'node')}, more than the model's vocab_size {vocab:,}; {reason}")
                     if job.reason != reason:
                         job.reason = reason
                     continue

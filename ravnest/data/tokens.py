@@ -74,6 +74,17 @@ def read_header(path: str | os.PathLike, label: str | None = None) -> Header:
     return header
 
 
+def vocab_size_of(path: str | os.PathLike) -> int | None:
+    """A token file's vocabulary (its header's vocab_size); None for any other file, or an unreadable one."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                return None
+        return read_header(path).vocab_size
+    except (OSError, TokenFileError):
+        return None
+
+
 def tokenizer_json(path: str | os.PathLike) -> str:
     """The tokenizer (Hugging Face tokenizer.json text) in a token file's header, or in a tokenizer.json."""
     with open(path, "rb") as f:

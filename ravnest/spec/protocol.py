@@ -39,6 +39,10 @@ class Offered(_Measured):
     fingerprints: dict[Annotated[str, Field(pattern=DATASET_NAME)], Annotated[str, Field(pattern=FINGERPRINT)]] = \
         Field(default_factory=dict, max_length=64, description="each offered file's '<size>:<sha256>'; a node "
                                                                "is placed on a file only once it proved it holds it")
+    vocab_sizes: dict[Annotated[str, Field(pattern=DATASET_NAME)], Annotated[int, Field(ge=1, le=1 << 32)]] = Field(
+        default_factory=dict, max_length=64, description="each offered token file's vocabulary, as its header says "
+                                                         "(`ravnest data prepare`): a job whose model has fewer ids "
+                                                         "is refused at submit, not on the nodes")
 
     @field_validator("datasets")
     @classmethod
