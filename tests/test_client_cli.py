@@ -17,7 +17,7 @@ import torch
 
 import ravnest
 from ravnest.data import load_dataset
-from scripts.local_cluster import LocalCluster
+from scripts.local_cluster import LocalCluster, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,6 +136,13 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
     assert re.search(rf"{token_id}.*lab machines.*\d\d-\d\d \d\d:\d\d\s*│\s*$", ravnest_cli("token", "list").stdout,
                      re.MULTILINE)  # its revoked column is filled
     assert "node-0" in ravnest_cli("nodes").stdout
+    # node-0 again under its name, a new row (restarted without its identity): its lines say which row
+    again = cluster.http.post("/v1/nodes", headers={"Authorization": f"Bearer {cluster.join_token}"}, json={
+        "name": "node-0", "address": f"127.0.0.1:{free_port()}", "profile": {
+            "flops": 1e10, "memory_bytes": 2**30, "bandwidth_bytes_per_s": 1e8, "latency_s": 0.001,
+            "datasets": ["books"], "fingerprints": {"books": "64:" + "ab" * 32}}}).json()
+    assert f"node-0 ({again['node_id']}) offers books" in ravnest_cli("nodes").stdout.replace("\n", " ")
+    cluster.http.delete(f"/v1/nodes/{again['node_id']}", headers={"Authorization": f"Bearer {again['node_token']}"})
 
     job_id = ravnest_cli("submit", str(ROOT / "examples/jobs/digits-mlp.json")).stdout.strip()
     code, screen = run_in_terminal([sys.executable, "-m", "ravnest.client.cli", "watch", job_id, "--every", "0.5"],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import webbrowser
+from collections import Counter
 from typing import Optional
 
 import typer
@@ -101,6 +102,7 @@ def node_list(ctx: typer.Context) -> None:
     notes = []
     listed = call(ctx, "GET", "/v1/nodes")
     names = {node["id"]: node["name"] or node["id"] for node in listed}
+    named = Counter(node["name"] for node in listed if node["name"])
     for node in listed:
         state = "quarantined" if node.get("quarantined_until") else node["state"]
         claimed = node.get("measured_flops") or node["profile"]["flops"]
@@ -109,7 +111,9 @@ def node_list(ctx: typer.Context) -> None:
         nodes_.add_row(node["id"], node["name"], node["address"], state, f"{flops / 1e9:,.1f}",
                        f"{node['profile']['memory_bytes'] / 2**30:.1f}" + (f"+{idle:.1f}" if idle else ""),
                        node["job_id"] or "")
-        who = node["name"] or node["id"]
+        # (two rows of one name, a node that restarted as a new one: each line says which row it is)
+        who = node["name"] if node["name"] and named[node["name"]] == 1 else \
+            f"{node['name']} ({node['id']})" if node["name"] else node["id"]
         if node.get("measured_flops"):
             notes.append(f"{who} was too slow for its profile's {node['profile']['flops'] / 1e9:,.1f} GFLOP/s: "
                          f"its stages computed like {node['measured_flops'] / 1e9:,.1f}")
