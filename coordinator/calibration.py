@@ -50,7 +50,9 @@ seconds the stream was busy). Each of those measures the slower end of a link, s
 the node is; but a node is not LIE_FACTOR times faster than every link any peer measured to it.
 Where the measurements of at least EVIDENCE other nodes are all that far below its claim (so one
 lying peer cannot pull an honest node's figure down), the claim is not believed: the planner counts
-the fastest of them instead (`measured_bandwidth`), and the coordinator says so. An honest node's
+the fastest of them instead (`measured_bandwidth`), and the coordinator says so. What crosses a relay
+measures the relay's path, so a relayed node's claim and a relayed measurer's figures are not used
+(on loopback, probes through a relay came out far below honest claims). An honest node's
 links measure about what its own download from the coordinator did, so only a liar's figure moves (a
 lie that placed a node on stage 0 claimed 1e10 B/s against 1.8-3.6e8 measured).
 """

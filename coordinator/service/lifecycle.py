@@ -181,6 +181,8 @@ class JobLifecycle:
         wall = figures.get("step_wall_s", 0.0)
         if cluster is None or not wall > 0:
             return
+        if session.get_one(NodeRow, stage.node_id).relayed_by is not None:
+            return  # (its streams cross a relay: they measure the relay's path, not the neighbour)
         rates: dict[str, dict[str, float]] = {}
         for side, neighbour in (("next", stage.stage + 1), ("prev", stage.stage - 1)):
             sent, busy = figures.get(f"{side}_bytes_per_step", 0.0), figures.get(f"{side}_link_busy", 0.0)

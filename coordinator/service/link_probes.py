@@ -90,15 +90,18 @@ class LinkProbes:
         (the links table) and `pipeline`'s rates (node -> {neighbour: what its stream to it carried}).
         A claim far above all of it is not believed (calibration.refuted_bandwidth), and said so."""
         measured = {node_id: dict((pipeline or {}).get(node_id, {})) for node_id in node_ids}
+        relayed = set(session.scalars(select(NodeRow.id).where(NodeRow.relayed_by.is_not(None))))
         for prober, peer_id, bandwidth in session.execute(select(LinkRow.node_id, LinkRow.peer_id, LinkRow.bandwidth)
                                                           .where(LinkRow.peer_id.in_(measured),
                                                                  LinkRow.node_id != LinkRow.peer_id)):
-            measured[peer_id][prober] = max(bandwidth, measured[peer_id].get(prober, 0.0))
+            if prober not in relayed:  # (through a relay, a probe measures the relay's path, not either node)
+                measured[peer_id][prober] = max(bandwidth, measured[peer_id].get(prober, 0.0))
         for node_id, figures in measured.items():
             node = session.get(NodeRow, node_id)
             claimed = float(node.profile["bandwidth_bytes_per_s"]) if node is not None else 0.0
             believed = refuted_bandwidth(claimed, figures)
-            if node is None or believed is None or (node.measured_bandwidth or math.inf) <= believed:
+            if node is None or node.relayed_by is not None or believed is None or \
+                    (node.measured_bandwidth or math.inf) <= believed:
                 continue
             node.measured_bandwidth = believed
             log.warning("node %s claims its link carries %.3g B/s, but %d other nodes measured its links at "
