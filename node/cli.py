@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import signal
 import ssl
 import sys
 import threading
 from pathlib import Path
 
+from node.identity import default_data_dir
 from ravnest import __version__
 from ravnest.relay.ports import port_range
 from ravnest.spec import DATASET_NAME
@@ -99,10 +99,15 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--no-peer-relay", dest="peer_relay_port", action="store_const", const=None,
                       help="open no such port: this node sends to peers that nobody can dial through their relay")
     join.add_argument("--name", default="", help="a name shown in the coordinator's node list (default: none)")
-    join.add_argument("--identity", type=Path, default=os.environ.get("RAVNEST_NODE_IDENTITY"), metavar="FILE",
-                      help="this node's identity file, made on first use (a secret: keep it private): joining "
-                           "again with it keeps the node's id and history (default: $RAVNEST_NODE_IDENTITY; "
-                           "none: a new node at every start)")
+    join.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                      help="this node's own folder, which keeps its identity (file `identity`, made at first "
+                           "start): started again, the node is the same node, with its id and history. One "
+                           "node process per folder (default: $RAVNEST_NODE_DIR, else ~/.local/share/ravnest/node)")
+    join.add_argument("--identity", type=Path, default=None, metavar="FILE",
+                      help="keep the identity in FILE instead, made on first use (a secret: keep it private; "
+                           "default: $RAVNEST_NODE_IDENTITY, else DIR/identity)")
+    join.add_argument("--ephemeral", action="store_true",
+                      help="no identity: a new node at every start, whose row and history stay behind when it ends")
     join.add_argument("--max-memory", type=_size, default=None, metavar="SIZE",
                       help="most memory this node offers for training, e.g. 6GiB (default: 80%% of what is "
                            "free now); no stage that needs more is assigned here. The node's own process takes "
@@ -138,22 +143,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_identity(path: Path) -> str:
-    """The secret in a node's identity file, which is made (readable by its owner only) if missing."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
-            file.write(secrets.token_hex(32) + "\n")
-    secret = path.read_text().strip()
-    if len(secret) != 64 or any(c not in "0123456789abcdef" for c in secret):
-        raise SystemExit(f"{path} is not a ravnest node identity file (64 hex digits); move it away to make a new one")
-    return secret
+def identity_file(args: argparse.Namespace) -> Path | None:
+    """Where this node's identity is kept, or None for an ephemeral node."""
+    if args.ephemeral:
+        return None
+    chosen = args.identity or os.environ.get("RAVNEST_NODE_IDENTITY")
+    return Path(chosen) if chosen else (args.data_dir or default_data_dir()) / "identity"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     check_tls_options(parser, args)
+    if args.ephemeral and (args.identity or args.data_dir):
+        parser.error("--ephemeral keeps no identity: leave out --identity and --data-dir")
     import httpx
     import torch
 
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from node.client import CoordinatorClient
     from ravnest.client.api import ApiError
     from node.daemon import NodeDaemon
+    from node.identity import hold_identity
     from node.profiler import pick_device
     from node.progress import Progress
     from ravnest import wire
@@ -187,14 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    kept = identity_file(args)
+    identity, held = hold_identity(kept, progress.log) if kept else ("", None)
     client = CoordinatorClient(args.coordinator, join_token=args.token,
                                verify=ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else True)
     try:
         client.wait_until_reachable(args.wait, stop)
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
                             advertise=args.advertise, name=args.name, progress=progress,
-                            max_memory=args.max_memory, datasets=offered,
-                            identity=read_identity(args.identity) if args.identity else "",
+                            max_memory=args.max_memory, datasets=offered, identity=identity,
                             reload_offers=offered_now, reprofile_every=args.reprofile_every,
                             use_relay=args.use_relay, relay_port=args.relay, relay_ports=args.relay_ports,
                             peer_relay_port=args.peer_relay_port,
@@ -206,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         client.close()
+        if held:
+            held.close()
     return 0
 
 

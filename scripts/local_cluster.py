@@ -99,7 +99,8 @@ class LocalCluster:
     def _spawn_node(self, extra_args: list[str] = ()) -> subprocess.Popen:
         i = len(self.procs) - 1  # node i is procs[1 + i]
         return self._spawn(["node.cli", "join", "--coordinator", self.url, f"--token={self.join_token}",
-                            "--name", f"node-{i}", "--threads", str(self.threads_per_node), *self._node_args(i),
+                            "--name", f"node-{i}", "--data-dir", str(self.data_dir / "nodes" / f"node-{i}"),
+                            "--threads", str(self.threads_per_node), *self._node_args(i),
                             *self.node_args, *extra_args], f"node-{i}.log")
 
     def add_nodes(self, count: int, extra_args: list[str] = (), timeout: float = 60.0) -> set[str]:

@@ -32,7 +32,8 @@ def cluster(tmp_path_factory):
 @pytest.mark.slow
 def test_submit_watch_download_and_load_a_model_with_the_ravnest_command(cluster, tmp_path: Path) -> None:
     def ravnest_cli(*args: str) -> subprocess.CompletedProcess:
-        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token}
+        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": cluster.operator_token,
+               "COLUMNS": "160"}  # every column (the test below shows 80)
         return subprocess.run([sys.executable, "-m", "ravnest.client.cli", *args], capture_output=True, text=True,
                               env=env, timeout=300, cwd=tmp_path)
 
@@ -46,8 +47,7 @@ def test_submit_watch_download_and_load_a_model_with_the_ravnest_command(cluster
     assert one.returncode == 0
     # a row per planned stage: cluster, stage, blocks, node, step, computing (utilization), waiting (bubble),
     # staleness, samples/s; and a line per link between two stages
-    row = re.compile(r"│ \d+ +│ \d+ +│ \[\d+, \d+\) +│ [0-9a-f]{16} │ \d+ +"
-                     r"│ ([\d.]+) +│ ([\d.]+) +│ [\d.]+ +│ [\d,]+ +│")
+    row = re.compile(r"^\d+ +\d+ +\[\d+, \d+\) +[0-9a-f]{16} +\d+ +([\d.]+) +([\d.]+) +[\d.]+ +[\d,]+ *$", re.MULTILINE)
     rows = row.findall(one.stdout)
     assert len(rows) == sum(len(c["stages"]) for c in cluster.job(job_id)["plan"]["clusters"]), one.stdout
     assert all(float(u) + float(b) == pytest.approx(1, abs=0.011) for u, b in rows), one.stdout
@@ -107,11 +107,20 @@ def run_in_terminal(args: list[str], env: dict, timeout: float) -> tuple[int, st
             proc.kill()
 
 
+def fits_80_columns(screen: str) -> str:
+    """What a terminal of 80 columns showed, its lines checked: none wider, nothing cut off (rich marks a
+    cut with an ellipsis). Returns its words, one space apart."""
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
+    lines = [line.rstrip() for line in re.split(r"\r\n|\r|\n", shown)]
+    assert max(len(line) for line in lines) <= 80 and "…" not in shown, shown
+    return " ".join(shown.split())
+
+
 @pytest.mark.slow
 def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_log(cluster, tmp_path: Path) -> None:
     config = tmp_path / "client.toml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")}
-    env["RAVNEST_CONFIG"] = str(config)
+    env.update(RAVNEST_CONFIG=str(config), COLUMNS="160")  # piped: every column (a terminal of 80 below)
 
     def ravnest_cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ravnest.client.cli", *args], capture_output=True, text=True,
@@ -133,7 +142,7 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
     listed = ravnest_cli("token", "list")
     assert "lab machines" in listed.stdout and token_id in listed.stdout
     assert ravnest_cli("token", "revoke", token_id).returncode == 0
-    assert re.search(rf"{token_id}.*lab machines.*\d\d-\d\d \d\d:\d\d\s*│\s*$", ravnest_cli("token", "list").stdout,
+    assert re.search(rf"{token_id}.*lab machines.*\d\d-\d\d \d\d:\d\d\s*$", ravnest_cli("token", "list").stdout,
                      re.MULTILINE)  # its revoked column is filled
     assert "node-0" in ravnest_cli("nodes").stdout
     # node-0 again under its name, a new row (restarted without its identity): its lines say which row
@@ -145,11 +154,23 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
     cluster.http.delete(f"/v1/nodes/{again['node_id']}", headers={"Authorization": f"Bearer {again['node_token']}"})
 
     job_id = ravnest_cli("submit", str(ROOT / "examples/jobs/digits-mlp.json")).stdout.strip()
+    narrow = {**env, "COLUMNS": "80"}
     code, screen = run_in_terminal([sys.executable, "-m", "ravnest.client.cli", "watch", job_id, "--every", "0.5"],
-                                   env, timeout=300)
+                                   narrow, timeout=300)
     assert code == 0, screen
     assert "\x1b[" in screen and "━" in screen  # drawn live: escape codes and a bar, not log lines
     assert "100%" in screen and f"{job_id} completed" in screen and "samples/s" in screen
+    fits_80_columns(screen)
+    job = cluster.job(job_id)
+    for command in (["status"], ["jobs"], ["status", job_id]):
+        code, screen = run_in_terminal([sys.executable, "-m", "ravnest.client.cli", *command], narrow, timeout=60)
+        assert code == 0, screen
+        text = fits_80_columns(screen)
+        assert job_id in text and "completed" in text and " ".join(job["reason"].split()) in text, command
+    assert "progress 100% of" in text
+    code, screen = run_in_terminal([sys.executable, "-m", "ravnest.client.cli", "nodes"], narrow, timeout=60)
+    text = fits_80_columns(screen)
+    assert code == 0 and all(f"{n['id']} {n['name']}" in text for n in cluster.alive_nodes()), text
 
     spec = json.loads((ROOT / "examples/jobs/digits-mlp.json").read_text())
     spec["training"]["steps"] = 100_000

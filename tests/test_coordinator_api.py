@@ -967,6 +967,12 @@ def test_a_node_that_joins_again_with_its_identity_keeps_its_id_and_row(client: 
     assert client.post(f"/v1/nodes/{first['node_id']}/heartbeat", json={}, headers=old).status_code == 401
     rows = client.get("/v1/nodes").json()
     assert [(n["id"], n["name"], n["state"]) for n in rows] == [(first["node_id"], "renamed", "idle")]
+    # it left (SIGTERM) and started again: still one row, idle again
+    left = {"Authorization": f"Bearer {again.json()['node_token']}"}
+    assert client.delete(f"/v1/nodes/{first['node_id']}", headers=left).status_code == 204
+    assert client.get("/v1/nodes").json()[0]["state"] == "gone"
+    assert join_with_identity(client, secret, name="renamed").json()["node_id"] == first["node_id"]
+    assert [(n["id"], n["state"]) for n in client.get("/v1/nodes").json()] == [(first["node_id"], "idle")]
     assert join_with_identity(client, "cd" * 32).json()["node_id"] != first["node_id"]  # another machine
     assert join_with_identity(client, "").json()["node_id"] != first["node_id"]  # none: a new node
     refused = join_with_identity(client, "not hex")

@@ -41,6 +41,7 @@ class TwoCoordinators(LocalCluster):
         i = len(self.procs) - 1
         return self._spawn(["node.cli", "join", "--coordinator", f"{self.url},{self.second_url}",
                             f"--token={self.join_token}", "--name", f"node-{i}", "--threads", "1",
+                            "--data-dir", str(self.data_dir / "nodes" / f"node-{i}"),
                             *self.node_args, *extra_args], f"node-{i}.log")
 
     def use_second(self) -> None:

@@ -1,21 +1,56 @@
-"""A volunteer's machine keeps one identity across restarts (`ravnest-node join --identity FILE`): a real
-node process, killed and started again, comes back under the same id and row; the job it held re-plans
-naming it first, and it takes the next job."""
+"""A volunteer's machine keeps one identity across restarts, by default in its data folder (or `--identity
+FILE`): a real node process, stopped or killed and started again, comes back under the same id and row;
+the job it held re-plans naming it first, and it takes the next job."""
 from __future__ import annotations
 
 import json
 import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from scripts.local_cluster import LocalCluster
+from scripts.local_cluster import ROOT, LocalCluster
 from tests.test_faults import cnn_job, wait_progress
 
 TEXT_JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "text-gpt.json"
 
 pytestmark = pytest.mark.slow
+
+
+def test_a_node_started_again_with_no_flags_is_the_same_node(tmp_path, monkeypatch):
+    """The user's own data folder keeps the identity ($XDG_DATA_HOME here); a second process on it is
+    refused while the first runs; `--ephemeral` is a new node on purpose."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "home"))
+    for kept_elsewhere in ("RAVNEST_NODE_DIR", "RAVNEST_NODE_IDENTITY"):
+        monkeypatch.delenv(kept_elsewhere, raising=False)
+    with LocalCluster(tmp_path / "cluster", nodes=0) as cluster:
+        command = ["node.cli", "join", "--coordinator", cluster.url, f"--token={cluster.join_token}", "--name", "d"]
+        ids = lambda: [n["id"] for n in cluster.alive_nodes()]  # noqa: E731
+        first = cluster._spawn(command, "d-1.log")
+        cluster.wait_for(lambda: len(ids()) == 1, 60, "the node to join")
+        [node_id] = ids()
+        identity = tmp_path / "home" / "ravnest" / "node" / "identity"
+        assert stat.S_IMODE(identity.stat().st_mode) == 0o600
+        assert f"made this node's identity in {identity} (mode 600" in (cluster.data_dir / "logs/d-1.log").read_text()
+
+        twin = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert twin.returncode == 1, twin.stderr
+        assert f"another ravnest-node on this machine is running as the node in {identity}" in twin.stderr
+
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+        cluster.wait_for(lambda: not ids(), 30, "the node to leave", ignore_exits=True)
+        cluster._spawn(command, "d-2.log")
+        cluster.wait_for(lambda: ids() == [node_id], 60, "the node to come back", ignore_exits=True)
+        assert "this is the node whose identity is in" in (cluster.data_dir / "logs/d-2.log").read_text()
+
+        cluster._spawn([*command, "--ephemeral"], "d-3.log")
+        cluster.wait_for(lambda: len(ids()) == 2, 60, "an ephemeral node to join", ignore_exits=True)
+        rows = cluster.http.get("/v1/nodes").json()
+        assert len(rows) == 2 and node_id in {n["id"] for n in rows}  # one row per node, not per start
 
 
 def test_a_restarted_node_comes_back_under_its_id_and_its_job_goes_on(tmp_path):

@@ -190,7 +190,8 @@ def test_an_operator_hands_out_and_revokes_credentials_with_the_ravnest_command(
     """Real processes: a coordinator, `ravnest` and `ravnest-node`. A one-use join token admits one
     node; a revoked node stops at its next heartbeat and says why."""
     def ravnest(*args: str, key: str | None = None) -> subprocess.CompletedProcess:
-        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": key or cluster.operator_token}
+        env = {**os.environ, "RAVNEST_COORDINATOR": cluster.url, "RAVNEST_KEY": key or cluster.operator_token,
+               "COLUMNS": "160"}  # piped: every column, unwrapped
         return subprocess.run([sys.executable, "-m", "ravnest.client.cli", *args], capture_output=True, text=True,
                               env=env, timeout=60)
 
@@ -200,7 +201,7 @@ def test_an_operator_hands_out_and_revokes_credentials_with_the_ravnest_command(
         token = created.stdout.strip()
         [node_id] = cluster.add_nodes(1, [f"--token={token}"])
         second = subprocess.run([sys.executable, "-m", "node.cli", "join", "--coordinator", cluster.url,
-                                 f"--token={token}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                                 f"--token={token}", "--ephemeral"], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert second.returncode == 1 and "used up" in second.stdout + second.stderr
         listed = ravnest("token", "list")
         assert listed.returncode == 0 and "one machine" in listed.stdout and token not in listed.stdout

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ravnest.client.typer_app import app, call, err, keys, nodes, out, table, tokens, when, duration
+from ravnest.client.typer_app import app, call, duration, err, keys, nodes, out, say, show, table, tokens, when
 
 def show_credentials(rows: list[dict], with_role: bool) -> None:
     table_ = table("id", "name", *(["role"] if with_role else ["uses left", "used"]), "created", "expires", "revoked")
@@ -16,7 +16,7 @@ def show_credentials(rows: list[dict], with_role: bool) -> None:
             "unlimited" if row["uses_left"] is None else str(row["uses_left"]), str(row["used"])]
         table_.add_row(row["id"], row["name"], *usage, when(row["created_at"]), when(row["expires_at"]) or "never",
                        when(row["revoked_at"]))
-    out.print(table_)
+    show(table_, spare=("created", "role", "used"))
 
 
 def show_created(created: dict) -> None:
@@ -73,8 +73,7 @@ def key_revoke(ctx: typer.Context, key_id: str) -> None:
 def whoami(ctx: typer.Context) -> None:
     """The key you are using: its role and name (checks the URL and key work)."""
     me = call(ctx, "GET", "/v1/whoami")
-    out.print(f"{me['role']} key {me['name'] or me['id']} at {ctx.obj.url}"
-              + ("" if me["may_submit"] else " (reads only)"), highlight=False)
+    say(f"{me['role']} key {me['name'] or me['id']} at {ctx.obj.url}" + ("" if me["may_submit"] else " (reads only)"))
 
 
 @app.command()
@@ -137,9 +136,9 @@ def node_list(ctx: typer.Context) -> None:
             notes.append(f"{who} offers {offers}")
         if node.get("note"):
             notes.append(f"{who}: {node['note']}")
-    out.print(nodes_)
+    show(nodes_, spare=("address", "job", "GiB+idle"))
     for note in notes:  # below the table: a reason is a sentence, too wide for a column
-        out.print(note, highlight=False, soft_wrap=True)
+        say(note)
 
 
 @nodes.command("revoke")

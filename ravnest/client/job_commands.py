@@ -17,10 +17,11 @@ from typing import Optional
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from ravnest.client.api import ApiError
 from ravnest.client.admin import node_list
-from ravnest.client.typer_app import app, call, err, out, table, when
+from ravnest.client.typer_app import app, call, err, say, show, table, when
 
 ENDED = ("completed", "failed", "cancelled")
 
@@ -49,29 +50,35 @@ def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help
            ) -> None:
     """Jobs you may see, or one job's state, progress, figures and plan."""
     if job_id is None:
-        jobs = table("id", "name", "state", "model", "created", "reason")
-        for job in call(ctx, "GET", "/v1/jobs"):
-            jobs.add_row(job["id"], job["name"], job["state"], job["model"], when(job["created_at"]), job["reason"])
-        out.print(jobs)
+        job_list(ctx)
         return
     job = call(ctx, "GET", f"/v1/jobs/{job_id}")
-    out.print(f"[bold]{job['id']}[/bold] {job['name']}: {job['state']} ({job['reason']})", highlight=False)
+    say(f"{job['id']} {job['name']}: {job['state']} ({job['reason']})")
     figures = _figures(job["metrics"])
-    out.print(f"progress {job['progress']['fraction']:.0%} of {job['progress']['steps_total']} steps"
-              + (f"; {figures}" if figures else ""), highlight=False)
+    say(f"progress {job['progress']['fraction']:.0%} of {job['progress']['steps_total']} steps"
+        + (f"; {figures}" if figures else ""))
     plan = job.get("plan")
     if plan:
-        out.print(f"plan: {plan['reason']}", highlight=False)
-        out.print(_stage_table(plan, job["metrics"].get("stages") or []))
+        say(f"plan: {plan['reason']}")
+        show(_stage_table(plan, job["metrics"].get("stages") or []), spare=("stale", "blocks", "samples/s"))
         for line in _links(plan, job["metrics"].get("stages") or []):
-            out.print(line, highlight=False)
+            say(line)
     for recovery in job.get("recoveries") or []:
         kept = recovery.get("kept_training")
         trained_on = f"; clusters {kept} trained on ({recovery.get('steps_trained_on') or 0} steps)" if kept else ""
         back = f"; training again after {recovery['recovery_s']:.1f} s" if recovery.get("recovery_s") else ""
-        out.print(f"recovery ({recovery['kind']}): {recovery['reason']}{trained_on}{back}", highlight=False)
+        say(f"recovery ({recovery['kind']}): {recovery['reason']}{trained_on}{back}")
     if job.get("model_url"):
-        out.print(f"model: ravnest download {job['id']} -o model.safetensors", highlight=False)
+        say(f"model: ravnest download {job['id']} -o model.safetensors")
+
+
+@app.command("jobs")
+def job_list(ctx: typer.Context) -> None:
+    """Jobs you may see: state, model, when created, and why they are where they are (as `ravnest status`)."""
+    jobs = table("id", "name", "state", "model", "created", "reason")
+    for job in call(ctx, "GET", "/v1/jobs"):
+        jobs.add_row(job["id"], job["name"], job["state"], job["model"], when(job["created_at"]), job["reason"])
+    show(jobs, spare=("created", "model", "name"))
 
 
 @app.command()
@@ -85,9 +92,9 @@ def _follow(ctx: typer.Context, job_id: str, every: float) -> None:
     """Poll the job until it ends; once it has been seen, an unreachable coordinator (restarting) is
     waited for; before, it is an error like any other (a mistyped address would wait forever)."""
     job = call(ctx, "GET", f"/v1/jobs/{job_id}")
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-               TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[figures]}")]
-    with Progress(*columns, console=err, transient=False) as bar:
+    columns = [TextColumn("{task.description}"), BarColumn(bar_width=None), TextColumn("{task.percentage:>3.0f}%"),
+               TimeElapsedColumn(), TimeRemainingColumn()]
+    with _BarAndFigures(*columns, console=err, expand=True, transient=False) as bar:
         task = bar.add_task(job_id, total=1.0, figures="")
         while True:
             bar.update(task, completed=job["progress"]["fraction"], description=f"{job_id} {job['state']}",
@@ -103,10 +110,21 @@ def _follow(ctx: typer.Context, job_id: str, every: float) -> None:
                     if e.status:  # refused (the key revoked meanwhile): say so and stop
                         err.print(f"ravnest: {e}", highlight=False)
                         raise typer.Exit(1) from None
-                    bar.update(task, description=f"{job_id} (coordinator unreachable, retrying)")
+                    bar.update(task, figures="the coordinator does not answer; trying again")
     err.print(f"{job_id} {job['state']}: {job['reason']}", highlight=False)  # stdout keeps the id alone
     if job["state"] != "completed":
         raise typer.Exit(1)
+
+
+class _BarAndFigures(Progress):
+    """The bar on its own line (state, bar, percent, elapsed, remaining fit 80 columns) and the job's
+    figures on the next, wrapped between words however many there are."""
+
+    def get_renderables(self):
+        yield self.make_tasks_table(self.tasks)
+        for task in self.tasks:
+            if task.fields.get("figures"):
+                yield Text(task.fields["figures"])
 
 
 @app.command()
@@ -201,7 +219,7 @@ def nodes_(ctx: typer.Context) -> None:
 def _stage_table(plan: dict, reports: list[dict]):
     """One row per planned stage with what it last reported: how far it is, the share of time it
     computes (its utilization) and waits for its neighbours (its bubble), and its mean staleness in
-    steps. Fits 100 columns."""
+    steps."""
     reported = {(r["cluster"], r["stage"]): r for r in reports}
     stages = table("cluster", "stage", "blocks", "node", "step", "computing", "waiting", "stale", "samples/s")
     for cluster in plan["clusters"]:

@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from ravnest import __version__
@@ -29,7 +30,8 @@ app.add_typer(keys, name="key")
 app.add_typer(nodes, name="node")
 # piped into a file or another program: wide enough that no row is cut (a terminal's width otherwise)
 out = Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
-err = Console(stderr=True, soft_wrap=True)  # a message is one line, whatever the width: scripts grep it
+# a message is one line when piped (scripts grep it), wrapped between words in a terminal
+err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -105,10 +107,29 @@ def when(seconds: Optional[float]) -> str:
 
 
 def table(*columns: str) -> Table:
-    """Ids and times are never wrapped or cut (people copy ids into the next command); names and
-    reasons may wrap."""
-    grid = Table()
+    """Plain columns, as `kubectl get` prints them. Ids and times are never wrapped or cut (people copy
+    ids into the next command); names, addresses and reasons may wrap."""
+    grid = Table(box=None, pad_edge=False, header_style="bold")
     for column in columns:
-        grid.add_column(column, no_wrap=column not in ("name", "reason"),
-                        min_width={"id": 16, "name": 10, "reason": 30}.get(column))
+        grid.add_column(column, no_wrap=column not in ("name", "address", "reason"),
+                        min_width={"id": 16, "name": 6, "reason": 20}.get(column))
     return grid
+
+
+def show(grid: Table, spare: tuple[str, ...] = ()) -> None:
+    """Print a table within the output's width (a terminal's, or $COLUMNS): while it would not fit, the
+    `spare` columns are left out, least needed first, and a line below says which."""
+    left_out = []
+    for name in spare:
+        if Measurement.get(out, out.options.update_width(10_000), grid).minimum <= out.width:
+            break
+        grid.columns = [column for column in grid.columns if column.header != name]
+        left_out.append(name)
+    out.print(grid)
+    if left_out:
+        out.print(f"(left out at {out.width} columns: {', '.join(left_out)})", style="dim", highlight=False)
+
+
+def say(line: str) -> None:
+    """A line of output: one line when piped (scripts grep it), wrapped between words in a terminal."""
+    out.print(line, highlight=False, markup=False, soft_wrap=not out.is_terminal)
