@@ -43,6 +43,8 @@ def failure_reason(failure: Failure | None, said: str, reporter: NodeRow, stage:
         through = f" (peers reach it through {relay_words(lost.relayed_by, relays or {})}, which may be what " \
                   f"failed)" if lost.relayed_by else ""
         return f"node {who(lost)} {_LOST_VERB[failure.kind]}{through}: {where} lost it"
+    if lost is not None and lost.id != reporter.id and failure.kind == FailureKind.NAN:
+        return f"node {who(lost)} sent values that are not finite: {where} refused them"
     if failure.kind == FailureKind.OUT_OF_MEMORY:
         return f"node {who(reporter)} ran out of memory in cluster {stage.cluster} stage {stage.stage}"
     if failure.kind == FailureKind.NAN:

@@ -17,11 +17,12 @@ class InvalidRequest(CoordinatorError):
 
 
 class Implausible(InvalidRequest):
-    """What a node handed in cannot be what it says it is (the job re-plans without the node)."""
+    """What a node handed in cannot be what it says it is. `blame`: it is the node's own doing (the job
+    re-plans without it); else it may have reached the node from its peers, and nobody is left out."""
 
-    def __init__(self, detail: str, node_id: str) -> None:
+    def __init__(self, detail: str, node_id: str, blame: bool = True) -> None:
         super().__init__(detail)
-        self.node_id = node_id
+        self.node_id, self.blame = node_id, blame
 
 
 class Unauthorized(CoordinatorError):

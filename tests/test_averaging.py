@@ -657,13 +657,22 @@ def test_rounds_every_few_seconds_agree_across_clusters_of_unequal_speed():
 
 def test_a_ring_chunk_holding_nan_is_refused_and_never_averaged_in(nodes) -> None:
     """Member 1's vector holds a NaN: member 0 refuses the chunk that carries it, so the NaN never
-    reaches member 0's average; its round fails instead (member 1's NaN is its own)."""
-    members = nodes(2).ring(step_timeout=3.0)
+    reaches member 0's average; its round fails at once (not at the step timeout), naming member 1 as
+    the sender, a failure of kind nan about that peer (member 1's NaN is its own)."""
+    from ravnest.averaging.collectives import RingRefused
+    from ravnest.failures import FailureKind, classify
+
+    group = nodes(2)
+    members = group.ring(step_timeout=30.0)
     poisoned = torch.ones(1000)
     poisoned[17] = float("nan")
+    started = time.monotonic()
     results = run_all([lambda: members[0].allreduce(torch.ones(1000), 0),
                        lambda: members[1].allreduce(poisoned, 0)])
-    assert isinstance(results[0], RingError), results[0]
+    assert isinstance(results[0], RingRefused) and time.monotonic() - started < 10, results[0]
+    assert f"{group.addresses[1]} (rank 1) sent values that are not finite; refused" in str(results[0])
+    failure = classify(results[0], {group.addresses[1]: "sender-id"})
+    assert (failure.kind, failure.peer_id) == (FailureKind.NAN, "sender-id")
 
 
 @pytest.mark.parametrize("order", [[0, 2, 1, 3], [3, 1, 0, 2]])

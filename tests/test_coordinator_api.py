@@ -327,6 +327,27 @@ def stage_weights(assignment: dict, state: dict[str, torch.Tensor]) -> bytes:
     return save_safetensors({k: v.contiguous() for k, v in state.items() if start <= int(k.split(".")[0]) < end})
 
 
+def test_final_weights_grown_in_a_job_with_peers_replan_it_without_blaming_the_uploader(client: TestClient) -> None:
+    """Poison reaches an honest stage through averaging and its neighbours' gradients: the final-weights
+    bound refuses what it hands in, and the job re-plans from its last plausible checkpoint, leaving
+    out and blaming nobody (a lone stage with no peers is the only one whose growth is its own)."""
+    job_id, members = placed_job(client)
+    node_id, auth, a = next((n, h, a) for n, h in members if (a := beat(client, n, h)["assignment"])["stage"] == 0)
+    grown = {k: v * 1e4 if v.is_floating_point() else v
+             for k, v in build_model("cnn", {"channels": [8, 8]}).full_model(seed=1).state_dict().items()}
+    report = {"node_id": node_id, "cluster": a["cluster"], "stage": 0, "step": 20, "metrics": {"loss": 0.5}}
+    assert client.post(f"/v1/jobs/{job_id}/metrics", json=report, headers=auth).status_code == 204
+    r = client.put(f"/v1/jobs/{job_id}/weights?cluster={a['cluster']}&stage=0", content=stage_weights(a, grown),
+                   headers=auth)
+    assert r.status_code == 422 and "implausible weights" in r.json()["detail"], r.text
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    [recovery] = job["recoveries"]
+    assert job["state"] == "recovering" and recovery["left_out"] == [], recovery
+    assert "nobody is left out for it" in recovery["reason"] and recovery["failure"]["kind"] == "implausible"
+    with client.app.state.service.store.session() as session:
+        assert not session.get_one(NodeRow, node_id).replans_caused
+
+
 def test_metrics_weights_upload_and_model_download(client: TestClient) -> None:
     job_id, members = placed_job(client)
     assignments = [(node_id, auth, beat(client, node_id, auth)["assignment"]) for node_id, auth in members]
@@ -459,6 +480,37 @@ def test_a_report_naming_a_peer_leaves_out_that_peer_and_a_node_whose_reports_ke
     settle(client, members)
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert reporter not in {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]}
+
+
+def test_a_refusal_leaves_out_the_sender_and_outweighs_the_senders_report_that_came_first(client: TestClient) -> None:
+    """The attacker's averaging sends NaN; its ring partner refuses it and trains on alone. The attacker
+    is quicker: it reports its partner silent, and the job re-plans without the partner. The partner's
+    refusal, arriving while the job recovers, puts it back and the attacker out; the blame is the
+    attacker's alone (issue 47)."""
+    job_id, members = placed_job(client)
+    at = {(a["cluster"], a["stage"]): (node_id, auth)
+          for node_id, auth in members if (a := beat(client, node_id, auth)["assignment"])}
+    (evil, evil_auth), (honest, honest_auth) = at[0, 0], at[1, 0]  # the two members of stage 0's ring
+    r = client.post(f"/v1/jobs/{job_id}/fail", headers=evil_auth, json={
+        "node_id": evil, "recoverable": True, "still_training": True, "reason": "training alone",
+        "failure": {"kind": "timeout", "message": "nothing came", "peer_id": honest}})
+    assert r.status_code == 204
+    assert client.get(f"/v1/jobs/{job_id}").json()["recoveries"][0]["left_out"] == [honest]
+    r = client.post(f"/v1/jobs/{job_id}/fail", headers=honest_auth, json={
+        "node_id": honest, "recoverable": True, "still_training": True, "reason": "training alone",
+        "failure": {"kind": "nan", "message": "sent values that are not finite; refused", "peer_id": evil}})
+    assert r.status_code == 204
+    [recovery] = client.get(f"/v1/jobs/{job_id}").json()["recoveries"]
+    assert recovery["left_out"] == [evil], recovery
+    assert re.fullmatch(rf"node node\d \({honest}\) went silent: cluster 0 stage 0 on node node\d \({evil}\) lost it; "
+                        rf"not believed, for node node\d \({evil}\) sent values that are not finite: cluster 1 stage 0 "
+                        rf"on node node\d \({honest}\) refused them: the sender is left out instead",
+                        recovery["reason"]), recovery["reason"]
+    blamed = {n["id"]: n for n in client.get("/v1/nodes").json()}
+    with client.app.state.service.store.session() as session:
+        caused = {node_id: len(session.get_one(NodeRow, node_id).replans_caused or []) for node_id, _ in members}
+    assert caused[evil] == 2 and sum(caused.values()) == 2, caused  # its report, and what it sent
+    assert not any(n["quarantined_until"] for n in blamed.values())
 
 
 def test_a_stage_whose_averaging_failed_trains_on_and_reports_while_the_job_is_replanned(client: TestClient) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from coordinator.failure_reasons import failure_reason
+from ravnest.averaging.collectives import RingRefused
 from coordinator.store import NodeRow, StageRow
 from ravnest.failures import FailureKind, classify
 from ravnest.pipeline.inbox import PipelineError
@@ -77,6 +78,10 @@ def test_each_failure_reads_as_what_happened_naming_the_node_at_fault_first():
             "cluster 0 stage 1 on node a (id-a) stopped on a value that is not finite (training may have "
             "diverged: a lower learning rate or training.grad_clip may help): stage 1: activations of forward "
             "message 7 holds NaN or infinite values; refused"),
+        "a ring member that sent a NaN": (
+            RingRefused("ring segment 0 round 1 step 0 chunk 0: 127.0.0.1:7002 (rank 1) sent values that are not "
+                        "finite; refused", address=B),
+            "node b (id-b) sent values that are not finite: cluster 0 stage 1 on node a (id-a) refused them"),
         "a neighbour that failed and said why": (
             PipelineError("stage 1: its neighbour at 127.0.0.1:7002 reported a failure ('disk full')",
                           FailureKind.PEER_FAILED, B),

@@ -131,6 +131,18 @@ def test_a_report_leaves_out_whom_it_names_and_counts_against_the_reporter(rules
     assert rules.observe(report(local, still_training=True))[0].left_out == ()  # it trains on alone
 
 
+def test_a_refusal_leaves_out_and_counts_against_the_sender_not_the_messenger(rules) -> None:
+    """r refused p's values as not finite (its averaging stopped, it trains on alone): p, the source, is
+    left out and blamed; a non-finite value of r's own names nobody else."""
+    refused = Failure(kind=FailureKind.NAN, message="sent values that are not finite; refused", peer_id="p")
+    assert rules().observe(report(refused, still_training=True)) == [
+        Replan("job", "what happened", refused, ("p",)), Blame("p", "what happened")]
+    own = Failure(kind=FailureKind.NAN, message="loss is nan")
+    assert rules().observe(report(own)) == [Replan("job", "what happened", own, ("r",)), Blame("r", "what happened")]
+    stranger = Failure(kind=FailureKind.NAN, message="refused", peer_id="not-a-member")
+    assert rules().observe(report(stranger))[0].left_out == ("r",)
+
+
 def test_a_stage_that_cannot_start_fails_the_job_only_on_two_different_nodes(rules) -> None:
     rules = rules(fail_after_nodes=2)
     assert rules.observe(report(None, recoverable=False))[0].left_out == ("r",)

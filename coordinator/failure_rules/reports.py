@@ -3,10 +3,13 @@ without the node it names (a peer it lost) or, naming none, without the reporter
 trains on alone leaves out nobody. A report that the stage could not start at all fails the job only
 once `fail_after_nodes` different nodes said so (a model that cannot run anywhere); before that, the
 job is re-planned without the reporter. Every re-plan a report causes counts against the reporter
-(quarantine.py)."""
+(quarantine.py), except a refusal: a node that refused a peer's values as not finite names the sender,
+and the re-plan leaves out and counts against the sender, the source of the poison, not the messenger."""
 from __future__ import annotations
 
-from ravnest.failures import PEER_KINDS, FailureKind
+from collections.abc import Collection
+
+from ravnest.failures import PEER_KINDS, Failure, FailureKind
 
 from . import rule
 from .base import Blame, Decision, FailJob, Replan, Report, Rule
@@ -21,6 +24,9 @@ class FailureReports(Rule[Report]):
         if not seen.recoverable and len(said_so) >= self.settings.fail_after_nodes:
             return [FailJob(seen.job_id, f"{seen.reason} (the stage could not start on {len(said_so)} different "
                                          f"nodes)")]
+        source = refused_from(seen.failure, seen.reporter_id, seen.members)
+        if source is not None:
+            return [Replan(seen.job_id, seen.reason, seen.failure, (source,)), Blame(source, seen.reason)]
         return [Replan(seen.job_id, seen.reason, seen.failure, tuple(self.left_out(seen))),
                 Blame(seen.reporter_id, seen.reason)]
 
@@ -34,3 +40,11 @@ class FailureReports(Rule[Report]):
                 and seen.failure is not None and seen.failure.kind in (*PEER_KINDS, FailureKind.PEER_FAILED):
             return [named]
         return [] if seen.still_training else [seen.reporter_id]
+
+
+def refused_from(failure: Failure | None, reporter_id: str, members: Collection[str]) -> str | None:
+    """The member whose values the reporter refused as not finite, where the failure names one."""
+    if failure is not None and failure.kind == FailureKind.NAN and failure.peer_id in members \
+            and failure.peer_id != reporter_id:
+        return failure.peer_id
+    return None

@@ -11,6 +11,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ravnest.averaging.registry import NO_AVERAGING
 from ravnest.models import ModelError, build_model
 from ravnest.models.hf import hf_key, hf_texts
 from ravnest.models.subspace import Subspace
@@ -109,8 +110,11 @@ class Artifacts:
             raise Implausible(f"final weights before the last step: the stage reported step {row.step} of {steps}",
                               row.node_id)
         why = files.implausible(scales, initial, self.core.settings.weight_growth_bound)
-        if why is not None:
-            raise Implausible(f"implausible weights: {why}", row.node_id)
+        if why is not None:  # with peers, they may have grown through averaging or a neighbour's gradients
+            plan = self.core.plan(job)
+            averaged = len(plan.clusters) > 1 and jobs.spec_of(job).averaging.strategy != NO_AVERAGING
+            alone = len(plan.clusters[row.cluster].stages) == 1 and not averaged
+            raise Implausible(f"implausible weights: {why}", row.node_id, blame=alone)
 
     def accept_checkpoint(self, job_id: str, authorization: str | None, cluster: int, stage: int, generation: int,
                           step: int, kind: str, upload: Path) -> None:

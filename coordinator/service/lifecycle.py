@@ -15,6 +15,7 @@ from ravnest.telemetry import is_stage_figure
 from .. import calibration, jobs
 from ..service_errors import Conflict, Forbidden, Implausible, InvalidRequest
 from ..failure_rules.base import Blame, JobPace, Member, Replan, Report, StagePace
+from ..failure_rules.reports import refused_from
 from ..failure_reasons import failure_reason, who
 from ..jobs import JobState
 from ..schemas import CurvePoint, JobCreated, JobSummary, JobView
@@ -223,13 +224,17 @@ class JobLifecycle:
         with self.core.lock, self.core.store.session() as session:
             job, stage = self.core.job_member(session, job_id, authorization, report.node_id)
             reporter = session.get_one(NodeRow, report.node_id)  # (job_member checked it)
-            if job.state not in jobs.ACTIVE:  # the job already ended or is being re-planned
-                self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
-                return
             if quarantined(reporter, now):
                 log.info("job %s: ignored a failure report of quarantined node %s", job.id, reporter.id)
                 return
             members = members_of(session, job.id)
+            source = refused_from(report.failure, reporter.id, members)
+            if job.state not in jobs.ACTIVE:  # the job already ended or is being re-planned
+                if source is not None and job.state == JobState.RECOVERING.value:
+                    self._refused(session, job, source, reporter, failure_reason(report.failure, report.reason,
+                                                                                 reporter, stage, members))
+                self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
+                return
             relays = {relay.id: relay for node in members.values()
                       if node.relayed_by and (relay := session.get(NodeRow, node.relayed_by)) is not None}
             reason = failure_reason(report.failure, report.reason, reporter, stage, members, relays)
@@ -240,7 +245,16 @@ class JobLifecycle:
                            for node in members.values()},
                           {r.reported_by for r in job.faults if r.could_not_start and r.reported_by})
             self.rulings.observe(session, seen, reported_by=reporter.id, could_not_start=not report.recoverable)
+            if source is not None:
+                self.recoveries.refused(job, source, reporter.id, reason)
             self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
+
+    def _refused(self, session: Session, job: JobRow, source: str, refuser: NodeRow, reason: str) -> None:
+        """A refusal heard while the job is re-planned (its sender's report may have come first): the
+        sender is left out of the re-plan under way, and counts the blame."""
+        log.warning("job %s: %s", job.id, reason)
+        self.recoveries.refused(job, source, refuser.id, reason)
+        self.rulings.blame(session, source, reason)
 
     def hand_in_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int,
                         upload: Path) -> None:
@@ -255,8 +269,15 @@ class JobLifecycle:
                 log.warning("job %s: %s", job_id, reason)
                 failure = Failure(kind=FailureKind.IMPLAUSIBLE, message=f"handed in {refused.detail}", peer_id=node.id,
                                   detail=f"weight_growth_bound {self.core.settings.weight_growth_bound:g}")
-                self.rulings.enforce(session, [Replan(job.id, f"{reason}; re-planning without it", failure, (node.id,)),
-                                               Blame(node.id, reason)], reported_by=node.id)
+                if refused.blame:
+                    decided = [Replan(job.id, f"{reason}; re-planning without it", failure, (node.id,)),
+                               Blame(node.id, reason)]
+                else:  # the messenger: weights grow through averaging and a neighbour's gradients too
+                    decided = [Replan(job.id, f"{reason}; nobody is left out for it (weights grow through averaging "
+                                              "and a neighbour's gradients too, or training diverged: a lower "
+                                              "learning rate or training.grad_clip may help), re-planning from the "
+                                              "last plausible checkpoint", failure)]
+                self.rulings.enforce(session, decided, reported_by=node.id)
             raise
 
 

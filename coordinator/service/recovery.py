@@ -65,6 +65,23 @@ class Recoveries:
             kind=kind, at=now, reason=reason, generation=job.generation, reached_step=reached,
             hand_in_at=None if kind == LOST else now, failure=failure, left_out=list(left_out), **record)]
 
+    @staticmethod
+    def refused(job: JobRow, source: str, refuser: str, reason: str) -> None:
+        """`refuser` refused values from `source` as not finite (`reason`, in words). Where the job is
+        being re-planned, the re-plan under way leaves `source` out; and where an earlier re-plan left the
+        refuser out on `source`'s word (its report that the refuser went silent, say, after the refusal
+        cut it off), that is undone: the report of a node caught sending poison does not outweigh its
+        peer's."""
+        doubted = f"; not believed, for {reason}"
+        faults = [r.model_copy(update={"left_out": [n for n in r.left_out if n != refuser],
+                                       "reason": r.reason + doubted})
+                  if r.reported_by == source and refuser in r.left_out else r for r in job.faults]
+        last = faults[-1]
+        if job.state == JobState.RECOVERING.value and source not in last.left_out:
+            faults[-1] = last.model_copy(update={"left_out": [*last.left_out, source], "reason": last.reason + (
+                ": the sender is left out instead" if last.reason.endswith(doubted) else f"; then {reason}")})
+        job.faults = faults
+
     def training_again(self, job: JobRow, step: int) -> None:
         """A stage of the re-planned job reported `step`: past its resume step, training goes on, and
         the recovery's `recovery_s` says after how long."""

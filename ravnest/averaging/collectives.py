@@ -29,9 +29,10 @@ import torch
 from ravnest.averaging.mailbox import Mailbox
 from ravnest.averaging.shares import share_bounds
 from ravnest.errors import RavnestError
-from ravnest.failures import FailureKind, KnownFailure
+from ravnest.failures import FailureKind, KnownFailure, NotFinite
 from ravnest.timeouts import FAILED_FLUSH_S
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
+from ravnest.wire.dtypes import NotFiniteValues
 from ravnest.wire import codecs
 from ravnest.wire.tensors import decode, encode
 from ravnest.wire.transport import AUTH_GRACE_S, new_pool
@@ -57,6 +58,18 @@ class RingTimeout(RingError, KnownFailure, TimeoutError):
     @property
     def failure_kind(self) -> FailureKind | None:
         return FailureKind.TIMEOUT if self.address else None
+
+    @property
+    def peer_address(self) -> str | None:
+        return self.address
+
+
+class RingRefused(RingError, NotFinite):
+    """A ring member sent values that are not finite; `address`: that member (the failure names it)."""
+
+    def __init__(self, message: str, *, address: str):
+        super().__init__(message)
+        self.address = address
 
     @property
     def peer_address(self) -> str | None:
@@ -136,10 +149,15 @@ class RingHub:
         if missing or list(msg.tensors) != [TENSOR]:
             raise WireError(f"ring message from {peer} lacks tags {missing} or its single tensor")
         tags = msg.tags
-        require_finite(msg.tensors[TENSOR], f"ring chunk from {peer} (segment {tags['segment']}, "
-                                            f"round {tags['round']})")
         key = (tags["segment"], tags["round"], tags["step"], tags["chunk"])
-        value = (tags["numel"], tags["sender"], msg.tensors[TENSOR])
+        value: tuple[int, int, torch.Tensor | NotFiniteValues]
+        try:
+            require_finite(msg.tensors[TENSOR], f"ring chunk (segment {tags['segment']}, round {tags['round']})")
+            value = (tags["numel"], tags["sender"], msg.tensors[TENSOR])
+        except NotFiniteValues as refused:
+            # kept in the chunk's place, so the ring that waits for it fails now naming the member that
+            # should have sent it; the sender's stream is not cut (its error would be its report against us)
+            value = (tags["numel"], tags["sender"], refused)
         with self._lock:
             floor = self._segments.get(tags["segment"])
             if floor is None:
@@ -447,6 +465,9 @@ class RingMember:
             raise RingTimeout(f"{self._where(round, step, chunk)}: nothing from {peer} within "
                               f"{self.step_timeout:g}s", address=self.addresses[expected])
         their_numel, sender, tensor = item
+        if isinstance(tensor, NotFiniteValues):
+            raise RingRefused(f"{self._where(round, step, chunk)}: {peer} sent values that are not finite; refused",
+                              address=self.addresses[expected])
         if sender != expected or their_numel != numel or tensor.numel() != size:
             raise RingError(f"{self._where(round, step, chunk)}: rank {sender} sent {tensor.numel()} of "
                             f"{their_numel} elements, expected {size} of {numel} from {peer}; do all "
