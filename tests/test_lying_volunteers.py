@@ -239,3 +239,38 @@ def test_a_bandwidth_lie_is_measured_by_honest_peers_and_corrected(tmp_path):
         nodes = cluster.http.get("/v1/nodes").json()
         assert [n["id"] for n in nodes if n["measured_bandwidth"] is not None] == [liar.id]
         assert "claims its link carries 1e+10 B/s" in (cluster.data_dir / "logs" / cluster.coordinator_log).read_text()
+
+
+def test_a_real_attacker_poisoning_its_averaging_and_claiming_a_fast_link_is_the_only_one_left_out(tmp_path):
+    """Issue 47 end to end: a real node process whose ring chunks are all NaN and whose profile claims
+    1e10 B/s (tests/attacker_node.py) among three honest ones, on the README's 2 x 2 digits job. Before:
+    honest nodes were left out, one was quarantined, and 7 of 8 such runs failed. Now its peer refuses
+    its chunk naming it, only it is left out, its link figure is corrected, and the job completes on the
+    honest nodes (a fourth joins once it is gone)."""
+    from tests.attacker_node import CLAIMED_BANDWIDTH
+
+    spec = {**CNN_JOB, "training": {**CNN_JOB["training"], "steps": 240, "eval_every": 0}}
+    with LocalCluster(tmp_path, nodes=3) as cluster:
+        honest = {n["id"] for n in cluster.alive_nodes()}
+        cluster._spawn(["tests.attacker_node", "join", "--coordinator", cluster.url, f"--token={cluster.join_token}",
+                        "--name", "attacker", "--ephemeral", "--threads", "1"], "attacker.log")
+        attacker = cluster.wait_for(lambda: next((n["id"] for n in cluster.alive_nodes() if n["name"] == "attacker"),
+                                                 None), 60, "the attacker to join")
+        claimed = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}[attacker]["profile"]
+        assert claimed["bandwidth_bytes_per_s"] == CLAIMED_BANDWIDTH
+        job_id = cluster.submit(spec)
+        settled = lambda job: job["recoveries"] or job["state"] in ("failed", "completed")  # noqa: E731
+        cluster.wait_for(lambda: settled(cluster.job(job_id)), 300, "the attacker's first ring round to be refused")
+        honest |= cluster.add_nodes(1)
+        job = cluster.wait_job(job_id, timeout=600)
+        assert job["state"] == "completed", job["reason"]
+        assert job["recoveries"] and all(r["left_out"] == [attacker] for r in job["recoveries"]), job["recoveries"]
+        assert "sent values that are not finite" in job["recoveries"][0]["reason"], job["recoveries"][0]
+        assert {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]} <= honest
+        assert job["metrics"]["test_accuracy"] >= 0.9
+
+        def attacker_corrected():  # by the honest nodes' probes of it, now that it is idle, or its pipeline's rates
+            return {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}[attacker]["measured_bandwidth"]
+        assert cluster.wait_for(attacker_corrected, 120, "the attacker's link figure to be corrected") <= 1e9
+        nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
+        assert not [nodes[i]["name"] for i in honest if nodes[i]["quarantined_until"]], nodes
