@@ -425,6 +425,30 @@ def test_an_abort_is_passed_on_as_one_short_printable_line() -> None:
     assert "\x1b" not in reason and "second line" not in reason and len(reason) < 700
 
 
+def test_non_finite_values_fail_the_stage_naming_their_sender_and_leave_its_stream_open() -> None:
+    """A refusal names the sender (kind nan, its address), so the coordinator blames the source; the
+    handler returns normally, so the sender's stream stays open and its own failure is no report that
+    the refusing stage was lost (issue 47)."""
+    from ravnest.failures import FailureKind, classify
+
+    first, last = make_assignments(make_job(), [(0, 2), (2, 4)], ["10.0.0.1:5", "10.0.0.2:5"], "x")
+    nan = torch.full((4, 32), float("nan"))
+    for assignment, kind, message in ((last, "forward", Message("forward", 0, {"x": nan, "y": torch.zeros(4).long()})),
+                                      (last, "eval", Message("eval", 0, {"x": nan, "y": torch.zeros(4).long()})),
+                                      (first, "backward", Message("backward", 0, {"grad": nan}))):
+        runner = StageRunner(assignment, Router())
+        runner.inbox.expect_gradient(0, nan.shape)
+        handler = {"forward": runner.neighbours._on_forward, "eval": runner.neighbours._on_eval,
+                   "backward": runner.neighbours._on_backward}[kind]
+        handler(message, "10.0.0.9:1")  # returns: the stream is not cut
+        with pytest.raises(PipelineError) as refused:
+            runner.inbox.next_backward(timeout=1) if kind == "backward" else runner.inbox.next_forward(timeout=1)
+        sender = (assignment.prev or assignment.next).address
+        failure = classify(refused.value, {sender: "the-sender"})
+        assert (failure.kind, failure.peer_id) == (FailureKind.NAN, "the-sender"), (kind, failure)
+        assert "NaN or infinite values; refused" in str(refused.value)
+
+
 def test_a_stage_that_starts_late_is_waited_for_and_the_job_runs() -> None:
     """Per-node credentials, as node daemons use them: stage 1 learns its assignment seconds after
     stage 0 (its next heartbeat). Until then it refuses stage 0's credential; stage 0 waits for it

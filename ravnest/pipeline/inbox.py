@@ -56,8 +56,10 @@ class Inbox:
         with self._ready:
             self._owed[micro_batch] = shape
 
-    def put_backward(self, msg: Message) -> None:
-        """Accept a gradient only for a micro-batch we sent and only with the shape we sent."""
+    def put_backward(self, msg: Message, sender: str | None = None) -> None:
+        """Accept a gradient only for a micro-batch we sent and only with the shape we sent. A malformed
+        one raises (its stream ends); a non-finite one fails the run naming `sender` (the next stage's
+        address) and leaves its stream open, so the sender's failure is not a report against us."""
         with self._ready:
             self._raise_if_closed()
             grad = msg.tensors.get("grad")
@@ -71,9 +73,12 @@ class Inbox:
                                     f"{list(shape)}, got {got}")
                 require_finite(grad, f"gradient for micro-batch {msg.id}")
             except WireError as refused:  # the schedule waits for exactly this gradient: it will not come
-                kind = FailureKind.NAN if isinstance(refused, NotFinite) else None
-                self._failure = self._failure or PipelineError(f"a neighbour sent a bad gradient: {refused}", kind)
+                not_finite = isinstance(refused, NotFinite)
+                self._failure = self._failure or PipelineError(f"a neighbour sent a bad gradient: {refused}",
+                                                               *((FailureKind.NAN, sender) if not_finite else ()))
                 self._ready.notify_all()
+                if not_finite:
+                    return
                 raise
             del self._owed[msg.id]
             self._backward.append(msg)

@@ -17,6 +17,7 @@ from ravnest.failures import FailureKind
 from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.spec import StageAssignment, StagePeer
 from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
+from ravnest.wire.dtypes import NotFiniteValues
 
 FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
 MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
@@ -68,7 +69,7 @@ class Neighbours:
             router.route(EVAL, self._on_eval)
             router.route(EVAL_END, lambda msg, peer: self.inbox.put_forward(msg))
         if not self.is_last:
-            router.route(BACKWARD, lambda msg, peer: self.inbox.put_backward(msg))
+            router.route(BACKWARD, self._on_backward)
 
     # --- outbound (the worker thread) -------------------------------------------------------------
 
@@ -153,7 +154,8 @@ class Neighbours:
     # --- inbound (gRPC handler threads): validate, then queue -------------------------------------
 
     def _on_forward(self, msg: Message, peer: str) -> None:
-        self._check_activation(msg)
+        if not self._fit_to_queue(msg, PREV):
+            return
         with self._forward_lock:  # the one previous stage sends micro-batches 0, 1, 2, ... in order
             if msg.id != self._next_forward_id or msg.id >= self.total_micro_batches:
                 raise WireError(f"forward for micro-batch {msg.id}, expected {self._next_forward_id} "
@@ -162,8 +164,30 @@ class Neighbours:
         self.inbox.put_forward(msg)
 
     def _on_eval(self, msg: Message, peer: str) -> None:
-        self._check_activation(msg)
-        self.inbox.put_forward(msg)
+        if self._fit_to_queue(msg, PREV):
+            self.inbox.put_forward(msg)
+
+    def _on_backward(self, msg: Message, peer: str) -> None:
+        sender = self._peer(NEXT)
+        self.inbox.put_backward(msg, sender.address if sender else None)
+
+    def _fit_to_queue(self, msg: Message, side: str) -> bool:
+        """Whether `msg`'s activations are fit to queue; a malformed message raises (its stream ends)."""
+        try:
+            self._check_activation(msg)
+            return True
+        except NotFiniteValues as refused:
+            self._refuse(side, refused)
+            return False
+
+    def _refuse(self, side: str, refused: NotFiniteValues) -> None:
+        """Non-finite values end the run naming their sender (kind nan), so the coordinator leaves out
+        the source, not this stage. The sender's stream is not cut: its failure would be its report
+        that this stage was lost, the messenger blamed (the inbox does the same for gradients)."""
+        peer = self._peer(side)
+        self.inbox.fail(PipelineError(f"stage {self.assignment.stage} refused what the {'previous' if side == PREV else 'next'} "
+                                      f"stage sent: {refused}",
+                                      FailureKind.NAN, peer.address if peer else None))
 
     def _on_abort(self, msg: Message, peer: str) -> None:
         """Only planned neighbours reach here (the node's gate); what one says is its own account, so it
