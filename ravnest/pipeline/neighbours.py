@@ -184,9 +184,8 @@ class Neighbours:
         """Non-finite values end the run naming their sender (kind nan), so the coordinator leaves out
         the source, not this stage. The sender's stream is not cut: its failure would be its report
         that this stage was lost, the messenger blamed (the inbox does the same for gradients)."""
-        peer = self._peer(side)
-        self.inbox.fail(PipelineError(f"stage {self.assignment.stage} refused what the {'previous' if side == PREV else 'next'} "
-                                      f"stage sent: {refused}",
+        peer, which = self._peer(side), "previous" if side == PREV else "next"
+        self.inbox.fail(PipelineError(f"stage {self.assignment.stage} refused what the {which} stage sent: {refused}",
                                       FailureKind.NAN, peer.address if peer else None))
 
     def _on_abort(self, msg: Message, peer: str) -> None:
