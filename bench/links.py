@@ -3,6 +3,7 @@ crosses the link, how fast the pipeline runs, and what it learns.
 
     python -m bench.links [--steps 150] [--runs 3] [--fast 1000] [--slow 10] [--no-docs]     # as root
     python -m bench.links --clusters 2                  # the same for 2 clusters x 2 stages, diloco
+    python -m bench.links --any-model                   # a gpt and a fine-tuned Llama (bench/links_any.py)
 
 Two stage processes, each in its own network namespace with its link shaped by tbf both ways
 (deploy/testbed/netns.sh), one torch thread each, on the standard library's source (bench.lm's
@@ -181,11 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=1, help="repeat the shaped runs, alternating, and quote medians")
     parser.add_argument("--clusters", type=int, choices=(1, 2), default=1,
                         help="2: the same as 2 clusters x 2 stages under diloco, raw against topk")
+    parser.add_argument("--any-model", action="store_true",
+                        help="a gpt and a fine-tuned Llama (no residual_rank), plain and auto: bench/links_any.py")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("bench.links shapes links in network namespaces: run it as root", file=sys.stderr)
         return 2
+    if args.any_model:
+        from bench import links_any
+        return links_any.main(args, argv)
     torch.set_num_threads(1)
     stdlib = Path(json.__file__).parent.parent
     rows: dict[str, dict[str, float]] = {}

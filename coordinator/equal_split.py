@@ -55,7 +55,7 @@ def equal_parameter_cuts(params: Sequence[int], stages: int) -> list[tuple[int, 
 
 def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
                      training: TrainingSettings, averaging: AveragingSettings, links: Links | None = None,
-                     max_depth: int | None = None) -> Plan:
+                     max_depth: int | None = None, lossiest: str | None = None) -> Plan:
     """The equal-split plan over `nodes` (in join order), with at most `max_depth` stages per pipeline;
     PlanningError with the reason if impossible."""
     if not nodes:
@@ -90,9 +90,9 @@ def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placemen
             if need > node.memory_bytes:
                 raise PlanningError(f"equal-split: blocks [{a}, {b}) need {_mib(need)}; node {node.node_id[:8]} "
                                     f"offers {_mib(node.memory_bytes)}")
-        shape = make_shape(costs, [chain], capacities(chain, links), ranges, load, training, averaging)
+        shape = make_shape(costs, [chain], capacities(chain, links), ranges, load, training, averaging, lossiest)
         shapes.append(shape)
         why.append(f"{_n(len(chain), 'node')} in join order -> {shape.describe()}")
     why.insert(0, f"equal-split: {_n(k, 'cluster')} by memory, equal parameters per stage, rings in join order")
     return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links,
-                    order_rings=False)
+                    order_rings=False, lossiest=lossiest)

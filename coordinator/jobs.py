@@ -31,6 +31,7 @@ from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.pipeline.optim import build_optimizer
 from ravnest.spec import AUTO_CODEC, AveragingSettings, JobSpec, Ring, StageAssignment, StagePeer
 
+from .codec_choice import lossier_than
 from .service_errors import Conflict, InvalidRequest
 from .schemas import ClusterProgress, JobMetrics, Plan, PlannedStage, Progress, StageMetrics
 from .store import JobRow, StageRow
@@ -91,6 +92,10 @@ def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:
         raise InvalidRequest(f"model {spec.model.name!r} ties its first and last blocks' weights (tied embeddings), so "
                              f"a pipeline has {deepest} stage at most, not placement.stages_per_cluster = "
                              f"{spec.placement.stages_per_cluster}: set it to {deepest}, or untie them")
+    codec = spec.training.codec
+    if model.exact_links and codec not in ("", AUTO_CODEC) and lossier_than(codec, "bf16"):
+        raise InvalidRequest(f"training.codec {codec!r} would round the token ids a residual_rank model sends "
+                             f"between its stages; they arrive exactly only in float32 or bf16: use 'bf16' or 'auto'")
     dataset = spec.dataset
     if TASK_OF_DATASET[dataset.name] != model.task:
         raise InvalidRequest(f"dataset {dataset.name!r} needs a {TASK_OF_DATASET[dataset.name]!r} model; "

@@ -135,10 +135,12 @@ class Shape:
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
              training: TrainingSettings | None = None, averaging: AveragingSettings | None = None,
-             pipeline_cap: int = 16, links: Links | None = None, max_depth: int | None = None) -> Plan:
+             pipeline_cap: int = 16, links: Links | None = None, max_depth: int | None = None,
+             lossiest: str | None = None) -> Plan:
     """Clusters, stages and rings for a job over `nodes`; PlanningError with the reason if impossible.
     `links` are the peer links the nodes measured (see `link`); `max_depth` bounds the stages per
-    pipeline whatever the memory (a model whose first and last blocks share a tensor: 1)."""
+    pipeline whatever the memory (a model whose first and last blocks share a tensor: 1); `lossiest`
+    the pipeline codecs `codec: "auto"` may pick (codec_choice.lossiest_codec; None: any)."""
     training, averaging = training or TrainingSettings(), averaging or AveragingSettings()
     nodes = less_relaying(nodes)
     single_load = training_load(training, 1)
@@ -167,7 +169,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         chain = chain_order([usable[i] for i in group])
         options = _depths(min(len(costs), max_depth or len(costs)), len(chain), placement, pipeline_cap)
         shape, considered = _choose_shape(costs, chain, options, many=exact is None, averaged=len(groups) > 1,
-                                          training=training, averaging=averaging, links=links)
+                                          training=training, averaging=averaging, links=links, lossiest=lossiest)
         used = {n.node_id for replica in shape.replicas for n in replica}
         unused.update({n.node_id: "spare: the chosen shape leaves it over" for n in chain if n.node_id not in used})
         shapes.append(shape)
@@ -186,12 +188,13 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         short = sorted({len(shape.ranges) for shape in shapes if len(shape.ranges) < placement.stages_per_cluster})
         why.append(f"{_n(placement.stages_per_cluster, 'stage')} per cluster, as the job asks"
                    + (f", {' or '.join(map(str, short))} where a cluster has fewer nodes" if short else ""))
-    return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links)
+    return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links,
+                    lossiest=lossiest)
 
 
 def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused: dict[str, str], *,
              training: TrainingSettings, averaging: AveragingSettings, links: Links | None,
-             order_rings: bool = True) -> Plan:
+             order_rings: bool = True, lossiest: str | None = None) -> Plan:
     """The plan of these shapes: a cluster per replica, predicted stage times and memory, the rings of
     every segment (ordered by measured links unless `order_rings` is off: then in cluster order with equal
     shares), the averaging the clusters run and the throughput of all of them together."""
@@ -208,7 +211,8 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
     for index, (replica, shape) in enumerate(pipelines):
         merged, inputs, memory = per_shape[id(shape)]
         chain = capacities(replica, links)
-        link_codecs = pick_codecs(merged, chain, training)
+        link_codecs = pick_codecs(merged, chain, training, lossiest=lossiest,
+                                  why=why if training.codec == AUTO_CODEC else None)
         coded = coded_links(merged, link_codecs)
         stage_times = [stage_seconds(coded, capacity, s, s + 1) for s, capacity in enumerate(chain)]
         step_s.append(_compute_step_s(stage_times, shape.load, training))
@@ -344,7 +348,7 @@ def _depths(num_blocks: int, num_nodes: int, placement: Placement, pipeline_cap:
 
 def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[list[int], list[int]], *,
                   many: bool, averaged: bool, training: TrainingSettings, averaging: AveragingSettings,
-                  links: Links | None) -> tuple[Shape, list[str]]:
+                  links: Links | None, lossiest: str | None) -> tuple[Shape, list[str]]:
     """The best shape for one group (see the module docstring) and a word on each one considered."""
     preferred, fallback = options
     shapes: list[Shape] = []
@@ -368,7 +372,7 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
                 considered.append(f"{_n(count, 'pipeline')} of {_n(depth, 'stage')}: does not fit")
                 continue
             load, ranges = fit.load, fit.ranges
-            shape = make_shape(costs, dealt, weakest, ranges, load, training, averaging)
+            shape = make_shape(costs, dealt, weakest, ranges, load, training, averaging, lossiest)
             falling = falling + 1 if shapes and shape.samples_per_s < max(s.samples_per_s for s in shapes) else 0
             shapes.append(shape)
             considered.append(shape.describe())
@@ -401,12 +405,12 @@ def _fitting_partition(costs: list[BlockCost], weakest: list[NodeCapacity], load
 
 def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: list[NodeCapacity],
                ranges: list[tuple[int, int]], load: Load, training: TrainingSettings,
-               averaging: AveragingSettings) -> Shape:
+               averaging: AveragingSettings, lossiest: str | None = None) -> Shape:
     """These replicas cut at `ranges`, with what they predict: the pace of `weakest` (stage by stage
     the weakest capacity over the replicas), and with averaging among them (the runtime model) times
     their number."""
     plain = _merge_stages(costs, ranges, load.parts)
-    merged = coded_links(plain, pick_codecs(plain, weakest, training))  # what each link carries, as coded
+    merged = coded_links(plain, pick_codecs(plain, weakest, training, lossiest=lossiest))  # each link, as coded
     times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
     codec = averaging_candidates(averaging)[-1] if averaging.codec == AUTO_CODEC else averaging.codec
     groups = [runtime.Group(len(replicas), coded_bytes(merged[s].param_bytes, codec, len(replicas)),

@@ -237,6 +237,10 @@ BAD_JOBS = {
     "boolean steps": ({**digits_job(), "training": {"steps": True}}, "steps"),  # not 1 step
     "steps as text": ({**digits_job(), "training": {"steps": "30"}}, "steps"),
     "unknown strategy": ({**digits_job(), "averaging": {"strategy": "gossip"}}, "known: acid, ada, auto, dadam, dear, diloco, dsgd, none, ring"),
+    "token ids through q4": ({"model": {"name": "llama", "config": {"vocab_size": 512, "residual_rank": 12}},
+                              "dataset": {"name": "tokens", "source": "books", "seq_len": 32},
+                              "training": {"codec": "q4"}},
+                             "training.codec 'q4' would round the token ids a residual_rank model sends"),
 }
 
 

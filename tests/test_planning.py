@@ -304,25 +304,50 @@ def test_the_plan_says_a_line_said_of_several_groups_once() -> None:
     assert plan.reason.count("per cluster, as the job asks") == 1
 
 
-def test_auto_compresses_only_the_links_that_would_hold_their_stages_up() -> None:
-    """codec "auto": a chain of fast links but one slow one gets bf16 on the slow link alone, and the
-    plan says each link's codec and bytes per step (half of float32's where compressed)."""
+@pytest.mark.parametrize("slow, lossiest, picked, limited", [
+    (2e6, "q4", "q8", False),     # bf16 would take 0.65x of its stages' compute, q8 0.33x: under the 0.5x share
+    (6e5, "q4", "q4", True),      # q4 0.57x, q3 0.43x: but q3 is lossier than the model may take
+    (2e6, "bf16", "bf16", True),  # a model measured for nothing lossier: bf16, though it does not fit
+    (2e8, "q4", "bf16", False),   # a link that float32 would hold up, bf16 not: only that far
+])
+def test_auto_compresses_only_the_links_that_would_hold_their_stages_up_and_only_as_far_as_needed(
+        slow: float, lossiest: str, picked: str, limited: bool) -> None:
+    """codec "auto": a chain of fast links but one slow one gets the least lossy codec that brings the
+    slow link under its share of compute, on that link alone, none lossier than the model may take; the
+    plan says which and why, and each link's bytes per step."""
     costs = profile_blocks(build_model("llama", {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 4}), 8)
-    fast, slow = 1e9, 2e5  # bytes/s: a LAN, and a 1.6 Mbit/s home uplink
-    nodes = [node(f"n{i}", flops=2e10, bandwidth=fast) for i in range(3)]
+    fast = 1e9  # bytes/s: a LAN; the slow link: a home uplink
+    nodes = [node(f"n{i}", flops=2e10 if slow < 1e8 else 2e12, bandwidth=fast) for i in range(3)]
     links = {("n0", "n1"): (fast, 0.001), ("n1", "n2"): (slow, 0.02), ("n0", "n2"): (fast, 0.001)}
     placement = Placement(clusters=1, min_nodes=3, stages_per_cluster=3)
-    plans = {codec: plan_job(costs, nodes, placement, links=links,
+    plans = {codec: plan_job(costs, nodes, placement, links=links, lossiest=lossiest,
                              training=TrainingSettings(batch_size=8, codec=codec)) for codec in ("", "auto")}
     stages = {codec: plan.clusters[0].stages for codec, plan in plans.items()}
     order = [s.node_id for s in stages["auto"]]
     slow_link = next(i for i in range(2) if {order[i], order[i + 1]} == {"n1", "n2"})
     assert [s.codec for s in stages[""]] == ["", "", None]
-    assert [s.codec for s in stages["auto"]] == [("bf16" if i == slow_link else "") for i in range(2)] + [None]
+    assert [s.codec for s in stages["auto"]] == [(picked if i == slow_link else "") for i in range(2)] + [None]
     full, auto = (stages[c][slow_link].predicted_link_bytes_per_step for c in ("", "auto"))
-    assert full is not None and auto is not None and full == pytest.approx(2 * auto, rel=1e-4)  # (headers)
-    faster = plans["auto"].clusters[0].predicted_bottleneck_seconds
-    assert faster < 0.6 * plans[""].clusters[0].predicted_bottleneck_seconds  # the slow link bounds the pace
+    ratio = {"bf16": 2, "q8": 4 / (1 + 2 / 64), "q4": 4 / (0.5 + 2 / 64)}[picked]
+    assert full is not None and auto is not None and full == pytest.approx(ratio * auto, rel=1e-3)
+    said = f"link {slow_link}->{slow_link + 1} sends {picked}: its transfer would take "
+    assert said in plans["auto"].reason and ("lossiest codec measured" in plans["auto"].reason) == limited
+    assert plans["auto"].reason.count("link ") == 1  # a link left as it is is not mentioned
+    if slow < 1e8:
+        faster = plans["auto"].clusters[0].predicted_bottleneck_seconds
+        assert faster < 0.9 * plans[""].clusters[0].predicted_bottleneck_seconds  # the slow link bounds the pace
+
+
+def test_the_lossiest_codec_auto_may_pick_is_what_was_measured_for_the_model() -> None:
+    """A rule in code, not a sentence in the docs: the models bench.codec_cost measured within the bound
+    get q4 at most, any other model bf16."""
+    from coordinator.codec_choice import MEASURED_WITHIN_BOUND, lossiest_codec
+
+    assert lossiest_codec(build_model("gpt", {})) == lossiest_codec(build_model("llama", {})) == "q4"
+    assert lossiest_codec(build_model("cnn", {})) == "bf16"
+    # a subspace model's token ids cross its cuts: exact in bf16, not in a blockwise codec
+    assert lossiest_codec(build_model("llama", {"residual_rank": 12})) == "bf16"
+    assert set(MEASURED_WITHIN_BOUND.values()) <= {"bf16", "q8", "q4"}
 
 
 def test_averaging_codec_auto_compresses_only_as_far_as_the_links_need() -> None:

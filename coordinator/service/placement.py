@@ -16,6 +16,7 @@ from ravnest.spec import JobSpec
 
 from .. import calibration, jobs
 from ..clustering import NodeInfo
+from ..codec_choice import lossiest_codec
 from ..jobs import JobState
 from ..equal_split import plan_equal_split
 from ..planning import PlanningError, _n, plan_job
@@ -186,15 +187,17 @@ class Placement:
         ids = {node.id for node in nodes}  # filtered here: an IN list of 10,000 ids is too long for SQLite
         links = {(row.node_id, row.peer_id): (row.bandwidth, row.latency) for row in session.scalars(select(LinkRow))
                  if row.node_id in ids and row.peer_id in ids}
-        deepest = build_model(spec.model.name, spec.model.config).stages_at_most  # (tied embeddings: 1)
+        model = build_model(spec.model.name, spec.model.config)
+        deepest, lossiest = model.stages_at_most, lossiest_codec(model)  # (tied embeddings: 1 stage)
         try:
             if spec.placement.policy == "equal-split":
                 joined = {node.id: (node.joined_at, node.id) for node in nodes}
                 return plan_equal_split(costs, sorted(infos, key=lambda n: joined[n.node_id]), spec.placement,
                                         training=spec.training, averaging=spec.averaging, links=links,
-                                        max_depth=deepest)
+                                        max_depth=deepest, lossiest=lossiest)
             return plan_job(costs, infos, spec.placement, training=spec.training, averaging=spec.averaging,
-                            pipeline_cap=self.core.settings.pipeline_cap, links=links, max_depth=deepest)
+                            pipeline_cap=self.core.settings.pipeline_cap, links=links, max_depth=deepest,
+                            lossiest=lossiest)
         except PlanningError as e:
             if deepest == 1:
                 raise PlanningError(f"{e} (its first and last blocks share a tensor, tied embeddings, so each "

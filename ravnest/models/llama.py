@@ -188,4 +188,4 @@ def build_llama(config: dict[str, Any]) -> ModelSpec:
     # planner then plans one-stage pipelines; several would have to sum the tensor's gradients across
     # the first and last stage every step, as Megatron does, which Ravnest does not)
     tied = (("0.embed_tokens.weight", f"{layers + 1}.lm_head.weight"),) if cfg["tie_word_embeddings"] else ()
-    return ModelSpec("llama", cfg, layers + 2, make_block, "lm", tokens, tied)
+    return ModelSpec("llama", cfg, layers + 2, make_block, "lm", tokens, tied, exact_links=bool(cfg["residual_rank"]))

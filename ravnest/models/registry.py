@@ -74,6 +74,9 @@ class ModelSpec:
     # (key, tied key) pairs of state-dict keys in different blocks that are one tensor (a language model's
     # tied embeddings): `blocks` makes the second the first, and refuses a range holding only one of them
     tied: tuple[tuple[str, str], ...] = ()
+    # what crosses a cut must arrive exactly (a subspace model's token ids, ravnest/models/subspace.py):
+    # only float32 and bf16 keep it, so a link of it never gets a blockwise codec
+    exact_links: bool = False
 
     def block(self, index: int, *, seed: int | None = None, device: str | torch.device = "cpu") -> nn.Module:
         """Block `index` alone. With `seed` its initial weights are the same on every machine and
