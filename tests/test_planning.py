@@ -340,14 +340,15 @@ def test_auto_compresses_only_the_links_that_would_hold_their_stages_up_and_only
 
 def test_the_lossiest_codec_auto_may_pick_is_what_was_measured_for_the_model() -> None:
     """A rule in code, not a sentence in the docs: the models bench.codec_cost measured within the bound
-    get q4 at most, any other model bf16."""
+    get what it measured within the bound, any other model bf16."""
     from coordinator.codec_choice import MEASURED_WITHIN_BOUND, lossiest_codec
 
-    assert lossiest_codec(build_model("gpt", {})) == lossiest_codec(build_model("llama", {})) == "q4"
+    assert lossiest_codec(build_model("gpt", {})) == "q3"
+    assert lossiest_codec(build_model("llama", {})) == "q4"  # q3 cost a fine-tuned one 2.9% of its held-out loss
     assert lossiest_codec(build_model("cnn", {})) == "bf16"
     # a subspace model's token ids cross its cuts: exact in bf16, not in a blockwise codec
     assert lossiest_codec(build_model("llama", {"residual_rank": 12})) == "bf16"
-    assert set(MEASURED_WITHIN_BOUND.values()) <= {"bf16", "q8", "q4"}
+    assert set(MEASURED_WITHIN_BOUND.values()) <= {"bf16", "q8", "q4", "q3"}
 
 
 def test_averaging_codec_auto_compresses_only_as_far_as_the_links_need() -> None:
