@@ -24,8 +24,9 @@ LLAMA = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "
 
 
 def ravnest(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The `ravnest` command, run in the hub's namespace where the coordinator listens."""
-    done = subprocess.run(["ip", "netns", "exec", HUB, sys.executable, "-m", "ravnest.client.cli", *args],
+    """The `ravnest` command; given a coordinator (`env`), run in the hub's namespace where it listens."""
+    where = ["ip", "netns", "exec", HUB] if env else []
+    done = subprocess.run([*where, sys.executable, "-m", "ravnest.client.cli", *args],
                           capture_output=True, text=True, timeout=120, cwd=cwd, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr
     return done
@@ -61,7 +62,7 @@ def test_a_fine_tune_over_10_mbit_links_is_compressed_by_auto_and_learns_as_on_f
     assert f"link 0->1 sends {slow_link['codec']}: its transfer would take" in jobs[10]["plan"]["reason"]
     losses = {mbit: job["metrics"]["test_loss"] for mbit, job in jobs.items()}
     print(f"held-out loss: {losses}")
-    assert losses[10] == pytest.approx(losses[1000], rel=0.02)
+    assert losses[10] <= 1.02 * losses[1000]  # no more than 2% worse (this run: 1.9% better, 4.787 against 4.877)
 
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trained").eval()
     ids = torch.randint(0, corpus.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
