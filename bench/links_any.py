@@ -42,12 +42,13 @@ PLACES = [("rvn-m0", "10.77.0.1"), ("rvn-m1", "10.77.0.2")]
 
 def auto_pick(job: JobSpec, mbit: float) -> str:
     """What the planner picks for the one link of this 2-stage pipeline on a `mbit` link."""
-    costs = profile_blocks(build_model(job.model.name, job.model.config), job.training.batch_size)
+    model = build_model(job.model.name, job.model.config)
+    costs = profile_blocks(model, job.training.batch_size)
     merged = [BlockCost(params=0, param_bytes=0, flops=sum(c.flops for c in costs[a:b]),
                         activation_bytes=costs[b - 1].activation_bytes) for a, b in two_stages(job)]
     chain = [NodeCapacity(flops=matmul_flops(torch.device("cpu")), memory_bytes=1 << 34,
                           bandwidth_to_next=mbit * 1e6 / 8)] * 2
-    picked = pick_codecs(merged, chain, job.training, lossiest=lossiest_codec(job.model.name))[0]
+    picked = pick_codecs(merged, chain, job.training, lossiest=lossiest_codec(model))[0]
     assert picked is not None
     return picked
 
