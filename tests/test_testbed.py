@@ -51,4 +51,13 @@ def test_the_coordinator_measures_the_tiers_clusters_them_and_orders_the_ring(tm
         [ring] = job["plan"]["rings"]
         around = [tier[ring["members"][c]] for c in (ring["order"] or range(6))]
         print("ring order by tier:", around)
-        assert tier_links(around) == tier_links(sorted(TIERS))  # the slow pair adjacent: 3 slow links, not 4
+        assert tier_links(around)[:4] == tier_links(sorted(TIERS))[:4]  # the slow pair adjacent: 3 slow links, not 4
+        # and the two fastest hosts side by side, where the planner saw their link as faster than the others
+        # (CI once measured it within 20% of a 100 Mbit/s link, a probe of a busy host: then it is a tie)
+        measured = {(n["id"], link["peer_id"]): link["bandwidth_bytes_per_s"] for n in testbed.alive_nodes()
+                    for link in n["links"]}
+        fastest = [m for m in ring["members"] if tier[m] == 400]
+        pair = [measured[key] for key in ((fastest[0], fastest[1]), (fastest[1], fastest[0])) if key in measured]
+        others = [b for (a, p), b in measured.items() if {tier[a], tier[p]} == {100, 400}]
+        if not pair or min(pair) > 1.2 * max(others, default=0.0):  # (not probed: both their profiles, >= 240)
+            assert tier_links(around) == tier_links(sorted(TIERS)), (pair, others)
