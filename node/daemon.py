@@ -153,7 +153,8 @@ class NodeDaemon:
         self.device = device
         self.name = name
         # peers of a job get their assignments at different heartbeats: their first messages may wait
-        self.router = Router(wait_for_route=60.0, expected_kinds=(*neighbours.MESSAGE_KINDS, collectives.KIND))
+        self.router = Router(wait_for_route=60.0, expected_kinds=(*neighbours.MESSAGE_KINDS, collectives.KIND),
+                             decode_device=self.device if self.device.type != "cpu" else None)
         self.gate = PeerGate()  # the job's planned peers may call; the coordinator's probe token may Ping
         self.server = PeerServer(self.router, host, port, gate=self.gate, tls=tls)  # tls: (certificate, key) PEM
         self._prober: LinkProber | None = None

@@ -195,3 +195,14 @@ def test_a_blockwise_frame_that_lies_about_its_size_is_refused_before_allocation
     with pytest.raises(WireError, match="declares .* bytes but float32\\[1000000\\] as " + codec):
         list(MessageAssembler(LIMITS, budget=budget).messages(iter(frames)))
     assert budget.used == 0
+
+
+def test_blockwise_frames_decode_on_the_receivers_device_and_others_on_its_cpu() -> None:
+    """A stage on an accelerator gets a blockwise tensor decoded there: only the packed bytes cross to it
+    (shown with PyTorch's meta device, where a tensor has no data: the decode's math ran on it)."""
+    t = torch.randn(4, 64)
+    frames = [*encode_message(Message("m", tensors={"q": t}), "q4"), *encode_message(Message("m", tensors={"b": t}),
+                                                                                      "bf16")]
+    first, second = MessageAssembler(LIMITS, decode_device=torch.device("meta")).messages(iter(frames))
+    assert first.tensors["q"].device.type == "meta" and first.tensors["q"].shape == t.shape
+    assert second.tensors["b"].device.type == "cpu"  # an element-wise cast: as cheap on the CPU

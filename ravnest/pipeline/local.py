@@ -98,7 +98,8 @@ def _stage_process(conn: Connection, token: str, threads: int, device: str, data
     if place is not None:
         enter_network_namespace(place[0])
     torch.set_num_threads(threads)
-    router = Router(wait_for_route=ROUTE_WAIT_S)
+    accelerator = torch.device(device) if torch.device(device).type != "cpu" else None  # as a node's (daemon.py)
+    router = Router(wait_for_route=ROUTE_WAIT_S, decode_device=accelerator)
     server = PeerServer(router, place[1] if place else "127.0.0.1", 0, token=token)
     try:
         conn.send(server.address)

@@ -131,14 +131,16 @@ class MessageAssembler:
     """Turns a stream of frames back into Messages, validating everything before allocating."""
 
     def __init__(self, limits: WireLimits = WireLimits(), zero_copy: Callable[[str], bool] | None = None,
-                 budget: ByteBudget | None = None):
+                 budget: ByteBudget | None = None, decode_device: torch.device | None = None):
         """`zero_copy(kind)` says whether messages of that kind may carry read-only tensors sharing the
         received frames' memory (see `Router.route`). `budget`, shared by a server's streams, bounds
         what all messages being received hold at once (a message's bytes are taken from it when its
-        headers are read, given back once it is complete or its stream ends)."""
+        headers are read, given back once it is complete or its stream ends). `decode_device`: where
+        codecs that decode on a device do (tensors.restore)."""
         self.limits = limits
         self.zero_copy = zero_copy
         self.budget = budget
+        self.decode_device = decode_device
 
     def messages(self, frames: Iterable[FrameLike]) -> Iterator[Message]:
         frames = iter(frames)
@@ -206,7 +208,7 @@ class MessageAssembler:
                                         f"{size} more exceed its limit of {self.budget.capacity}",
                                         grpc.StatusCode.RESOURCE_EXHAUSTED)
                     taken += size
-                msg.tensors[th.name] = restore(th, self._read_tensor(th, frames, in_place))
+                msg.tensors[th.name] = restore(th, self._read_tensor(th, frames, in_place), self.decode_device)
         finally:  # complete (the handler owns it now) or abandoned: either way no longer being received
             if self.budget is not None:
                 self.budget.give(taken)

@@ -178,9 +178,13 @@ def wrap(h: peer_pb2.TensorHeader, buffer: bytes | memoryview) -> torch.Tensor |
     return raw.view(DTYPES[h.dtype])
 
 
-def restore(h: peer_pb2.TensorHeader, payload: torch.Tensor) -> torch.Tensor:
-    """The tensor a validated header describes, from its flat payload (the codec decodes it)."""
-    return codecs.codec(h.codec).decode(payload, list(h.shape), DTYPES[decoded_dtype(h)], list(h.params))
+def restore(h: peer_pb2.TensorHeader, payload: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """The tensor a validated header describes, from its flat payload (the codec decodes it); a codec that
+    decodes `on_device` does so on `device` (the receiving stage's accelerator), where the tensor then is."""
+    codec = codecs.codec(h.codec)
+    if device is not None and codec.on_device:
+        payload = payload.to(device)
+    return codec.decode(payload, list(h.shape), DTYPES[decoded_dtype(h)], list(h.params))
 
 
 def decode(h: peer_pb2.TensorHeader, buffer: bytes | bytearray | memoryview) -> torch.Tensor:

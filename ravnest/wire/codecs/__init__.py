@@ -50,6 +50,8 @@ class Codec:
     reduces: ClassVar[bool] = True          # decoded values may be summed as they arrive (a ring's reduce)
     auto: ClassVar[dict[str, int]] = {}     # use -> its loss rank there, where `auto` may choose it (0: lossless)
     needs_changes: ClassVar[bool] = False   # averaging: only for strategies that average changes (diloco)
+    on_device: ClassVar[bool] = False       # decoded on the receiver's accelerator, not its CPU: its payload
+                                            # is far smaller than what it decodes to, and decoding is math
 
     def payload_numel(self, numel: int, params: Sequence[float]) -> int:
         """Elements of `wire_dtype` that a tensor of `numel` values takes on the wire."""

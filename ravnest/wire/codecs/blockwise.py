@@ -22,8 +22,8 @@ not, which the receiving stage refuses naming its sender (ravnest/pipeline/neigh
 No error feedback: in the pipeline each message is another micro-batch of other samples, so what one
 left out has no place in the next (AQ-SGD's per-sample deltas would, at a cache of every sample's last
 activation: not done). Rounding is to nearest, so a seeded run is reproducible. The math runs where the
-tensor is (the sending stage's device); only the packed bytes cross to the host. The receiver decodes
-on its CPU as the frames arrive, as it does every codec.
+tensor is (the sending stage's device); only the packed bytes cross to the host, and a receiving stage
+on an accelerator decodes there (`on_device`: the packed bytes are moved, not float32 values).
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class _Blockwise(Codec):
     qmax: ClassVar[int]
     bits: ClassVar[int]
     rotate: ClassVar[bool] = False
+    on_device = True
 
     def payload_numel(self, numel: int, params: Sequence[float]) -> int:
         blocks = math.ceil(numel / BLOCK)

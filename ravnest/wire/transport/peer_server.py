@@ -100,6 +100,7 @@ class _PeerService:
         self._limits = limits
         self._refusal = refusal  # is a stream's credential still accepted? (a job's token ends with the job)
         self._zero_copy = getattr(handler, "zero_copy", None)  # e.g. Router.zero_copy
+        self._decode_device = getattr(handler, "decode_device", None)  # e.g. Router.decode_device
         self._replies = threading.BoundedSemaphore(PING_REPLIES_AT_ONCE)
         self.receiving = ByteBudget(limits.max_receiving_bytes)  # shared by every stream of this server
 
@@ -136,7 +137,8 @@ class _PeerService:
         peer = context.peer()
         frames = traffic.counted(request_iterator, traffic.RECEIVED.labels(traffic.remote_host(peer)))
         try:
-            for msg in MessageAssembler(self._limits, self._zero_copy, self.receiving).messages(frames):
+            assembler = MessageAssembler(self._limits, self._zero_copy, self.receiving, self._decode_device)
+            for msg in assembler.messages(frames):
                 if self._refusal is not None and self._refusal(offered) is not None:
                     # a stream outlives nothing: what an ended job's peer still sends never reaches the next job
                     raise WireError("this stream's credential is no longer accepted (its job has ended)",

@@ -5,6 +5,7 @@ import threading
 from typing import Collection
 
 import grpc
+import torch
 
 from ravnest.wire.tensors import WireError
 from ravnest.wire.messages import Message
@@ -24,8 +25,10 @@ class Router:
     handed to the next job's routes.
     """
 
-    def __init__(self, wait_for_route: float = 0.0, expected_kinds: Collection[str] | None = None):
+    def __init__(self, wait_for_route: float = 0.0, expected_kinds: Collection[str] | None = None,
+                 decode_device: torch.device | None = None):
         self.wait_for_route = wait_for_route
+        self.decode_device = decode_device  # the node's accelerator: where on-device codecs decode (tensors.restore)
         self.expected_kinds = None if expected_kinds is None else frozenset(expected_kinds)
         self._routes: dict[str, Handler] = {}
         self._zero_copy: set[str] = set()
