@@ -68,5 +68,5 @@ def test_a_fine_tune_over_10_mbit_links_is_compressed_by_auto_and_learns_as_on_f
     ids = torch.randint(0, corpus.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert bool(torch.isfinite(trained(ids).logits).all())
-    assert not torch.equal(trained.model.embed_tokens.weight,  # it trained: not the checkpoint it started from
-                           transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").model.embed_tokens.weight)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    assert not torch.equal(trained.model.embed_tokens.weight, base.model.embed_tokens.weight)  # it trained
