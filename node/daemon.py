@@ -152,9 +152,8 @@ class NodeDaemon:
         self.max_memory = max_memory
         self.device = device
         self.name = name
-        # peers of a job get their assignments at different heartbeats: their first messages may wait
-        self.router = Router(wait_for_route=60.0, expected_kinds=(*neighbours.MESSAGE_KINDS, collectives.KIND),
-                             decode_device=self.device if self.device.type != "cpu" else None)
+        # peers of a job get their assignments at different heartbeats: their first messages may wait 60 s
+        self.router = Router(60.0, (*neighbours.MESSAGE_KINDS, collectives.KIND), decode_device=device)
         self.gate = PeerGate()  # the job's planned peers may call; the coordinator's probe token may Ping
         self.server = PeerServer(self.router, host, port, gate=self.gate, tls=tls)  # tls: (certificate, key) PEM
         self._prober: LinkProber | None = None

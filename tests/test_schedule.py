@@ -111,8 +111,8 @@ def test_the_upstream_stage_receives_each_input_gradient_before_the_weight_gradi
         for stage, runner in enumerate(runners):
             put = runner.inbox.put_backward
 
-            def put_backward(msg, put=put, stage=stage):
-                put(msg)
+            def put_backward(msg, sender=None, put=put, stage=stage):
+                put(msg, sender)
                 received[stage].setdefault(msg.id, threading.Event()).set()
             runner.inbox.put_backward = put_backward
             if stage == 0:

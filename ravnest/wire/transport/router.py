@@ -28,7 +28,7 @@ class Router:
     def __init__(self, wait_for_route: float = 0.0, expected_kinds: Collection[str] | None = None,
                  decode_device: torch.device | None = None):
         self.wait_for_route = wait_for_route
-        self.decode_device = decode_device  # the node's accelerator: where on-device codecs decode (tensors.restore)
+        self.decode_device = decode_device  # the node's device: where on-device codecs decode (tensors.restore)
         self.expected_kinds = None if expected_kinds is None else frozenset(expected_kinds)
         self._routes: dict[str, Handler] = {}
         self._zero_copy: set[str] = set()
