@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
@@ -75,6 +76,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # fewer threads than AnyIO's 40: on a few cores more of them only queue for the GIL, each
         # request's wait growing with their number (and each wants a database connection)
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
+        # what start-up made (torch, the models' code, the web stack: ~300,000 objects) is never
+        # scanned by the garbage collector again: each full collection stopped every thread for
+        # 130-290 ms, and at a thousand nodes that alone put the heartbeats' p99 past 250 ms
+        gc.freeze()
         async def every(seconds: float, *work: Callable[[], None]) -> None:
             """`work` in the thread pool every `seconds`; a pass that fails is logged, and the next one
             runs (a database that went away for a moment must not end the liveness tick for good)."""

@@ -136,8 +136,11 @@ class ChangeLock:
         (see the module's docstring); in sorted order, so two holders of the same keys never deadlock."""
         if self._db is None:
             return
-        for key in sorted({key for key in keys if key}):
-            session.execute(text("SELECT pg_advisory_xact_lock(:space, hashtext(:key))"), {"space": KEYED, "key": key})
+        held = sorted({key for key in keys if key})
+        if held:  # one round trip; one statement, so the same order for every caller
+            session.execute(text("SELECT " + ", ".join(f"pg_advisory_xact_lock(:space, hashtext(:key{i}))"
+                                                       for i in range(len(held)))),
+                            {"space": KEYED, **{f"key{i}": key for i, key in enumerate(held)}})
 
     def _take(self) -> None:
         assert self._db is not None

@@ -81,7 +81,7 @@ class Credentials:
     def identify(self, token: str) -> Principal | str:
         """The principal `token` belongs to, or why it is refused."""
         digest, now = hash_token(token), self.core.clock()
-        with self.core.store.session() as session:
+        with self.core.store.reading() as session:
             row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == digest)).first()
             if row is not None:
                 return credential_refusal(row, now) or Principal(row.kind, row.id, _role(row.role), row.name)

@@ -78,7 +78,7 @@ class Presence:
         """The heartbeat interval to tell a node now (see the docstring)."""
         settings, now = self.core.settings, self.core.clock()
         if now - self._counted_at >= COUNT_EVERY_S:
-            with self.core.store.session() as session:
+            with self.core.store.reading() as session:
                 self._live = session.scalar(select(func.count()).select_from(NodeRow).where(
                     NodeRow.state != GONE, self.core.live(now))) or 0
             self._counted_at = now
@@ -98,7 +98,7 @@ class Presence:
         if isinstance(request, HeartbeatRequest) and not _may_be_quiet(request):
             return None
         now = self.core.clock()
-        with self.core.store.session() as session:
+        with self.core.store.reading() as session:
             row = session.execute(NODE_AND_JOB, {"node": node_id}).first()
             if row is None or node_refusal(row, now) or not token_matches(bearer_token(authorization), row.token_hash):
                 return None
