@@ -93,10 +93,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                       seconds)
 
         # the tick: one pass per heartbeat interval, cheap, never busy; and every FLUSH_S the
-        # heartbeats' sightings, and placements asked for since
+        # heartbeats' sightings and what dial-backs found, and placements asked for since
         tasks = [asyncio.create_task(every(settings.heartbeat_interval_s, service.tick)),
                  asyncio.create_task(every(min(settings.placement_debounce_s, FLUSH_S),
-                                           service.membership.presence.flush, service.placement.place_if_asked))
+                                           service.membership.presence.flush, service.membership.reachability.flush,
+                                           service.placement.place_if_asked))
                  ] if settings.background else []
 
         try:
@@ -107,6 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             service.membership.presence.flush()
+            service.membership.reachability.flush()
             service.close()
 
     app = FastAPI(title="Ravnest coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,

@@ -22,6 +22,8 @@ from ..store import CredentialRow, NodeRow
 from .core import Core, node_refusal
 
 JOIN, KEY, NODE = "join", "key", "node"
+REREAD_S = 1.0  # how long a credential without a use limit is believed without reading it again
+MAX_KEPT = 10_000  # credentials kept so at most (past that, all are read again)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Checked(Protocol):
     """What decides whether a credential still works: a CredentialRow, or those columns alone (CHECKED)."""
     id: str
     kind: str
+    role: str | None
     name: str
     revoked_at: float | None
     expires_at: float | None
@@ -77,12 +80,13 @@ class Credentials:
         self.core = core
         self._uses: Counter[str] = Counter()  # unlimited join tokens' uses not yet written (flush_uses)
         self._lock = threading.Lock()  # guards _uses only
+        self._kept: dict[str, tuple[float, Checked]] = {}  # unlimited credentials, by hash: (read at, row)
 
     def identify(self, token: str) -> Principal | str:
         """The principal `token` belongs to, or why it is refused."""
         digest, now = hash_token(token), self.core.clock()
         with self.core.store.reading() as session:
-            row = session.scalars(select(CredentialRow).where(CredentialRow.token_hash == digest)).first()
+            row = self._checked(session, digest, now)
             if row is not None:
                 return credential_refusal(row, now) or Principal(row.kind, row.id, _role(row.role), row.name)
             node = session.execute(select(NodeRow.id, NodeRow.name, NodeRow.credential_ended, NodeRow.token_expires_at)
@@ -90,6 +94,21 @@ class Credentials:
             if node is not None:
                 return node_refusal(node, now) or Principal(NODE, node.id, name=node.name)
         return "unknown token"
+
+    def _checked(self, session: Session, digest: str, now: float) -> Checked | None:
+        """The credential with this hash (CHECKED's columns), or None. One without a use limit (the
+        crowd's join token, an API key) is read again at most every REREAD_S: a storm of joins on one
+        token reads it twice a second, not twice a join. So a revocation reaches the other coordinator
+        processes within REREAD_S (this one's at once); an expiry is exact (checked against its time)."""
+        kept = self._kept.get(digest)
+        if kept is not None and 0 <= now - kept[0] < REREAD_S:
+            return kept[1]
+        row = session.execute(select(*CHECKED).where(CredentialRow.token_hash == digest)).first()
+        if row is not None and row.uses_left is None:
+            if len(self._kept) >= MAX_KEPT:
+                self._kept.clear()
+            self._kept[digest] = (now, row)
+        return row
 
     def create_credential(self, request: JoinTokenRequest | KeyRequest) -> CredentialCreated:
         kind = KEY if isinstance(request, KeyRequest) else JOIN
@@ -119,6 +138,7 @@ class Credentials:
             if row is None or row.kind != kind:
                 raise NotFound(f"no {'join token' if kind == JOIN else 'key'} {credential_id}")
             row.revoked_at = row.revoked_at or self.core.clock()
+        self._kept.pop(row.token_hash, None)  # (the other processes read it again within REREAD_S)
 
     def consume_join(self, session: Session, token: str) -> Principal | str:
         """At a join: the join token (or operator key) it was made with, one use counted; or why not.
@@ -127,7 +147,7 @@ class Credentials:
         at once in any number of processes never spend a single-use token twice. An unlimited one (what a
         crowd joins with, thousands at once after an outage) has its uses counted in memory and written
         by `flush_uses`: one row every join updated would make all joins, in all processes, take turns."""
-        row = session.execute(select(*CHECKED).where(CredentialRow.token_hash == hash_token(token))).first()
+        row = self._checked(session, hash_token(token), self.core.clock())
         if row is None or not (row.kind == JOIN or row.role == "operator"):
             return "wrong join token"
         refusal = credential_refusal(row, self.core.clock())

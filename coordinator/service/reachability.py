@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
-from sqlalchemy import CursorResult, case, delete, or_, select, update
+from sqlalchemy import CursorResult, bindparam, case, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from ravnest.relay.dial import dial, host_of
@@ -48,6 +48,8 @@ class Reachability:
         self._diallers = ThreadPoolExecutor(max_workers=DIALLERS, thread_name_prefix="dial-back")
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
         self._left: dict[str, str] = {}  # node id -> the relay it last left (this coordinator's run only)
+        self._dialled: list[Dialled] = []  # what dial-backs found, not yet written (`flush`)
+        self._lock = threading.Lock()  # guards _dialled
         port = core.settings.relay_port
         self.relay = RelayServer(core.relay_secret(COORDINATOR), core.settings.relay_host, port,
                                  node_ports=core.settings.relay_node_ports) if port is not None else None
@@ -115,22 +117,45 @@ class Reachability:
     def _dial_back(self, node_id: str, address: str, relay_port: int | None) -> None:
         try:
             reached, said = dial(address)
-            relays, relay_said = dial(f"{address.rpartition(':')[0]}:{relay_port}") if relay_port and reached \
-                else (False, "")
+            if not reached:
+                log.info("node %s is not reachable: the coordinator %s", node_id, said)
+            if not relay_port:  # (nearly every join: written with the others' by `flush`)
+                with self._lock:
+                    self._dialled.append(Dialled(node_id, address, reached, f"the coordinator {said}"))
+                return
+            relays, relay_said = dial(f"{address.rpartition(':')[0]}:{relay_port}") if reached else (False, "")
             found: dict[str, object] = {"reachable": reached, "reachability": f"the coordinator {said}"}
             if reached:  # dialled at its own address: it needs no relay now
                 found["relayed_by"] = case((NodeRow.tls_name == host_of(address), None), else_=NodeRow.relayed_by)
-            if relay_port and not relays:
+            if not relays:
                 found["relay_port"] = None
-            with self.core.lock.own_rows(), self.core.store.session() as session:  # (one statement, every join)
+            with self.core.lock.own_rows(), self.core.store.session() as session:
                 updated = session.execute(update(NodeRow).where(NodeRow.id == node_id, NodeRow.address == address)
                                           .values(found).execution_options(synchronize_session=False))
-            if relay_port and not relays and cast(CursorResult, updated).rowcount:  # (else it joined again meanwhile)
+            if not relays and cast(CursorResult, updated).rowcount:  # (else it joined again meanwhile)
                 log.info("node %s does not relay: %s", node_id, relay_said or "peers cannot dial it")
-            if not reached:
-                log.info("node %s is not reachable: the coordinator %s", node_id, said)
         finally:
             self._pending.release()
+
+    def flush(self) -> None:
+        """Write what the dial-backs of nodes that do not relay found since the last time: one statement
+        for those reached and one for the others, not a transaction each (a storm of joins after an
+        outage dials back thousands). Only where the node is still at the address dialled."""
+        with self._lock:
+            dialled, self._dialled = self._dialled, []
+        if not dialled:
+            return
+        with self.core.lock.own_rows(), self.core.store.session(quiet=True) as session:
+            for reached in (True, False):
+                rows = [{"node": d.node_id, "dialled": d.address, "said": d.said, "host": host_of(d.address)}
+                        for d in dialled if d.reached is reached]
+                found: dict[str, object] = {"reachable": reached, "reachability": bindparam("said")}
+                if reached:  # dialled at its own address: it needs no relay now
+                    found["relayed_by"] = case((NodeRow.tls_name == bindparam("host"), None),
+                                               else_=NodeRow.relayed_by)
+                if rows:
+                    session.connection().execute(update(NodeRow).where(
+                        NodeRow.id == bindparam("node"), NodeRow.address == bindparam("dialled")).values(found), rows)
 
     def from_probes(self, session: Session, prober: NodeRow, reached: list[str], unreached: list[str]) -> None:
         """What a node's link probes found: the peers it measured were dialled, the others not."""
@@ -199,3 +224,12 @@ def relay_shares(session: Session, nodes: list[NodeRow], coordinators: float | N
         bandwidth[COORDINATOR] = coordinators
     return {node.id: bandwidth[node.relayed_by] / (2 * relayed[node.relayed_by])
             for node in nodes if node.relayed_by in bandwidth}
+
+
+@dataclass(frozen=True)
+class Dialled:
+    """What dialling a node that just joined found."""
+    node_id: str
+    address: str
+    reached: bool
+    said: str
