@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import json
+from collections import Counter
 from urllib.parse import urlsplit
 
 import httpx
@@ -59,9 +60,10 @@ class Timings:
     joins: list[float] = field(default_factory=list)
     failed: int = 0
     due: int = 0  # heartbeats the volunteers were due to send in the window
+    why: Counter = field(default_factory=Counter)  # why heartbeats failed
 
     def reset(self) -> None:
-        self.beats, self.failed, self.due = [], 0, 0
+        self.beats, self.failed, self.due, self.why = [], 0, 0, Counter()
 
 
 class Coordinators:
@@ -165,12 +167,20 @@ class LightClient:
                    f"Content-Length: {len(body)}\r\n{head}\r\n").encode() + body
         connection = await self.idle.get()
         try:
-            if connection is None:
-                connection = await asyncio.open_connection(self.host, self.port)
-            reader, writer = connection
-            sent = time.perf_counter()
-            writer.write(request)
-            reply = await asyncio.wait_for(_read_reply(reader), self.timeout)
+            for fresh in (connection is None, True):
+                if fresh:
+                    connection = await asyncio.open_connection(self.host, self.port)
+                reader, writer = connection
+                sent = time.perf_counter()
+                writer.write(request)
+                try:
+                    reply = await asyncio.wait_for(_read_reply(reader), self.timeout)
+                    break
+                except asyncio.IncompleteReadError as e:
+                    if fresh or e.partial:
+                        raise
+                    writer.close()  # the server closed it while idle (its keep-alive timeout): as
+                    # clients do, the request goes again on a new connection
             reply.seconds = time.perf_counter() - sent
         except BaseException:
             if connection is not None:
@@ -252,8 +262,9 @@ class Volunteer:
             reply = await self.client.post(f"/v1/nodes/{self.node_id}/heartbeat", json=body,
                                            headers={"Authorization": f"Bearer {self.node_token}"})
             reply.raise_for_status()
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, Refused):
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, Refused) as e:
             self.timings.failed += 1
+            self.timings.why[f"{type(e).__name__}: {e}"[:120]] += 1
             return
         self.timings.beats.append(reply.seconds)  # (what a node with a connection of its own would wait)
         answer = reply.json()
@@ -314,6 +325,8 @@ async def ramp(coordinators: Coordinators, levels: list[int], window_s: float) -
                   f"{failed} failed, coordinator CPU {row['cpu']:.2f} cores, database {row['db']:.2f} s/s, "
                   f"volunteers' CPU {row['client_cpu']:.2f} cores"
                   f"{'' if row['held'] else '  (not held)'}", flush=True)
+            for why, n in timings.why.most_common(3):
+                print(f"    {n} failed: {why}", flush=True)
             if not row["held"]:
                 break
     finally:

@@ -168,6 +168,29 @@ def test_a_revoked_or_expired_key_is_refused_and_an_operator_cannot_lock_itself_
     assert listed["operator"]["role"] == "operator" and listed[alice_id]["revoked_at"] is not None
 
 
+def test_a_key_revoked_at_one_coordinator_process_is_refused_at_another_within_a_second(
+        tmp_path: Path, clock: FakeClock, postgres_url: str) -> None:
+    """Each process reads a credential without a use limit again at most every REREAD_S (a join storm
+    on one token reads it once a second, not at every join): the revoking process refuses it at once,
+    the others once that much time has passed."""
+    from coordinator.service.credentials import REREAD_S
+
+    def coordinator() -> TestClient:
+        settings = Settings(data_dir=tmp_path, db_url=postgres_url, background=False, clock=clock,
+                            operator_token=OPERATOR_TOKEN)
+        return TestClient(create_app(settings), headers=bearer(OPERATOR_TOKEN))
+
+    with coordinator() as first, coordinator() as second:
+        alice_id, alice = key(first, "submitter", "alice")
+        assert first.get("/v1/jobs", headers=alice).status_code == 200
+        assert second.get("/v1/jobs", headers=alice).status_code == 200  # (read, and kept for a second)
+        assert first.delete(f"/v1/keys/{alice_id}").status_code == 204
+        assert first.get("/v1/jobs", headers=alice).status_code == 401
+        clock.now += REREAD_S
+        r = second.get("/v1/jobs", headers=alice)
+        assert r.status_code == 401 and "revoked" in r.json()["detail"]
+
+
 def test_the_default_join_token_stays_revoked_across_restarts_until_it_is_replaced(tmp_path: Path) -> None:
     def coordinator(join_token: str | None = None) -> TestClient:
         settings = Settings(data_dir=tmp_path, background=False, operator_token=OPERATOR_TOKEN, join_token=join_token)

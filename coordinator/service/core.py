@@ -14,7 +14,10 @@ component keeps its own, and says so where it is kept:
     Presence      sightings not yet written (at most half a second's: a crash loses them, and the
                   node's next beat says it again), the live nodes' count the interval comes from
     Credentials   uses of unlimited join tokens not yet counted in the store (a crash loses a tick's:
-                  the count is shown, it limits nothing)
+                  the count is shown, it limits nothing); credentials without a use limit as read
+                  at most a second ago (a revocation elsewhere takes up to that to be seen here)
+    Reachability  what dial-backs found, not yet written (half a second's: a crash loses them, and
+                  the node shows as not dialled yet until its link probes say otherwise)
     Placement     why a node was left out of the last placement; what a running job was last weighed
                   with for growing
     the app       open bandwidth probes per credential (routes/site.py)
