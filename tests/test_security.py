@@ -168,6 +168,25 @@ def test_a_revoked_or_expired_key_is_refused_and_an_operator_cannot_lock_itself_
     assert listed["operator"]["role"] == "operator" and listed[alice_id]["revoked_at"] is not None
 
 
+def _replica(data_dir: Path, db_url: str, clock: FakeClock) -> TestClient:
+    """One coordinator process of several on one database and data directory (in this test's process)."""
+    settings = Settings(data_dir=data_dir, db_url=db_url, background=False, clock=clock, operator_token=OPERATOR_TOKEN)
+    return TestClient(create_app(settings), headers=bearer(OPERATOR_TOKEN))
+
+
+def test_a_node_credential_a_one_time_link_and_the_dashboard_session_work_at_any_replica(
+        tmp_path: Path, clock: FakeClock, postgres_url: str) -> None:
+    with _replica(tmp_path, postgres_url, clock) as first, _replica(tmp_path, postgres_url, clock) as second:
+        node_id, node_auth = join(first)
+        assert beat(second, node_id, node_auth)["heartbeat_interval_s"] > 0
+        link = first.post("/v1/dashboard-link").json()["path"]
+        logged_in = second.get(link, headers={"Authorization": ""}, follow_redirects=False)
+        assert logged_in.status_code == 303 and logged_in.cookies.get("ravnest_key")
+        assert first.get(link, headers={"Authorization": ""}).status_code == 401  # (once, wherever)
+        cookie = {"Cookie": f"ravnest_key={logged_in.cookies['ravnest_key']}", "Authorization": ""}
+        assert first.get("/v1/jobs", headers=cookie).status_code == 200
+
+
 def test_a_key_revoked_at_one_coordinator_process_is_refused_at_another_within_a_second(
         tmp_path: Path, clock: FakeClock, postgres_url: str) -> None:
     """Each process reads a credential without a use limit again at most every REREAD_S (a join storm
@@ -175,12 +194,7 @@ def test_a_key_revoked_at_one_coordinator_process_is_refused_at_another_within_a
     the others once that much time has passed."""
     from coordinator.service.credentials import REREAD_S
 
-    def coordinator() -> TestClient:
-        settings = Settings(data_dir=tmp_path, db_url=postgres_url, background=False, clock=clock,
-                            operator_token=OPERATOR_TOKEN)
-        return TestClient(create_app(settings), headers=bearer(OPERATOR_TOKEN))
-
-    with coordinator() as first, coordinator() as second:
+    with _replica(tmp_path, postgres_url, clock) as first, _replica(tmp_path, postgres_url, clock) as second:
         alice_id, alice = key(first, "submitter", "alice")
         assert first.get("/v1/jobs", headers=alice).status_code == 200
         assert second.get("/v1/jobs", headers=alice).status_code == 200  # (read, and kept for a second)
