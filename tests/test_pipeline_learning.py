@@ -18,7 +18,10 @@ def mlp_job(stages: int) -> dict:
             "dataset": {"name": "digits"},
             "training": {"steps": 120, "batch_size": 32, "seed": 3, "microbatches_in_flight": stages,
                          "optimizer": {"name": "Adam", "kwargs": {"lr": 1e-3}}},
-            "placement": {"clusters": 1, "stages_per_cluster": stages, "max_nodes": stages, "min_nodes": stages}}
+            # equal-split: cuts that do not depend on how fast each node measured, which the same seed must not
+            # be asked to survive (a layer's staleness is its stage's; CI once measured cuts that differed)
+            "placement": {"clusters": 1, "stages_per_cluster": stages, "max_nodes": stages, "min_nodes": stages,
+                          "policy": "equal-split"}}
 
 
 def test_a_four_stage_pipeline_learns_as_one_node_and_again_gives_the_same_weights(tmp_path) -> None:
