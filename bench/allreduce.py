@@ -77,7 +77,11 @@ def _ring_member(args: argparse.Namespace) -> None:
     for round, _ in enumerate(sys.stdin):
         result.copy_(x)  # in place, like gloo's all_reduce, into a buffer reused every round
         start, cpu = time.perf_counter(), time.process_time()
-        member.allreduce(result, round, out=result)
+        if args.robust:
+            from ravnest.averaging.robust_round import robust_allreduce
+            robust_allreduce(member, result, round, args.robust, out=result)
+        else:
+            member.allreduce(result, round, out=result)
         reply = {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}
         if args.check and round == 0:
             expected = reference_mean([member_input(r, args.numel) for r in range(args.world)])
@@ -154,12 +158,13 @@ def _member_command(rank: int, world: int, numel: int, extra: list[str], prefix:
 
 def run_ring(world: int, numel: int, *, rounds: int, warmup: int = 1, hosts: list[str] | None = None,
              netns: list[str] | None = None, chunk_bytes: int = 4 * MIB, weights: list[float] | None = None,
-             codec: str = "", lanes: int = 1, check: bool = False, backend: str = "grpc") -> dict:
-    """Our ring (or with backend "torch", our gloo backend) over `world` member processes: per-round
-    times (slowest member) and the max error of the first round's result against the reference mean
-    (with `check`)."""
+             codec: str = "", lanes: int = 1, check: bool = False, backend: str = "grpc", robust: str = "") -> dict:
+    """Our ring (or with backend "torch", our gloo backend; or with `robust`, our robust round of that
+    rule) over `world` member processes: per-round times (slowest member) and the max error of the
+    first round's result against the reference mean (with `check`)."""
     hosts = hosts or ["127.0.0.1"] * world
-    extra = ["--chunk-bytes", str(chunk_bytes), "--codec", codec, "--lanes", str(lanes), "--backend", backend]
+    extra = ["--chunk-bytes", str(chunk_bytes), "--codec", codec, "--lanes", str(lanes), "--backend", backend,
+             "--robust", robust]
     extra += ["--weights", json.dumps(weights)] if weights else []
     extra += ["--check"] if check else []
     commands = [_member_command(r, world, numel, [*extra, "--host", hosts[r]],
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     member.add_argument("--member", type=int, default=None, help=argparse.SUPPRESS)
     for flag, kind, default in [("--world", int, 0), ("--numel", int, 0), ("--host", str, "127.0.0.1"),
                                 ("--port", int, 0), ("--chunk-bytes", int, 4 * MIB), ("--codec", str, ""),
-                                ("--weights", str, ""), ("--backend", str, "grpc")]:
+                                ("--weights", str, ""), ("--backend", str, "grpc"), ("--robust", str, "")]:
         member.add_argument(flag, type=kind, default=default, help=argparse.SUPPRESS)
     member.add_argument("--gloo", action="store_true", help=argparse.SUPPRESS)
     member.add_argument("--check", action="store_true", help=argparse.SUPPRESS)

@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the ports the relay opens for the volunteers it serves, one each, for a firewall to "
                              "let in (default: any free port)")
     add_tls_options(parser, "HTTPS", "plain HTTP")
+    parser.add_argument("--revoke-outliers", action="store_true",
+                        help="revoke the credential of a node that a job's robust averaging (averaging.robust) "
+                             "found sending contributions far beyond the other replicas' (default: only leave it "
+                             "out of that job)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="job and node events at info, every request at debug (default: info)")
     args = parser.parse_args(argv)
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait,
                         heartbeat_rate=args.heartbeat_rate,
-                        grow_gain=args.grow_gain,
+                        grow_gain=args.grow_gain, revoke_outliers=args.revoke_outliers,
                         relay_host=args.host, relay_port=None if args.no_relay else
                         args.port + 1 if args.relay_port is None else args.relay_port,
                         relay_node_ports=args.relay_ports,

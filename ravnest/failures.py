@@ -25,6 +25,7 @@ class FailureKind(str, Enum):
     PEER_FAILED = "peer_failed"  # a neighbour stopped and said why: the failure is its own
     TIMEOUT = "timeout"  # nothing came from the peers for the peer timeout
     NAN = "nan"  # a value that is not finite, computed here or refused from a peer
+    OUTLIER = "outlier"  # most of a robust round's members found a peer's contribution far beyond the others'
     OUT_OF_MEMORY = "out_of_memory"
     LOCAL_ERROR = "local_error"  # anything else on this node: bad data, a model that raised, a bug
     # the coordinator's own findings (coordinator/failure_rules)

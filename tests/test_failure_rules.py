@@ -12,7 +12,8 @@ import pytest
 from coordinator.config import Settings
 from coordinator.failure_rules import FailureRules, registered
 from coordinator.failure_rules.base import (Blame, Blamed, BlameRecord, CorrectFlops, FailJob, JobPace, Member,
-                                            NodeGone, Quarantine, Replan, Report, Silence, Spare, StagePace, Stall)
+                                            NodeGone, Quarantine, Replan, Report, Revoke, Silence, Spare, StagePace,
+                                            Stall)
 from ravnest.failures import Failure, FailureKind
 
 
@@ -141,6 +142,17 @@ def test_a_refusal_leaves_out_and_counts_against_the_sender_not_the_messenger(ru
     assert rules().observe(report(own)) == [Replan("job", "what happened", own, ("r",)), Blame("r", "what happened")]
     stranger = Failure(kind=FailureKind.NAN, message="refused", peer_id="not-a-member")
     assert rules().observe(report(stranger))[0].left_out == ("r",)
+
+
+def test_an_outlier_is_left_out_and_blamed_and_revoked_where_the_operator_asked(rules) -> None:
+    """Most members of a robust round found p's contributions far beyond theirs: p is left out and
+    blamed, not r; with `revoke_outliers` p's credential goes too."""
+    outlier = Failure(kind=FailureKind.OUTLIER, message="3 of the 3 other members found ...", peer_id="p")
+    left_out = [Replan("job", "what happened", outlier, ("p",)), Blame("p", "what happened")]
+    assert rules().observe(report(outlier)) == left_out
+    assert rules(revoke_outliers=True).observe(report(outlier)) == [*left_out, Revoke("p", "what happened")]
+    refused = Failure(kind=FailureKind.NAN, message="refused", peer_id="p")  # (a refusal is not an outlier)
+    assert not any(isinstance(d, Revoke) for d in rules(revoke_outliers=True).observe(report(refused)))
 
 
 def test_a_stage_that_cannot_start_fails_the_job_only_on_two_different_nodes(rules) -> None:

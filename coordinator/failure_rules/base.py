@@ -139,6 +139,13 @@ class Blame(Decision):
 
 
 @dataclass(frozen=True)
+class Revoke(Decision):
+    """The node's credential stops working (an operator setting asked for it on such a finding)."""
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class CorrectFlops(Decision):
     """The node computes like `flops`, whatever its profile claimed: the planner believes this from now on."""
     node_id: str

@@ -4,7 +4,10 @@ trains on alone leaves out nobody. A report that the stage could not start at al
 once `fail_after_nodes` different nodes said so (a model that cannot run anywhere); before that, the
 job is re-planned without the reporter. Every re-plan a report causes counts against the reporter
 (quarantine.py), except a refusal: a node that refused a peer's values as not finite names the sender,
-and the re-plan leaves out and counts against the sender, the source of the poison, not the messenger."""
+and the re-plan leaves out and counts against the sender, the source of the poison, not the messenger.
+So does an outlier: a peer whose averaging contributions most members of a robust round found far beyond
+theirs (ravnest/averaging/robust.py); every honest member of that round names it at once. With the
+operator's `revoke_outliers`, an outlier's credential is revoked as well."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -12,7 +15,7 @@ from collections.abc import Collection
 from ravnest.failures import PEER_KINDS, Failure, FailureKind
 
 from . import rule
-from .base import Blame, Decision, FailJob, Replan, Report, Rule
+from .base import Blame, Decision, FailJob, Replan, Report, Revoke, Rule
 
 
 @rule
@@ -26,7 +29,10 @@ class FailureReports(Rule[Report]):
                                          f"nodes)")]
         source = refused_from(seen.failure, seen.reporter_id, seen.members)
         if source is not None:
-            return [Replan(seen.job_id, seen.reason, seen.failure, (source,)), Blame(source, seen.reason)]
+            revoke = self.settings.revoke_outliers and seen.failure is not None \
+                and seen.failure.kind == FailureKind.OUTLIER
+            return [Replan(seen.job_id, seen.reason, seen.failure, (source,)), Blame(source, seen.reason),
+                    *([Revoke(source, seen.reason)] if revoke else [])]
         return [Replan(seen.job_id, seen.reason, seen.failure, tuple(self.left_out(seen))),
                 Blame(seen.reporter_id, seen.reason)]
 
@@ -43,8 +49,9 @@ class FailureReports(Rule[Report]):
 
 
 def refused_from(failure: Failure | None, reporter_id: str, members: Collection[str]) -> str | None:
-    """The member whose values the reporter refused as not finite, where the failure names one."""
-    if failure is not None and failure.kind == FailureKind.NAN and failure.peer_id in members \
+    """The member whose values the reporter refused, as not finite or as an outlier, where the failure
+    names one."""
+    if failure is not None and failure.kind in (FailureKind.NAN, FailureKind.OUTLIER) and failure.peer_id in members \
             and failure.peer_id != reporter_id:
         return failure.peer_id
     return None

@@ -15,7 +15,7 @@ from ravnest.failures import Failure
 from .. import calibration, jobs
 from ..failure_reasons import who
 from ..failure_rules.base import (Blame, Blamed, BlameRecord, CorrectFlops, Decision, FailJob, NodeGone, Observation,
-                                  Quarantine, Replan, Silence, Spare, Stall)
+                                  Quarantine, Replan, Revoke, Silence, Spare, Stall)
 from ..jobs import JobState
 from ..store import JobRow, NodeRow, StageRow, stage_of_node
 from .core import GONE, Core
@@ -56,6 +56,11 @@ class Rulings:
                     calibration.forget_slowdowns(node)  # measured against the old figure
             elif isinstance(d, Blame):
                 self.blame(session, d.node_id, d.reason)
+            elif isinstance(d, Revoke):
+                node = session.get(NodeRow, d.node_id)
+                if node is not None and node.credential_ended != "revoked":
+                    node.credential_ended = "revoked"  # (the re-plan already leaves it out)
+                    log.warning("node %s revoked: %s", node.id, d.reason)
             elif isinstance(d, BlameRecord):
                 session.get_one(NodeRow, d.node_id).replans_caused = list(d.caused)
             elif isinstance(d, Quarantine):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from typing import Iterator
 
 import grpc
 import torch
@@ -349,7 +350,7 @@ class RingMember:
             phases = [(sources[k:k + 1], targets[k:k + 1]) for k in range(max(len(sources), len(targets)))]
         else:
             phases = [([], sends_to), (hears_from, [])]
-        try:
+        with self._sending(round, sends_to):
             for hear, send in phases:
                 for source in hear if paced else ():
                     self._send(round, -1 - self.size - self.rank, 0, torch.ones(1), 1, "", to=source)
@@ -362,15 +363,6 @@ class RingMember:
                     buf = received[source] = torch.empty(flat.numel())
                     for c, (a, b) in enumerate(chunks):
                         buf[a:b] = self._receive(round, -1 - source, c, b - a, flat.numel(), sender=source)
-            for target in sends_to:
-                self._flush(round, to=target)
-        except BaseException:
-            with contextlib.suppress(PeerError):  # the round failed anyway; just release `flat`
-                for target in sends_to:
-                    self.hub.flush(self.addresses[target], min(self.step_timeout, FAILED_FLUSH_S))
-            raise
-        finally:
-            self.hub.end_round(self.segment, round)
         return received
 
     def owned_share(self, numel: int) -> tuple[int, int]:
@@ -384,6 +376,23 @@ class RingMember:
         self.hub.leave(self.segment)
 
     # --- internals ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _sending(self, round: int, targets: list[int]) -> Iterator[None]:
+        """Around a round that sends to `targets`: once it is done, wait until all it queued was framed
+        (so its tensors may change); if it fails, only release what it queued; either way the round
+        ends (late messages of it are dropped)."""
+        try:
+            yield
+            for target in targets:
+                self._flush(round, to=target)
+        except BaseException:
+            with contextlib.suppress(PeerError):  # the round failed anyway; just release its tensors
+                for target in targets:
+                    self.hub.flush(self.addresses[target], min(self.step_timeout, FAILED_FLUSH_S))
+            raise
+        finally:
+            self.hub.end_round(self.segment, round)
 
     def _steps(self, buf: torch.Tensor, round: int, steps: range, codec: str | None,
                ends_round: bool) -> torch.Tensor:
@@ -429,7 +438,9 @@ class RingMember:
 
     def _where(self, round: int, step: int, chunk: int) -> str:
         n = self.size
-        if step < 0:
+        if step < -2 * n:  # robust_round.py's phases
+            phase = ("commit", "scatter", "gather", "votes")[(-1 - step) // n - 2] + f" from rank {(-1 - step) % n}"
+        elif step < 0:
             phase = f"exchange from rank {-1 - step}"
         else:
             phase = f"reduce-scatter step {step}" if step < n - 1 else f"all-gather step {step - n + 1}"
@@ -455,7 +466,7 @@ class RingMember:
                             address=address) from None
 
     def _receive(self, round: int, step: int, chunk: int, size: int, numel: int,
-                 sender: int | None = None) -> torch.Tensor:
+                 sender: int | None = None, raw: bool = False) -> torch.Tensor:
         expected = self._prev if sender is None else sender
         item = self.hub.mailbox.take((self.segment, round, step, chunk), self.step_timeout, self._closed)
         peer = f"{self.addresses[expected]} (rank {expected})"
@@ -472,7 +483,7 @@ class RingMember:
             raise RingError(f"{self._where(round, step, chunk)}: rank {sender} sent {tensor.numel()} of "
                             f"{their_numel} elements, expected {size} of {numel} from {peer}; do all "
                             f"members hold the same blocks and use the same weights?")
-        return tensor.reshape(-1).float()
+        return tensor.reshape(-1) if raw else tensor.reshape(-1).float()
 
 
 def _work_buffer(flat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -16,7 +16,8 @@ A strategy module declares everything about its strategy where it registers it:
   gradient), not weights, so a sparsifying codec (`topk`) may carry them;
 - `cost`: its runtime-model figure, seconds per optimizer step (`runtime.py`); None: the model has none,
   the planner takes it as free and `auto` never picks it;
-- `flat_keys`: the flat names its options had in job specs before they were nested, still read.
+- `flat_keys`: the flat names its options had in job specs before they were nested, still read;
+- `robust`: it runs `averaging.robust` rounds, a robust mean in place of the plain one (robust.py).
 
 The spec's validator, the planner, the runtime model and the stage all ask `strategy_info(name)`.
 Built-ins are the modules of `ravnest.averaging.strategies`, found by listing the package; plug-ins
@@ -85,6 +86,7 @@ class StrategyInfo:
     # synchronous) within 5% (runtime.py), for the optimizers `fits` accepts (by name)
     auto_rank: int | None = None
     fits: Callable[[str], bool] = lambda optimizer: True
+    robust: bool = False  # it runs `averaging.robust` rounds (collectives.RingMember.robust_allreduce)
 
 
 def _adapt(name: str, loaded: Any) -> StrategyInfo | None:
@@ -105,7 +107,8 @@ def register_strategy(name: str, *, settings: type[StrategySettings] = StrategyS
                       by_seconds: bool = False, waits_for_peers: bool = True,
                       cost: Callable[[CostInputs], float] | None = None,
                       flat_keys: dict[str, str] | None = None, averages_changes: bool = False,
-                      auto_rank: int | None = None, fits: Callable[[str], bool] = lambda optimizer: True) -> Callable:
+                      auto_rank: int | None = None, fits: Callable[[str], bool] = lambda optimizer: True,
+                      robust: bool = False) -> Callable:
     """Decorator registering `factory(context) -> AveragingStrategy` (a class will do) under `name`,
     with what the strategy declares about itself (the module docstring)."""
     if name in _RESERVED:
@@ -113,7 +116,7 @@ def register_strategy(name: str, *, settings: type[StrategySettings] = StrategyS
 
     def decorate(factory: Callable) -> Callable:
         _REGISTRY.register(name, StrategyInfo(name, factory, settings, gossip, by_seconds, waits_for_peers, cost,
-                                              dict(flat_keys or {}), averages_changes, auto_rank, fits))
+                                              dict(flat_keys or {}), averages_changes, auto_rank, fits, robust))
         return factory
     return decorate
 

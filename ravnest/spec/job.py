@@ -177,6 +177,12 @@ class AveragingSettings(Strict):
                             "see docs/security.md")
     average_optimizer_state: bool = Field(
         False, description="also average the optimizer's per-parameter state (e.g. Adam's moments)")
+    robust: Literal["", "centered_clip", "trimmed_mean", "median"] = Field(
+        "", description="'': the plain mean. Else a mean that fewer than half of the replicas cannot move far "
+                        "whatever they send, and a replica whose contributions most others find far beyond "
+                        "theirs is left out of the job as an outlier: 'centered_clip' (recommended), "
+                        "'trimmed_mean', 'median'. Needs 3 or more clusters; ring and diloco "
+                        "(docs/security.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -242,6 +248,12 @@ class AveragingSettings(Strict):
             raise ValueError(f"codec {self.codec!r} keeps a few of a vector's values and delays the rest, which "
                              f"suits changes, not weights: use it with a strategy that averages changes: "
                              f"{', '.join(i.name for i in registered() if i.averages_changes)}")
+        if self.robust and not strategy_info(self.strategy).robust:
+            raise ValueError(f"averaging.robust is built for {', '.join(i.name for i in registered() if i.robust)}, "
+                             f"not '{self.strategy}'")
+        if self.robust and (self.backend == "torch" or (self.sent_codec and not codecs.codec(self.sent_codec).reduces)):
+            raise ValueError("averaging.robust runs its own rounds over the peer wire: it takes backend 'grpc' and "
+                             "a codec whose values add up ('', 'fp16', 'bf16', 'int8')")
         if self.every_seconds is not None and not strategy_info(self.strategy).by_seconds:
             raise ValueError(f"'{self.strategy}' averages by steps; `every_seconds` is for strategies that "
                              f"average by the clock: {', '.join(i.name for i in registered() if i.by_seconds)}")

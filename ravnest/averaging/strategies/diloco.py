@@ -58,7 +58,7 @@ def diloco_cost(c: CostInputs) -> float:
     return ring_round_s(c, max(1, c.every // 2) if c.spare_core and c.settings.streaming else 0)
 
 
-@register_strategy("diloco", settings=DilocoSettings, cost=diloco_cost, averages_changes=True,
+@register_strategy("diloco", settings=DilocoSettings, cost=diloco_cost, averages_changes=True, robust=True,
                    flat_keys={"outer_lr": "outer_lr", "outer_momentum": "outer_momentum", "streaming": "streaming"})
 class OuterOptimization(RingAveraging):
     name = "diloco"

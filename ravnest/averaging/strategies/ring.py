@@ -37,6 +37,7 @@ from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.collectives import RingMember
 from ravnest.averaging.registry import CostInputs
+from ravnest.averaging.robust_round import robust_allreduce
 from ravnest.averaging.runtime import ring_round_s
 from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
 
@@ -86,7 +87,7 @@ def ring_cost(c: CostInputs) -> float:
     return ring_round_s(c, max(1, c.every // 2) if c.spare_core else 0)
 
 
-@register_strategy("ring", by_seconds=True, cost=ring_cost, auto_rank=1)
+@register_strategy("ring", by_seconds=True, cost=ring_cost, auto_rank=1, robust=True)
 class RingAveraging(GroupStrategy):
     """Periodic, overlapped averaging of the segments `assignment.rings` names (one ring each).
 
@@ -102,6 +103,7 @@ class RingAveraging(GroupStrategy):
         settings = assignment.averaging
         self._companions = context.companions
         self.every, self.every_seconds = settings.every, settings.every_seconds
+        self.robust = settings.robust  # '' or the robust mean every round takes (ravnest/averaging/robust.py)
         self.live = context.live
         self._optimizer_state = context.optimizer_state if settings.average_optimizer_state else None
         self.device = torch.device(context.device)
@@ -216,7 +218,7 @@ class RingAveraging(GroupStrategy):
         segment.layout.flatten(tensors, out=segment.snapshot)
         timed = self.every_seconds is not None and number != FINAL_ROUND
         vector = segment.snapshot if number == FINAL_ROUND else self._round_input(segment)
-        return self._pool.submit(_average, segment, vector, number, codec, finishing if timed else None)
+        return self._pool.submit(_average, segment, vector, number, codec, finishing if timed else None, self.robust)
 
     def _round_input(self, segment: _Segment) -> torch.Tensor:
         """What a periodic round all-reduces: the snapshot itself."""
@@ -240,13 +242,17 @@ class RingAveraging(GroupStrategy):
 
 
 def _average(segment: _Segment, vector: torch.Tensor, number: int, codec: str | None,
-             finishing: bool | None) -> _Outcome:
+             finishing: bool | None, robust: str = "") -> _Outcome:
     """The ring work of one round: the mean of `vector` (the snapshot, or what the strategy derives
-    from it). Time mode (`finishing` not None) also all-reduces the finished flag, exactly (raw
-    fp32), under the odd wire round next to the data's even one."""
+    from it), robust where the job asked (the final round too: a liar's last word counts no more).
+    Time mode (`finishing` not None) also all-reduces the finished flag, exactly (raw fp32), under the
+    odd wire round next to the data's even one."""
     wire_round = number if finishing is None else 2 * number
     sent_before = getattr(segment.member, "sent_bytes", 0)  # (gloo's members do not count)
-    average = segment.member.allreduce(vector, wire_round, codec=codec, out=segment.average)
+    if robust:
+        average = robust_allreduce(segment.member, vector, wire_round, robust, codec=codec, out=segment.average)
+    else:
+        average = segment.member.allreduce(vector, wire_round, codec=codec, out=segment.average)
     sent = getattr(segment.member, "sent_bytes", 0) - sent_before
     anyone_finished = False
     if finishing is not None:

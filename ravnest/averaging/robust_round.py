@@ -1,0 +1,135 @@
+"""The robust round of one segment's group: a mean that fewer than half of the members cannot move far,
+over the same peer wire and mailbox as the ring (collectives.py), and the outliers it finds.
+
+A ring's partial sums hide who sent what, so a robust mean needs every contribution to a share to reach
+that share's owner whole (BTARD's butterfly all-reduce, Gorbunov et al. 2022). The messages use steps
+below the ring's and gossip's (-1 - (2 + phase) * n - sender), so rounds of all kinds share one mailbox.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ravnest.averaging import robust
+from ravnest.averaging.collectives import RingError, RingMember, _work_buffer
+from ravnest.averaging.shares import share_bounds
+from ravnest.failures import FailureKind, KnownFailure
+from ravnest.wire.tensors import decode, encode
+
+PHASES = ("commit", "scatter", "gather", "votes")
+
+
+class RingOutlier(RingError, KnownFailure):
+    """A majority of a robust round's share owners found a member's contribution far beyond the others'
+    (ravnest/averaging/robust.py), or it sent a share other than the one it had committed to; `address`:
+    that member."""
+
+    def __init__(self, message: str, *, address: str):
+        super().__init__(message)
+        self.address = address
+
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        return FailureKind.OUTLIER
+
+    @property
+    def peer_address(self) -> str | None:
+        return self.address
+
+
+def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: str, *, codec: str | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """A mean of every member's `flat` that no minority of liars can move far (`rule`, one of
+    robust.RULES), written like `RingMember.allreduce`'s. Every member sends share k of its vector
+    straight to member k (equal shares by rank), which reduces all n copies robustly and sends the
+    result to everyone (an all-to-all reduce-scatter, then an all-gather: the same bytes per member
+    as the ring, in n - 1 messages a phase):
+
+        commit   each member sends everyone the SHA-256 of each of its shares, as owners will decode
+                 them, and waits for everyone's before it sends a share
+        scatter  then share k to owner k; one that does not match its commitment is a lie (nobody
+                 adapts its shares to what others sent: it was bound to them before it saw any)
+        reduce   owner k: the robust mean of the n copies, and a vote against each copy far off
+        gather   owner k sends its mean and its votes to every member (in one message where they fit)
+
+    Every member then counts the same votes: a member that more than half of the other owners
+    voted against is an outlier, and the round raises RingOutlier naming it (after `out` holds
+    the robust mean), so every honest member reports the same peer in the same round."""
+    codec = member.codec if codec is None else codec
+    n, r = member.size, member.rank
+    buf = _work_buffer(flat, out)
+    shares = share_bounds(buf.numel(), [1.0] * n)
+    others = [k for k in range(n) if k != r]
+    steps = {phase: -1 - (2 + p) * n for p, phase in enumerate(PHASES)}
+    with member._sending(round, others):
+        # every member's digests of all its shares, to everyone, before any share leaves: an owner
+        # sees shares only once their senders are bound to all theirs
+        digests = torch.zeros(n, 32, dtype=torch.uint8)
+        for k in others:
+            digests[k] = _digest(_as_received(buf[slice(*shares[k])], codec))
+        for k in others:
+            member._send(round, steps["commit"] - r, 0, digests.reshape(-1), 32 * n, "", to=k)
+        committed = {j: member._receive(round, steps["commit"] - j, 0, 32 * n, 32 * n, sender=j, raw=True)
+                     .reshape(n, 32) for j in others}
+        for k in others:
+            for c, (a, b) in enumerate(member._chunk_bounds(*shares[k])):
+                member._send(round, steps["scatter"] - r, c, buf[a:b], buf.numel(), codec, to=k)
+        a, b = shares[r]
+        stack = torch.empty(n, b - a)
+        stack[r] = buf[a:b]
+        votes = torch.zeros(n)
+        for j in others:
+            for c, (ca, cb) in enumerate(member._chunk_bounds(a, b)):
+                stack[j, ca - a:cb - a] = member._receive(round, steps["scatter"] - j, c, cb - ca, buf.numel(),
+                                                        sender=j)
+            if not torch.equal(_digest(stack[j]), committed[j][r]):
+                votes[j] = 1.0  # it broke its word: a lie only this owner can see, so a vote like the others
+        mean = robust.reducer(rule)(stack) if b > a else stack[r]
+        votes = torch.maximum(votes, torch.tensor(robust.outliers(stack, mean), dtype=torch.float32))
+        buf[a:b] = mean
+        # raw, the votes ride at the end of the last piece of the mean: messages cost more than bytes
+        ride = not codec
+        for k in others:
+            pieces = member._chunk_bounds(a, b) or [(a, a)]
+            for c, (ca, cb) in enumerate(pieces):
+                last = c == len(pieces) - 1
+                payload = torch.cat([buf[ca:cb], votes]) if ride and last else buf[ca:cb]
+                member._send(round, steps["gather"] - r, c, payload, buf.numel(), codec, to=k)
+            if not ride:
+                member._send(round, steps["votes"] - r, 0, votes, n, "", to=k)
+        ballots = torch.zeros(n, n)  # ballots[owner][member]: owner voted against member
+        ballots[r] = votes
+        for j in others:
+            pieces = member._chunk_bounds(*shares[j]) or [(shares[j][0],) * 2]
+            for c, (ca, cb) in enumerate(pieces):
+                last = c == len(pieces) - 1
+                got = member._receive(round, steps["gather"] - j, c, cb - ca + n * (ride and last), buf.numel(),
+                                      sender=j)
+                buf[ca:cb] = got[:cb - ca]
+                if ride and last:
+                    ballots[j] = got[cb - ca:]
+            if not ride:
+                ballots[j] = member._receive(round, steps["votes"] - j, 0, n, n, sender=j)
+    against = ballots.fill_diagonal_(0).sum(dim=0)  # an owner's vote on itself does not count
+    convicted = [j for j in range(n) if against[j] > (n - 1) / 2]
+    if convicted:
+        j = convicted[0]
+        raise RingOutlier(f"ring segment {member.segment} round {round}: {int(against[j])} of the {n - 1} other "
+                          f"members found the contribution of {member.addresses[j]} (rank {j}) far beyond the "
+                          f"others' ({rule})", address=member.addresses[j])
+    return buf
+
+
+def _digest(values: torch.Tensor) -> torch.Tensor:
+    """SHA-256 of an fp32 vector's bytes, as 32 uint8 values (a message's tensor)."""
+    data = values.detach().to(torch.float32).contiguous().view(torch.uint8).numpy()
+    return torch.frombuffer(bytearray(hashlib.sha256(data.data).digest()), dtype=torch.uint8)
+
+
+def _as_received(values: torch.Tensor, codec: str) -> torch.Tensor:
+    """`values` as a receiver decodes them under `codec` (itself for raw fp32)."""
+    if not codec:
+        return values
+    header, view = encode("x", values, codec)
+    return decode(header, view).reshape(-1).float()

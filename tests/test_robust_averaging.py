@@ -1,0 +1,126 @@
+"""Robust averaging (issue 43): the robust means themselves, and the all-to-all round that runs them over
+real peer servers on loopback, with members that lie."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ravnest.averaging import robust
+from ravnest.averaging.collectives import RingMember
+from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
+from ravnest.spec import AveragingSettings
+from tests.test_averaging import Nodes, nodes, run_all  # noqa: F401  (a fixture)
+
+
+def test_the_worked_example_of_centered_clip():
+    stack = torch.tensor([[1.0], [2.0], [3.0], [-1000.0]])
+    assert float(robust.centered_clip(stack)) == pytest.approx(1.5, abs=1e-3)
+    assert float(robust.median(stack)) == 1.0
+    assert float(robust.trimmed_mean(stack)) == pytest.approx(1.5)
+    assert robust.outliers(stack, robust.centered_clip(stack)) == [False, False, False, True]
+
+
+@pytest.mark.parametrize("rule", robust.RULES)
+def test_honest_replicas_get_about_their_mean_and_nobody_is_an_outlier(rule):
+    torch.manual_seed(0)
+    base = torch.randn(1000)
+    stack = torch.stack([base + 0.01 * torch.randn(1000) for _ in range(8)])
+    center = robust.reducer(rule)(stack)
+    spread = (stack - stack.mean(0)).norm(dim=1).max()
+    assert (center - stack.mean(0)).norm() <= spread  # within the replicas' own spread of their mean
+    assert not any(robust.outliers(stack, center))
+
+
+@pytest.mark.parametrize("rule", robust.RULES)
+@pytest.mark.parametrize("attack", ["sign_flip_x1000", "large_random", "same_lie_by_all_liars"])
+@pytest.mark.parametrize("n,f", [(4, 1), (8, 3)])
+def test_fewer_than_half_liars_move_the_robust_mean_little_and_are_named(rule, attack, n, f):
+    if rule == "trimmed_mean" and f > robust.TRIM * n:
+        pytest.skip("a trimmed mean stands only as many liars as it trims")
+    torch.manual_seed(1)
+    base = torch.randn(2000)
+    honest = [base + 0.01 * torch.randn(2000) for _ in range(n - f)]
+    lie = {"sign_flip_x1000": lambda x: -1000 * x, "large_random": lambda x: 100 * torch.randn_like(x) * x.norm(),
+           "same_lie_by_all_liars": lambda x: -1000 * base}[attack]
+    stack = torch.stack(honest + [lie(honest[i % len(honest)]) for i in range(f)])
+    center = robust.reducer(rule)(stack)
+    honest_mean = torch.stack(honest).mean(0)
+    spread = (torch.stack(honest) - honest_mean).norm(dim=1).max()
+    assert (center - honest_mean).norm() <= 2 * spread, "the liars moved the mean beyond the honest spread"
+    assert robust.outliers(stack, center) == [False] * (n - f) + [True] * f
+
+
+@pytest.mark.parametrize("averaging,words", [
+    ({"strategy": "dear", "robust": "centered_clip"}, "is built for .*, not 'dear'"),
+    ({"strategy": "ring", "robust": "median", "backend": "torch"}, "takes backend 'grpc'"),
+    ({"strategy": "ring", "robust": "mean"}, "robust"),
+])
+def test_a_robust_setting_that_cannot_run_is_refused_with_the_reason(averaging, words):
+    with pytest.raises(ValueError, match=words):
+        AveragingSettings.model_validate(averaging)
+
+
+def robust_all(members: list[RingMember], tensors: list[torch.Tensor], rule: str = "centered_clip", round: int = 0):
+    return run_all([lambda m=m, t=t: robust_allreduce(m, t, round, rule) for m, t in zip(members, tensors)])
+
+
+@pytest.mark.parametrize("n,numel,chunk_bytes", [(3, 10_001, 4096), (4, 70_001, 4 << 20), (5, 3, 4096)])
+def test_a_robust_round_of_honest_members_gives_every_member_the_same_mean(nodes, n, numel, chunk_bytes):
+    members = nodes(n).ring(chunk_bytes=chunk_bytes)
+    base = torch.randn(numel)
+    tensors = [base + 0.01 * torch.randn(numel) for _ in range(n)]
+    originals = [t.clone() for t in tensors]
+    results = robust_all(members, tensors)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    for result in results:
+        assert torch.equal(result, results[0]), "every member must hold the owners' exact bits"
+    spread = max(float((t - torch.stack(tensors).mean(0)).norm()) for t in tensors)
+    assert float((results[0] - torch.stack(tensors).mean(0)).norm()) <= spread
+    assert all(torch.equal(t, o) for t, o in zip(tensors, originals)), "inputs must be left untouched"
+    # and the next round runs on the same members
+    assert not any(isinstance(r, BaseException) for r in robust_all(members, tensors, round=1))
+
+
+def test_a_member_that_sends_its_weights_times_minus_1000_is_named_by_every_honest_member(nodes):
+    members = nodes(4).ring()
+    base = torch.randn(5000)
+    tensors = [base + 0.01 * torch.randn(5000) for _ in range(3)] + [-1000 * base]
+    results = robust_all(members, tensors)
+    for result in results[:3]:
+        assert isinstance(result, RingOutlier) and result.address == members[3].addresses[3], result
+        assert "3 of the 3 other members" in str(result)
+    assert isinstance(results[3], RingOutlier) and results[3].address == members[3].addresses[3]  # itself too
+
+
+@pytest.mark.parametrize("accusers", [{3}, {2, 3}])
+def test_one_liar_alone_cannot_convict_an_honest_member_and_half_of_them_can(nodes, monkeypatch, accusers):
+    members = nodes(4).ring()
+    base = torch.randn(3000)
+    tensors = [base + 0.01 * torch.randn(3000) for _ in range(4)]
+    send = RingMember._send
+
+    def accusing(self, round, step, chunk, part, *args, **kwargs):  # they vote against everyone else
+        if self.rank in accusers and -1 - 4 * self.size >= step > -1 - 5 * self.size:  # its mean, votes at the end
+            part = torch.cat([part[:-self.size], (torch.arange(self.size) != self.rank).float()])
+        return send(self, round, step, chunk, part, *args, **kwargs)
+    monkeypatch.setattr(RingMember, "_send", accusing)
+    results = robust_all(members, tensors)
+    if len(accusers) == 1:
+        assert not any(isinstance(r, BaseException) for r in results), results
+    else:  # 2 of the 3 other owners: a majority, which f < n / 2 liars never are
+        assert isinstance(results[0], RingOutlier) and results[0].address == members[0].addresses[0], results
+
+
+def test_a_share_other_than_the_committed_one_is_a_vote_against_its_sender(nodes, monkeypatch):
+    members = nodes(3).ring()
+    base = torch.randn(3000)
+    tensors = [base + 0.01 * torch.randn(3000) for _ in range(3)]
+    send = RingMember._send
+
+    def switching(self, round, step, chunk, part, *args, **kwargs):  # member 2 commits, then sends another share
+        if self.rank == 2 and -1 - 3 * self.size >= step > -1 - 4 * self.size:
+            part = part + 1e-3
+        return send(self, round, step, chunk, part, *args, **kwargs)
+    monkeypatch.setattr(RingMember, "_send", switching)
+    results = robust_all(members, tensors)
+    assert all(isinstance(r, RingOutlier) and r.address == members[2].addresses[2] for r in results[:2]), results
