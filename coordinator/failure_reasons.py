@@ -46,8 +46,8 @@ def failure_reason(failure: Failure | None, said: str, reporter: NodeRow, stage:
     if lost is not None and lost.id != reporter.id and failure.kind == FailureKind.NAN:
         return f"node {who(lost)} sent values that are not finite: {where} refused them"
     if lost is not None and lost.id != reporter.id and failure.kind == FailureKind.OUTLIER:
-        return (f"node {who(lost)} sent averaging contributions far beyond the other replicas' (most members of "
-                f"a robust round found so; it is left out as an outlier): {where} reported it")
+        return f"node {who(lost)} sent values that cannot be honest, and is left out as an outlier: {where} " \
+               f"found {failure.message}"
     if failure.kind == FailureKind.OUT_OF_MEMORY:
         return f"node {who(reporter)} ran out of memory in cluster {stage.cluster} stage {stage.stage}"
     if failure.kind == FailureKind.NAN:

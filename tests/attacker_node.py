@@ -53,12 +53,17 @@ def install(attack: Attack) -> None:
             yield x, attack.labels(y, self.num_classes or 1, count // attack.every)
     Dataset.batches = flipped  # type: ignore[method-assign]
 
-    send_forward = StageExecutor._send_forward
+    send_forward, send_backward = StageExecutor._send_forward, StageExecutor._send_backward
 
-    def garbage(self, m):
+    def garbage_forward(self, m):
         self._output = attack.activations(self._output, self.optimizer.steps // attack.every)
         return send_forward(self, m)
-    StageExecutor._send_forward = garbage  # type: ignore[method-assign]
+
+    def garbage_backward(self, m):
+        self._input_grad = attack.activations(self._input_grad, self.optimizer.steps // attack.every)
+        return send_backward(self, m)
+    StageExecutor._send_forward = garbage_forward  # type: ignore[method-assign]
+    StageExecutor._send_backward = garbage_backward  # type: ignore[method-assign]
 
 
 def _split(argv: list[str]) -> tuple[Attack | None, list[str]]:

@@ -8,7 +8,8 @@ node process takes them through `python -m tests.attacker_node join --attack NAM
     large_norm           plus a random direction 100 times its own norm
     stale_replay         the contribution it sent STALE_STEPS steps before, again
     label_flip           trains on label c - 1 - y (c classes): honest arithmetic on wrong data
-    garbage_activations  a pipeline stage's outputs replaced by noise of 1000 times their RMS
+    garbage_activations  a pipeline stage's outputs (on the last stage, the gradients it sends back)
+                         replaced by noise of 1000 times their RMS
 
 Any of them may start mid-job: from averaging round `from_round` on (a step // every), before which the
 node is honest.

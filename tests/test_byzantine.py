@@ -1,6 +1,7 @@
 """Issue 43 end to end, with real processes: a volunteer that lies in what it sends (tests/attacks.py,
-run by tests/attacker_node.py) among honest ones, on the README's digits CNN as 4 replicas with robust
-averaging. The job completes as well as the honest run, and only the liar is left out, as an outlier."""
+run by tests/attacker_node.py) among honest ones, on the README's digits CNN: as 4 replicas with robust
+averaging, and as 2 pipelines of 2 stages. Each job completes as well as the honest run, and only the
+liar is left out, as an outlier."""
 from __future__ import annotations
 
 import json
@@ -22,13 +23,25 @@ def robust_job() -> dict:
     return spec
 
 
+def pipelines_job() -> dict:
+    spec = json.loads(CNN_JOB.read_text())
+    spec["training"].update(steps=200, eval_every=0)
+    spec["averaging"] = {"strategy": "ring", "every": EVERY}
+    return spec
+
+
+def join_attacker(cluster: LocalCluster, attack: str) -> str:
+    """A node running `attack` from averaging round 2 on; its id once joined."""
+    cluster._spawn(["tests.attacker_node", "--attack", attack, "--attack-from-round", "2", "--attack-every",
+                    str(EVERY), "join", "--coordinator", cluster.url, f"--token={cluster.join_token}", "--name",
+                    "attacker", "--ephemeral", "--threads", "1"], "attacker.log")
+    return cluster.wait_for(lambda: next((n["id"] for n in cluster.alive_nodes() if n["name"] == "attacker"), None),
+                            60, "the attacker to join")
+
+
 def test_a_replica_that_flips_and_scales_its_averaging_is_left_out_as_an_outlier_and_the_job_learns(tmp_path):
     with LocalCluster(tmp_path, nodes=3) as cluster:
-        cluster._spawn(["tests.attacker_node", "--attack", "sign_flip", "--attack-from-round", "2", "join",
-                        "--coordinator", cluster.url, f"--token={cluster.join_token}", "--name", "attacker",
-                        "--ephemeral", "--threads", "1"], "attacker.log")
-        attacker = cluster.wait_for(lambda: next((n["id"] for n in cluster.alive_nodes() if n["name"] == "attacker"),
-                                                 None), 60, "the attacker to join")
+        attacker = join_attacker(cluster, "sign_flip")
         honest = {n["id"] for n in cluster.alive_nodes()} - {attacker}
         job_id = cluster.submit(robust_job())
         cluster.wait_for(lambda: cluster.job(job_id)["recoveries"] or cluster.job(job_id)["state"] != "running",
@@ -38,7 +51,8 @@ def test_a_replica_that_flips_and_scales_its_averaging_is_left_out_as_an_outlier
         assert attacked["state"] == "completed", attacked["reason"]
         [recovery] = attacked["recoveries"]
         assert recovery["left_out"] == [attacker], recovery
-        assert "far beyond the other replicas'" in recovery["reason"], recovery
+        assert "left out as an outlier" in recovery["reason"], recovery
+        assert "far beyond the others'" in recovery["reason"], recovery
         assert recovery["failure"]["kind"] == "outlier", recovery
         # found at the first round it lied in: round 2, from step 2 * EVERY, applied EVERY // 2 steps later
         assert recovery["reached_step"] <= 4 * EVERY, recovery
@@ -49,7 +63,38 @@ def test_a_replica_that_flips_and_scales_its_averaging_is_left_out_as_an_outlier
         clean = cluster.wait_job(cluster.submit(robust_job()), timeout=600)
         assert clean["state"] == "completed" and not clean["recoveries"], clean
         print(f"digits CNN, 4 replicas, centered_clip: honest {clean['metrics']['test_accuracy']:.4f}, with a "
-              f"sign-flipping replica left out at step {recovery['reached_step']}: {attacked['metrics']['test_accuracy']:.4f}")
+              f"sign-flipping replica left out at step {recovery['reached_step']}: "
+              f"{attacked['metrics']['test_accuracy']:.4f}")
+        assert attacked["metrics"]["test_accuracy"] >= clean["metrics"]["test_accuracy"] - 0.02
+        nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
+        assert not [nodes[i]["name"] for i in honest if nodes[i]["quarantined_until"]], nodes
+
+
+def test_a_stage_that_sends_garbage_down_its_pipeline_is_left_out_as_an_outlier_and_the_job_learns(tmp_path):
+    """Noise of 1000 times the RMS from round 2 on: activations where the attacker holds stage 0, the
+    gradients it sends back where it holds stage 1. Before, such a job completed at 0.975, unnoticed."""
+    with LocalCluster(tmp_path, nodes=3) as cluster:
+        attacker = join_attacker(cluster, "garbage_activations")
+        honest = {n["id"] for n in cluster.alive_nodes()} - {attacker}
+        job_id = cluster.submit(pipelines_job())
+        cluster.wait_for(lambda: cluster.job(job_id)["recoveries"] or cluster.job(job_id)["state"] != "running",
+                         300, "the attacker to be found")
+        honest |= cluster.add_nodes(1)
+        attacked = cluster.wait_job(job_id, timeout=600)
+        assert attacked["state"] == "completed", attacked["reason"]
+        assert attacked["recoveries"] and all(r["left_out"] == [attacker] for r in attacked["recoveries"]), \
+            attacked["recoveries"]
+        recovery = attacked["recoveries"][0]
+        assert recovery["failure"]["kind"] == "outlier" and "times the median" in recovery["reason"], recovery
+        assert recovery["reached_step"] <= 3 * EVERY, recovery  # the first garbage micro-batch
+        assert {s["node_id"] for c in attacked["plan"]["clusters"] for s in c["stages"]} <= honest
+
+        cluster.wait_for(lambda: all(n["state"] == "idle" for n in cluster.alive_nodes() if n["id"] in honest),
+                         60, "the honest nodes to be idle")
+        clean = cluster.wait_job(cluster.submit(pipelines_job()), timeout=600)
+        assert clean["state"] == "completed" and not clean["recoveries"], clean
+        print(f"digits CNN, 2 x 2: honest {clean['metrics']['test_accuracy']:.4f}, with a stage sending garbage "
+              f"left out at step {recovery['reached_step']}: {attacked['metrics']['test_accuracy']:.4f}")
         assert attacked["metrics"]["test_accuracy"] >= clean["metrics"]["test_accuracy"] - 0.02
         nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
         assert not [nodes[i]["name"] for i in honest if nodes[i]["quarantined_until"]], nodes

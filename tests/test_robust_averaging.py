@@ -124,3 +124,24 @@ def test_a_share_other_than_the_committed_one_is_a_vote_against_its_sender(nodes
     monkeypatch.setattr(RingMember, "_send", switching)
     results = robust_all(members, tensors)
     assert all(isinstance(r, RingOutlier) and r.address == members[2].addresses[2] for r in results[:2]), results
+
+
+def test_an_owner_that_sends_a_wrong_mean_of_its_share_is_named_by_the_members_it_sent_it_to(nodes, monkeypatch):
+    members = nodes(4).ring()
+    base = torch.randn(4000)
+    before = [base + 0.01 * torch.randn(4000) for _ in range(4)]
+    assert not any(isinstance(r, BaseException) for r in robust_all(members, before, round=0))
+    send = RingMember._send
+
+    def lying(self, round, step, chunk, part, *args, **kwargs):  # member 3 sends its mean times -1, to 0 and 1
+        to = kwargs.get("to")
+        if self.rank == 3 and to in (0, 1) and -1 - 4 * self.size >= step > -1 - 5 * self.size:
+            part = torch.cat([-part[:-self.size], part[-self.size:]])
+        return send(self, round, step, chunk, part, *args, **kwargs)
+    monkeypatch.setattr(RingMember, "_send", lying)
+    after = [t + 0.01 * torch.randn(4000) for t in before]  # a round of training later
+    results = robust_all(members, after, round=1)
+    for result in results[:2]:
+        assert isinstance(result, RingOutlier) and result.address == members[3].addresses[3], result
+        assert "sent a mean of its share" in str(result)
+    assert not isinstance(results[2], BaseException), results[2]  # it got the true mean: nothing to see

@@ -192,6 +192,24 @@ def test_diloco_outer_step_is_sgd_with_nesterov_momentum_on_the_pseudo_gradient(
     assert torch.allclose(plain, start - delta)
 
 
+@pytest.mark.parametrize("averaging", [
+    {"strategy": "ring", "every": 10, "robust": "centered_clip"},
+    {"strategy": "diloco", "every": 10, "robust": "centered_clip", "codec": "fp16"},
+], ids=["ring", "diloco-fp16"])
+def test_honest_replicas_average_robustly_learn_as_with_the_plain_mean_and_nobody_is_named(reference, averaging):
+    """Robust rounds (averaging.robust) of 3 differently cut clusters: every round applied, no replica
+    named an outlier (one would stop its stage), accuracy as the single process, the same final weights."""
+    spec = job(averaging, {"name": "Adam", "kwargs": {"lr": 1e-3}})
+    clusters = train(spec, CLUSTER_RANGES)
+    accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
+    print(f"\n{averaging}: test accuracy {accuracies} vs reference {reference['test_accuracy']:.4f}")
+    assert min(accuracies) >= reference["test_accuracy"] - 0.03
+    assert_identical(clusters)
+    for cluster in clusters:
+        for averager, metrics in zip(cluster["averagers"], cluster["stages"]):
+            assert metrics["avg_rounds"] == STEPS // 10 * len(averager._segments)
+
+
 @pytest.mark.parametrize("averaging,cluster_ranges", [
     ({"strategy": "diloco", "every": 10, "codec": "int8"}, [[(0, 4)]] * 4),
     ({"strategy": "diloco", "every": 10, "codec": "fp16", "streaming": True}, CLUSTER_RANGES),

@@ -8,6 +8,7 @@ below the ring's and gossip's (-1 - (2 + phase) * n - sender), so rounds of all 
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import torch
 
@@ -18,6 +19,11 @@ from ravnest.failures import FailureKind, KnownFailure
 from ravnest.wire.tensors import decode, encode
 
 PHASES = ("commit", "scatter", "gather", "votes")
+# An honest owner's mean of a share is about as far from any member's values as they moved since the last
+# round (mean - x = (mean - last) - (x - last), both of a round's training); a mean further than this many
+# times that is a lie of the owner's, which only the members it sent it to can see
+OWNER_SLACK = 20.0
+_LAST: "weakref.WeakKeyDictionary[RingMember, torch.Tensor]" = weakref.WeakKeyDictionary()  # its last result
 
 
 class RingOutlier(RingError, KnownFailure):
@@ -39,7 +45,7 @@ class RingOutlier(RingError, KnownFailure):
 
 
 def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: str, *, codec: str | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, changes: bool = False) -> torch.Tensor:
     """A mean of every member's `flat` that no minority of liars can move far (`rule`, one of
     robust.RULES), written like `RingMember.allreduce`'s. Every member sends share k of its vector
     straight to member k (equal shares by rank), which reduces all n copies robustly and sends the
@@ -55,7 +61,11 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
 
     Every member then counts the same votes: a member that more than half of the other owners
     voted against is an outlier, and the round raises RingOutlier naming it (after `out` holds
-    the robust mean), so every honest member reports the same peer in the same round."""
+    the robust mean), so every honest member reports the same peer in the same round. An owner that
+    sends a mean of its share far from the member's own values (OWNER_SLACK times their movement
+    since the last round) is named by each member it sent that to. The last result is kept for
+    that: one more copy of the vector per segment, from the second round on. `changes`: the vectors
+    are changes themselves (diloco's pseudo-gradients), whose movement is measured from zero."""
     codec = member.codec if codec is None else codec
     n, r = member.size, member.rank
     buf = _work_buffer(flat, out)
@@ -85,6 +95,8 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
                                                         sender=j)
             if not torch.equal(_digest(stack[j]), committed[j][r]):
                 votes[j] = 1.0  # it broke its word: a lie only this owner can see, so a vote like the others
+        reference = torch.zeros_like(buf) if changes else _LAST.get(member)
+        moved = _movement(buf, reference, shares)  # (before the means overwrite this member's values)
         mean = robust.reducer(rule)(stack) if b > a else stack[r]
         votes = torch.maximum(votes, torch.tensor(robust.outliers(stack, mean), dtype=torch.float32))
         buf[a:b] = mean
@@ -100,17 +112,26 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
                 member._send(round, steps["votes"] - r, 0, votes, n, "", to=k)
         ballots = torch.zeros(n, n)  # ballots[owner][member]: owner voted against member
         ballots[r] = votes
+        off = torch.zeros(n)  # per owner: the squared distance of its mean from this member's values
         for j in others:
             pieces = member._chunk_bounds(*shares[j]) or [(shares[j][0],) * 2]
             for c, (ca, cb) in enumerate(pieces):
                 last = c == len(pieces) - 1
                 got = member._receive(round, steps["gather"] - j, c, cb - ca + n * (ride and last), buf.numel(),
                                       sender=j)
+                off[j] += float((got[:cb - ca] - buf[ca:cb]).square().sum())
                 buf[ca:cb] = got[:cb - ca]
                 if ride and last:
                     ballots[j] = got[cb - ca:]
             if not ride:
                 ballots[j] = member._receive(round, steps["votes"] - j, 0, n, n, sender=j)
+    for j in others if moved is not None else ():
+        if (float(off[j]) / max(1, shares[j][1] - shares[j][0])) ** 0.5 > OWNER_SLACK * float(moved[j]):  # type: ignore[index]
+            raise RingOutlier(f"ring segment {member.segment} round {round}: {member.addresses[j]} (rank {j}) sent a "
+                              f"mean of its share more than {OWNER_SLACK:g} times as far from this member's values "
+                              f"as they moved since the last round", address=member.addresses[j])
+    if not changes:
+        _LAST[member] = buf.clone()
     against = ballots.fill_diagonal_(0).sum(dim=0)  # an owner's vote on itself does not count
     convicted = [j for j in range(n) if against[j] > (n - 1) / 2]
     if convicted:
@@ -119,6 +140,19 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
                           f"members found the contribution of {member.addresses[j]} (rank {j}) far beyond the "
                           f"others' ({rule})", address=member.addresses[j])
     return buf
+
+
+def _movement(values: torch.Tensor, last: torch.Tensor | None, shares: list[tuple[int, int]]
+              ) -> torch.Tensor | None:
+    """Per share, the RMS of how far this member's `values` moved from the last round's result, at
+    least their RMS over the whole vector (a share its training barely touched, such as embedding rows
+    it saw no token of, still allows for the others' movement); None in a first round."""
+    if last is None or last.numel() != values.numel():
+        return None
+    change = values - last
+    overall = float(change.square().mean()) ** 0.5 if values.numel() else 0.0
+    return torch.tensor([max(overall, float(change[a:b].square().mean()) ** 0.5 if b > a else 0.0)
+                         for a, b in shares]) + 1e-12
 
 
 def _digest(values: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ravnest.pipeline.inbox import PipelineError
 from ravnest.pipeline.stage_metrics import BackwardRecord, PipelineTrace, StageClock
 from ravnest.pipeline.neighbours import BACKWARD, FORWARD, NEXT, PREV, Neighbours
 from ravnest.pipeline.optim import StageOptimizer
+from ravnest.pipeline.plausibility import ScaleWatch
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action,
                                        staleness, steps_before_next_forward)
 from ravnest.pipeline.stash import StageCompute
@@ -73,6 +74,8 @@ class StageExecutor:
         self.admitted = self.completed = 0  # stage 0: micro-batches taken from the data, and finished
         self.staleness_sum = 0  # optimizer steps between each micro-batch's forward and its W
         self._forward_versions: dict[int, int] = {}
+        # a neighbour's activations or gradients whose scale jumps are refused, naming it (plausibility.py)
+        self._scales = ScaleWatch("activations", assignment.prev), ScaleWatch("gradients", assignment.next)
         # what one action hands to the next: (x, y) received, output computed, gradients
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._output: torch.Tensor | None = None
@@ -113,6 +116,7 @@ class StageExecutor:
         if msg.id != m:
             raise PipelineError(f"stage {self.assignment.stage} expected micro-batch {m}, got {msg.id}")
         self.checkpoints.heard(msg.tags)
+        self._scales[0].check(msg.tensors["x"], m)
         self._pending = msg.tensors["x"], msg.tensors["y"]
 
     def _forward(self, m: int) -> None:
@@ -157,6 +161,7 @@ class StageExecutor:
         if msg.id != m:
             raise PipelineError(f"stage {self.assignment.stage} expected the gradient of micro-batch {m}, "
                                 f"got {msg.id}")
+        self._scales[1].check(msg.tensors["grad"], m)
         self._grad = msg.tensors["grad"].to(self.device)
 
     def _backward_input(self, m: int) -> None:

@@ -36,7 +36,7 @@ import torch
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
 from ravnest.averaging.collectives import RingMember
-from ravnest.averaging.registry import CostInputs
+from ravnest.averaging.registry import CostInputs, strategy_info
 from ravnest.averaging.robust_round import robust_allreduce
 from ravnest.averaging.runtime import ring_round_s
 from ravnest.averaging.strategy import GroupStrategy, StageContext, group_member, register_strategy
@@ -218,7 +218,8 @@ class RingAveraging(GroupStrategy):
         segment.layout.flatten(tensors, out=segment.snapshot)
         timed = self.every_seconds is not None and number != FINAL_ROUND
         vector = segment.snapshot if number == FINAL_ROUND else self._round_input(segment)
-        return self._pool.submit(_average, segment, vector, number, codec, finishing if timed else None, self.robust)
+        robust = (self.robust, strategy_info(self.name).averages_changes and number != FINAL_ROUND)
+        return self._pool.submit(_average, segment, vector, number, codec, finishing if timed else None, robust)
 
     def _round_input(self, segment: _Segment) -> torch.Tensor:
         """What a periodic round all-reduces: the snapshot itself."""
@@ -242,15 +243,18 @@ class RingAveraging(GroupStrategy):
 
 
 def _average(segment: _Segment, vector: torch.Tensor, number: int, codec: str | None,
-             finishing: bool | None, robust: str = "") -> _Outcome:
+             finishing: bool | None, robust: tuple[str, bool] = ("", False)) -> _Outcome:
     """The ring work of one round: the mean of `vector` (the snapshot, or what the strategy derives
-    from it), robust where the job asked (the final round too: a liar's last word counts no more).
+    from it), robust where the job asked (`robust`: the rule, and whether `vector` holds changes; the
+    final round too: a liar's last word counts no more).
     Time mode (`finishing` not None) also all-reduces the finished flag, exactly (raw fp32), under the
     odd wire round next to the data's even one."""
     wire_round = number if finishing is None else 2 * number
     sent_before = getattr(segment.member, "sent_bytes", 0)  # (gloo's members do not count)
-    if robust:
-        average = robust_allreduce(segment.member, vector, wire_round, robust, codec=codec, out=segment.average)
+    rule, changes = robust
+    if rule:
+        average = robust_allreduce(segment.member, vector, wire_round, rule, codec=codec, out=segment.average,
+                                   changes=changes)
     else:
         average = segment.member.allreduce(vector, wire_round, codec=codec, out=segment.average)
     sent = getattr(segment.member, "sent_bytes", 0) - sent_before

@@ -1,0 +1,38 @@
+"""A neighbour's activations or gradients whose scale jumps are refused, naming it
+(ravnest/pipeline/plausibility.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ravnest.failures import FailureKind, classify
+from ravnest.pipeline.inbox import PipelineError
+from ravnest.pipeline.plausibility import JUMP, WARMUP, WINDOW, ScaleWatch
+from ravnest.spec import StagePeer
+
+PEER = StagePeer(node_id="n0", address="127.0.0.1:5000")
+
+
+def test_a_jump_of_the_scale_is_refused_naming_the_sender_as_an_outlier():
+    watch = ScaleWatch("activations", PEER)
+    torch.manual_seed(0)
+    for m in range(WINDOW):  # training moves the scale by 10x, both ways: nothing refused
+        watch.check(torch.randn(64, 32) * (1 + 9 * (m % 2)), m)
+    with pytest.raises(PipelineError) as refused:
+        watch.check(torch.randn(64, 32) * 1000, WINDOW)
+    failure = classify(refused.value, {PEER.address: PEER.node_id})
+    assert failure.kind == FailureKind.OUTLIER and failure.peer_id == "n0", failure
+    assert "times the median of its last" in str(refused.value)
+
+
+def test_nothing_is_refused_before_warmup_nor_from_the_first_stage_nor_at_zero():
+    watch = ScaleWatch("activations", PEER)
+    for m in range(WARMUP):  # the first micro-batches are the only scale the stage knows
+        watch.check(torch.ones(8) * 10.0 ** m, m)
+    nobody = ScaleWatch("activations", None)  # stage 0: its data, not a peer
+    for m in range(WARMUP + 2):
+        nobody.check(torch.ones(8) * (JUMP * 10) ** m, m)
+    zeros = ScaleWatch("gradients", PEER)
+    for m in range(WARMUP + 2):
+        zeros.check(torch.zeros(8), m)  # gradients of zeros (a dead branch): no scale to judge by
+    zeros.check(torch.ones(8), WARMUP + 2)
