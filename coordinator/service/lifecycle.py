@@ -14,7 +14,7 @@ from ravnest.telemetry import is_stage_figure
 
 from .. import calibration, jobs
 from ..service_errors import Conflict, Forbidden, Implausible, InvalidRequest
-from ..failure_rules.base import Blame, JobPace, Member, Replan, Report, StagePace
+from ..failure_rules.base import Blame, JobPace, Member, Replan, Report, Revoke, StagePace
 from ..failure_rules.reports import refused_from
 from ..failure_reasons import failure_reason, who
 from ..jobs import JobState
@@ -232,7 +232,8 @@ class JobLifecycle:
             if job.state not in jobs.ACTIVE:  # the job already ended or is being re-planned
                 if source is not None and job.state == JobState.RECOVERING.value:
                     self._refused(session, job, source, reporter, failure_reason(report.failure, report.reason,
-                                                                                 reporter, stage, members))
+                                                                                 reporter, stage, members),
+                                  outlier=report.failure is not None and report.failure.kind == FailureKind.OUTLIER)
                 self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
                 return
             relays = {relay.id: relay for node in members.values()
@@ -249,12 +250,16 @@ class JobLifecycle:
                 self.recoveries.refused(job, source, reporter.id, reason)
             self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
 
-    def _refused(self, session: Session, job: JobRow, source: str, refuser: NodeRow, reason: str) -> None:
+    def _refused(self, session: Session, job: JobRow, source: str, refuser: NodeRow, reason: str,
+                 outlier: bool = False) -> None:
         """A refusal heard while the job is re-planned (its sender's report may have come first): the
-        sender is left out of the re-plan under way, and counts the blame."""
+        sender is left out of the re-plan under way, and counts the blame; an outlier's credential goes
+        too where the operator asked (`revoke_outliers`), as when its refusal comes first."""
         log.warning("job %s: %s", job.id, reason)
         self.recoveries.refused(job, source, refuser.id, reason)
         self.rulings.blame(session, source, reason)
+        if outlier and self.core.settings.revoke_outliers:
+            self.rulings.enforce(session, [Revoke(source, reason)])
 
     def hand_in_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int,
                         upload: Path) -> None:
