@@ -48,41 +48,44 @@ def attacker(cluster: LocalCluster, attack: str) -> Iterator[str]:
         proc.kill()
 
 
-def honest_run(cluster: LocalCluster, spec: dict, honest: set[str]) -> dict:
-    """The same job on the honest nodes alone, once they are idle."""
+def attacked_then_honest(cluster: LocalCluster, liar: str, spec: dict) -> tuple[dict, dict]:
+    """`spec` run with the liar among the nodes (a fourth honest node joins for the re-plan), then again on
+    the honest nodes alone: both jobs. Only the liar is left out, the first job learns within 0.02 of the
+    second, and no honest node is quarantined."""
+    honest = {n["id"] for n in cluster.alive_nodes()} - {liar}
+    job_id = cluster.submit(spec)
+    cluster.wait_for(lambda: cluster.job(job_id)["recoveries"] or cluster.job(job_id)["state"] != "running",
+                     300, "the attacker to be found")
+    honest |= cluster.add_nodes(1)
+    attacked = cluster.wait_job(job_id, timeout=600)
+    assert attacked["state"] == "completed", attacked["reason"]
+    assert attacked["recoveries"] and all(r["left_out"] == [liar] for r in attacked["recoveries"]), \
+        attacked["recoveries"]
+    assert {s["node_id"] for c in attacked["plan"]["clusters"] for s in c["stages"]} <= honest
+
     cluster.wait_for(lambda: all(n["state"] == "idle" for n in cluster.alive_nodes() if n["id"] in honest),
                      60, "the honest nodes to be idle")
     clean = cluster.wait_job(cluster.submit(spec), timeout=600)
     assert clean["state"] == "completed" and not clean["recoveries"], clean
-    return clean
+    assert attacked["metrics"]["test_accuracy"] >= clean["metrics"]["test_accuracy"] - 0.02
+    nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
+    assert not [nodes[i]["name"] for i in honest if nodes[i]["quarantined_until"]], nodes
+    return attacked, clean
 
 
 def test_a_replica_that_flips_and_scales_its_averaging_is_left_out_as_an_outlier_and_the_job_learns(tmp_path):
     with LocalCluster(tmp_path, nodes=3, coordinator_args=["--revoke-outliers"]) as cluster, \
             attacker(cluster, "sign_flip") as liar:
-        honest = {n["id"] for n in cluster.alive_nodes()} - {liar}
-        job_id = cluster.submit(robust_job())
-        cluster.wait_for(lambda: cluster.job(job_id)["recoveries"] or cluster.job(job_id)["state"] != "running",
-                         300, "the attacker to be found")
-        honest |= cluster.add_nodes(1)  # a fourth replica for the re-plan
-        attacked = cluster.wait_job(job_id, timeout=600)
-        assert attacked["state"] == "completed", attacked["reason"]
-        [recovery] = attacked["recoveries"]
-        assert recovery["left_out"] == [liar], recovery
-        assert "left out as an outlier" in recovery["reason"], recovery
-        assert "far beyond the others'" in recovery["reason"], recovery
-        assert recovery["failure"]["kind"] == "outlier", recovery
-        # found at the first round it lied in: round 2, from step 2 * EVERY, applied EVERY // 2 steps later
-        assert recovery["reached_step"] <= 4 * EVERY, recovery
-        assert {s["node_id"] for c in attacked["plan"]["clusters"] for s in c["stages"]} <= honest
-
-        clean = honest_run(cluster, robust_job(), honest)
-        print(f"digits CNN, 4 replicas, centered_clip: honest {clean['metrics']['test_accuracy']:.4f}, with a "
-              f"sign-flipping replica left out at step {recovery['reached_step']}: "
-              f"{attacked['metrics']['test_accuracy']:.4f}")
-        assert attacked["metrics"]["test_accuracy"] >= clean["metrics"]["test_accuracy"] - 0.02
-        nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
-        assert not [nodes[i]["name"] for i in honest if nodes[i]["quarantined_until"]], nodes
+        attacked, clean = attacked_then_honest(cluster, liar, robust_job())
+    [recovery] = attacked["recoveries"]
+    assert "left out as an outlier" in recovery["reason"], recovery
+    assert "far beyond the others'" in recovery["reason"], recovery
+    assert recovery["failure"]["kind"] == "outlier", recovery
+    # found at the first round it lied in: round 2, from step 2 * EVERY, applied EVERY // 2 steps later
+    assert recovery["reached_step"] <= 4 * EVERY, recovery
+    print(f"digits CNN, 4 replicas, centered_clip: honest {clean['metrics']['test_accuracy']:.4f}, with a "
+          f"sign-flipping replica left out at step {recovery['reached_step']}: "
+          f"{attacked['metrics']['test_accuracy']:.4f}")
 
 
 def test_a_stage_that_sends_garbage_down_its_pipeline_is_left_out_as_an_outlier_and_the_job_learns(tmp_path):
@@ -90,26 +93,12 @@ def test_a_stage_that_sends_garbage_down_its_pipeline_is_left_out_as_an_outlier_
     gradients it sends back where it holds stage 1. Before, such a job completed at 0.975, unnoticed."""
     with LocalCluster(tmp_path, nodes=3, coordinator_args=["--revoke-outliers"]) as cluster, \
             attacker(cluster, "garbage_activations") as liar:
-        honest = {n["id"] for n in cluster.alive_nodes()} - {liar}
-        job_id = cluster.submit(pipelines_job())
-        cluster.wait_for(lambda: cluster.job(job_id)["recoveries"] or cluster.job(job_id)["state"] != "running",
-                         300, "the attacker to be found")
-        honest |= cluster.add_nodes(1)
-        attacked = cluster.wait_job(job_id, timeout=600)
-        assert attacked["state"] == "completed", attacked["reason"]
-        assert attacked["recoveries"] and all(r["left_out"] == [liar] for r in attacked["recoveries"]), \
-            attacked["recoveries"]
-        # the refusing neighbour's report, or the attacker's own (that its neighbour stopped or went silent),
-        # whichever came first: the refusal then leaves the attacker out instead, and says so
-        recovery = attacked["recoveries"][0]
-        assert "refused as an outlier" in recovery["reason"], recovery
-        # refused at the first garbage micro-batch (step 2 * EVERY); the other pipeline runs on until told
-        assert recovery["reached_step"] <= 6 * EVERY, recovery
-        assert {s["node_id"] for c in attacked["plan"]["clusters"] for s in c["stages"]} <= honest
-
-        clean = honest_run(cluster, pipelines_job(), honest)
-        print(f"digits CNN, 2 x 2: honest {clean['metrics']['test_accuracy']:.4f}, with a stage sending garbage "
-              f"left out at step {recovery['reached_step']}: {attacked['metrics']['test_accuracy']:.4f}")
-        assert attacked["metrics"]["test_accuracy"] >= clean["metrics"]["test_accuracy"] - 0.02
-        nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
-        assert not [nodes[i]["name"] for i in honest if nodes[i]["quarantined_until"]], nodes
+        attacked, clean = attacked_then_honest(cluster, liar, pipelines_job())
+    # the refusing neighbour's report, or the attacker's own (that its neighbour stopped or went silent),
+    # whichever came first: the refusal then leaves the attacker out instead, and says so
+    recovery = attacked["recoveries"][0]
+    assert "refused as an outlier" in recovery["reason"], recovery
+    # refused at the first garbage micro-batch (step 2 * EVERY); the other pipeline runs on until told
+    assert recovery["reached_step"] <= 6 * EVERY, recovery
+    print(f"digits CNN, 2 x 2: honest {clean['metrics']['test_accuracy']:.4f}, with a stage sending garbage "
+          f"left out at step {recovery['reached_step']}: {attacked['metrics']['test_accuracy']:.4f}")

@@ -9,7 +9,7 @@ from ravnest.averaging import robust
 from ravnest.averaging.collectives import RingMember
 from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
 from ravnest.spec import AveragingSettings
-from tests.test_averaging import Nodes, nodes, run_all  # noqa: F401  (a fixture)
+from tests.test_averaging import nodes, run_all  # noqa: F401  (nodes: a fixture, an argument below)
 
 
 def test_the_worked_example_of_centered_clip():
@@ -99,9 +99,9 @@ def test_one_liar_alone_cannot_convict_an_honest_member_and_half_of_them_can(nod
     tensors = [base + 0.01 * torch.randn(3000) for _ in range(4)]
     send = RingMember._send
 
-    def accusing(self, round, step, chunk, part, *args, **kwargs):  # they vote against everyone else
+    def accusing(self, round, step, chunk, part, *args, **kwargs):  # they vote 1000 times against all others
         if self.rank in accusers and -1 - 4 * self.size >= step > -1 - 5 * self.size:  # its mean, votes at the end
-            part = torch.cat([part[:-self.size], (torch.arange(self.size) != self.rank).float()])
+            part = torch.cat([part[:-self.size], 1000.0 * (torch.arange(self.size) != self.rank).float()])
         return send(self, round, step, chunk, part, *args, **kwargs)
     monkeypatch.setattr(RingMember, "_send", accusing)
     results = robust_all(members, tensors)

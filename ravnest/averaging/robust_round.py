@@ -131,8 +131,10 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
                               f"mean of its share more than {OWNER_SLACK:g} times as far from this member's values "
                               f"as they moved since the last round", address=member.addresses[j])
     if not changes:
-        _LAST[member] = buf.clone()
-    against = ballots.fill_diagonal_(0).sum(dim=0)  # an owner's vote on itself does not count
+        kept = _LAST.get(member)
+        _LAST[member] = kept.copy_(buf) if kept is not None and kept.shape == buf.shape else buf.clone()
+    # a vote is one vote whatever number an owner sent, and an owner's vote on itself does not count
+    against = (ballots > 0.5).float().fill_diagonal_(0).sum(dim=0)
     convicted = [j for j in range(n) if against[j] > (n - 1) / 2]
     if convicted:
         j = convicted[0]
