@@ -252,9 +252,8 @@ class JobLifecycle:
 
     def _refused(self, session: Session, job: JobRow, source: str, refuser: NodeRow, reason: str,
                  outlier: bool = False) -> None:
-        """A refusal heard while the job is re-planned (its sender's report may have come first): the
-        sender is left out of the re-plan under way, and counts the blame; an outlier's credential goes
-        too where the operator asked (`revoke_outliers`), as when its refusal comes first."""
+        """A refusal heard while the job is re-planned (its sender's report may have come first): the sender
+        is left out of the re-plan under way, counts the blame, and as an outlier, may be revoked (reports.py)."""
         log.warning("job %s: %s", job.id, reason)
         self.recoveries.refused(job, source, refuser.id, reason)
         self.rulings.blame(session, source, reason)

@@ -23,8 +23,8 @@ smallest values are dropped: less noisy than the median, but it stands only f <=
 
 `outliers` then names the contributions that were far beyond the others: ||x_i - v|| more than
 OUTLIER_RATIO times the (lower) median distance, which is an honest one while f < n / 2. A replica
-owning one share sees only that share; the ring takes a majority of the owners' votes
-(collectives.RingMember.robust_allreduce).
+owning one share sees only that share; the round takes a majority of the owners' votes
+(robust_round.robust_allreduce).
 """
 from __future__ import annotations
 
