@@ -10,8 +10,9 @@ the job re-plans without it, as for a replica most of a robust round found far o
 The bound: more than JUMP times the median RMS of the last WINDOW micro-batches, once WARMUP have
 come. No honest pipeline of the test suite tripped it (digits, gpt on text, Llama pre-training and
 fine-tuning over compressed links, models larger than a node). What this cannot see: noise of the
-honest scale, values wrong in direction only, and garbage sent from the very first micro-batch (it is the only scale the stage knows); catching
-those needs a stage's work recomputed elsewhere (spot checks), not built yet (docs/security.md).
+honest scale, values wrong in direction only, and garbage sent from the very first micro-batch (it
+is the only scale the stage knows); catching those needs a stage's work recomputed elsewhere (spot
+checks), not built yet (docs/security.md).
 """
 from __future__ import annotations
 
