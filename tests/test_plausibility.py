@@ -7,7 +7,7 @@ import torch
 
 from ravnest.failures import FailureKind, classify
 from ravnest.pipeline.inbox import PipelineError
-from ravnest.pipeline.plausibility import JUMP, WARMUP, WINDOW, ScaleWatch
+from ravnest.pipeline.plausibility import JUMP, PEAK_SLACK, WARMUP, WINDOW, ScaleWatch
 from ravnest.spec import StagePeer
 
 PEER = StagePeer(node_id="n0", address="127.0.0.1:5000")
@@ -23,6 +23,21 @@ def test_a_jump_of_the_scale_is_refused_naming_the_sender_as_an_outlier():
     failure = classify(refused.value, {PEER.address: PEER.node_id})
     assert failure.kind == FailureKind.OUTLIER and failure.peer_id == "n0", failure
     assert "times the median of its last" in str(refused.value)
+
+
+def test_a_heavy_tailed_gradient_is_let_through_up_to_the_largest_scale_seen():
+    """Once a classifier is confident its gradients are mostly tiny, and the micro-batch it gets wrong
+    brings one thousands of times the median (the honest case CI once refused), but no larger than the
+    early ones, when every answer was wrong."""
+    watch = ScaleWatch("gradients", PEER)
+    torch.manual_seed(0)
+    for m in range(WARMUP):  # early: all wrong, the largest gradients of the run
+        watch.check(torch.randn(64, 32), m)
+    for m in range(WARMUP, WARMUP + WINDOW):  # confident: almost nothing
+        watch.check(torch.randn(64, 32) * 1e-4, m)
+    watch.check(torch.randn(64, 32) * 1.2, WARMUP + WINDOW)  # 12,000 times the median: let through
+    with pytest.raises(PipelineError, match="times the largest before"):
+        watch.check(torch.randn(64, 32) * PEAK_SLACK * 2, WARMUP + WINDOW + 1)
 
 
 def test_nothing_is_refused_before_warmup_nor_from_the_first_stage_nor_at_zero():
