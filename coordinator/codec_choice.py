@@ -5,8 +5,8 @@ first; nothing here names one.
 Pipeline links (`pick_codecs`): the precision's own codec (float32 as computed for fp32 jobs) wherever
 the link moves a micro-batch's activations and gradients in under AUTO_LINK_SHARE of the slower end's
 compute (the asynchronous pipeline hides the rest); else the least lossy candidate that sends fewer
-bytes and fits, else the one that sends the fewest. With the built-ins: fp32 -> bf16 -> q8 -> q4 -> q3,
-each about half the bytes of the one before (ravnest/wire/codecs/blockwise.py). A model gets no codec
+bytes and fits, else the one that sends the fewest. With the built-ins: fp32 -> bf16 -> q8 -> q4 -> q4g3 -> q3,
+each fewer bytes than the one before (ravnest/wire/codecs/blockwise.py). A model gets no codec
 lossier than `lossiest_codec(model)`: what bench.codec_cost measured within LOSS_BOUND of float32's
 held-out loss for it (docs/links.md); bf16 for a model not measured.
 
@@ -36,7 +36,7 @@ AUTO_AVERAGING_SLACK = 1.05  # compress averaging no further than what gains ove
 LOSS_BOUND = 0.02  # the held-out loss a pipeline codec may cost against float32 (relative, at the same step)
 # The lossiest pipeline codec `auto` may pick per model: bench.codec_cost's measurement against LOSS_BOUND
 # (docs/links.md, "What each codec costs in learning"). A model not listed gets UNMEASURED.
-MEASURED_WITHIN_BOUND = {"gpt": "q3", "llama": "q4"}  # (q3 cost a fine-tuned llama 2.9%)
+MEASURED_WITHIN_BOUND = {"gpt": "q3", "llama": "q4g3"}  # (q3 both ways cost a fine-tuned llama 2.9%)
 UNMEASURED = "bf16"
 
 

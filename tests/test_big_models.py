@@ -60,7 +60,7 @@ def test_the_coordinator_plans_a_10b_parameter_gpt_in_little_memory_and_time(tmp
     assert len(stages) >= 2 and all(s["predicted_memory_bytes"] <= 64 * GIB for s in stages)
     print(f"10 B-parameter gpt: planned in {elapsed:.1f} s, coordinator peak RSS {peak / 2**20:.0f} MiB, "
           f"{len(stages)} stages: {job['plan']['reason'][:200]}")
-    assert elapsed < 10.0
+    assert elapsed < 30.0  # about 5 s alone; a bound for a planner gone quadratic, not a benchmark
     assert peak < GIB
 
 

@@ -122,9 +122,14 @@ def test_topk_sends_at_least_100_times_fewer_bytes_than_float32() -> None:
 
 @pytest.mark.parametrize("name", codecs.names())
 def test_each_codec_says_the_bytes_it_sends(name: str) -> None:
+    """Per message; q4g3, whose gradients take fewer, says the mean of a pipeline's two directions."""
     t = torch.randn(3, 1000)
-    header, view = encode("t", t, name)
-    assert codecs.codec(name).wire_bytes(t.numel()) == len(view) == header.nbytes
+    sent = []
+    for tensor_name in ("x", "grad"):  # what the pipeline sends forward, and back
+        header, view = encode(tensor_name, t, name)
+        assert len(view) == header.nbytes
+        sent.append(len(view))
+    assert codecs.codec(name).wire_bytes(t.numel()) == sum(sent) // 2
 
 
 def test_a_job_names_only_codecs_that_fit_its_use() -> None:
@@ -206,3 +211,34 @@ def test_blockwise_frames_decode_on_the_receivers_device_and_others_on_its_cpu()
     first, second = MessageAssembler(LIMITS, decode_device=torch.device("meta")).messages(iter(frames))
     assert first.tensors["q"].device.type == "meta" and first.tensors["q"].shape == t.shape
     assert second.tensors["b"].device.type == "cpu"  # an element-wise cast: as cheap on the CPU
+
+
+def test_q4g3_sends_activations_as_q4_and_gradients_as_q3_and_its_frames_say_which() -> None:
+    t = torch.randn(8, 128, 256)
+    for name, like, per_value in (("x", "q4", 0.5 + 2 / 64), ("grad", "q3", 3 / 8 + 2 / 64)):
+        header, view = encode(name, t, "q4g3")
+        assert list(header.params) == [codecs.codec(like).bits] and header.nbytes == t.numel() * per_value
+        budget = ByteBudget(1 << 24)
+        frames = encode_message(Message("m", tensors={name: t}), "q4g3")
+        (out,) = MessageAssembler(WireLimits(max_tensor_bytes=1 << 24, max_message_bytes=1 << 25),
+                                  budget=budget).messages(frames)
+        expected = codecs.codec(like).decode(torch.frombuffer(bytearray(view), dtype=torch.uint8),
+                                             t.shape, torch.float32, [])
+        assert torch.equal(out.tensors[name], expected), name
+    # a planner prices a link at the mean of its two directions: 8.5x fewer bytes than float32
+    assert codecs.codec("q4g3").wire_bytes(64 * 1000) == (34 + 26) // 2 * 1000
+
+
+@pytest.mark.parametrize("bits, nbytes, refused", [
+    (8, 64 + 2, "q4g3 frames are of 4 or 3 bits, not 8"),
+    (3, 32 + 2, "declares 34 bytes but float32\\[64\\] as q4g3 needs 26"),  # q4's size under q3's bits
+])
+def test_a_q4g3_frame_that_lies_about_its_bits_or_size_is_refused_before_allocation(bits, nbytes, refused) -> None:
+    budget = ByteBudget(1 << 24)
+    header = peer_pb2.TensorHeader(name="t", dtype="uint8", shape=[64], codec="q4g3", decoded_dtype="float32",
+                                   nbytes=nbytes, params=[bits])
+    frames = [peer_pb2.Frame(message=peer_pb2.MessageHeader(kind="m", num_tensors=1)).SerializeToString(),
+              peer_pb2.Frame(tensor=header).SerializeToString()]
+    with pytest.raises(WireError, match=refused):
+        list(MessageAssembler(LIMITS, budget=budget).messages(iter(frames)))
+    assert budget.used == 0

@@ -58,7 +58,7 @@ def test_a_fine_tune_over_10_mbit_links_is_compressed_by_auto_and_learns_as_on_f
                 ravnest("download", job["id"], "--format", "hf", "-o", "trained", cwd=tmp_path, env=env)
     [slow_link] = [s for s in jobs[10]["plan"]["clusters"][0]["stages"] if s["codec"] is not None]
     print(f"\n10 Mbit/s: {slow_link['codec']}; {jobs[10]['plan']['reason']}")
-    assert slow_link["codec"] in ("q8", "q4")  # a blockwise codec: bf16 was the most before
+    assert slow_link["codec"] in ("q8", "q4", "q4g3")  # a blockwise codec: bf16 was the most before
     assert f"link 0->1 sends {slow_link['codec']}: its transfer would take" in jobs[10]["plan"]["reason"]
     losses = {mbit: job["metrics"]["test_loss"] for mbit, job in jobs.items()}
     print(f"held-out loss: {losses}")

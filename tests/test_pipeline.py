@@ -337,7 +337,7 @@ def test_batchnorm_statistics_count_each_micro_batch_once(mode: str) -> None:
     assert not torch.equal(state["0.1.running_mean"], initial["0.1.running_mean"])
 
 
-@pytest.mark.parametrize("codec", ["fp16", "q8", "q4"])
+@pytest.mark.parametrize("codec", ["fp16", "q8", "q4", "q4g3"])
 def test_a_compressed_link_trains(codec: str) -> None:
     job = make_job(steps=100, codec=codec, microbatches_in_flight=1, optimizer={"name": "Adam", "kwargs": {"lr": 1e-2}})
     result = run_threaded_pipeline(job, MLP_RANGES, timeout=60)

@@ -306,7 +306,8 @@ def test_the_plan_says_a_line_said_of_several_groups_once() -> None:
 
 @pytest.mark.parametrize("slow, lossiest, picked, limited", [
     (2e6, "q4", "q8", False),     # bf16 would take 0.65x of its stages' compute, q8 0.33x: under the 0.5x share
-    (6e5, "q4", "q4", True),      # q4 0.57x, q3 0.43x: but q3 is lossier than the model may take
+    (6e5, "q4", "q4", True),      # q4 0.57x, q4g3 0.5x: but q4g3 is lossier than the model may take
+    (6.2e5, "q4g3", "q4g3", False),  # q4 0.55x, q4g3 0.49x: a model that may take q4g3 gets it
     (2e6, "bf16", "bf16", True),  # a model measured for nothing lossier: bf16, though it does not fit
     (2e8, "q4", "bf16", False),   # a link that float32 would hold up, bf16 not: only that far
 ])
@@ -328,7 +329,7 @@ def test_auto_compresses_only_the_links_that_would_hold_their_stages_up_and_only
     assert [s.codec for s in stages[""]] == ["", "", None]
     assert [s.codec for s in stages["auto"]] == [(picked if i == slow_link else "") for i in range(2)] + [None]
     full, auto = (stages[c][slow_link].predicted_link_bytes_per_step for c in ("", "auto"))
-    ratio = {"bf16": 2, "q8": 4 / (1 + 2 / 64), "q4": 4 / (0.5 + 2 / 64)}[picked]
+    ratio = {"bf16": 2, "q8": 4 / (1 + 2 / 64), "q4": 4 / (0.5 + 2 / 64), "q4g3": 4 / (7 / 16 + 2 / 64)}[picked]
     assert full is not None and auto is not None and full == pytest.approx(ratio * auto, rel=1e-3)
     said = f"link {slow_link}->{slow_link + 1} sends {picked}: its transfer would take "
     assert said in plans["auto"].reason and ("lossiest codec measured" in plans["auto"].reason) == limited
@@ -344,11 +345,11 @@ def test_the_lossiest_codec_auto_may_pick_is_what_was_measured_for_the_model() -
     from coordinator.codec_choice import MEASURED_WITHIN_BOUND, lossiest_codec
 
     assert lossiest_codec(build_model("gpt", {})) == "q3"
-    assert lossiest_codec(build_model("llama", {})) == "q4"  # q3 cost a fine-tuned one 2.9% of its held-out loss
+    assert lossiest_codec(build_model("llama", {})) == "q4g3"  # q3 both ways cost a fine-tuned one 2.9%
     assert lossiest_codec(build_model("cnn", {})) == "bf16"
     # a subspace model's token ids cross its cuts: exact in bf16, not in a blockwise codec
     assert lossiest_codec(build_model("llama", {"residual_rank": 12})) == "bf16"
-    assert set(MEASURED_WITHIN_BOUND.values()) <= {"bf16", "q8", "q4", "q3"}
+    assert set(MEASURED_WITHIN_BOUND.values()) <= {"bf16", "q8", "q4", "q4g3", "q3"}
 
 
 def test_averaging_codec_auto_compresses_only_as_far_as_the_links_need() -> None:

@@ -14,6 +14,7 @@ added to the next tensor of the same name), held by the sender in a dict it pass
     int8       1 byte + a scale per tensor      -                averaging
     q8/q4/q3   8, 4 or 3 bits + a bf16 scale    -                pipeline (blockwise.py: any model's
                per 64 values                                     activations and gradients)
+    q4g3       q4 forward, q3 back              -                pipeline
     topk       17 bits of 1 in 64 values        error feedback   averaging (all-gather, diloco)
 
 A codec declares where `auto` may choose it (`auto`: per use, its loss rank there, 0 lossless): the
