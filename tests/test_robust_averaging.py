@@ -50,8 +50,27 @@ def test_fewer_than_half_liars_move_the_robust_mean_little_and_are_named(rule, a
     assert robust.outliers(stack, center) == [False] * (n - f) + [True] * f
 
 
+def test_clipped_gossip_is_the_plain_mix_among_alike_neighbours_and_clips_a_far_one():
+    torch.manual_seed(2)
+    own = torch.randn(500)
+    alike = [own + 0.01 * torch.randn(500) for _ in range(2)]
+    weights = [1 / 3, 1 / 3]
+    mixed, far = robust.clipped_gossip(own, [a.clone() for a in alike], weights)
+    plain = own / 3 + alike[0] / 3 + alike[1] / 3
+    assert far == [False, False]
+    # the nearer one as it is, the other clipped to its distance: within that of the plain mix
+    assert (mixed - plain).norm() <= (alike[1] - alike[0]).norm() / 3 + 1e-6
+    lie = -1000 * own
+    mixed, far = robust.clipped_gossip(own, [alike[0].clone(), lie.clone()], weights)
+    assert far == [False, True]
+    assert (mixed - own).norm() <= 2 / 3 * (alike[0] - own).norm() + 1e-6  # the lie moved it no further
+    # one neighbour: nobody can tell who is off, and nothing is clipped
+    mixed, far = robust.clipped_gossip(own, [lie.clone()], [0.5])
+    assert far == [False] and torch.allclose(mixed, (own + lie) / 2)
+
+
 @pytest.mark.parametrize("averaging,words", [
-    ({"strategy": "dear", "robust": "centered_clip"}, "is built for .*, not 'dear'"),
+    ({"strategy": "acid", "robust": "centered_clip"}, "is built for .*, not 'acid'"),
     ({"strategy": "ring", "robust": "median", "backend": "torch"}, "takes backend 'grpc'"),
     ({"strategy": "ring", "robust": "mean"}, "robust"),
 ])

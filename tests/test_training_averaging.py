@@ -17,6 +17,8 @@ import torch
 
 from ravnest.averaging.strategies.acid import acid_constants, gap_averaging, gap_mixing, mix, neighbours, partner
 from ravnest.averaging.strategies.ada import consensus_distance
+from ravnest.averaging.robust import STRIKES
+from ravnest.averaging.robust_round import RingOutlier
 from ravnest.averaging.strategies.diloco import outer_step
 from ravnest.data import load_dataset
 from ravnest.models import build_model
@@ -195,10 +197,13 @@ def test_diloco_outer_step_is_sgd_with_nesterov_momentum_on_the_pseudo_gradient(
 @pytest.mark.parametrize("averaging", [
     {"strategy": "ring", "every": 10, "robust": "centered_clip"},
     {"strategy": "diloco", "every": 10, "robust": "centered_clip", "codec": "fp16"},
-], ids=["ring", "diloco-fp16"])
+    {"strategy": "dear", "robust": "centered_clip", "fusion_mb": 0.05},
+    {"strategy": "dsgd", "every": 10, "robust": "centered_clip", "topology": "ring"},
+], ids=["ring", "diloco-fp16", "dear", "dsgd"])
 def test_honest_replicas_average_robustly_learn_as_with_the_plain_mean_and_nobody_is_named(reference, averaging):
-    """Robust rounds (averaging.robust) of 3 differently cut clusters: every round applied, no replica
-    named an outlier (one would stop its stage), accuracy as the single process, the same final weights."""
+    """Robust rounds (averaging.robust) of 3 differently cut clusters: every round applied (dear: every
+    step's gradients, in several groups), no replica named an outlier (one would stop its stage),
+    accuracy as the single process, the same final weights."""
     spec = job(averaging, {"name": "Adam", "kwargs": {"lr": 1e-3}})
     clusters = train(spec, CLUSTER_RANGES)
     accuracies = [c["metrics"]["test_accuracy"] for c in clusters]
@@ -207,7 +212,62 @@ def test_honest_replicas_average_robustly_learn_as_with_the_plain_mean_and_nobod
     assert_identical(clusters)
     for cluster in clusters:
         for averager, metrics in zip(cluster["averagers"], cluster["stages"]):
-            assert metrics["avg_rounds"] == STEPS // 10 * len(averager._segments)
+            rounds = STEPS if averaging["strategy"] == "dear" else STEPS // 10 * len(averager._segments)
+            assert metrics["avg_rounds"] == rounds
+
+
+def test_a_dear_replica_sending_its_gradients_times_minus_1000_is_clipped_then_named() -> None:
+    """Robust dear over 4 replicas, one of which flips and scales its gradients from its first step: the
+    others' weights stay finite (clipped), and they name it after STRIKES steps in a row (an honest
+    replica's odd micro-batch is clipped in one step but not named)."""
+    spec = job({"strategy": "dear", "robust": "centered_clip"}, {"name": "Adam", "kwargs": {"lr": 1e-3}})
+    kept, averagers = [], []
+
+    def lie(runners) -> None:
+        kept.extend(runner for (runner,) in runners)
+        averagers.extend(runner.averager for runner in kept)
+        averager = averagers[3]
+        honest = averager._reduce
+
+        def flipped(segment, group):
+            group.flat.mul_(-1000)
+            return honest(segment, group)
+        averager._reduce = flipped
+    with pytest.raises(RuntimeError) as stopped:
+        train(spec, [[(0, 4)]] * 4, setup=lie)
+    liar = kept[3].assignment.rings[0].members[3].address
+    print(f"\n{stopped.value}; steps: {[r.optimizer.steps for r in kept]}")
+    assert "far beyond the others'" in str(stopped.value) and liar in str(stopped.value)
+    for runner, averager in zip(kept[:3], averagers):
+        assert runner.optimizer.steps <= STRIKES + 1
+        assert all(bool(torch.isfinite(p).all()) for p in averager.live.values())
+
+
+def test_a_gossip_neighbour_sending_its_weights_times_minus_1000_is_clipped_then_named() -> None:
+    """Robust dsgd over a ring of 4 replicas, one of which sends its weights times -1000 every round: its
+    two neighbours clip it (their weights stay finite and of their honest size) and name it after
+    STRIKES rounds in a row: the failure they leave their averaging for (a node reports it, naming the
+    liar, and the coordinator re-plans without it; here they train on alone, then stop)."""
+    spec = job({"strategy": "dsgd", "every": 2, "topology": "ring", "robust": "centered_clip"},
+               {"name": "SGD", "kwargs": {"lr": 0.05}})
+    kept, averagers = [], []
+
+    def lie(runners) -> None:
+        kept.extend(runner for (runner,) in runners)
+        averagers.extend(runner.averager for runner in kept)
+        honest = averagers[3]._mix
+        averagers[3]._mix = lambda segment, snapshot, round, topology: honest(segment, snapshot * -1000, round,
+                                                                              topology)
+    with pytest.raises(RuntimeError) as stopped:
+        train(spec, [[(0, 4)]] * 4, setup=lie)
+    liar = kept[3].assignment.rings[0].members[3].address
+    print(f"\n{stopped.value}; left for: {[str(r.averaging.alone_cause) for r in kept]}")
+    for neighbour in (0, 2):
+        cause = kept[neighbour].averaging.alone_cause
+        assert isinstance(cause, RingOutlier) and cause.address == liar, cause
+        assert f"{STRIKES} rounds in a row" in str(cause)
+        assert all(bool(torch.isfinite(p).all()) and float(p.abs().max()) < 100
+                   for p in averagers[neighbour].live.values())
 
 
 @pytest.mark.parametrize("averaging,cluster_ranges", [

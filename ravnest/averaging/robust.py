@@ -21,6 +21,11 @@ A tau of 2 median distances let 3 of 8 replicas replaying 100-step-old weights h
 smallest values are dropped: less noisy than the median, but it stands only f <= TRIM * n liars.
 `median`: per coordinate (the lower one of an even count), cheapest to reason about, noisiest.
 
+Gossip has no round that sees every contribution: each replica mixes with its neighbours only. There
+`clipped_gossip` (ClippedGossip, He, Karimireddy and Jaggi 2022) clips each neighbour's difference,
+x_i <- x_i + sum_j w_ij clip(x_j - x_i, tau) with tau = CLIP_SCALE * the (lower) median distance of the
+neighbours, which is the plain mix x_i <- sum_j w_ij x_j wherever nobody is clipped (W's rows sum to 1).
+
 `outliers` then names the contributions that were far beyond the others: ||x_i - v|| more than
 OUTLIER_RATIO times the (lower) median distance, which is an honest one while f < n / 2. A replica
 owning one share sees only that share; the round takes a majority of the owners' votes
@@ -39,6 +44,9 @@ TRIM = 1 / 4  # trimmed_mean drops this share of the contributions at each end (
 # 8 let replicas that train on flipped labels or replay old weights go unnamed (bench.byzantine); at 4 no
 # honest replica of the bench's or of tests/test_byzantine.py's jobs was ever named
 OUTLIER_RATIO = 4.0
+# Where one round's view can be an honest accident, a member is named only once it was far off in this many
+# rounds in a row: dear's per-step gradients (heavy-tailed) and gossip (each replica sees 2 or so neighbours)
+STRIKES = 3
 RULES = ("centered_clip", "trimmed_mean", "median")
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -91,6 +99,20 @@ def outliers(stack: torch.Tensor, center: torch.Tensor) -> list[bool]:
     typical = float(distances.median())
     floor = 1e-6 * float(center.norm()) + 1e-12  # identical replicas: anything measurably apart counts
     return [bool(d > OUTLIER_RATIO * max(typical, floor)) for d in distances]
+
+
+def clipped_gossip(own: torch.Tensor, heard: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor,
+                                                                                                list[bool]]:
+    """This replica's gossip mix (the module docstring), and which neighbours were beyond OUTLIER_RATIO
+    times tau (none with fewer than 2: nobody can tell who is off). `heard` is overwritten."""
+    distances = [float(h.sub_(own).norm()) for h in heard]  # heard[j] is now x_j - x_i
+    tau = CLIP_SCALE * sorted(distances)[(len(distances) - 1) // 2] if distances else 0.0
+    mixed = own.clone()
+    for difference, weight, distance in zip(heard, weights, distances):
+        if distance > 0:
+            mixed.add_(difference, alpha=weight * min(1.0, tau / distance))
+    floor = 1e-6 * float(own.norm()) + 1e-12
+    return mixed, [len(heard) >= 2 and d > OUTLIER_RATIO * max(tau, floor) for d in distances]
 
 
 def _distances(stack: torch.Tensor, center: torch.Tensor) -> torch.Tensor:

@@ -24,16 +24,21 @@ PHASES = ("commit", "scatter", "gather", "votes")
 # times that is a lie of the owner's, which only the members it sent it to can see
 OWNER_SLACK = 20.0
 _LAST: "weakref.WeakKeyDictionary[RingMember, torch.Tensor]" = weakref.WeakKeyDictionary()  # its last result
+# Changes (diloco's pseudo-gradients, dear's gradients) are heavy-tailed: a member whose micro-batches were
+# easy holds a gradient thousands of times smaller than another's, and an honest mean of the two is far
+# from its own by that much; so a member allows for the largest RMS it has sent in a vector of that size
+_PEAK: "weakref.WeakKeyDictionary[RingMember, dict[int, float]]" = weakref.WeakKeyDictionary()
 
 
 class RingOutlier(RingError, KnownFailure):
     """A majority of a robust round's share owners found a member's contribution far beyond the others'
     (ravnest/averaging/robust.py), or it sent a share other than the one it had committed to; `address`:
-    that member."""
+    that member; `by_vote`: named by the owners' majority (every honest member names it in the same
+    round), not by this member alone."""
 
-    def __init__(self, message: str, *, address: str):
+    def __init__(self, message: str, *, address: str, by_vote: bool = False):
         super().__init__(message)
-        self.address = address
+        self.address, self.by_vote = address, by_vote
 
     @property
     def failure_kind(self) -> FailureKind | None:
@@ -65,7 +70,8 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     sends a mean of its share far from the member's own values (OWNER_SLACK times their movement
     since the last round) is named by each member it sent that to. The last result is kept for
     that: one more copy of the vector per segment, from the second round on. `changes`: the vectors
-    are changes themselves (diloco's pseudo-gradients), whose movement is measured from zero."""
+    are changes themselves (diloco's pseudo-gradients, dear's gradients), whose movement is measured
+    from zero, and at least as the largest this member sent before (`_PEAK`)."""
     codec = member.codec if codec is None else codec
     n, r = member.size, member.rank
     buf = _work_buffer(flat, out)
@@ -97,6 +103,10 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
                 votes[j] = 1.0  # it broke its word: a lie only this owner can see, so a vote like the others
         reference = torch.zeros_like(buf) if changes else _LAST.get(member)
         moved = _movement(buf, reference, shares)  # (before the means overwrite this member's values)
+        if changes and moved is not None:  # heavy-tailed: allow for the largest this member has sent
+            peaks = _PEAK.setdefault(member, {})
+            peaks[buf.numel()] = peak = max(peaks.get(buf.numel(), 0.0), float(moved.max()))
+            moved = moved.clamp(min=peak)
         mean = robust.reducer(rule)(stack) if b > a else stack[r]
         votes = torch.maximum(votes, torch.tensor(robust.outliers(stack, mean), dtype=torch.float32))
         buf[a:b] = mean
@@ -140,7 +150,7 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
         j = convicted[0]
         raise RingOutlier(f"ring segment {member.segment} round {round}: {int(against[j])} of the {n - 1} other "
                           f"members found the contribution of {member.addresses[j]} (rank {j}) far beyond the "
-                          f"others' ({rule})", address=member.addresses[j])
+                          f"others' ({rule})", address=member.addresses[j], by_vote=True)
     return buf
 
 

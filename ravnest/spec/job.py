@@ -182,8 +182,9 @@ class AveragingSettings(Strict):
         "", description="'': the plain mean. Else a mean that fewer than half of the replicas cannot move far "
                         "whatever they send, and a replica whose contributions most others find far beyond "
                         "theirs is left out of the job as an outlier: 'centered_clip' (recommended), "
-                        "'trimmed_mean', 'median'. Needs 3 or more clusters; ring and diloco "
-                        "(docs/security.md)")
+                        "'trimmed_mean', 'median'. Needs 3 or more clusters; ring, diloco and dear; the gossip "
+                        "strategies dsgd, dadam and ada clip each neighbour's difference instead, whatever the "
+                        "rule (docs/security.md)")
 
     @model_validator(mode="before")
     @classmethod

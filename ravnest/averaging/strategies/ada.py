@@ -60,7 +60,7 @@ class AdaSettings(StrategySettings):
         return self
 
 
-@register_strategy("ada", settings=AdaSettings, gossip=True,
+@register_strategy("ada", settings=AdaSettings, gossip=True, robust=True,
                    flat_keys={"ada_check_every": "check_every", "ada_high": "high", "ada_low": "low"})
 class AdaptiveGossip(GossipMixing):
     name = "ada"

@@ -8,7 +8,7 @@ from ravnest.averaging.strategies.dsgd import GossipMixing, gossip_cost
 from ravnest.averaging.strategy import register_strategy
 
 
-@register_strategy("dadam", gossip=True, cost=gossip_cost, auto_rank=2,
+@register_strategy("dadam", gossip=True, cost=gossip_cost, auto_rank=2, robust=True,
                    fits=lambda optimizer: "adam" in optimizer.lower())
 class DecentralizedAdam(GossipMixing):
     name = "dadam"

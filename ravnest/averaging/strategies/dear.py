@@ -22,6 +22,15 @@ reduce-scatters start at the step and the stage waits for every group before its
 not apply: every member must apply bitwise the same update). `averaging.every` does not apply
 either: every step is averaged. Rounds of a segment are numbered by a counter every member advances
 identically (one per group per step, one for the tuner's choice, one at `finish`).
+
+With `averaging.robust` each group's gradients take a robust round (robust_round.py) in place of the
+reduce-scatter, and its all-gather is part of it: the whole round runs behind the backward, and only
+the fine-grained overlap of the all-gather with the next forward is given up. Every member applies
+the same robust mean (what each owner sent everyone), so the replicas stay bitwise equal. One step's
+gradients are heavy-tailed (the replica whose micro-batch held the sample the model gets wrong sends
+far more than the others), so a replica the owners' majority finds far off is clipped at once but
+named an outlier only once that happened in STRIKES steps in a row: every member counts the same
+votes, so all of them name it in the same round.
 """
 from __future__ import annotations
 
@@ -35,6 +44,8 @@ from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.fusion import MB, FusionTuner, fusion_groups
 from ravnest.averaging.layout import FlatLayout, block_index, canonical_keys
 from ravnest.averaging.collectives import RingMember
+from ravnest.averaging.robust import STRIKES
+from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
 from pydantic import Field
 
 from ravnest.averaging.registry import CostInputs, StrategySettings
@@ -49,6 +60,7 @@ class _Group:
     layout: FlatLayout
     first_block: int
     round: int
+    step: int
     flat: torch.Tensor  # reused by the same group in later steps
     views: dict[str, torch.Tensor]  # of `flat`, per parameter
     filled: set[str] = field(default_factory=set)  # keys whose final gradient is in `flat`
@@ -67,6 +79,8 @@ class _Segment:
     submitted: int = 0  # groups whose reduce-scatter is queued, counted from the last one
     unapplied: list[_Group] = field(default_factory=list)  # gathered or gathering, forward order
     choice: Future | None = None  # the tuner's averaged times
+    strikes: dict[str, tuple[int, int]] = field(default_factory=dict)  # robust: a member's address ->
+                                               # (the last step the owners found it far off, steps in a row)
 
 
 class DearSettings(StrategySettings):
@@ -89,7 +103,7 @@ def dear_cost(c: CostInputs) -> float:
             + straggler_s(c))
 
 
-@register_strategy("dear", settings=DearSettings, cost=dear_cost, auto_rank=0,
+@register_strategy("dear", settings=DearSettings, cost=dear_cost, auto_rank=0, robust=True,
                    flat_keys={"fusion_mb": "fusion_mb", "tune_fusion": "tune_fusion"})
 class DecoupledAllReduce(GroupStrategy):
     name = "dear"
@@ -102,6 +116,7 @@ class DecoupledAllReduce(GroupStrategy):
             raise ValueError("dear applies the updates itself: the stage must give apply_update and its module")
         self.live, self._apply, self._waiting = context.live, context.apply_update, context.waiting
         self.per_step = context.per_step
+        self.robust = a.averaging.robust  # '' or the robust mean each group's round takes
         params = {key: p for key, p in context.module.named_parameters() if p.requires_grad}
         self._params = params
         self._segments: list[_Segment] = []
@@ -185,7 +200,9 @@ class DecoupledAllReduce(GroupStrategy):
             for segment in self._segments:
                 if segment.buffers:
                     layout = FlatLayout(self.live, segment.buffers)
-                    mean = segment.member.allreduce(layout.flatten(self.live), self._next_round(segment), codec="")
+                    flat, round = layout.flatten(self.live), self._next_round(segment)
+                    mean = (robust_allreduce(segment.member, flat, round, self.robust, codec="") if self.robust
+                            else segment.member.allreduce(flat, round, codec=""))
                     for key, value in layout.views(mean).items():
                         self.live[key].copy_(value)
 
@@ -220,9 +237,12 @@ class DecoupledAllReduce(GroupStrategy):
             groups = [sorted((backward[i] for i in span), key=segment.keys.index)
                       for span in fusion_groups(sizes, segment.tuner.threshold(relative))]
             base, segment.rounds = segment.rounds, segment.rounds + len(groups)
-            # forward order: group 0 holds the first parameters; rounds rise in that order, the order
-            # in which the all-gathers end
-            segment.groups = [self._group(keys, base + i) for i, keys in enumerate(reversed(groups))]
+            # forward order: group 0 holds the first parameters; rounds rise in the order in which they
+            # end (a round's end drops late messages of earlier ones): the all-gathers' forward order, or
+            # for robust rounds, whole at the reduce, the backward order
+            k = len(groups)
+            segment.groups = [self._group(keys, base + (k - 1 - i if self.robust else i))
+                              for i, keys in enumerate(reversed(groups))]
             segment.submitted = 0
             self._group_of_key.update((key, group) for group in segment.groups for key in group.keys)
         used = {tuple(group.keys) for segment in self._segments for group in segment.groups}
@@ -234,7 +254,7 @@ class DecoupledAllReduce(GroupStrategy):
             layout = FlatLayout(self.live, keys)
             flat = torch.empty(layout.numel)
             cached = self._buffers[tuple(keys)] = layout, flat, layout.views(flat)
-        return _Group(keys, cached[0], block_index(keys[0]), round, cached[1], cached[2])
+        return _Group(keys, cached[0], block_index(keys[0]), round, self._step, cached[1], cached[2])
 
     def _gradient_hook(self, key: str):
         def hook(grad: torch.Tensor) -> None:
@@ -255,19 +275,34 @@ class DecoupledAllReduce(GroupStrategy):
             group = segment.groups[len(segment.groups) - 1 - segment.submitted]
             if len(group.filled) < len(group.keys):
                 return
-            group.gathered = segment.pool.submit(self._reduce, segment.member, group.flat, group.round)
+            group.gathered = segment.pool.submit(self._reduce, segment, group)
             segment.submitted += 1
 
-    def _reduce(self, member: RingMember, flat: torch.Tensor, round: int) -> float:
+    def _reduce(self, segment: _Segment, group: _Group) -> float:
         started = time.perf_counter()
-        member.reduce_scatter(flat, round, codec="", out=flat)
+        if not self.robust:
+            segment.member.reduce_scatter(group.flat, group.round, codec="", out=group.flat)
+            return time.perf_counter() - started
+        try:  # the whole round, all-gather included (the module docstring)
+            robust_allreduce(segment.member, group.flat, group.round, self.robust, codec="", out=group.flat,
+                             changes=True)
+        except RingOutlier as named:  # `flat` holds the robust mean
+            if not named.by_vote:
+                raise
+            last, in_a_row = segment.strikes.get(named.address, (-1, 0))
+            if last != group.step:
+                in_a_row = in_a_row + 1 if last == group.step - 1 else 1
+                segment.strikes[named.address] = group.step, in_a_row
+            if in_a_row >= STRIKES:
+                raise
         return time.perf_counter() - started
 
     def _gather(self, member: RingMember, flat: torch.Tensor, round: int, reduced: Future | None) -> torch.Tensor:
         assert reduced is not None  # (its reduce-scatter was submitted before it)
         seconds = reduced.result()  # done: the pool runs one task at a time, in order
         started = time.perf_counter()
-        member.all_gather(flat, round, codec="")
+        if not self.robust:
+            member.all_gather(flat, round, codec="")
         self.comm_s += seconds + time.perf_counter() - started
         return flat
 

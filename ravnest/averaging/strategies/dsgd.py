@@ -15,6 +15,10 @@ stage all-reduces its segments exactly (raw fp32) and the evaluation runs on the
 for it and out again; `finish` sets every replica to the exact average, so the final evaluation and
 the final model are the global average, equal in every cluster.
 
+With `averaging.robust` (any rule) each neighbour's difference is clipped (robust.clipped_gossip),
+and a neighbour beyond OUTLIER_RATIO times the others in STRIKES rounds in a row is named an outlier
+by this replica; the evaluation averages and the final one are robust rounds (robust_round.py).
+
 Wire rounds (a member's must rise): gossip round t travels as round 4t; the collectives a step s
 adds before the gossip round it may start, as 4 ceil(s / every) - slot, after the gossip round
 before them: the evaluation average (slot 3) and subclasses' measurements (slot 2, `_wire`).
@@ -30,6 +34,8 @@ import torch
 
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
+from ravnest.averaging.robust import OUTLIER_RATIO, STRIKES, clipped_gossip
+from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
 from ravnest.averaging.collectives import RingMember
 from ravnest.averaging.registry import CostInputs
 from ravnest.averaging.runtime import mean_degree, slowest_of
@@ -46,6 +52,7 @@ class _Segment:
     layout: FlatLayout | None = None
     snapshot: torch.Tensor | None = None
     running: Future | None = None
+    strikes: dict[int, int] | None = None  # robust: neighbour -> rounds in a row it was far off
 
 
 def gossip_cost(c: CostInputs) -> float:
@@ -59,7 +66,7 @@ def gossip_cost(c: CostInputs) -> float:
     return c.step_s + max(0.0, exchange - (c.step_s if c.spare_core else 0.0)) / c.every
 
 
-@register_strategy("dsgd", gossip=True, cost=gossip_cost, auto_rank=2,
+@register_strategy("dsgd", gossip=True, cost=gossip_cost, auto_rank=2, robust=True,
                    fits=lambda optimizer: "adam" not in optimizer.lower())
 class GossipMixing(GroupStrategy):
     """See the module docstring; the optimizer is the job's (with Adam-type optimizers this is
@@ -71,6 +78,7 @@ class GossipMixing(GroupStrategy):
         a, settings = context.assignment, context.assignment.averaging
         self.every, self.topology = settings.every, settings.topology
         self.paced = bool(settings.paced)  # None (no planner ran): push each vector at once
+        self.robust = settings.robust
         self.live, self.device, self._companions = context.live, torch.device(context.device), context.companions
         self.rank, self.size = a.cluster, a.num_clusters
         self._eval_every, self._steps, self._resumed_at = a.training.eval_every, a.training.steps, a.resume_step
@@ -107,7 +115,7 @@ class GossipMixing(GroupStrategy):
     def finish(self) -> None:
         """Apply what is running, then set every replica to the exact average (raw fp32)."""
         self._apply_all()
-        self._write([segment.member.allreduce(self._flatten(segment), FINAL_ROUND, codec="")
+        self._write([self._exact_average(segment.member, self._flatten(segment), FINAL_ROUND)
                      for segment in self._segments])
 
     def begin_evaluation(self, round: int) -> None:
@@ -142,10 +150,16 @@ class GossipMixing(GroupStrategy):
         """The exact global average of every segment at `step`, kept for the evaluation round that
         stage 0 runs at this step (every stage reaches it, in every cluster)."""
         self._apply_all()
-        averages = [segment.member.allreduce(self._flatten(segment), self._wire(step, 3), codec="")
+        averages = [self._exact_average(segment.member, self._flatten(segment), self._wire(step, 3))
                     for segment in self._segments]
         every = self._eval_every
         self._eval_averages[step // every - self._resumed_at // every - 1] = averages
+
+    def _exact_average(self, member: RingMember, flat: torch.Tensor, round: int) -> torch.Tensor:
+        """Every replica's average (raw fp32): robust where the job asked."""
+        if self.robust:
+            return robust_allreduce(member, flat, round, self.robust, codec="")
+        return member.allreduce(flat, round, codec="")
 
     def _wire(self, step: int, slot: int) -> int:
         """The wire round of an extra collective at `step` (see the module docstring)."""
@@ -161,20 +175,39 @@ class GossipMixing(GroupStrategy):
         if segment.running is not None:  # at most one round in flight per segment
             self._apply(segment)
         snapshot = self._flatten(segment)
-        segment.running = self._pool.submit(self._mix, segment.member, snapshot, round, self._topology_of(segment))
+        segment.running = self._pool.submit(self._mix, segment, snapshot, round, self._topology_of(segment))
 
-    def _mix(self, member: RingMember, snapshot: torch.Tensor, round: int,
+    def _mix(self, segment: _Segment, snapshot: torch.Tensor, round: int,
              topology: str) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
         row = mixing_row(topology, self.rank, self.size, round)
         paced = self.paced and circulant(topology, self.size, round)
+        member = segment.member
         heard = member.exchange(snapshot, 4 * round, sends_to(topology, self.rank, self.size, round),
                                 [j for j in row if j != self.rank], paced=paced)
+        if self.robust:
+            return self._clipped(segment, snapshot, row, heard, round), time.perf_counter() - started
         mixed = snapshot * row[self.rank]
         for j, weight in row.items():  # in the row's order, whatever order the vectors came in
             if j != self.rank:
                 mixed.add_(heard[j], alpha=weight)
         return mixed, time.perf_counter() - started
+
+    def _clipped(self, segment: _Segment, snapshot: torch.Tensor, row: dict[int, float],
+                 heard: dict[int, torch.Tensor], round: int) -> torch.Tensor:
+        """The robust mix (the module docstring), naming a neighbour far off STRIKES rounds in a row."""
+        neighbours = [j for j in row if j != self.rank]
+        mixed, far = clipped_gossip(snapshot, [heard[j] for j in neighbours], [row[j] for j in neighbours])
+        before, segment.strikes = segment.strikes or {}, {}
+        for j, off in zip(neighbours, far):
+            if off:
+                segment.strikes[j] = before.get(j, 0) + 1
+                if segment.strikes[j] >= STRIKES:
+                    raise RingOutlier(f"ring segment {segment.member.segment} round {round}: the values of "
+                                      f"{segment.member.addresses[j]} (rank {j}) were more than {OUTLIER_RATIO:g} "
+                                      f"times as far from this replica's as its other neighbours' in "
+                                      f"{STRIKES} rounds in a row", address=segment.member.addresses[j])
+        return mixed
 
     def _apply_all(self) -> None:
         entered = time.perf_counter()
