@@ -271,18 +271,12 @@ def _run_threads(job: JobSpec, cluster_ranges: Sequence[Ranges], timeout: float,
         attach(runners, routers)
         flat = [runner for cluster in runners for runner in cluster]
         outcomes: list[Any] = [None] * len(flat)
-        failed: list[int] = []  # in the order they failed
 
         def run(index: int) -> None:
             try:
                 outcomes[index] = flat[index].run()
             except BaseException as exc:  # reported below, on the caller's thread
                 outcomes[index] = exc
-                failed.append(index)
-                a = flat[index].assignment
-                for other in flat:  # as a coordinator's re-plan would: nobody waits for it to time out
-                    if other is not flat[index]:
-                        other.stop(f"cluster {a.cluster} stage {a.stage} failed")
 
         threads = [threading.Thread(target=run, args=(i,), name=f"cluster{r.assignment.cluster}-stage"
                                     f"{r.assignment.stage}") for i, r in enumerate(flat)]
@@ -297,9 +291,10 @@ def _run_threads(job: JobSpec, cluster_ranges: Sequence[Ranges], timeout: float,
             for thread in threads:
                 thread.join()
             raise TimeoutError(f"pipeline did not finish within {timeout}s")
-        if failed:  # the first to fail, the others stopped for it
-            a, outcome = flat[failed[0]].assignment, outcomes[failed[0]]
-            raise RuntimeError(f"cluster {a.cluster} stage {a.stage} failed: {outcome}") from outcome
+        for runner, outcome in zip(flat, outcomes):
+            if isinstance(outcome, BaseException):
+                a = runner.assignment
+                raise RuntimeError(f"cluster {a.cluster} stage {a.stage} failed: {outcome}") from outcome
         results = []
         for cluster, cluster_histories in zip(runners, histories):
             stages = [{"metrics": r.final_metrics, "history": h, "trace": _trace_summary(r)}
