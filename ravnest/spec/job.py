@@ -120,9 +120,8 @@ class TrainingSettings(Strict):
     codec: str = Field("", max_length=32, description=(
         "how activations and their gradients cross the wire: '' as computed, 'fp16', 'bf16', blockwise 'q8', "
         "'q4' or 'q3' (8, 4 or 3 bits a value and a scale per 64), 'q4g3' (q4 activations, q3 gradients), or "
-        "'auto': the planner picks per link the "
-        "least lossy one that keeps the link from slowing its stages, none lossier than measured for the "
-        "model (ravnest/wire/codecs, docs/links.md)"))
+        "'auto': the planner picks per link the least lossy one that keeps the link from slowing its stages, "
+        "none lossier than measured for the model (ravnest/wire/codecs, docs/links.md)"))
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "bf16, fp16: each stage computes under autocast in that type where its hardware has its arithmetic (else "
         "in float32, saying so), with float32 weights, gradients and optimizer state. bf16's stages exchange "

@@ -133,7 +133,6 @@ class Q3(_Blockwise):
         return (((word.unsqueeze(1) >> shifts) & 7) - 4).to(torch.int8).view(blocks, BLOCK)
 
 
-
 @register
 class Q4G3(Codec):
     """Activations as q4, the gradients that come back as q3: 3.5 bits and a scale per 64 values on
