@@ -48,8 +48,10 @@ class Settings:
     quarantine_window_s: float = 3600.0
     quarantine_s: float = 1800.0
     # a node most members of a robust averaging round found sending contributions far beyond theirs is left
-    # out of the job (failure_rules/reports.py); with this on, its credential is revoked too
+    # out of the job (failure_rules/reports.py); once corroborate_after different nodes accused it within
+    # quarantine_window_s it is blamed, and with revoke_outliers its credential is revoked (accusations.py)
     revoke_outliers: bool = False
+    corroborate_after: int = 2
     grow_after_s: float = 10.0  # a job runs this long on its nodes before new ones may join it
     grow_gain: float = 0.2  # ... and only if the planner predicts this much more throughput with them
     max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload

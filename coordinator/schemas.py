@@ -39,6 +39,8 @@ class NodeView(BaseModel):
                                                                      "refused with why")
     quarantined_until: float | None = Field(None, description="its failure reports caused too many re-plans: it is "
                                                               "not placed (nor believed) until then")
+    accused_by: list[str] = Field(default_factory=list, description="nodes that refused values it sent (not finite, "
+                                  "or an outlier) within the quarantine window: one is a claim, two convict it")
     measured_flops: float | None = Field(None, description="FLOP/s its stages measured, where that was far below "
                                                            "its profile's claim: the planner's figure since")
     measured_bandwidth: float | None = Field(None, description="bytes/s its peers measured of its links, where that "

@@ -80,6 +80,10 @@ class NodeRow(Base):
     # until when it is not placed because they were too many
     replans_caused: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
     quarantined_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # refusals are accusations (failure_rules/accusations.py): who accused it and when, whom it accused and
+    # when, as [[node id, at], ...] within the quarantine window
+    accusers: Mapped[list[list[Any]] | None] = mapped_column(JSON, nullable=True)
+    accused: Mapped[list[list[Any]] | None] = mapped_column(JSON, nullable=True)
     quarantine_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     # its profile is a claim: the FLOP/s its stages measured where they were far below it (failure_policy.py)
     measured_flops: Mapped[float | None] = mapped_column(Float, nullable=True)

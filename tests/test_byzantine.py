@@ -34,8 +34,8 @@ def pipelines_job() -> dict:
 
 @contextlib.contextmanager
 def attacker(cluster: LocalCluster, attack: str) -> Iterator[str]:
-    """A node running `attack` from averaging round 2 on; its id once joined. The coordinator revokes it
-    once found (--revoke-outliers), and then it exits: it is watched here, not by the cluster."""
+    """A node running `attack` from averaging round 2 on; its id once joined. Once revoked, it exits: it is
+    watched here, not by the cluster."""
     proc = cluster._spawn(["tests.attacker_node", "--attack", attack, "--attack-from-round", "2", "--attack-every",
                            str(EVERY), "join", "--coordinator", cluster.url, f"--token={cluster.join_token}",
                            "--name", "attacker", "--ephemeral", "--threads", "1"], "attacker.log")
@@ -48,10 +48,12 @@ def attacker(cluster: LocalCluster, attack: str) -> Iterator[str]:
         proc.kill()
 
 
-def attacked_then_honest(cluster: LocalCluster, liar: str, spec: dict) -> tuple[dict, dict]:
+def attacked_then_honest(cluster: LocalCluster, liar: str, spec: dict, witnesses: int) -> tuple[dict, dict]:
     """`spec` run with the liar among the nodes (a fourth honest node joins for the re-plan), then again on
     the honest nodes alone: both jobs. Only the liar is left out, the first job learns within 0.02 of the
-    second, and no honest node is quarantined."""
+    second, and no honest node is quarantined or accused. `witnesses`: how many honest nodes saw the lie;
+    two convict the liar (revoked, with --revoke-outliers); one's word leaves it out of the job only, and
+    the operator, who sees the accusation in the node list, revokes it here."""
     honest = {n["id"] for n in cluster.alive_nodes()} - {liar}
     job_id = cluster.submit(spec)
     cluster.wait_for(lambda: cluster.job(job_id)["recoveries"] or cluster.job(job_id)["state"] != "running",
@@ -62,6 +64,11 @@ def attacked_then_honest(cluster: LocalCluster, liar: str, spec: dict) -> tuple[
     assert attacked["recoveries"] and all(r["left_out"] == [liar] for r in attacked["recoveries"]), \
         attacked["recoveries"]
     assert {s["node_id"] for c in attacked["plan"]["clusters"] for s in c["stages"]} <= honest
+    nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
+    assert len(nodes[liar]["accused_by"]) >= witnesses and set(nodes[liar]["accused_by"]) <= honest, nodes[liar]
+    if witnesses == 1:
+        assert nodes[liar]["state"] != "gone", nodes[liar]  # one node's word: not revoked
+        cluster.http.post(f"/v1/nodes/{liar}/revoke").raise_for_status()
 
     cluster.wait_for(lambda: all(n["state"] == "idle" for n in cluster.alive_nodes() if n["id"] in honest),
                      60, "the honest nodes to be idle")
@@ -69,14 +76,14 @@ def attacked_then_honest(cluster: LocalCluster, liar: str, spec: dict) -> tuple[
     assert clean["state"] == "completed" and not clean["recoveries"], clean
     assert attacked["metrics"]["test_accuracy"] >= clean["metrics"]["test_accuracy"] - 0.02
     nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
-    assert not [nodes[i]["name"] for i in honest if nodes[i]["quarantined_until"]], nodes
+    assert not [nodes[i]["name"] for i in honest if nodes[i]["quarantined_until"] or nodes[i]["accused_by"]], nodes
     return attacked, clean
 
 
 def test_a_replica_that_flips_and_scales_its_averaging_is_left_out_as_an_outlier_and_the_job_learns(tmp_path):
     with LocalCluster(tmp_path, nodes=3, coordinator_args=["--revoke-outliers"]) as cluster, \
             attacker(cluster, "sign_flip") as liar:
-        attacked, clean = attacked_then_honest(cluster, liar, robust_job())
+        attacked, clean = attacked_then_honest(cluster, liar, robust_job(), witnesses=2)
     [recovery] = attacked["recoveries"]
     assert "left out as an outlier" in recovery["reason"], recovery
     assert "far beyond the others'" in recovery["reason"], recovery
@@ -93,7 +100,7 @@ def test_a_stage_that_sends_garbage_down_its_pipeline_is_left_out_as_an_outlier_
     gradients it sends back where it holds stage 1. Before, such a job completed at 0.975, unnoticed."""
     with LocalCluster(tmp_path, nodes=3, coordinator_args=["--revoke-outliers"]) as cluster, \
             attacker(cluster, "garbage_activations") as liar:
-        attacked, clean = attacked_then_honest(cluster, liar, pipelines_job())
+        attacked, clean = attacked_then_honest(cluster, liar, pipelines_job(), witnesses=1)
     # the refusing neighbour's report, or the attacker's own (that its neighbour stopped or went silent),
     # whichever came first: the refusal then leaves the attacker out instead, and says so
     recovery = attacked["recoveries"][0]

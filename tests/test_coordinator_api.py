@@ -3,6 +3,7 @@ that takes the `settings` fixture runs twice, on SQLite and on a real PostgreSQL
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import re
@@ -490,7 +491,8 @@ def test_a_refusal_leaves_out_the_sender_and_outweighs_the_senders_report_that_c
     """The attacker's averaging sends NaN; its ring partner refuses it and trains on alone. The attacker
     is quicker: it reports its partner silent, and the job re-plans without the partner. The partner's
     refusal, arriving while the job recovers, puts it back and the attacker out; the blame is the
-    attacker's alone (issue 47)."""
+    attacker's alone (issue 47), for its report: what it sent is one node's word, an accusation that a
+    second accuser would make a conviction (failure_rules/accusations.py)."""
     job_id, members = placed_job(client)
     at = {(a["cluster"], a["stage"]): (node_id, auth)
           for node_id, auth in members if (a := beat(client, node_id, auth)["assignment"])}
@@ -513,8 +515,36 @@ def test_a_refusal_leaves_out_the_sender_and_outweighs_the_senders_report_that_c
     blamed = {n["id"]: n for n in client.get("/v1/nodes").json()}
     with client.app.state.service.store.session() as session:
         caused = {node_id: len(session.get_one(NodeRow, node_id).replans_caused or []) for node_id, _ in members}
-    assert caused[evil] == 2 and sum(caused.values()) == 2, caused  # its report, and what it sent
+    assert caused[evil] == 1 and sum(caused.values()) == 1, caused  # its report
     assert not any(n["quarantined_until"] for n in blamed.values())
+    assert {node_id: n["accused_by"] for node_id, n in blamed.items() if n["accused_by"]} == {evil: [honest]}
+
+
+def test_a_forged_accusation_costs_an_honest_node_one_job_and_never_its_credential(settings: Settings) -> None:
+    """A liar reports two honest members of its job as outliers, one after the other: each is left out of
+    the job (one node's word cannot be told from the truth), but neither is blamed or revoked, though the
+    operator revokes outliers; the liar, whom nobody corroborated against two nodes, is blamed instead."""
+    with TestClient(create_app(dataclasses.replace(settings, revoke_outliers=True)),
+                    headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}) as client:
+        job_id, members = placed_job(client)
+        auths = dict(members)
+        at = {(a["cluster"], a["stage"]): node_id
+              for node_id, auth in members if (a := beat(client, node_id, auth)["assignment"])}
+        liar, victims = at[0, 0], [at[1, 0], at[0, 1]]
+        for victim in victims:
+            r = client.post(f"/v1/jobs/{job_id}/fail", headers=auths[liar], json={
+                "node_id": liar, "recoverable": True, "still_training": True, "reason": "training alone",
+                "failure": {"kind": "outlier", "message": "3 of the 3 other members found ...", "peer_id": victim}})
+            assert r.status_code == 204, r.text
+        [recovery] = client.get(f"/v1/jobs/{job_id}").json()["recoveries"]
+        assert sorted(recovery["left_out"]) == sorted(victims), recovery
+        nodes = {n["id"]: n for n in client.get("/v1/nodes").json()}
+        assert all(nodes[v]["accused_by"] == [liar] and nodes[v]["state"] != "gone" for v in victims), nodes
+        for victim in victims:  # their credentials still work
+            beat(client, victim, auths[victim])
+        with client.app.state.service.store.session() as session:
+            caused = {node_id: len(session.get_one(NodeRow, node_id).replans_caused or []) for node_id, _ in members}
+        assert caused == {**dict.fromkeys(auths, 0), liar: 1}, caused
 
 
 def test_a_stage_whose_averaging_failed_trains_on_and_reports_while_the_job_is_replanned(client: TestClient) -> None:

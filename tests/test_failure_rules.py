@@ -11,9 +11,9 @@ import pytest
 
 from coordinator.config import Settings
 from coordinator.failure_rules import FailureRules, registered
-from coordinator.failure_rules.base import (Blame, Blamed, BlameRecord, CorrectFlops, FailJob, JobPace, Member,
-                                            NodeGone, Quarantine, Replan, Report, Revoke, Silence, Spare, StagePace,
-                                            Stall)
+from coordinator.failure_rules.base import (Accusation, AccusationRecord, Blame, Blamed, BlameRecord, CorrectFlops,
+                                            FailJob, JobPace, Member, NodeGone, Quarantine, Replan, Report, Revoke,
+                                            Silence, Spare, StagePace, Stall)
 from ravnest.failures import Failure, FailureKind
 
 
@@ -32,8 +32,8 @@ def rules(tmp_path):
 
 
 def test_every_rule_in_the_folder_is_on_the_list() -> None:
-    assert [rule.__name__ for rule in registered()] == ["FailureReports", "Quarantined", "RelayBlame", "SilentNode",
-                                                          "SlowStage", "StalledStage"]
+    assert [rule.__name__ for rule in registered()] == ["Accusations", "FailureReports", "Quarantined", "RelayBlame",
+                                                          "SilentNode", "SlowStage", "StalledStage"]
 
 
 def test_a_stage_slower_than_its_cluster_for_the_whole_window_is_named(rules) -> None:
@@ -132,27 +132,49 @@ def test_a_report_leaves_out_whom_it_names_and_counts_against_the_reporter(rules
     assert rules.observe(report(local, still_training=True))[0].left_out == ()  # it trains on alone
 
 
-def test_a_refusal_leaves_out_and_counts_against_the_sender_not_the_messenger(rules) -> None:
-    """r refused p's values as not finite (its averaging stopped, it trains on alone): p, the source, is
-    left out and blamed; a non-finite value of r's own names nobody else."""
-    refused = Failure(kind=FailureKind.NAN, message="sent values that are not finite; refused", peer_id="p")
-    assert rules().observe(report(refused, still_training=True)) == [
-        Replan("job", "what happened", refused, ("p",)), Blame("p", "what happened")]
+def test_a_refusal_leaves_out_the_sender_not_the_messenger(rules) -> None:
+    """r refused p's values as not finite, or as an outlier (its averaging stopped, it trains on alone): p,
+    the source, is left out, and the refusal is an accusation (accusations.py decides whom it counts
+    against); a non-finite value of r's own names nobody else."""
+    for kind in (FailureKind.NAN, FailureKind.OUTLIER):
+        refused = Failure(kind=kind, message="sent values that are not finite; refused", peer_id="p")
+        assert rules().observe(report(refused, still_training=True)) == [Replan("job", "what happened", refused, ("p",))]
     own = Failure(kind=FailureKind.NAN, message="loss is nan")
     assert rules().observe(report(own)) == [Replan("job", "what happened", own, ("r",)), Blame("r", "what happened")]
     stranger = Failure(kind=FailureKind.NAN, message="refused", peer_id="not-a-member")
     assert rules().observe(report(stranger))[0].left_out == ("r",)
 
 
-def test_an_outlier_is_left_out_and_blamed_and_revoked_where_the_operator_asked(rules) -> None:
-    """Most members of a robust round found p's contributions far beyond theirs: p is left out and
-    blamed, not r; with `revoke_outliers` p's credential goes too."""
-    outlier = Failure(kind=FailureKind.OUTLIER, message="3 of the 3 other members found ...", peer_id="p")
-    left_out = [Replan("job", "what happened", outlier, ("p",)), Blame("p", "what happened")]
-    assert rules().observe(report(outlier)) == left_out
-    assert rules(revoke_outliers=True).observe(report(outlier)) == [*left_out, Revoke("p", "what happened")]
-    refused = Failure(kind=FailureKind.NAN, message="refused", peer_id="p")  # (a refusal is not an outlier)
-    assert not any(isinstance(d, Revoke) for d in rules(revoke_outliers=True).observe(report(refused)))
+def accusation(accuser: str, accused: str, at: float, accusers=(), earlier=(), outlier: bool = True) -> Accusation:
+    return Accusation(at, "job", accuser, accused, "what happened", outlier, tuple(accusers), tuple(earlier))
+
+
+def test_an_accusation_convicts_only_once_a_second_node_makes_it(rules) -> None:
+    """The worked example of accusations.py: r's word alone blames nobody; q's too blames p, and with
+    `revoke_outliers` revokes it; the same accuser twice is still one witness, and an old accusation
+    (past the window) is forgotten."""
+    rules = rules(revoke_outliers=True, quarantine_window_s=100.0)
+    assert rules.observe(accusation("r", "p", 10.0)) == [AccusationRecord("p", accusers=(("r", 10.0),)),
+                                                         AccusationRecord("r", accused=(("p", 10.0),))]
+    decided = rules.observe(accusation("q", "p", 20.0, accusers=[("r", 10.0)]))
+    assert decided[2:] == [Blame("p", "what happened"), Revoke("p", "what happened")]
+    assert decided[0] == AccusationRecord("p", accusers=(("r", 10.0), ("q", 20.0)))
+    assert rules.observe(accusation("r", "p", 20.0, accusers=[("r", 10.0)]))[2:] == []  # r again: one witness
+    assert rules.observe(accusation("q", "p", 200.0, accusers=[("r", 10.0)]))[2:] == []  # r's is too old
+    refused = rules.observe(accusation("q", "p", 20.0, accusers=[("r", 10.0)], outlier=False))
+    assert refused[2:] == [Blame("p", "what happened")]  # values that were not finite: blamed, not revoked
+
+
+def test_an_accuser_nobody_corroborates_against_two_nodes_is_blamed_itself(rules) -> None:
+    """A liar l accuses honest a, then honest b: both are left out of its job (reports.py), and l is
+    blamed. Had someone else accused a too, l's word about a would stand, and nobody is blamed for b yet."""
+    rules = rules(quarantine_window_s=100.0)
+    assert rules.observe(accusation("l", "a", 10.0))[2:] == []
+    decided = rules.observe(accusation("l", "b", 20.0, earlier=[("a", 10.0, False)]))
+    assert [type(d) for d in decided[2:]] == [Blame] and decided[2].node_id == "l"
+    assert "accused 2 different nodes" in decided[2].reason
+    assert rules.observe(accusation("l", "b", 20.0, earlier=[("a", 10.0, True)]))[2:] == []
+    assert rules.observe(accusation("l", "b", 200.0, earlier=[("a", 10.0, False)]))[2:] == []  # a's is too old
 
 
 def test_a_stage_that_cannot_start_fails_the_job_only_on_two_different_nodes(rules) -> None:

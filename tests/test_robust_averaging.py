@@ -69,6 +69,15 @@ def test_clipped_gossip_is_the_plain_mix_among_alike_neighbours_and_clips_a_far_
     assert far == [False] and torch.allclose(mixed, (own + lie) / 2)
 
 
+def test_strikes_name_a_member_only_when_it_was_far_off_in_strikes_rounds_in_a_row():
+    strikes = robust.Strikes()
+    assert robust.STRIKES == 3
+    # twice in a row, then a round without it starts the count over
+    assert [strikes.record("a", when) for when in (0, 1, 3, 4)] == [False, False, False, False]
+    assert strikes.record("a", 4) is False  # the same round again (another group of dear's step) counts once
+    assert strikes.record("a", 5) is True and strikes.record("b", 5) is False  # counted per member
+
+
 @pytest.mark.parametrize("averaging,words", [
     ({"strategy": "acid", "robust": "centered_clip"}, "is built for .*, not 'acid'"),
     ({"strategy": "ring", "robust": "median", "backend": "torch"}, "takes backend 'grpc'"),

@@ -5,7 +5,8 @@ of timestamped fact and answering with typed decisions (base.py). The services f
     heartbeat.py   SilentNode       Silence   -> NodeGone                     a node stopped heartbeating
     stall.py       StalledStage     Stall     -> Replan                       a lone stage stopped progressing
     slow_stage.py  SlowStage        JobPace   -> CorrectFlops, Replan         a stage far slower than its cluster
-    reports.py     FailureReports   Report    -> Replan, Blame, Revoke | FailJob  whom a failure report leaves out
+    reports.py     FailureReports   Report    -> Replan, Blame | FailJob      whom a failure report leaves out
+    accusations.py Accusations      Accusation -> AccusationRecord, Blame, Revoke  whom a refusal convicts
     relay.py       RelayBlame       Report    -> Spare, Blame                 a relay lost what it carried
     quarantine.py  Quarantined      Blamed    -> BlameRecord, Quarantine      a node whose word re-plans too often
 

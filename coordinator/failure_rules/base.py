@@ -89,6 +89,19 @@ class Report(Observation):
 
 
 @dataclass(frozen=True)
+class Accusation(Observation):
+    """A node refused a peer's values (not finite, or an outlier) and so says the peer lied; with what the
+    coordinator remembers of earlier accusations (within `quarantine_window_s` or older: the rule looks)."""
+    job_id: str
+    accuser_id: str
+    accused_id: str
+    reason: str
+    outlier: bool  # (not: values that were not finite)
+    accusers: tuple[tuple[str, float], ...]  # who accused the accused before, and when
+    accused: tuple[tuple[str, float, bool], ...]  # whom the accuser accused before, when, and whether another did too
+
+
+@dataclass(frozen=True)
 class Blamed(Observation):
     """A node's word (a report, handed-in weights) just caused a re-plan; `caused`: when its earlier ones did."""
     node_id: str
@@ -129,6 +142,15 @@ class FailJob(Decision):
 class Spare(Decision):
     """Whatever else a rule decided, do not leave this node out (it is not the one that failed)."""
     node_id: str
+
+
+@dataclass(frozen=True)
+class AccusationRecord(Decision):
+    """What to remember of accusations: who accused `node_id` (`accusers`), and whom it accused (`accused`),
+    each with when, within the window."""
+    node_id: str
+    accusers: tuple[tuple[str, float], ...] | None = None  # None: leave as it is
+    accused: tuple[tuple[str, float], ...] | None = None
 
 
 @dataclass(frozen=True)

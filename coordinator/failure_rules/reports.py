@@ -4,10 +4,10 @@ trains on alone leaves out nobody. A report that the stage could not start at al
 once `fail_after_nodes` different nodes said so (a model that cannot run anywhere); before that, the
 job is re-planned without the reporter. Every re-plan a report causes counts against the reporter
 (quarantine.py), except a refusal: a node that refused a peer's values as not finite names the sender,
-and the re-plan leaves out and counts against the sender, the source of the poison, not the messenger.
-So does an outlier: a peer whose averaging contributions most members of a robust round found far beyond
-theirs (ravnest/averaging/robust.py); every honest member of that round names it at once. With the
-operator's `revoke_outliers`, an outlier's credential is revoked as well."""
+and the re-plan leaves out the sender, the source of the poison, not the messenger. So does an outlier:
+a peer whose averaging contributions most members of a robust round found far beyond theirs
+(ravnest/averaging/robust.py), or whose activations its pipeline neighbour refused. Whom a refusal
+counts against, and who is revoked, is accusations.py's to decide: the accuser may be the liar."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -15,7 +15,7 @@ from collections.abc import Collection
 from ravnest.failures import PEER_KINDS, Failure, FailureKind
 
 from . import rule
-from .base import Blame, Decision, FailJob, Replan, Report, Revoke, Rule
+from .base import Blame, Decision, FailJob, Replan, Report, Rule
 
 
 @rule
@@ -29,10 +29,7 @@ class FailureReports(Rule[Report]):
                                          f"nodes)")]
         source = refused_from(seen.failure, seen.reporter_id, seen.members)
         if source is not None:
-            revoke = self.settings.revoke_outliers and seen.failure is not None \
-                and seen.failure.kind == FailureKind.OUTLIER
-            return [Replan(seen.job_id, seen.reason, seen.failure, (source,)), Blame(source, seen.reason),
-                    *([Revoke(source, seen.reason)] if revoke else [])]
+            return [Replan(seen.job_id, seen.reason, seen.failure, (source,))]
         return [Replan(seen.job_id, seen.reason, seen.failure, tuple(self.left_out(seen))),
                 Blame(seen.reporter_id, seen.reason)]
 

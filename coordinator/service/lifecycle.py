@@ -14,7 +14,7 @@ from ravnest.telemetry import is_stage_figure
 
 from .. import calibration, jobs
 from ..service_errors import Conflict, Forbidden, Implausible, InvalidRequest
-from ..failure_rules.base import Blame, JobPace, Member, Replan, Report, Revoke, StagePace
+from ..failure_rules.base import Blame, JobPace, Member, Replan, Report, StagePace
 from ..failure_rules.reports import refused_from
 from ..failure_reasons import failure_reason, who
 from ..jobs import JobState
@@ -248,17 +248,16 @@ class JobLifecycle:
             self.rulings.observe(session, seen, reported_by=reporter.id, could_not_start=not report.recoverable)
             if source is not None:
                 self.recoveries.refused(job, source, reporter.id, reason)
+                self.rulings.accuse(session, job.id, reporter, source, reason, failure.kind == FailureKind.OUTLIER)
             self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
 
     def _refused(self, session: Session, job: JobRow, source: str, refuser: NodeRow, reason: str,
                  outlier: bool = False) -> None:
         """A refusal heard while the job is re-planned (its sender's report may have come first): the sender
-        is left out of the re-plan under way, counts the blame, and as an outlier, may be revoked (reports.py)."""
+        is left out of the re-plan under way, and accused (failure_rules/accusations.py)."""
         log.warning("job %s: %s", job.id, reason)
         self.recoveries.refused(job, source, refuser.id, reason)
-        self.rulings.blame(session, source, reason)
-        if outlier and self.core.settings.revoke_outliers:
-            self.rulings.enforce(session, [Revoke(source, reason)])
+        self.rulings.accuse(session, job.id, refuser, source, reason, outlier)
 
     def hand_in_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int,
                         upload: Path) -> None:

@@ -200,6 +200,8 @@ class Membership:
                              cluster=stage.cluster if stage else None, stage=stage.stage if stage else None,
                              links=links.get(node.id, []), offers=offers.get(node.id, {}),
                              quarantined_until=node.quarantined_until if quarantined(node, now) else None,
+                             accused_by=sorted({by for by, at in node.accusers or ()
+                                                if now - at < self.core.settings.quarantine_window_s}),
                              measured_flops=node.measured_flops, measured_bandwidth=node.measured_bandwidth,
                              slowdown=node.slowdown, message_s=node.message_s,
                              by_model=node.by_model or {},

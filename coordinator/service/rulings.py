@@ -14,8 +14,8 @@ from ravnest.failures import Failure
 
 from .. import calibration, jobs
 from ..failure_reasons import who
-from ..failure_rules.base import (Blame, Blamed, BlameRecord, CorrectFlops, Decision, FailJob, NodeGone, Observation,
-                                  Quarantine, Replan, Revoke, Silence, Spare, Stall)
+from ..failure_rules.base import (Accusation, AccusationRecord, Blame, Blamed, BlameRecord, CorrectFlops, Decision,
+                                  FailJob, NodeGone, Observation, Quarantine, Replan, Revoke, Silence, Spare, Stall)
 from ..jobs import JobState
 from ..store import JobRow, NodeRow, StageRow, stage_of_node
 from .core import GONE, Core
@@ -61,6 +61,12 @@ class Rulings:
                 if node is not None and node.credential_ended != "revoked":
                     node.credential_ended = "revoked"  # (the re-plan already leaves it out)
                     log.warning("node %s revoked: %s", node.id, d.reason)
+            elif isinstance(d, AccusationRecord):
+                node = session.get(NodeRow, d.node_id)
+                if node is not None and d.accusers is not None:
+                    node.accusers = [list(a) for a in d.accusers]
+                if node is not None and d.accused is not None:
+                    node.accused = [list(a) for a in d.accused]
             elif isinstance(d, BlameRecord):
                 session.get_one(NodeRow, d.node_id).replans_caused = list(d.caused)
             elif isinstance(d, Quarantine):
@@ -73,6 +79,20 @@ class Rulings:
         node = session.get(NodeRow, node_id)
         if node is not None:
             self.observe(session, Blamed(self.core.clock(), node.id, reason, tuple(node.replans_caused or ())))
+
+    def accuse(self, session: Session, job_id: str, accuser: NodeRow, accused_id: str, reason: str,
+               outlier: bool) -> None:
+        """`accuser` refused values `accused_id` sent: whom that counts against (failure_rules/accusations.py)."""
+        accused = session.get(NodeRow, accused_id)
+        if accused is None:
+            return
+        earlier = []
+        for node_id, at in accuser.accused or ():
+            node = session.get(NodeRow, node_id)
+            others = {by for by, _ in (node.accusers or ()) if by != accuser.id} if node is not None else set()
+            earlier.append((node_id, at, bool(others)))
+        self.observe(session, Accusation(self.core.clock(), job_id, accuser.id, accused.id, reason, outlier,
+                                         tuple((by, at) for by, at in accused.accusers or ()), tuple(earlier)))
 
     def node_lost(self, session: Session, node: NodeRow, reason: str, failure: Failure) -> None:
         """The node is gone: a job that still needed it is re-planned without it."""

@@ -33,7 +33,7 @@ owning one share sees only that share; the round takes a majority of the owners'
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -49,6 +49,22 @@ OUTLIER_RATIO = 4.0
 STRIKES = 3
 RULES = ("centered_clip", "trimmed_mean", "median")
 Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Strikes:
+    """Who was found far off in how many rounds (or steps) in a row, for naming one only at STRIKES:
+    `record(who, when)` once or more per round `when`, rounds numbered 0, 1, 2, ...; a round without a
+    record of `who` starts its count over."""
+
+    def __init__(self) -> None:
+        self._runs: dict[Hashable, tuple[int, int]] = {}  # who -> (the last round it was far off, rounds in a row)
+
+    def record(self, who: Hashable, when: int) -> bool:
+        """`who` was far off in round `when`: whether that makes STRIKES rounds in a row."""
+        last, in_a_row = self._runs.get(who, (when - 2, 0))
+        if last != when:
+            self._runs[who] = when, in_a_row = when, (in_a_row + 1 if last == when - 1 else 1)
+        return in_a_row >= STRIKES
 
 
 def median(stack: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,10 @@ def node_list(ctx: typer.Context) -> None:
         # (two rows of one name, a node that restarted as a new one: each line says which row it is)
         who = node["name"] if node["name"] and named[node["name"]] == 1 else \
             f"{node['name']} ({node['id']})" if node["name"] else node["id"]
+        if node.get("accused_by"):
+            accusers = node["accused_by"]
+            notes.append(f"{who} sent values that {', '.join(names.get(i, i) for i in accusers)} refused"
+                         + (" (one node's word: a second accuser would convict it)" if len(accusers) == 1 else ""))
         if node.get("measured_flops"):
             notes.append(f"{who} was too slow for its profile's {node['profile']['flops'] / 1e9:,.1f} GFLOP/s: "
                          f"its stages computed like {node['measured_flops'] / 1e9:,.1f}")

@@ -29,6 +29,7 @@ from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STE
 from ravnest.pipeline.stash import StageCompute
 from ravnest.spec import StageAssignment
 from ravnest.wire import Message
+from ravnest.wire.codecs import GRADIENT
 
 METRICS_EVERY = 10  # optimizer steps between metrics reports
 
@@ -161,8 +162,8 @@ class StageExecutor:
         if msg.id != m:
             raise PipelineError(f"stage {self.assignment.stage} expected the gradient of micro-batch {m}, "
                                 f"got {msg.id}")
-        self._scales[1].check(msg.tensors["grad"], m)
-        self._grad = msg.tensors["grad"].to(self.device)
+        self._scales[1].check(msg.tensors[GRADIENT], m)
+        self._grad = msg.tensors[GRADIENT].to(self.device)
 
     def _backward_input(self, m: int) -> None:
         with self.clock.busy():
@@ -171,7 +172,7 @@ class StageExecutor:
 
     def _send_backward(self, m: int) -> None:
         assert self._input_grad is not None
-        self.neighbours.send(PREV, Message(BACKWARD, m, {"grad": self._input_grad}))
+        self.neighbours.send(PREV, Message(BACKWARD, m, {GRADIENT: self._input_grad}))
         self._input_grad = None
 
     def _backward_weights(self, m: int) -> None:

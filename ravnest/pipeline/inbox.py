@@ -17,6 +17,7 @@ import torch
 
 from ravnest.failures import FailureKind, KnownFailure, NotFinite
 from ravnest.wire import Message, WireError, require_finite
+from ravnest.wire.codecs import GRADIENT
 
 
 class PipelineError(KnownFailure, RuntimeError):
@@ -62,7 +63,7 @@ class Inbox:
         address) and leaves its stream open, so the sender's failure is not a report against us."""
         with self._ready:
             self._raise_if_closed()
-            grad = msg.tensors.get("grad")
+            grad = msg.tensors.get(GRADIENT)
             shape = self._owed.get(msg.id)
             if shape is None:
                 raise WireError(f"backward for micro-batch {msg.id}, which is not awaiting a gradient here")

@@ -44,7 +44,7 @@ from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.fusion import MB, FusionTuner, fusion_groups
 from ravnest.averaging.layout import FlatLayout, block_index, canonical_keys
 from ravnest.averaging.collectives import RingMember
-from ravnest.averaging.robust import STRIKES
+from ravnest.averaging.robust import Strikes
 from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
 from pydantic import Field
 
@@ -79,8 +79,7 @@ class _Segment:
     submitted: int = 0  # groups whose reduce-scatter is queued, counted from the last one
     unapplied: list[_Group] = field(default_factory=list)  # gathered or gathering, forward order
     choice: Future | None = None  # the tuner's averaged times
-    strikes: dict[str, tuple[int, int]] = field(default_factory=dict)  # robust: a member's address ->
-                                               # (the last step the owners found it far off, steps in a row)
+    strikes: Strikes = field(default_factory=Strikes)  # robust: members the owners found far off, by step
 
 
 class DearSettings(StrategySettings):
@@ -289,11 +288,7 @@ class DecoupledAllReduce(GroupStrategy):
         except RingOutlier as named:  # `flat` holds the robust mean
             if not named.by_vote:
                 raise
-            last, in_a_row = segment.strikes.get(named.address, (-1, 0))
-            if last != group.step:
-                in_a_row = in_a_row + 1 if last == group.step - 1 else 1
-                segment.strikes[named.address] = group.step, in_a_row
-            if in_a_row >= STRIKES:
+            if segment.strikes.record(named.address, group.step):
                 raise
         return time.perf_counter() - started
 

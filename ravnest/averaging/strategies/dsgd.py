@@ -28,13 +28,13 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.layout import FlatLayout, canonical_keys
-from ravnest.averaging.robust import OUTLIER_RATIO, STRIKES, clipped_gossip
+from ravnest.averaging.robust import OUTLIER_RATIO, STRIKES, Strikes, clipped_gossip
 from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
 from ravnest.averaging.collectives import RingMember
 from ravnest.averaging.registry import CostInputs
@@ -52,7 +52,7 @@ class _Segment:
     layout: FlatLayout | None = None
     snapshot: torch.Tensor | None = None
     running: Future | None = None
-    strikes: dict[int, int] | None = None  # robust: neighbour -> rounds in a row it was far off
+    strikes: Strikes = field(default_factory=Strikes)  # robust: neighbours found far off, by round
 
 
 def gossip_cost(c: CostInputs) -> float:
@@ -198,15 +198,12 @@ class GossipMixing(GroupStrategy):
         """The robust mix (the module docstring), naming a neighbour far off STRIKES rounds in a row."""
         neighbours = [j for j in row if j != self.rank]
         mixed, far = clipped_gossip(snapshot, [heard[j] for j in neighbours], [row[j] for j in neighbours])
-        before, segment.strikes = segment.strikes or {}, {}
         for j, off in zip(neighbours, far):
-            if off:
-                segment.strikes[j] = before.get(j, 0) + 1
-                if segment.strikes[j] >= STRIKES:
-                    raise RingOutlier(f"ring segment {segment.member.segment} round {round}: the values of "
-                                      f"{segment.member.addresses[j]} (rank {j}) were more than {OUTLIER_RATIO:g} "
-                                      f"times as far from this replica's as its other neighbours' in "
-                                      f"{STRIKES} rounds in a row", address=segment.member.addresses[j])
+            if off and segment.strikes.record(j, round):
+                raise RingOutlier(f"ring segment {segment.member.segment} round {round}: the values of "
+                                  f"{segment.member.addresses[j]} (rank {j}) were more than {OUTLIER_RATIO:g} times "
+                                  f"as far from this replica's as its other neighbours' in {STRIKES} rounds in a "
+                                  f"row", address=segment.member.addresses[j])
         return mixed
 
     def _apply_all(self) -> None:

@@ -37,6 +37,9 @@ from ravnest.plugins import PluginRegistry
 from ravnest.wire.dtypes import ITEMSIZES
 
 AUTO = "auto"  # a job's codec: the planner picks (coordinator/codec_choice.py)
+# the name of the tensor a pipeline's backward message carries: a codec may encode it otherwise than
+# the activations (q4g3), since `encode` is given each tensor's name
+GRADIENT = "grad"
 CodecState = dict[str, torch.Tensor]  # per link and direction: what a stateful codec carries over, by tensor name
 Encoded = tuple[torch.Tensor, list[float]]  # the flat payload in the codec's wire dtype, the header's parameters
 

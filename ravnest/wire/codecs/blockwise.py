@@ -34,7 +34,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from ravnest.wire.codecs import Codec, CodecState, Encoded, register
+from ravnest.wire.codecs import GRADIENT, Codec, CodecState, Encoded, register
 
 BLOCK = 64  # values per scale
 SCALE_BYTES = 2  # bf16: float32's range in 2 bytes
@@ -147,7 +147,6 @@ class Q4G3(Codec):
     on_device = True
     auto = {"pipeline": 4}
     forward, backward = Q4(), Q3()
-    GRADIENTS = "grad"  # the name the pipeline's backward messages give their tensor (pipeline/executor.py)
 
     def _of(self, params: Sequence[float]) -> _Blockwise:
         return self.forward if params[0] == self.forward.bits else self.backward
@@ -162,7 +161,7 @@ class Q4G3(Codec):
         return self._of(params).payload_numel(numel, params)
 
     def encode(self, t: torch.Tensor, state: CodecState | None = None, key: str = "") -> Encoded:
-        chosen = self.backward if key == self.GRADIENTS else self.forward
+        chosen = self.backward if key == GRADIENT else self.forward
         return chosen.encode(t, state, key)[0], [float(chosen.bits)]
 
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
