@@ -75,13 +75,14 @@ def load(m: nn.Module, vector: torch.Tensor) -> None:
 
 
 def run(replicas: int, attackers: list[int], attack: str | None, defended: bool, steps: int, every: int,
-        seed: int) -> Outcome:
+        seed: int, by_label: bool = False) -> Outcome:
     data = load_dataset({"name": "digits"})
     models = [model(seed) for _ in range(replicas)]
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
     liars = {i: Attack(attack, FROM_ROUND, every) for i in attackers} if attack else {}
     generators = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(replicas)]
-    shards = [(data.train_x[i::replicas].reshape(-1, 64).float(), data.train_y[i::replicas]) for i in range(replicas)]
+    parts = [data.shard(i, replicas, by_label=by_label) for i in range(replicas)]
+    shards = [(part.train_x.reshape(-1, 64).float(), part.train_y) for part in parts]
     routers = [Router() for _ in range(replicas)]
     servers = [PeerServer(r, token=TOKEN) for r in routers]
     alive = list(range(replicas))
@@ -113,7 +114,7 @@ def run(replicas: int, attackers: list[int], attack: str | None, defended: bool,
                 if any(isinstance(results[i], BaseException) and not isinstance(results[i], RingOutlier)
                        for i in honest):
                     return outcome  # (undefended: values that are not finite stopped the job)
-                named = {results[i].address for i in honest if isinstance(results[i], RingOutlier)}
+                named = {a for i in honest if isinstance(results[i], RingOutlier) for a in results[i].addresses}
                 if named:  # the re-plan: without the named member, from the weights before this round
                     gone = [i for i in alive if servers[i].address in named]
                     outcome.detected_at.update({i: step for i in gone})
@@ -159,13 +160,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=1, help="seeds per configuration (medians)")
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS))
     parser.add_argument("--liars", nargs="+", type=int, default=[1, 2, 3], help="values of f")
+    parser.add_argument("--shards", choices=("interleaved", "by-label"), default="interleaved",
+                        help="by-label: each replica holds few classes (non-iid), as `dataset.shards` does")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     def median_run(attackers: list[int], attack: str | None, defended: bool) -> tuple[float, list[Outcome]]:
-        outcomes = [run(args.replicas, attackers, attack, defended, args.steps, args.every, seed)
-                    for seed in range(args.runs)]
+        outcomes = [run(args.replicas, attackers, attack, defended, args.steps, args.every, seed,
+                        by_label=args.shards == "by-label") for seed in range(args.runs)]
         return statistics.median(o.accuracy for o in outcomes), outcomes
 
     rows, gaps, undefended_gaps, detect_steps, lied, named, honest_named = [], [], [], [], 0, 0, 0
@@ -207,8 +210,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{per_step[True] * 1e3:.2f} ms (R = {round_s[True] * 1e3:.1f} ms)")
     print(table, timing, summary, sep="\n")
     if not args.no_docs:
-        write_section("Lying replicas (bench.byzantine)", f"""
-`{command_line("bench.byzantine", argv)}`: {args.replicas} replicas of an MLP on digits, averaging every
+        by_label = args.shards == "by-label"
+        write_section("Lying replicas" + (" on shards by label" if by_label else "") + " (bench.byzantine)", f"""
+`{command_line("bench.byzantine", argv)}`: {args.replicas} replicas of an MLP on digits{
+            " (each holding one or two digits' examples)" if by_label else ""}, averaging every
 {args.every} steps for {args.steps} steps, f attackers lying from round {FROM_ROUND} (tests/attacks.py);
 accuracy of an honest replica, medians of {args.runs} seed(s). An attacker is named an outlier when more
 than half of the other share owners found its share more than {OUTLIER_RATIO:g} median distances from

@@ -11,7 +11,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Sequence, TypeVar
 
 import httpx
 import torch
@@ -25,7 +25,7 @@ from node.progress import Progress
 from node.relaying import Relaying
 from ravnest.averaging import collectives
 from ravnest.client.api import ApiError
-from ravnest.failures import Failure, classify
+from ravnest.failures import Failure, also_named, classify
 from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
@@ -311,10 +311,11 @@ class NodeDaemon:
 
         def on_alone(reason: str) -> None:  # on the worker thread (which logged it): tell the coordinator
             if not job.stopped_for:  # a re-plan starts, or its record learns this cluster trains on
-                failure = classify(runner.alone_cause, a.peer_addresses(), runner.optimizer.steps) \
-                    if runner.alone_cause is not None else None
-                threading.Thread(target=self._report, args=(a.job_id, f"training alone: {reason}", True, True, failure),
-                                 name="failure-report", daemon=True).start()
+                cause = runner.alone_cause
+                failure = classify(cause, a.peer_addresses(), runner.optimizer.steps) if cause is not None else None
+                others = also_named(cause, a.peer_addresses(), failure) if cause is not None and failure else []
+                threading.Thread(target=self._report, args=(a.job_id, f"training alone: {reason}", True, True, failure,
+                                                            others), name="failure-report", daemon=True).start()
 
         runner = run.runner = job.runner = StageRunner(
             a, self.router, device=self.device, on_metrics=on_metrics, initial_state=state,
@@ -357,7 +358,8 @@ class NodeDaemon:
         if not job.stopped_for:
             # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
             failure = classify(e, a.peer_addresses(), runner.optimizer.steps if runner is not None else None)
-            self._report(a.job_id, reason, recoverable=runner is not None, failure=failure)
+            self._report(a.job_id, reason, recoverable=runner is not None, failure=failure,
+                         others=also_named(e, a.peer_addresses(), failure))
 
     def _clean_up(self, run: _JobRun) -> None:
         """Every per-job resource goes back, however the job ended: a node serves job after job."""
@@ -377,11 +379,13 @@ class NodeDaemon:
         self._beat_now.set()
 
     def _report(self, job_id: str, reason: str, recoverable: bool = True, still_training: bool = False,
-                failure: Failure | None = None) -> None:
-        try:
-            self.client.report_failure(job_id, reason, recoverable, still_training, failure)
-        except (httpx.HTTPError, ApiError):
-            pass
+                failure: Failure | None = None, others: Sequence[Failure] = ()) -> None:
+        """`failure`, then the same for each further peer it names (`others`: also_named's), one report each."""
+        for told in (failure, *others):
+            try:
+                self.client.report_failure(job_id, reason, recoverable, still_training, told)
+            except (httpx.HTTPError, ApiError):
+                pass
 
     def _stop_job(self, timeout: float) -> None:
         if self._job and self._job.thread.is_alive():

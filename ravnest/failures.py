@@ -63,6 +63,11 @@ class KnownFailure(RavnestError):
     def peer_address(self) -> str | None:
         return None
 
+    @property
+    def more_peer_addresses(self) -> tuple[str, ...]:
+        """Further peers to blame for the same failure (a robust round that convicted several at once)."""
+        return ()
+
 
 class NotFinite(KnownFailure, ValueError):
     """A value that is not finite, computed here or refused from a peer."""
@@ -99,6 +104,13 @@ def _chain(exc: BaseException) -> list[BaseException]:
         seen.append(exc)
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
     return seen
+
+
+def also_named(exc: BaseException, peers: Mapping[str, str], failure: Failure) -> list[Failure]:
+    """`failure` (classify's of `exc`) again for each further peer the same error names, by id."""
+    named = next((e.more_peer_addresses for e in _chain(exc) if isinstance(e, KnownFailure)), ())
+    return [failure.model_copy(update={"peer_id": peers[address], "peer_address": address})
+            for address in named if address in peers]
 
 
 def classify(exc: BaseException, peers: Mapping[str, str] | None = None, step: int | None = None) -> Failure:

@@ -34,11 +34,19 @@ class RingOutlier(RingError, KnownFailure):
     """A majority of a robust round's share owners found a member's contribution far beyond the others'
     (ravnest/averaging/robust.py), or it sent a share other than the one it had committed to; `address`:
     that member; `by_vote`: named by the owners' majority (every honest member names it in the same
-    round), not by this member alone."""
+    round), not by this member alone; `also`: other members the same round convicted."""
 
-    def __init__(self, message: str, *, address: str, by_vote: bool = False):
+    def __init__(self, message: str, *, address: str, by_vote: bool = False, also: tuple[str, ...] = ()):
         super().__init__(message)
-        self.address, self.by_vote = address, by_vote
+        self.address, self.by_vote, self.also = address, by_vote, also
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return self.address, *self.also
+
+    @property
+    def more_peer_addresses(self) -> tuple[str, ...]:
+        return self.also
 
     @property
     def failure_kind(self) -> FailureKind | None:
@@ -65,8 +73,8 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
         gather   owner k sends its mean and its votes to every member (in one message where they fit)
 
     Every member then counts the same votes: a member that more than half of the other owners
-    voted against is an outlier, and the round raises RingOutlier naming it (after `out` holds
-    the robust mean), so every honest member reports the same peer in the same round. An owner that
+    voted against is an outlier, and the round raises RingOutlier naming every such member (after `out`
+    holds the robust mean), so every honest member reports the same peers in the same round. An owner that
     sends a mean of its share far from the member's own values (OWNER_SLACK times their movement
     since the last round) is named by each member it sent that to. The last result is kept for
     that: one more copy of the vector per segment, from the second round on. `changes`: the vectors
@@ -146,11 +154,12 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     # a vote is one vote whatever number an owner sent, and an owner's vote on itself does not count
     against = (ballots > 0.5).float().fill_diagonal_(0).sum(dim=0)
     convicted = [j for j in range(n) if against[j] > (n - 1) / 2]
-    if convicted:
-        j = convicted[0]
-        raise RingOutlier(f"ring segment {member.segment} round {round}: {int(against[j])} of the {n - 1} other "
-                          f"members found the contribution of {member.addresses[j]} (rank {j}) far beyond the "
-                          f"others' ({rule})", address=member.addresses[j], by_vote=True)
+    if convicted:  # (every one of them: f liars leave in one round)
+        whom = ", ".join(f"{member.addresses[j]} (rank {j}, by {int(against[j])})" for j in convicted)
+        raise RingOutlier(f"ring segment {member.segment} round {round}: more than half of the {n - 1} other members "
+                          f"found the contribution of {whom} far beyond the others' ({rule})",
+                          address=member.addresses[convicted[0]], by_vote=True,
+                          also=tuple(member.addresses[j] for j in convicted[1:]))
     return buf
 
 

@@ -44,7 +44,7 @@ from ravnest.timeouts import PEER_SILENCE_S
 from ravnest.averaging.fusion import MB, FusionTuner, fusion_groups
 from ravnest.averaging.layout import FlatLayout, block_index, canonical_keys
 from ravnest.averaging.collectives import RingMember
-from ravnest.averaging.robust import Strikes
+from ravnest.averaging.robust import STRIKES, Strikes
 from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
 from pydantic import Field
 
@@ -288,8 +288,10 @@ class DecoupledAllReduce(GroupStrategy):
         except RingOutlier as named:  # `flat` holds the robust mean
             if not named.by_vote:
                 raise
-            if segment.strikes.record(named.address, group.step):
-                raise
+            struck = [address for address in named.addresses if segment.strikes.record(address, group.step)]
+            if struck:
+                raise RingOutlier(f"{named}, in {STRIKES} steps in a row", address=struck[0], by_vote=True,
+                                  also=tuple(struck[1:])) from None
         return time.perf_counter() - started
 
     def _gather(self, member: RingMember, flat: torch.Tensor, round: int, reduced: Future | None) -> torch.Tensor:
