@@ -52,6 +52,9 @@ class Settings:
     # quarantine_window_s it is blamed, and with revoke_outliers its credential is revoked (accusations.py)
     revoke_outliers: bool = False
     corroborate_after: int = 2
+    # ... and an accusation nobody else made this long after it counts against its accuser (the other
+    # members of a robust round report the same outliers within seconds)
+    corroborate_within_s: float = 60.0
     grow_after_s: float = 10.0  # a job runs this long on its nodes before new ones may join it
     grow_gain: float = 0.2  # ... and only if the planner predicts this much more throughput with them
     max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload

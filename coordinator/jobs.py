@@ -213,6 +213,16 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
         rings=rings)
 
 
+def planned_peers(plan: Plan, cluster: int, stage: int) -> set[str]:
+    """The nodes `stage` of `cluster` exchanges values with: its pipeline neighbours and its rings' members
+    (as its assignment names them), itself excluded."""
+    stages = plan.clusters[cluster].stages
+    neighbours = {stages[s].node_id for s in (stage - 1, stage + 1) if 0 <= s < len(stages)}
+    members = {plan.clusters[c].stages[s].node_id for ring in plan.rings if ring.stages[cluster] == stage
+               for c, s in enumerate(ring.stages)}
+    return (neighbours | members) - {stages[stage].node_id}
+
+
 def _averaging(spec: JobSpec, plan: Plan) -> AveragingSettings:
     """The job's averaging settings, with the planner's strategy (and topology) where it asked for "auto"
     and its pacing where the job left it open."""

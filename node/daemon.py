@@ -11,7 +11,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Callable, Generic, TypeVar
 
 import httpx
 import torch
@@ -25,7 +25,7 @@ from node.progress import Progress
 from node.relaying import Relaying
 from ravnest.averaging import collectives
 from ravnest.client.api import ApiError
-from ravnest.failures import Failure, also_named, classify
+from ravnest.failures import also_named, classify
 from ravnest.pipeline import neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
@@ -311,11 +311,9 @@ class NodeDaemon:
 
         def on_alone(reason: str) -> None:  # on the worker thread (which logged it): tell the coordinator
             if not job.stopped_for:  # a re-plan starts, or its record learns this cluster trains on
-                cause = runner.alone_cause
-                failure = classify(cause, a.peer_addresses(), runner.optimizer.steps) if cause is not None else None
-                others = also_named(cause, a.peer_addresses(), failure) if cause is not None and failure else []
-                threading.Thread(target=self._report, args=(a.job_id, f"training alone: {reason}", True, True, failure,
-                                                            others), name="failure-report", daemon=True).start()
+                threading.Thread(target=report_failure, args=(self.client, a, f"training alone: {reason}", True, True,
+                                                              runner.alone_cause, runner.optimizer.steps),
+                                 name="failure-report", daemon=True).start()
 
         runner = run.runner = job.runner = StageRunner(
             a, self.router, device=self.device, on_metrics=on_metrics, initial_state=state,
@@ -357,9 +355,8 @@ class NodeDaemon:
             hand_in_state(self.client, self.progress, runner, a, run.scratch / "snapshot.safetensors", run.prefix)
         if not job.stopped_for:
             # a stage that trained and then failed (a lost peer) can be re-planned; one that never started cannot
-            failure = classify(e, a.peer_addresses(), runner.optimizer.steps if runner is not None else None)
-            self._report(a.job_id, reason, recoverable=runner is not None, failure=failure,
-                         others=also_named(e, a.peer_addresses(), failure))
+            report_failure(self.client, a, reason, runner is not None, False, e,
+                           runner.optimizer.steps if runner is not None else None)
 
     def _clean_up(self, run: _JobRun) -> None:
         """Every per-job resource goes back, however the job ended: a node serves job after job."""
@@ -378,19 +375,23 @@ class NodeDaemon:
         job.done.set()
         self._beat_now.set()
 
-    def _report(self, job_id: str, reason: str, recoverable: bool = True, still_training: bool = False,
-                failure: Failure | None = None, others: Sequence[Failure] = ()) -> None:
-        """`failure`, then the same for each further peer it names (`others`: also_named's), one report each."""
-        for told in (failure, *others):
-            try:
-                self.client.report_failure(job_id, reason, recoverable, still_training, told)
-            except (httpx.HTTPError, ApiError):
-                pass
-
     def _stop_job(self, timeout: float) -> None:
         if self._job and self._job.thread.is_alive():
             self._job.stop_for("leave")  # hands in its state, then leaves
             self._job.thread.join(timeout)
+
+
+def report_failure(client: CoordinatorClient, a: StageAssignment, reason: str, recoverable: bool,
+                   still_training: bool, cause: BaseException | None, step: int | None) -> None:
+    """Tell the coordinator the stage failed (or trains on alone), with what `cause` says as data: one
+    report for the peer it names, and one more for each further peer (a robust round that convicted
+    several at once: failures.also_named)."""
+    failure = classify(cause, a.peer_addresses(), step) if cause is not None else None
+    for told in [failure, *(also_named(cause, a.peer_addresses(), failure) if cause and failure else [])]:
+        try:
+            client.report_failure(a.job_id, reason, recoverable, still_training, told)
+        except (httpx.HTTPError, ApiError):
+            pass
 
 
 def hand_in_state(client: CoordinatorClient, progress: Progress, runner: StageRunner, a: StageAssignment, path: Path,

@@ -4,6 +4,7 @@ lone stage far off its node's profile corrects that profile; silence, stalls, re
 quarantine each decide as documented. And the rules are a list: a new one is a file in a folder."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import textwrap
 
@@ -117,7 +118,7 @@ def report(failure: Failure | None, recoverable: bool = True, still_training: bo
            lost_seen: float = 99.0, could_not_start_on=()) -> Report:
     members = {"r": Member("r", 100.0), "p": Member("p", lost_seen, relayed_by)}
     return Report(100.0, "job", "r", "what happened", failure, recoverable, still_training, members,
-                  could_not_start_on)
+                  could_not_start_on, peers={"p"})
 
 
 LOST_P = Failure(kind=FailureKind.PEER_LOST, message="stream broke", peer_id="p")
@@ -144,6 +145,10 @@ def test_a_refusal_leaves_out_the_sender_not_the_messenger(rules) -> None:
     assert rules().observe(report(own)) == [Replan("job", "what happened", own, ("r",)), Blame("r", "what happened")]
     stranger = Failure(kind=FailureKind.NAN, message="refused", peer_id="not-a-member")
     assert rules().observe(report(stranger))[0].left_out == ("r",)
+    # p is a member, but not one r exchanges values with: r never heard from it, so its word is its own
+    not_a_peer = Failure(kind=FailureKind.OUTLIER, message="refused", peer_id="p")
+    assert rules().observe(dataclasses.replace(report(not_a_peer), peers=())) == [
+        Replan("job", "what happened", not_a_peer, ("r",)), Blame("r", "what happened")]
 
 
 def accusation(accuser: str, accused: str, at: float, accusers=(), earlier=(), outlier: bool = True) -> Accusation:
@@ -168,14 +173,17 @@ def test_an_accusation_convicts_only_once_a_second_node_makes_it(rules) -> None:
 
 def test_an_accuser_nobody_corroborates_against_two_nodes_is_blamed_itself(rules) -> None:
     """A liar l accuses honest a, then honest b: both are left out of its job (reports.py), and l is
-    blamed. Had someone else accused a too, l's word about a would stand, and nobody is blamed for b yet."""
-    rules = rules(quarantine_window_s=100.0)
+    blamed. Had someone else accused a too, l's word about a would stand, and nobody is blamed for b yet;
+    nor where a's accusation was made within `corroborate_within_s` (others' reports of it may be on their
+    way: an honest member accuses two liars a round convicted at once)."""
+    rules = rules(quarantine_window_s=1000.0, corroborate_within_s=60.0)
     assert rules.observe(accusation("l", "a", 10.0))[2:] == []
-    decided = rules.observe(accusation("l", "b", 20.0, earlier=[("a", 10.0, False)]))
+    decided = rules.observe(accusation("l", "b", 100.0, earlier=[("a", 10.0, False)]))
     assert [type(d) for d in decided[2:]] == [Blame] and decided[2].node_id == "l"
     assert "accused 2 different nodes" in decided[2].reason
-    assert rules.observe(accusation("l", "b", 20.0, earlier=[("a", 10.0, True)]))[2:] == []
-    assert rules.observe(accusation("l", "b", 200.0, earlier=[("a", 10.0, False)]))[2:] == []  # a's is too old
+    assert rules.observe(accusation("l", "b", 100.0, earlier=[("a", 10.0, True)]))[2:] == []
+    assert rules.observe(accusation("l", "b", 20.0, earlier=[("a", 10.0, False)]))[2:] == []  # too soon to tell
+    assert rules.observe(accusation("l", "b", 2000.0, earlier=[("a", 10.0, False)]))[2:] == []  # a's is too old
 
 
 def test_a_stage_that_cannot_start_fails_the_job_only_on_two_different_nodes(rules) -> None:

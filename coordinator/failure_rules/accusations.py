@@ -10,11 +10,14 @@ the two apart. So:
   corroborated in the same round; garbage down a pipeline is seen by one neighbour, and it takes a
   second one (in this job's next plan or another job) to convict;
 - an accuser whose accusations nobody corroborated, against `corroborate_after` different nodes within
-  the window, is the likelier liar, and each such accusation counts against it instead.
+  the window, is the likelier liar, and each such accusation counts against it instead. An earlier
+  accusation counts so only once `corroborate_within_s` passed without a second accuser: an honest
+  member of a round that convicted two liars accuses both at once, and the others' reports of the
+  first may come after its own of the second.
 
 Worked example, corroborate_after = 2: r accuses p (p left out, nobody blamed); q accuses p too (p
-blamed and, with revoke_outliers, revoked). A liar l accuses a, then b, honest both: a is left out, and
-then b is, and l is blamed, because nobody else found a or b lying.
+blamed and, with revoke_outliers, revoked). A liar l accuses a, then, a minute or more later, b, honest
+both: a is left out, and then b is, and l is blamed, because nobody else found a or b lying.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ class Accusations(Rule[Accusation]):
             if seen.outlier and self.settings.revoke_outliers:
                 decided.append(Revoke(seen.accused_id, seen.reason))
             return decided
-        alone = [who for who, _, also in accused if not also]
+        settled = self.settings.corroborate_within_s
+        alone = [who for who, at, also in accused if not also and (seen.at - at >= settled or who == seen.accused_id)]
         if len(alone) >= needed:
             decided.append(Blame(seen.accuser_id, f"it accused {len(alone)} different nodes within {window:.0f} s "
                                                   f"that no other node accused; the last: {seen.reason}"))

@@ -86,6 +86,7 @@ class Report(Observation):
     still_training: bool  # its stage trains on alone
     members: Mapping[str, Member]
     could_not_start_on: Collection[str]  # nodes whose earlier reports said the stage could not start
+    peers: Collection[str] = ()  # the members the reporter exchanges values with (it can refuse only theirs)
 
 
 @dataclass(frozen=True)

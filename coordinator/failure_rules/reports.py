@@ -27,7 +27,7 @@ class FailureReports(Rule[Report]):
         if not seen.recoverable and len(said_so) >= self.settings.fail_after_nodes:
             return [FailJob(seen.job_id, f"{seen.reason} (the stage could not start on {len(said_so)} different "
                                          f"nodes)")]
-        source = refused_from(seen.failure, seen.reporter_id, seen.members)
+        source = refused_from(seen.failure, seen.reporter_id, seen.peers)
         if source is not None:
             return [Replan(seen.job_id, seen.reason, seen.failure, (source,))]
         return [Replan(seen.job_id, seen.reason, seen.failure, tuple(self.left_out(seen))),
@@ -45,10 +45,11 @@ class FailureReports(Rule[Report]):
         return [] if seen.still_training else [seen.reporter_id]
 
 
-def refused_from(failure: Failure | None, reporter_id: str, members: Collection[str]) -> str | None:
-    """The member whose values the reporter refused, as not finite or as an outlier, where the failure
-    names one."""
-    if failure is not None and failure.kind in (FailureKind.NAN, FailureKind.OUTLIER) and failure.peer_id in members \
+def refused_from(failure: Failure | None, reporter_id: str, peers: Collection[str]) -> str | None:
+    """The peer whose values the reporter refused, as not finite or as an outlier, where the failure names
+    one of `peers` (those it exchanges values with: a refusal of anybody else's is the reporter's word
+    about a node it never heard from, counted against itself)."""
+    if failure is not None and failure.kind in (FailureKind.NAN, FailureKind.OUTLIER) and failure.peer_id in peers \
             and failure.peer_id != reporter_id:
         return failure.peer_id
     return None

@@ -228,12 +228,13 @@ class JobLifecycle:
                 log.info("job %s: ignored a failure report of quarantined node %s", job.id, reporter.id)
                 return
             members = members_of(session, job.id)
-            source = refused_from(report.failure, reporter.id, members)
+            # (no plan while the job waits to be placed again: then any member, as its stage rows say)
+            peers = jobs.planned_peers(self.core.plan(job), stage.cluster, stage.stage) if job.plan else set(members)
+            source = refused_from(report.failure, reporter.id, peers)
             if job.state not in jobs.ACTIVE:  # the job already ended or is being re-planned
-                if source is not None and job.state == JobState.RECOVERING.value:
-                    self._refused(session, job, source, reporter, failure_reason(report.failure, report.reason,
-                                                                                 reporter, stage, members),
-                                  outlier=report.failure is not None and report.failure.kind == FailureKind.OUTLIER)
+                if source is not None and report.failure is not None and job.state == JobState.RECOVERING.value:
+                    self._refused(session, job, source, reporter, report.failure,
+                                  failure_reason(report.failure, report.reason, reporter, stage, members))
                 self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
                 return
             relays = {relay.id: relay for node in members.values()
@@ -244,20 +245,19 @@ class JobLifecycle:
             seen = Report(now, job.id, reporter.id, reason, failure, report.recoverable, report.still_training,
                           {node.id: Member(node.id, node.last_seen, node.relayed_by, node.beat_interval_s)
                            for node in members.values()},
-                          {r.reported_by for r in job.faults if r.could_not_start and r.reported_by})
+                          {r.reported_by for r in job.faults if r.could_not_start and r.reported_by}, peers)
             self.rulings.observe(session, seen, reported_by=reporter.id, could_not_start=not report.recoverable)
             if source is not None:
-                self.recoveries.refused(job, source, reporter.id, reason)
-                self.rulings.accuse(session, job.id, reporter, source, reason, failure.kind == FailureKind.OUTLIER)
+                self._refused(session, job, source, reporter, failure, reason)
             self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
 
-    def _refused(self, session: Session, job: JobRow, source: str, refuser: NodeRow, reason: str,
-                 outlier: bool = False) -> None:
-        """A refusal heard while the job is re-planned (its sender's report may have come first): the sender
-        is left out of the re-plan under way, and accused (failure_rules/accusations.py)."""
+    def _refused(self, session: Session, job: JobRow, source: str, refuser: NodeRow, failure: Failure,
+                 reason: str) -> None:
+        """A refusal, heard while the job runs or is re-planned (the sender's report may have come first):
+        the sender is left out of the re-plan, and accused (failure_rules/accusations.py)."""
         log.warning("job %s: %s", job.id, reason)
         self.recoveries.refused(job, source, refuser.id, reason)
-        self.rulings.accuse(session, job.id, refuser, source, reason, outlier)
+        self.rulings.accuse(session, job.id, refuser, source, failure, reason)
 
     def hand_in_weights(self, job_id: str, authorization: str | None, cluster: int, stage: int,
                         upload: Path) -> None:

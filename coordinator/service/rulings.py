@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ravnest.failures import Failure
+from ravnest.failures import Failure, FailureKind
 
 from .. import calibration, jobs
 from ..failure_reasons import who
@@ -80,9 +80,10 @@ class Rulings:
         if node is not None:
             self.observe(session, Blamed(self.core.clock(), node.id, reason, tuple(node.replans_caused or ())))
 
-    def accuse(self, session: Session, job_id: str, accuser: NodeRow, accused_id: str, reason: str,
-               outlier: bool) -> None:
-        """`accuser` refused values `accused_id` sent: whom that counts against (failure_rules/accusations.py)."""
+    def accuse(self, session: Session, job_id: str, accuser: NodeRow, accused_id: str, failure: Failure,
+               reason: str) -> None:
+        """`accuser` refused values `accused_id` sent (`failure`: as not finite, or as an outlier's): whom that
+        counts against (failure_rules/accusations.py)."""
         accused = session.get(NodeRow, accused_id)
         if accused is None:
             return
@@ -91,7 +92,8 @@ class Rulings:
             node = session.get(NodeRow, node_id)
             others = {by for by, _ in (node.accusers or ()) if by != accuser.id} if node is not None else set()
             earlier.append((node_id, at, bool(others)))
-        self.observe(session, Accusation(self.core.clock(), job_id, accuser.id, accused.id, reason, outlier,
+        self.observe(session, Accusation(self.core.clock(), job_id, accuser.id, accused.id, reason,
+                                         failure.kind == FailureKind.OUTLIER,
                                          tuple((by, at) for by, at in accused.accusers or ()), tuple(earlier)))
 
     def node_lost(self, session: Session, node: NodeRow, reason: str, failure: Failure) -> None:

@@ -14,9 +14,12 @@ depends_on = None
 
 
 def upgrade() -> None:
+    # (a database older than the migrations gets its nodes table from today's models: store.upgrade)
+    present = {column['name'] for column in sa.inspect(op.get_bind()).get_columns('nodes')}
     with op.batch_alter_table('nodes', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('accusers', sa.JSON(), nullable=True))
-        batch_op.add_column(sa.Column('accused', sa.JSON(), nullable=True))
+        for name in ('accusers', 'accused'):
+            if name not in present:
+                batch_op.add_column(sa.Column(name, sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
