@@ -65,7 +65,13 @@ function nodeRow(node) {
   const address = el("td", {title: node.reachability || "not dialled yet"},
                      node.reachable === false ? `${node.address} (unreachable)`
                        : node.relayed_by ? `${node.address} (relayed)` : node.address);
-  row.append(el("td", {}, node.name || node.id), address, state,
+  const name = el("td", {}, node.name || node.id);
+  if ((node.accused_by || []).length) {  // nodes that refused values it sent (failure_rules/accusations.py)
+    const by = node.accused_by.map((id) => (nodesById[id] && nodesById[id].name) || id).join(", ");
+    name.append(el("span", {class: "accused", title: `sent values that ${by} refused; two accusers convict it`},
+                   ` · accused by ${node.accused_by.length}`));
+  }
+  row.append(name, address, state,
              el("td", {}, fixed(flops / 1e9, 1)), el("td", {}, fixed(node.profile.memory_bytes / 2 ** 30, 1)),
              el("td", {}, fixed(node.profile.bandwidth_bytes_per_s / 1e6, 1)), el("td", {}, node.job_id || ""),
              el("td", {}, place || ""));
