@@ -26,7 +26,7 @@ from node.relaying import Relaying
 from ravnest.averaging import collectives
 from ravnest.client.api import ApiError
 from ravnest.failures import also_named, classify
-from ravnest.pipeline import neighbours
+from ravnest.pipeline import audits, neighbours
 from ravnest.pipeline.inbox import PipelineError, TrainedAlone
 from ravnest.pipeline.memory import release_free_memory, trim_heap
 from ravnest.pipeline.stage import StageRunner
@@ -153,7 +153,7 @@ class NodeDaemon:
         self.device = device
         self.name = name
         # peers of a job get their assignments at different heartbeats: their first messages may wait 60 s
-        self.router = Router(60.0, (*neighbours.MESSAGE_KINDS, collectives.KIND), decode_device=device)
+        self.router = Router(60.0, (*neighbours.MESSAGE_KINDS, collectives.KIND, audits.KIND), decode_device=device)
         self.gate = PeerGate()  # the job's planned peers may call; the coordinator's probe token may Ping
         self.server = PeerServer(self.router, host, port, gate=self.gate, tls=tls)  # tls: (certificate, key) PEM
         self._prober: LinkProber | None = None

@@ -10,6 +10,7 @@ node process takes them through `python -m tests.attacker_node join --attack NAM
     label_flip           trains on label c - 1 - y (c classes): honest arithmetic on wrong data
     garbage_activations  a pipeline stage's outputs (on the last stage, the gradients it sends back)
                          replaced by noise of 1000 times their RMS
+    noise_activations    ... by noise of their own RMS: what the scale check cannot see (audits can)
 
 Any of them may start mid-job: from averaging round `from_round` on (a step // every), before which the
 node is honest.
@@ -23,7 +24,7 @@ import torch
 
 AVERAGING = ("sign_flip", "large_norm", "stale_replay")
 TRAINING = ("label_flip",)
-PIPELINE = ("garbage_activations",)
+PIPELINE = ("garbage_activations", "noise_activations")
 ATTACKS = AVERAGING + TRAINING + PIPELINE
 STALE_STEPS = 100
 
@@ -60,7 +61,8 @@ class Attack:
         return num_classes - 1 - y if self.name == "label_flip" and self.on(round) else y
 
     def activations(self, output: torch.Tensor, round: int) -> torch.Tensor:
-        if self.name != "garbage_activations" or not self.on(round):
+        if self.name not in PIPELINE or not self.on(round):
             return output
         rms = float(output.float().pow(2).mean().sqrt()) or 1.0
-        return (torch.randn_like(output.float()) * 1000.0 * rms).to(output.dtype)
+        scale = 1000.0 if self.name == "garbage_activations" else 1.0
+        return (torch.randn_like(output.float()) * scale * rms).to(output.dtype)

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from ravnest.pipeline.audits import AuditCheck, AuditPicker
 from ravnest.pipeline.averaging_hooks import AveragingHooks
 from ravnest.pipeline.checkpoint_timing import CheckpointTiming
 from ravnest.pipeline.evaluation import StageEvaluation
@@ -47,6 +48,7 @@ class StageParts:
     trace: PipelineTrace
     feed: BatchFeed | None  # stage 0's data
     loss: Callable  # the last stage's
+    audits: AuditPicker | AuditCheck | None = None  # spot checks (audits.py)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class StageExecutor:
         self.compute, self.optimizer, self.neighbours = parts.compute, parts.optimizer, parts.neighbours
         self.inbox, self.averaging, self.evaluation = parts.neighbours.inbox, parts.averaging, parts.evaluation
         self.checkpoints, self.clock, self.trace, self.feed = parts.checkpoints, parts.clock, parts.trace, parts.feed
-        self._loss = parts.loss
+        self._loss, self.audits = parts.loss, parts.audits
         self.predict, self.per_step, self.window = cadence.predict, cadence.per_step, cadence.window
         self.total_micro_batches = cadence.total_micro_batches
         self.on_checkpoint, self._report = on_checkpoint, report
@@ -107,6 +109,8 @@ class StageExecutor:
         if self.feed is not None:
             with self.clock.busy():
                 self._pending = self.feed.micro_batch(m)
+                if isinstance(self.audits, AuditPicker):
+                    self._pending = self.audits.swap(m, self._pending, self.feed.dataset)
             self.admitted += 1
             self.trace.in_flight(self.admitted - self.completed)
             return
@@ -119,6 +123,8 @@ class StageExecutor:
         self.checkpoints.heard(msg.tags)
         self._scales[0].check(msg.tensors["x"], m)
         self._pending = msg.tensors["x"], msg.tensors["y"]
+        if isinstance(self.audits, AuditCheck):
+            self.audits.received(m, *self._pending, msg.tags)
 
     def _forward(self, m: int) -> None:
         assert self._pending is not None
@@ -148,6 +154,8 @@ class StageExecutor:
     def _send_forward(self, m: int) -> None:
         assert self._pending is not None and self._output is not None
         tags = self.checkpoints.tags(self.optimizer.steps)
+        if self.audits is not None:
+            tags.update(self.audits.tags(m))
         self.neighbours.send(NEXT, Message(FORWARD, m, {"x": self._output, "y": self._pending[1]}, tags=tags))
         self._output = self._pending = None
 

@@ -17,7 +17,7 @@ at most PEAK_SLACK times the largest honest scale. No honest pipeline of the tes
 (digits, gpt on text, Llama pre-training and fine-tuning over compressed links, models larger than a
 node). What this cannot see: noise of the honest scale, values wrong in direction only, and garbage
 sent from the very first micro-batch (it is the only scale the stage knows); catching those needs a
-stage's work recomputed elsewhere (spot checks), not built yet (docs/security.md).
+stage's work compared elsewhere: audits.py, where 3 or more clusters cut the model alike.
 """
 from __future__ import annotations
 

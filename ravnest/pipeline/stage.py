@@ -36,6 +36,7 @@ from ravnest.data.tokens import tokenizer_json
 from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.models.weights import load_starting_weights
 from ravnest.pipeline import state, throughput
+from ravnest.pipeline.audits import audits_for
 from ravnest.pipeline.averaging_hooks import AveragingHooks
 from ravnest.pipeline.checkpoint_timing import CheckpointTiming
 from ravnest.pipeline.evaluation import StageEvaluation
@@ -121,6 +122,7 @@ class StageRunner:
             if self.is_first and a.dataset.name == "tokens" else None
         self._executor: StageExecutor | None = None  # while and after `run`
         self._stop_reason = ""
+        self.audits = audits_for(a, router, self.window, self.parts)  # spot checks of pipeline stages
         self.neighbours.listen(router)  # last: a stage that could not be built takes no messages
 
     def _stage_compute(self, precision: str) -> StageCompute:
@@ -192,6 +194,8 @@ class StageRunner:
         finally:
             done.set()
             self.inbox.fail(f"stage {self.assignment.stage} has finished its run")
+            if self.audits is not None:
+                self.audits.close()
         self.final_metrics = {**self.metrics(), **self.clock.steady_state(), **executor.evaluation.results,
                               "max_in_flight": float(self.trace.max_in_flight)}
         self.on_metrics(self.final_metrics)
@@ -207,7 +211,7 @@ class StageRunner:
                                      steps=lambda: self.optimizer.steps, report=report, feed=self.feed)
         parts = StageParts(self.compute, self.optimizer, self.neighbours, self.averaging, evaluation,
                            CheckpointTiming(self.assignment, self.per_step), self.clock, self.trace, self.feed,
-                           self._loss)
+                           self._loss, self.audits)
         return StageExecutor(self.assignment, parts,
                              Cadence(self.predict, self.per_step, self.window, self.total_micro_batches),
                              on_checkpoint=lambda step: self.on_checkpoint(step), report=report)

@@ -183,7 +183,8 @@ class AveragingSettings(Strict):
                         "theirs is left out of the job as an outlier: 'centered_clip' (recommended), "
                         "'trimmed_mean', 'median'. Needs 3 or more clusters; ring, diloco and dear; the gossip "
                         "strategies dsgd, dadam and ada clip each neighbour's difference instead, whatever the "
-                        "rule (docs/security.md)")
+                        "rule. Also audits pipeline stages where 3 or more clusters cut the model alike "
+                        "(docs/security.md)")
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,315 @@
+"""Spot checks of pipeline stages: secret audit micro-batches that every cluster runs, compared across
+clusters where their stages start at the same block.
+
+A stage that sends the next one noise of the honest scale, or the right activations plus something
+the plausibility check (plausibility.py) cannot see, or flipped labels, goes unnoticed by its receiver
+alone: it has nothing to compare with. Its replicas in the other clusters do: on the same examples,
+their stages send activations that differ only by how far the replicas' weights drifted apart since
+the last averaging round. So:
+
+1. Stage 0 of every cluster swaps one micro-batch in each block of AUDIT_EVERY, at a place drawn with
+   `secrets`, for audit j: rows drawn from the whole training set by (seed, j), the same in every
+   cluster. Later stages cannot tell an audit from any other micro-batch.
+2. Every later stage keeps the input of its last `window` + 1 micro-batches. Once an audit's
+   micro-batch has been forwarded by every stage (stage 0 sends micro-batch m + K only after m came
+   back, K the window), stage 0 reveals it on that message: m, j and a fresh secret key.
+3. Each stage then sketches its input of m under the key (a random projection to SKETCH numbers that
+   the sender could not know: it cannot hide a change in the projection's null space), with a digest
+   of the labels, for the ring peers of its first block; that tells them the key, and each answers
+   with its own input's sketch under it. So every stage holds every peer's sketch under its key.
+4. Stage s judges audit j once the peers whose stages start at its block (3 or more clusters in all)
+   have answered, and, unless s = 1, once the stage before it said its own input of j was fine (a
+   stage whose input was off refuses its sender, so the one after it would blame an honest messenger),
+   or AUDIT_WAIT_S passed. Its input is off when its sketch lies more than FAR times as far from the
+   coordinate-wise median of all sketches as the others' median distance from it, and farther than
+   FLOOR of the median's norm. Off in STRIKES audits in a row, or with labels whose digest differs
+   where the others agree, the stage refuses its sender as an outlier (PipelineError, kind
+   `outlier`): the coordinator leaves it out of the job and records the accusation
+   (coordinator/failure_rules/accusations.py).
+
+The tolerance. Honest replicas' sketches differ by their weights' drift, and audit j runs up to one
+block apart in the clusters: in tests/test_audits.py (3 clusters of 3 stages, digits) most lie within
+0.1 of the median's norm, but a bad audit put one several times its norm away. Hence STRIKES: an input
+off in 2 audits in a row. Noise of the honest scale lies ~1.4 times the norm away on every audit.
+
+What it cannot see: lies of stage 0 (it knows its audits; its garbage is poisoned data, left to robust
+averaging), gradients sent back (they depend on the labels and later stages' weights), clusters whose
+stages start at other blocks, and a job of fewer than 3 clusters (no majority). A peer's sketch is
+known by the cluster it names: a liar among the peers that sends sketches in another's name makes the
+audit void (two different sketches for one cluster), not a verdict, unless the real peer never answers.
+Audits run where `averaging.robust` is set, the setting for volunteers not trusted; their secret
+choice makes a run not reproducible bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+import secrets
+import statistics
+import threading
+import time
+import zlib
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ravnest.data import Dataset
+from ravnest.failures import FailureKind
+from ravnest.pipeline.inbox import PipelineError
+from ravnest.spec import StageAssignment
+from ravnest.wire import Message, OutboundStream, PeerError, Router
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+KIND = "audit"
+AUDIT_EVERY = 16   # one micro-batch in this many, on average, is an audit
+SKETCH = 32        # numbers in a sketch
+FAR = 4.0          # an input this many times the others' median distance from the median is off ...
+FLOOR = 0.5        # ... when also farther than this share of the median's norm (replicas drift)
+STRIKES = 2        # audits in a row an input must be off before its sender is refused
+AUDIT_WAIT_S = 30.0  # how long a stage waits for the previous stage's word before it judges anyway
+KEEP = 64          # audits remembered (peers' sketches that arrive early, or never get judged)
+_REVEAL = ("audit_of", "audit_no", "audit_key")  # tags: micro-batch, audit number, sketch key
+
+
+def audits_for(a: StageAssignment, router: Router, window: int, parts: int) -> AuditPicker | AuditCheck | None:
+    """What a stage does for spot checks: pick (stage 0), check (a later stage with 2 or more aligned
+    peers), or nothing (no `averaging.robust`, one stage, or too few clusters)."""
+    if not a.averaging.robust or a.num_stages < 2 or a.num_clusters < 3:
+        return None
+    check = None if a.is_first else AuditCheck(a, router, window)
+    if check is None or not check.active:
+        # a ring peer cut elsewhere may take this stage for an aligned one: its sketches are dropped
+        router.route(KIND, lambda msg, peer: None)
+    if a.is_first:
+        return AuditPicker(a.training.seed, window, parts)
+    return check if check is not None and check.active else None
+
+
+def audit_rows(seed: int, j: int, count: int, rows: int) -> torch.Tensor:
+    """The training rows of audit j: the same in every cluster, drawn from the whole set."""
+    return torch.randint(count, (rows,), generator=torch.Generator().manual_seed(seed * 7919 + j + 1))
+
+
+def sketch(x: torch.Tensor, key: int) -> torch.Tensor:
+    """A random linear projection of `x` to SKETCH numbers, keyed: sum over rows r of x's last dimension
+    of sign_r * (x_r @ R), with R Gaussian / sqrt(SKETCH) and the signs drawn from `key`. It keeps
+    distances on average (E|sketch(a) - sketch(b)|^2 = |a - b|^2)."""
+    rows = x.detach().float().cpu().reshape(-1, x.shape[-1])
+    g = torch.Generator().manual_seed(key)
+    projection = torch.randn(rows.shape[1], SKETCH, generator=g) / SKETCH ** 0.5
+    signs = torch.randint(0, 2, (rows.shape[0], 1), generator=g).float() * 2 - 1
+    return (signs * (rows @ projection)).sum(0)
+
+
+def labels_digest(y: torch.Tensor) -> int:
+    return zlib.crc32(y.detach().to(torch.int64).cpu().numpy().tobytes())
+
+
+def off_by(own: torch.Tensor, others: list[torch.Tensor]) -> float | None:
+    """How far `own` lies from the median of all sketches, in the others' median distances, where that
+    makes it off (see the module docstring); None where it is not."""
+    median = torch.stack([own, *others]).median(0).values
+    mine = float((own - median).norm())
+    typical = statistics.median(float((o - median).norm()) for o in others)
+    if mine > FAR * typical and mine > FLOOR * float(median.norm()):
+        return mine / max(typical, 1e-12)
+    return None
+
+
+class AuditPicker:
+    """Stage 0: which micro-batches are audits (secret until revealed), and their rows."""
+
+    def __init__(self, seed: int, window: int, parts: int = 1):
+        """`parts`: micro-batches a batch is cut into; an audit replaces the first part of a batch, of the
+        same size in every cluster (sketches of different sizes do not compare)."""
+        self.seed, self.window, self.parts = seed, window, parts
+        self.block = parts * max(1, AUDIT_EVERY // parts)  # micro-batches per audit
+        self._audits: dict[int, tuple[int, int]] = {}  # micro-batch -> (audit number, key)
+        self._next = -1
+
+    def swap(self, m: int, batch: Batch, dataset: Dataset) -> Batch:
+        """Micro-batch m as stage 0 sends it: `batch`, or audit rows of the same size. Audit j is at a
+        secret place in micro-batches [j * block, (j + 1) * block), so every cluster runs it at about
+        the same point of training."""
+        if m % self.block == 0:
+            self._next = m + self.parts * secrets.randbelow(self.block // self.parts)
+        if m != self._next:
+            return batch
+        j = m // self.block
+        rows = audit_rows(self.seed, j, len(dataset.train_x), len(batch[1]))
+        self._audits[m] = j, secrets.randbits(62)
+        return dataset.train_x[rows], dataset.train_y[rows]
+
+    def tags(self, m: int) -> dict[str, int]:
+        """The reveal message m carries: the audit of micro-batch m - window, if it was one."""
+        audit = self._audits.pop(m - self.window, None)
+        return {} if audit is None else dict(zip(_REVEAL, (m - self.window, *audit)))
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Audit:
+    """One audit at one stage. Every cluster's stage 0 drew its own key: each stage sketches its input
+    under every key it hears of, and judges its own under its own cluster's key."""
+    raw: tuple[torch.Tensor, torch.Tensor] | None = None  # this stage's input (x, y), once revealed
+    keys: dict[int, int] = field(default_factory=dict)  # cluster -> the key its stage 0 drew
+    answered: set[int] = field(default_factory=set)  # clusters sent a sketch under their key
+    peers: dict[int, tuple[torch.Tensor, int] | None] = field(default_factory=dict)  # under our key (None: void)
+    made: float = 0.0  # when the reveal came
+    since: float | None = None  # when it had every peer's sketch it would wait for
+
+
+class AuditCheck:
+    """A later stage: keeps its inputs, sketches the revealed audits, trades sketches with its aligned
+    peers and judges (see the module docstring). `received` runs on the worker thread; sketches arrive
+    on gRPC's."""
+
+    def __init__(self, assignment: StageAssignment, router: Router, window: int, clock=time.monotonic):
+        a = self.assignment = assignment
+        self._clock = clock
+        self._inputs: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._keep = window + 1
+        self._audits: OrderedDict[int, _Audit] = OrderedDict()
+        self._lock = threading.Lock()
+        self._upstream_ok: set[int] = set()
+        self._verdicts: deque[int] = deque()  # audits whose input was fine, to tell the next stage
+        self._reveal: dict[str, int] = {}
+        self._strikes = 0  # audits in a row whose input was off
+        start = a.blocks[0]
+        self.peers = {c: member.address for ring in a.rings if ring.blocks[0] == start
+                      for c, member in enumerate(ring.members) if c != a.cluster}
+        self._streams: dict[str, OutboundStream] = {}
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{a.stage}-audits")
+        router.route(KIND, self._on_sketch)
+
+    @property
+    def active(self) -> bool:
+        return len(self.peers) >= 2  # with itself, 3 or more clusters: a majority to judge by
+
+    def received(self, m: int, x: torch.Tensor, y: torch.Tensor, tags: dict[str, int]) -> None:
+        """Keep micro-batch m's input; act on the reveal and the previous stage's word it carries, then
+        judge what can be judged (raises PipelineError naming the sender of an input that is off)."""
+        self._inputs[m] = x, y
+        while len(self._inputs) > self._keep:
+            self._inputs.popitem(last=False)
+        self._reveal = {k: tags[k] for k in _REVEAL if k in tags}
+        if "audit_ok" in tags:
+            self._upstream_ok.add(tags["audit_ok"])
+        if len(self._reveal) == len(_REVEAL) and self._reveal["audit_of"] in self._inputs:
+            j, me = self._reveal["audit_no"], self.assignment.cluster
+            with self._lock:
+                audit = self._audit(j)
+                audit.raw, audit.made = self._inputs[self._reveal["audit_of"]], self._clock()
+                audit.keys[me] = self._reveal["audit_key"]
+                owed = {c: audit.keys[c] for c in audit.keys if c not in audit.answered}
+                audit.answered |= set(owed)
+            for c, key in owed.items():  # ours to every peer (it tells them our key), theirs to each
+                self._sender.submit(self._send, j, audit.raw, c, key)
+        self._judge()
+
+    def tags(self, m: int) -> dict[str, int]:
+        """What the next stage hears with micro-batch m: the reveal passed on, and one verdict."""
+        said = {"audit_ok": self._verdicts.popleft()} if self._verdicts else {}
+        reveal, self._reveal = self._reveal, {}
+        return {**reveal, **said}
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=False, cancel_futures=True)
+        for stream in self._streams.values():
+            stream.cancel()
+
+    # --- judging (the worker thread) --------------------------------------------------------------
+
+    def _judge(self) -> None:
+        with self._lock:
+            ready = [(j, audit) for j, audit in self._audits.items() if self._due(j, audit)]
+            for j, _ in ready:
+                del self._audits[j]
+        me = self.assignment.cluster
+        for j, audit in ready:
+            assert audit.raw is not None
+            own = sketch(audit.raw[0], audit.keys[me]), labels_digest(audit.raw[1])
+            others = [p for p in audit.peers.values() if p is not None]
+            digests = [d for _, d in others]
+            if own[1] not in digests and len(set(digests)) == 1:
+                self._refuse(j, "carried other labels than the same examples in every other cluster")
+            far = off_by(own[0], [s for s, _ in others])
+            self._strikes = 0 if far is None else self._strikes + 1
+            if self._strikes >= STRIKES:
+                self._refuse(j, f"were {far:.0f} times as far from the median of the {len(others) + 1} clusters' "
+                                f"as the others', and off in the {STRIKES - 1} audits before")
+            self._verdicts.append(j)
+            self._upstream_ok.discard(j)
+
+    def _due(self, j: int, audit: _Audit) -> bool:
+        """Every aligned peer answered (or AUDIT_WAIT_S passed with 2 of them), and the previous stage
+        said its input of j was fine (or AUDIT_WAIT_S passed after that)."""
+        now = self._clock()
+        if audit.raw is None or sum(p is not None for p in audit.peers.values()) < 2:
+            return False
+        if audit.since is None:
+            if len(audit.peers) < len(self.peers) and now - audit.made < AUDIT_WAIT_S:
+                return False
+            audit.since = now
+        return self.assignment.stage == 1 or j in self._upstream_ok or now - audit.since >= AUDIT_WAIT_S
+
+    def _refuse(self, j: int, what: str) -> None:
+        sender = self.assignment.prev
+        assert sender is not None
+        raise PipelineError(f"audit {j}: the activations node {sender.node_id} at {sender.address} sent stage "
+                            f"{self.assignment.stage} {what}; refused as an outlier", FailureKind.OUTLIER,
+                            sender.address)
+
+    # --- sketches between aligned peers (the sender's thread, gRPC's) -----------------------------
+
+    def _audit(self, j: int) -> _Audit:
+        audit = self._audits.get(j)
+        if audit is None:
+            audit = self._audits[j] = _Audit()
+            while len(self._audits) > KEEP:
+                self._audits.popitem(last=False)
+        return audit
+
+    def _send(self, j: int, raw: tuple[torch.Tensor, torch.Tensor], under: int, key: int) -> None:
+        """Our sketch of audit j under cluster `under`'s key: to that cluster's peer, or (our own key,
+        which it announces) to every peer."""
+        a = self.assignment
+        msg = Message(KIND, j, {"sketch": sketch(raw[0], key)}, tags={
+            "cluster": a.cluster, "start": a.blocks[0], "labels": labels_digest(raw[1]), "under": under,
+            **({"key": key} if under == a.cluster else {})})
+        for address in (self.peers.values() if under == a.cluster else [self.peers[under]]):
+            try:
+                stream = self._streams.get(address)
+                if stream is None:
+                    stream = self._streams[address] = OutboundStream(address, token=a.token, wait_ready=10.0)
+                stream.send(msg, timeout=10.0)
+            except PeerError:
+                self._streams.pop(address, None)  # the ring's business: audits are best effort
+
+    def _on_sketch(self, msg: Message, peer: str) -> None:
+        cluster, start, labels, under = (msg.tags.get(k) for k in ("cluster", "start", "labels", "under"))
+        s, me = msg.tensors.get("sketch"), self.assignment.cluster
+        if (cluster not in self.peers or start != self.assignment.blocks[0] or labels is None or s is None
+                or s.shape != (SKETCH,) or not s.is_floating_point() or not bool(torch.isfinite(s).all())):
+            return  # not an aligned peer's sketch: nothing to judge by
+        answer = None
+        with self._lock:
+            audit = self._audit(msg.id)
+            if under == cluster and "key" in msg.tags and cluster not in audit.keys:
+                audit.keys[cluster] = msg.tags["key"]  # its stage 0's key: it wants our sketch under it
+                if audit.raw is not None:
+                    audit.answered.add(cluster)
+                    answer = audit.raw
+            if under == me:
+                known = audit.peers.get(cluster, ...)
+                # a second, different sketch in one cluster's name: someone poses as it; it counts for nothing
+                if known is ...:
+                    audit.peers[cluster] = s.float().clone(), labels
+                elif known is None or not torch.equal(known[0], s.float()) or known[1] != labels:
+                    audit.peers[cluster] = None
+        if answer is not None:
+            with contextlib.suppress(RuntimeError):  # (the stage's run ended: nothing more is sent)
+                self._sender.submit(self._send, msg.id, answer, cluster, msg.tags["key"])

@@ -1,0 +1,119 @@
+"""Spot checks of pipeline stages (ravnest/pipeline/audits.py): the sketch, the rule, the reveal, and
+three clusters of three stages, every stage a thread on loopback gRPC, where a stage that sends noise
+of the honest scale (which the scale check lets through) is refused by the stage after it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ravnest.pipeline.audits as audits
+from ravnest.failures import FailureKind
+from ravnest.pipeline.audits import FAR, FLOOR, AuditPicker, off_by, sketch
+from ravnest.pipeline.executor import StageExecutor
+from ravnest.pipeline.inbox import PipelineError
+from ravnest.pipeline.local import run_threaded_clusters
+from ravnest.pipeline.stage import StageRunner
+from ravnest.spec import JobSpec
+from tests.attacks import Attack
+
+RANGES = [(0, 1), (1, 2), (2, 4)]
+
+
+def test_a_sketch_keeps_distances_and_needs_its_key():
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 8, 8), torch.randn(16, 8, 8)
+    ratios = [float((sketch(a, k) - sketch(b, k)).norm() / (a - b).norm()) for k in range(50)]
+    assert 0.8 < sum(ratios) / len(ratios) < 1.2  # random projection: on average the distance itself
+    assert not torch.equal(sketch(a, 1), sketch(a, 2))
+    assert torch.equal(sketch(a, 7), sketch(a.clone(), 7))
+
+
+def test_the_rule_finds_the_odd_input_out_and_tolerates_drift():
+    torch.manual_seed(0)
+    base = torch.randn(32)
+    drifted = [base + 0.05 * torch.randn(32) for _ in range(3)]
+    assert all(off_by(d, [o for o in drifted if o is not d]) is None for d in drifted)
+    noise = torch.randn(32) * float(base.norm()) / 32 ** 0.5
+    assert off_by(noise, drifted[:2]) is not None
+    assert off_by(drifted[0], [drifted[1], noise]) is None  # an honest stage beside a liar's peer
+    # a change smaller than FLOOR of the norm is drift, however tight the others agree
+    assert off_by(base + 0.5 * FLOOR * base, [base, base.clone()]) is None
+    assert FAR > 1
+
+
+def test_stage_0_reveals_an_audit_only_once_it_came_back(monkeypatch):
+    monkeypatch.setattr(audits.secrets, "randbelow", lambda n: 0)  # the first micro-batch of a block
+    picker = AuditPicker(seed=3, window=2)
+
+    class Data:
+        train_x, train_y = torch.arange(100.).reshape(50, 2), torch.arange(50)
+    batch = picker.swap(0, (torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)), Data())  # type: ignore[arg-type]
+    again = AuditPicker(seed=3, window=2).swap(0, batch, Data())  # type: ignore[arg-type]
+    assert torch.equal(batch[1], again[1]), "audit 0 holds the same rows in every cluster"
+    assert picker.tags(0) == picker.tags(1) == {}
+    reveal = picker.tags(2)
+    assert reveal["audit_of"] == 0 and reveal["audit_no"] == 0 and 0 <= reveal["audit_key"] < 2 ** 62
+
+
+def job(steps: int) -> JobSpec:
+    return JobSpec.model_validate({
+        "model": {"name": "cnn"}, "dataset": {"name": "digits"},
+        "training": {"steps": steps, "batch_size": 16, "seed": 0, "eval_every": 0},
+        "averaging": {"strategy": "ring", "every": 10, "robust": "centered_clip"}})
+
+
+def run(monkeypatch, liar: tuple[int, int] | None, steps: int):
+    """Three clusters cut alike; returns (what every stage raised, each judged audit's distances)."""
+    raised: dict[tuple[int, int], BaseException] = {}
+    judged: list[float] = []
+    plain_run, plain_off, send_forward = StageRunner.run, audits.off_by, StageExecutor._send_forward
+
+    def recorded_run(self, *args, **kwargs):
+        try:
+            return plain_run(self, *args, **kwargs)
+        except BaseException as exc:
+            raised[self.assignment.cluster, self.assignment.stage] = exc
+            raise
+
+    def measured(own, others):
+        median = torch.stack([own, *others]).median(0).values
+        judged.append(float((own - median).norm() / median.norm()))
+        return plain_off(own, others)
+
+    attack = Attack("noise_activations")
+
+    def lying_send(self, m):
+        if (self.assignment.cluster, self.assignment.stage) == liar:
+            self._output = attack.activations(self._output, 0)
+        return send_forward(self, m)
+    monkeypatch.setattr(StageRunner, "run", recorded_run)
+    monkeypatch.setattr(audits, "off_by", measured)
+    monkeypatch.setattr(StageExecutor, "_send_forward", lying_send)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = run_threaded_clusters(job(steps), [RANGES] * 3, timeout=60)
+    except (RuntimeError, TimeoutError):  # the liar's cluster stopped; the others' averaging then fails
+        results = None
+    finally:
+        torch.set_num_threads(threads)
+    return raised, judged, results
+
+
+@pytest.mark.slow
+def test_three_honest_clusters_pass_their_audits(monkeypatch):
+    raised, judged, results = run(monkeypatch, None, steps=200)
+    assert not raised and results is not None
+    assert len(judged) >= 8, "each later stage judged some audits"
+    judged.sort()
+    print(f"honest drift: distance from the median, in its norm: median {judged[len(judged) // 2]:.3f}, "
+          f"largest {judged[-1]:.3f} (FLOOR {FLOOR}), over {len(judged)} verdicts")
+
+
+@pytest.mark.slow
+def test_a_stage_that_sends_noise_of_the_honest_scale_is_refused_by_the_next(monkeypatch):
+    raised, judged, _ = run(monkeypatch, (1, 1), steps=200)
+    refusals = {where: exc for where, exc in raised.items()
+                if isinstance(exc, PipelineError) and exc.kind == FailureKind.OUTLIER}
+    assert list(refusals) == [(1, 2)], raised
+    assert "audit" in str(refusals[1, 2]) and "cluster1-stage1" in str(refusals[1, 2])
