@@ -386,8 +386,9 @@ def report_failure(client: CoordinatorClient, a: StageAssignment, reason: str, r
     """Tell the coordinator the stage failed (or trains on alone), with what `cause` says as data: one
     report for the peer it names, and one more for each further peer (a robust round that convicted
     several at once: failures.also_named)."""
-    failure = classify(cause, a.peer_addresses(), step) if cause is not None else None
-    for told in [failure, *(also_named(cause, a.peer_addresses(), failure) if cause and failure else [])]:
+    peers = a.peer_addresses()
+    failure = classify(cause, peers, step) if cause is not None else None
+    for told in [failure, *(also_named(cause, peers, failure) if cause and failure else [])]:
         try:
             client.report_failure(a.job_id, reason, recoverable, still_training, told)
         except (httpx.HTTPError, ApiError):

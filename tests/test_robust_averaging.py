@@ -199,3 +199,29 @@ def test_honest_replicas_on_shards_by_label_are_not_named_and_a_liar_among_them_
     from bench.byzantine import run
     assert run(6, [], None, True, steps=60, every=10, seed=0, by_label=True).detected_at == {}
     assert list(run(6, [5], "sign_flip", True, steps=60, every=10, seed=0, by_label=True).detected_at) == [5]
+
+
+def test_a_gossip_replica_names_every_neighbour_struck_out_in_the_same_round():
+    """dsgd, like a ring's round, names every neighbour far off STRIKES rounds in a row at once (one
+    report each), not the first of them a round."""
+    from types import SimpleNamespace
+
+    from ravnest.averaging.strategies.dsgd import GossipMixing
+    addresses = [f"127.0.0.1:{5000 + j}" for j in range(6)]
+    segment = SimpleNamespace(strikes=robust.Strikes(), member=SimpleNamespace(segment=0, addresses=addresses))
+    me = SimpleNamespace(rank=0)
+    base = torch.randn(1000)
+    heard = {1: base + 0.01 * torch.randn(1000), 2: base + 0.01 * torch.randn(1000),
+             3: base + 0.01 * torch.randn(1000), 4: -1000 * base, 5: 50 * torch.randn(1000)}
+    row = {j: 1 / 6 for j in range(6)}
+    outcome = None
+    for round in range(robust.STRIKES):
+        try:
+            GossipMixing._clipped(me, segment, base.clone(), row, heard, round)  # type: ignore[arg-type]
+        except RingOutlier as named:
+            outcome = round, named
+    assert outcome is not None and outcome[0] == robust.STRIKES - 1
+    assert outcome[1].addresses == (addresses[4], addresses[5])
+    told = also_named(outcome[1], {a: f"node{j}" for j, a in enumerate(addresses)},
+                      classify(outcome[1], {a: f"node{j}" for j, a in enumerate(addresses)}, 1))
+    assert [f.peer_id for f in told] == ["node5"]

@@ -38,15 +38,15 @@ class RingOutlier(RingError, KnownFailure):
 
     def __init__(self, message: str, *, address: str, by_vote: bool = False, also: tuple[str, ...] = ()):
         super().__init__(message)
-        self.address, self.by_vote, self.also = address, by_vote, also
+        self.address, self.by_vote, self._also = address, by_vote, also
 
     @property
     def addresses(self) -> tuple[str, ...]:
-        return self.address, *self.also
+        return self.address, *self._also
 
     @property
     def more_peer_addresses(self) -> tuple[str, ...]:
-        return self.also
+        return self._also
 
     @property
     def failure_kind(self) -> FailureKind | None:

@@ -198,12 +198,14 @@ class GossipMixing(GroupStrategy):
         """The robust mix (the module docstring), naming a neighbour far off STRIKES rounds in a row."""
         neighbours = [j for j in row if j != self.rank]
         mixed, far = clipped_gossip(snapshot, [heard[j] for j in neighbours], [row[j] for j in neighbours])
-        for j, off in zip(neighbours, far):
-            if off and segment.strikes.record(j, round):
-                raise RingOutlier(f"ring segment {segment.member.segment} round {round}: the values of "
-                                  f"{segment.member.addresses[j]} (rank {j}) were more than {OUTLIER_RATIO:g} times "
-                                  f"as far from this replica's as its other neighbours' in {STRIKES} rounds in a "
-                                  f"row", address=segment.member.addresses[j])
+        # every neighbour struck out this round is named at once, as a ring's round names every outlier
+        struck = [j for j, off in zip(neighbours, far) if off and segment.strikes.record(j, round)]
+        if struck:
+            named = ", ".join(f"{segment.member.addresses[j]} (rank {j})" for j in struck)
+            raise RingOutlier(f"ring segment {segment.member.segment} round {round}: the values of {named} were "
+                              f"more than {OUTLIER_RATIO:g} times as far from this replica's as its other "
+                              f"neighbours' in {STRIKES} rounds in a row", address=segment.member.addresses[struck[0]],
+                              also=tuple(segment.member.addresses[j] for j in struck[1:]))
         return mixed
 
     def _apply_all(self) -> None:
