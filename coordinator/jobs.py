@@ -178,10 +178,11 @@ def pin_content(job: JobRow, contents: dict[str, str]) -> None:
 
 def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
                peer_credentials: dict[str, str], tls_names: dict[str, str],
-               direct: DirectLinks | None = None) -> StageAssignment:
+               direct: DirectLinks | None = None, audit_secret: int | None = None) -> StageAssignment:
     """What the node running `stage` of `cluster` needs to know, rings and credentials included
     (`tls_names`: node id -> the name its certificate carries, for those reached through a relay;
-    `direct`: the links that a side nobody can dial opened itself, at the other side's relay for peers)."""
+    `direct`: the links that a side nobody can dial opened itself, at the other side's relay for peers;
+    `audit_secret`: stage 0's, where the job's averaging is robust)."""
     spec = spec_of(job)
     stages = plan.clusters[cluster].stages
     me = stages[stage].node_id
@@ -210,7 +211,7 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
         training=spec.training, averaging=_averaging(spec, plan),
         prev=peer(stage - 1, stage - 1) if stage > 0 else None,
         next=peer(stage + 1, stage) if stage + 1 < len(stages) else None,
-        rings=rings)
+        rings=rings, audit_secret=audit_secret if stage == 0 and spec.averaging.robust else None)
 
 
 def planned_peers(plan: Plan, cluster: int, stage: int) -> set[str]:

@@ -1215,3 +1215,16 @@ def test_a_vocabulary_below_the_offered_token_files_is_refused_at_submit_or_wait
     assert view["state"] == "pending" and view["reason"].startswith(
         "token file 'books' has 4,096 ids or more on 2 nodes, more than the model's vocab_size 2,000; waiting for "
         "2 idle nodes proven to hold dataset 'books' (1 available)"), view["reason"]
+
+
+def test_stage_0_of_a_robust_job_alone_gets_the_audit_secret_the_same_in_every_cluster(client: TestClient) -> None:
+    """Audits (ravnest/pipeline/audits.py) are drawn from a secret every cluster's stage 0 shares and no
+    later stage learns."""
+    members = [join(client, f"node{i}") for i in range(6)]
+    spec = {**digits_job(clusters=3, min_nodes=6), "averaging": {"every": 5, "robust": "centered_clip"}}
+    assert client.post("/v1/jobs", json=spec).status_code == 201
+    assignments = [beat(client, node_id, auth)["assignment"] for node_id, auth in members]
+    assert sorted(a["stage"] for a in assignments) == [0, 0, 0, 1, 1, 1]
+    secrets = {a["audit_secret"] for a in assignments if a["stage"] == 0}
+    assert len(secrets) == 1 and None not in secrets
+    assert all(a["audit_secret"] is None for a in assignments if a["stage"] > 0)

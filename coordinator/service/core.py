@@ -146,6 +146,10 @@ class Core:
         none; the other nodes of the job get only its hash."""
         return derive_token(self._secret, "peer", job.id, str(job.generation), node_id)
 
+    def audit_secret(self, job: JobRow) -> int:
+        """What the job generation's stage-0 nodes draw their audits from (ravnest/pipeline/audits.py)."""
+        return int.from_bytes(derive_token(self._secret, "audits", job.id, str(job.generation)).encode()[:8]) >> 1
+
     def relay_secret(self, relay: str) -> bytes:
         """What the tokens of a relay (ravnest/relay; "coordinator" or a relaying node's id) derive from:
         the same after a restart, so nodes listening on the relay before it are let in again."""

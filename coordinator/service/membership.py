@@ -142,7 +142,8 @@ class Membership:
             response.assignment = jobs.assignment(job, plan, stage.cluster, stage.stage, token(job, node.id),
                                                   {m: credential_hash(token(job, m)) for m in members},
                                                   tls_names(session, members),
-                                                  direct_links(session, members, self.core.relay_secret))
+                                                  direct_links(session, members, self.core.relay_secret),
+                                                  self.core.audit_secret(job))
             if job.state == JobState.PLACING.value and not undelivered(session, job.id):
                 jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self.core.plan(job).reason}",
                                 self.core.clock())

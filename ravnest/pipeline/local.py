@@ -4,6 +4,7 @@ the same model on the same data for comparison."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import multiprocessing as mp
 import secrets
 import threading
@@ -45,6 +46,7 @@ def make_assignments(job: JobSpec, ranges: Ranges, addresses: list[str], token: 
         job_id=job_id, token=token, cluster=cluster, num_clusters=num_clusters, stage=s, num_stages=len(ranges),
         blocks=(ranges[s][0], ranges[s][1]), input_shape=inputs[s][0], input_dtype=inputs[s][1], model=job.model,
         dataset=job.dataset, training=job.training, averaging=job.averaging, prev=peers[s - 1] if s > 0 else None,
+        audit_secret=int.from_bytes(hashlib.sha256(f"audits:{token}".encode()).digest()[:8]) >> 1 if s == 0 else None,
         next=peers[s + 1] if s + 1 < len(ranges) else None) for s in range(len(ranges))]
 
 

@@ -84,6 +84,10 @@ class StageAssignment(Strict):
     prev: StagePeer | None = None
     next: StagePeer | None = None
     rings: list[Ring] = Field(default_factory=list, description="rings this node is a member of")
+    audit_secret: int | None = Field(
+        None, ge=0, lt=2 ** 63, description="stage 0 only, where audits run: what every cluster's stage 0 draws the "
+                                            "place and key of its audits from (ravnest/pipeline/audits.py); "
+                                            "secret from the other stages")
     checkpoint_every: int = Field(0, description="steps between checkpoints this stage uploads; 0 = none")
     checkpoint_every_s: float | None = Field(None, description="seconds between checkpoints (stage 0 picks the step)")
 
