@@ -36,7 +36,7 @@ from ravnest.data.tokens import tokenizer_json
 from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.models.weights import load_starting_weights
 from ravnest.pipeline import state, throughput
-from ravnest.pipeline.audits import audits_for
+from ravnest.pipeline.audits import AuditCheck, audits_for
 from ravnest.pipeline.averaging_hooks import AveragingHooks
 from ravnest.pipeline.checkpoint_timing import CheckpointTiming
 from ravnest.pipeline.evaluation import StageEvaluation
@@ -254,6 +254,7 @@ class StageRunner:
                 **throughput.figures(clock["samples_per_s"], self.flops_per_sample, self.tokens_per_sample,
                                      self.peak_flops),
                 **link_figures(self.neighbours, self.optimizer.steps, self.is_first, self.is_last),
+                **({"audits_passed": float(self.audits.passed)} if isinstance(self.audits, AuditCheck) else {}),
                 **self.averaging.metrics()}
 
     # --- state in and out (state.py) ------------------------------------------------------------------
