@@ -225,3 +225,15 @@ def test_a_gossip_replica_names_every_neighbour_struck_out_in_the_same_round():
     told = also_named(outcome[1], {a: f"node{j}" for j, a in enumerate(addresses)},
                       classify(outcome[1], {a: f"node{j}" for j, a in enumerate(addresses)}, 1))
     assert [f.peer_id for f in told] == ["node5"]
+
+
+def test_of_three_an_honest_replica_a_little_farther_off_is_not_named_and_a_liar_is():
+    """Of 3 contributions the median distance is half the nearer pair's gap: at OUTLIER_RATIO an honest
+    third replica 5 gaps away would be named (a 3 x 3 robust ring named one so)."""
+    torch.manual_seed(0)
+    base = torch.randn(1000)
+    step = 0.01 * torch.randn(1000)
+    honest = torch.stack([base, base + step, base + 6 * step])
+    assert robust.outliers(honest, robust.centered_clip(honest)) == [False, False, False]
+    lying = torch.stack([base, base + step, -1000 * base])
+    assert robust.outliers(lying, robust.centered_clip(lying)) == [False, False, True]

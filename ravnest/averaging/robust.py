@@ -27,7 +27,8 @@ x_i <- x_i + sum_j w_ij clip(x_j - x_i, tau) with tau = CLIP_SCALE * the (lower)
 neighbours, which is the plain mix x_i <- sum_j w_ij x_j wherever nobody is clipped (W's rows sum to 1).
 
 `outliers` then names the contributions that were far beyond the others: ||x_i - v|| more than
-OUTLIER_RATIO times the (lower) median distance, which is an honest one while f < n / 2. A replica
+OUTLIER_RATIO times the (lower) median distance, which is an honest one while f < n / 2 (of 3
+contributions, OUTLIER_RATIO_OF_3 times: the median is then the nearer pair's half-gap). A replica
 owning one share sees only that share; the round takes a majority of the owners' votes
 (robust_round.robust_allreduce).
 """
@@ -44,6 +45,10 @@ TRIM = 1 / 4  # trimmed_mean drops this share of the contributions at each end (
 # 8 let replicas that train on flipped labels or replay old weights go unnamed (bench.byzantine); at 4 no
 # honest replica of the bench's or of tests/test_byzantine.py's jobs was ever named
 OUTLIER_RATIO = 4.0
+# Of 3 contributions the median distance is half the nearer pair's gap, so an honest third one twice as far
+# would count: a 3 x 3 robust ring named one (tests/test_audits.py's honest run, round 19). Of 3, the bar is
+# this many median distances instead (a liar times -1000, or 100 times its norm, is far beyond either)
+OUTLIER_RATIO_OF_3 = 16.0
 # Where one round's view can be an honest accident, a member is named only once it was far off in this many
 # rounds in a row: dear's per-step gradients (heavy-tailed) and gossip (each replica sees 2 or so neighbours)
 STRIKES = 3
@@ -114,7 +119,8 @@ def outliers(stack: torch.Tensor, center: torch.Tensor) -> list[bool]:
     distances = _distances(stack, center)
     typical = float(distances.median())
     floor = 1e-6 * float(center.norm()) + 1e-12  # identical replicas: anything measurably apart counts
-    return [bool(d > OUTLIER_RATIO * max(typical, floor)) for d in distances]
+    ratio = OUTLIER_RATIO_OF_3 if stack.shape[0] == 3 else OUTLIER_RATIO
+    return [bool(d > ratio * max(typical, floor)) for d in distances]
 
 
 def clipped_gossip(own: torch.Tensor, heard: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor,
