@@ -66,7 +66,7 @@ from ravnest.wire import Message, OutboundStream, PeerError, Router
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 KIND = "audit"
-AUDIT_EVERY = 16   # one micro-batch in this many, on average, is an audit
+AUDIT_EVERY = 16   # one micro-batch in each block of this many is an audit
 SKETCH = 32        # numbers in a sketch
 FAR = 4.0          # an input this many times the others' median distance from the median is off ...
 FLOOR = 0.7        # ... and farther than this share of the input's norm (replicas drift: the module docstring)
