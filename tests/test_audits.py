@@ -68,11 +68,12 @@ def job(steps: int) -> JobSpec:
 
 
 def run(monkeypatch, liar: tuple[int, int] | None, steps: int):
-    """Three clusters cut alike; returns (what every stage raised, each judged audit's distances)."""
+    """Three clusters cut alike, `liar` (cluster, stage) sending noise of its activations' RMS: what each
+    stage raised first, each verdict's distance from the median in its input's norm, and the results
+    (None where a stage failed)."""
     raised: dict[tuple[int, int], BaseException] = {}
     judged: list[float] = []
     plain_run, plain_off, send_forward = StageRunner.run, audits.off_by, StageExecutor._send_forward
-
     everyone: list[StageRunner] = []
 
     def recorded_run(self, *args, **kwargs):
