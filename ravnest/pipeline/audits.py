@@ -82,13 +82,20 @@ def audits_for(a: StageAssignment, router: Router, window: int, parts: int) -> A
     peers), or nothing (no `averaging.robust`, one stage, or too few clusters)."""
     if not a.averaging.robust or a.num_stages < 2 or a.num_clusters < 3:
         return None
-    check = None if a.is_first else AuditCheck(a, router, window)
-    if check is None or not check.active:
+    peers = {} if a.is_first else aligned_peers(a)
+    if len(peers) < 2:  # with itself, 3 or more clusters make a majority to judge by
         # a ring peer cut elsewhere may take this stage for an aligned one: its sketches are dropped
         router.route(KIND, lambda msg, peer: None)
     if a.is_first:
         return None if a.audit_secret is None else AuditPicker(a.audit_secret, a.training.seed, window, parts)
-    return check if check is not None and check.active else None
+    return AuditCheck(a, router, window, peers) if len(peers) >= 2 else None
+
+
+def aligned_peers(a: StageAssignment) -> dict[int, str]:
+    """Cluster -> address of the ring peers of this stage's first block, itself left out (those whose
+    stage starts elsewhere say so in their sketches, which are then not compared)."""
+    return {c: member.address for ring in a.rings if ring.blocks[0] == a.blocks[0]
+            for c, member in enumerate(ring.members) if c != a.cluster}
 
 
 def audit_rows(seed: int, j: int, count: int, rows: int) -> torch.Tensor:
@@ -174,7 +181,8 @@ class AuditCheck:
     peers and judges (see the module docstring). `received` runs on the worker thread; sketches arrive
     on gRPC's."""
 
-    def __init__(self, assignment: StageAssignment, router: Router, window: int, clock=time.monotonic):
+    def __init__(self, assignment: StageAssignment, router: Router, window: int, peers: dict[int, str],
+                 clock=time.monotonic):
         a = self.assignment = assignment
         self._clock = clock
         self._inputs: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -186,16 +194,10 @@ class AuditCheck:
         self._reveal: dict[str, int] = {}
         self._strikes = 0  # audits in a row whose input was off
         self.passed = 0  # audits judged fine (a stage metric: audits_passed)
-        start = a.blocks[0]
-        self.peers = {c: member.address for ring in a.rings if ring.blocks[0] == start
-                      for c, member in enumerate(ring.members) if c != a.cluster}
+        self.peers = peers  # aligned_peers(a)
         self._streams: dict[str, OutboundStream] = {}
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{a.stage}-audits")
         router.route(KIND, self._on_sketch)
-
-    @property
-    def active(self) -> bool:
-        return len(self.peers) >= 2  # with itself, 3 or more clusters: a majority to judge by
 
     def received(self, m: int, x: torch.Tensor, y: torch.Tensor, tags: dict[str, int]) -> None:
         """Keep micro-batch m's input; act on the reveal and the previous stage's word it carries, then
