@@ -378,13 +378,14 @@ class RingMember:
     # --- internals ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _sending(self, round: int, targets: list[int]) -> Iterator[None]:
+    def _sending(self, round: int, targets: list[int], flush: bool = True) -> Iterator[None]:
         """Around a round that sends to `targets`: once it is done, wait until all it queued was framed
-        (so its tensors may change); if it fails, only release what it queued; either way the round
-        ends (late messages of it are dropped)."""
+        (so its tensors may change; `flush=False` where the round's own order already ensures that);
+        if it fails, only release what it queued; either way the round ends (late messages of it are
+        dropped)."""
         try:
             yield
-            for target in targets:
+            for target in targets if flush else ():
                 self._flush(round, to=target)
         except BaseException:
             with contextlib.suppress(PeerError):  # the round failed anyway; just release its tensors
