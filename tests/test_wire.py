@@ -8,7 +8,7 @@ import torch
 from ravnest.v1 import peer_pb2
 from ravnest.wire import Message, WireError, WireLimits
 from ravnest.wire.tensors import DTYPES, decode, encode, require_finite, validate_header
-from ravnest.wire.messages import (MessageAssembler, chunk_frame, encode_message, message_frames,
+from ravnest.wire.messages import (MessageAssembler, bundled, chunk_frame, encode_message, message_frames,
                                    parse_frame, read_chunk)
 
 LIMITS = WireLimits(max_tensor_bytes=1 << 20, max_message_bytes=2 << 20, max_chunk_bytes=64 << 10)
@@ -297,3 +297,25 @@ def test_several_messages_in_one_stream() -> None:
     out = list(MessageAssembler(LIMITS).messages(frames))
     assert [m.id for m in out] == list(range(5))
     assert all(torch.equal(o.tensors["t"], m.tensors["t"]) for o, m in zip(out, msgs))
+
+
+def test_small_frames_cross_in_one_bundle_and_large_chunks_alone() -> None:
+    ring = Message("ring", 3, {"t": torch.arange(100.0)}, {"round": 1})
+    frames = frames_of(ring)  # its header, its tensor's header, the data
+    assert len(frames) == 3 and len(list(bundled(frames))) == 1
+    (out,) = MessageAssembler(LIMITS).messages(bundled(frames))
+    assert torch.equal(out.tensors["t"], ring.tensors["t"]) and out.tags == ring.tags
+    both = Message("m", tensors={"small": torch.ones(2), "big": torch.arange(20_000.0)})
+    frames = frames_of(both)  # ..., big's header, then its 80 kB in chunks of 64 KiB and the rest
+    sent = list(bundled(frames))
+    assert len(sent) == 3 and sent[1] is frames[-2] and sent[2] is frames[-1]  # a large chunk is left as it is
+    (out,) = MessageAssembler(LIMITS).messages(sent)
+    assert all(torch.equal(out.tensors[name], t) for name, t in both.tensors.items())
+
+
+def test_a_bundle_inside_a_bundle_is_refused() -> None:
+    inner = frame(bundle=peer_pb2.Bundle(frames=[message_header().SerializeToString()])).SerializeToString()
+    with pytest.raises(WireError, match="a bundle of frames holds another bundle"):
+        list(MessageAssembler(LIMITS).messages([frame(bundle=peer_pb2.Bundle(frames=[inner]))]))
+    with pytest.raises(WireError, match="malformed frame"):
+        list(MessageAssembler(LIMITS).messages([frame(bundle=peer_pb2.Bundle(frames=[b"\x1a\xff"]))]))

@@ -380,9 +380,8 @@ class RingMember:
     @contextlib.contextmanager
     def _sending(self, round: int, targets: list[int], flush: bool = True) -> Iterator[None]:
         """Around a round that sends to `targets`: once it is done, wait until all it queued was framed
-        (so its tensors may change; `flush=False` where the round's own order already ensures that);
-        if it fails, only release what it queued; either way the round ends (late messages of it are
-        dropped)."""
+        (so its tensors may change; not with `flush=False`); if it fails, only release what it queued;
+        either way the round ends (late messages of it are dropped)."""
         try:
             yield
             for target in targets if flush else ():

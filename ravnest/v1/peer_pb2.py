@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ravnest/v1/peer.proto\x12\nravnest.v1\"\x86\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x15\n\rdecoded_dtype\x18\x06 \x01(\t\x12\x0e\n\x06params\x18\x08 \x03(\x02J\x04\x08\x07\x10\x08\"\xac\x01\n\rMessageHeader\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x03\x12\x31\n\x04tags\x18\x03 \x03(\x0b\x32#.ravnest.v1.MessageHeader.TagsEntry\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\x05\x12\x0c\n\x04note\x18\x05 \x01(\t\x1a+\n\tTagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"z\n\x05\x46rame\x12,\n\x07message\x18\x01 \x01(\x0b\x32\x19.ravnest.v1.MessageHeaderH\x00\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x18.ravnest.v1.TensorHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"0\n\rStreamSummary\x12\x10\n\x08messages\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"3\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\x03\"\x1c\n\tPingReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x32x\n\x04Peer\x12\x38\n\x06Stream\x12\x11.ravnest.v1.Frame\x1a\x19.ravnest.v1.StreamSummary(\x01\x12\x36\n\x04Ping\x12\x17.ravnest.v1.PingRequest\x1a\x15.ravnest.v1.PingReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ravnest/v1/peer.proto\x12\nravnest.v1\"\x86\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x15\n\rdecoded_dtype\x18\x06 \x01(\t\x12\x0e\n\x06params\x18\x08 \x03(\x02J\x04\x08\x07\x10\x08\"\xac\x01\n\rMessageHeader\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x03\x12\x31\n\x04tags\x18\x03 \x03(\x0b\x32#.ravnest.v1.MessageHeader.TagsEntry\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\x05\x12\x0c\n\x04note\x18\x05 \x01(\t\x1a+\n\tTagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xa0\x01\n\x05\x46rame\x12,\n\x07message\x18\x01 \x01(\x0b\x32\x19.ravnest.v1.MessageHeaderH\x00\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x18.ravnest.v1.TensorHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x12$\n\x06\x62undle\x18\x04 \x01(\x0b\x32\x12.ravnest.v1.BundleH\x00\x42\x06\n\x04\x62ody\"\x18\n\x06\x42undle\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\"0\n\rStreamSummary\x12\x10\n\x08messages\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"3\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\x03\"\x1c\n\tPingReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x32x\n\x04Peer\x12\x38\n\x06Stream\x12\x11.ravnest.v1.Frame\x1a\x19.ravnest.v1.StreamSummary(\x01\x12\x36\n\x04Ping\x12\x17.ravnest.v1.PingRequest\x1a\x15.ravnest.v1.PingReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,14 +39,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MESSAGEHEADER']._serialized_end=347
   _globals['_MESSAGEHEADER_TAGSENTRY']._serialized_start=304
   _globals['_MESSAGEHEADER_TAGSENTRY']._serialized_end=347
-  _globals['_FRAME']._serialized_start=349
-  _globals['_FRAME']._serialized_end=471
-  _globals['_STREAMSUMMARY']._serialized_start=473
-  _globals['_STREAMSUMMARY']._serialized_end=521
-  _globals['_PINGREQUEST']._serialized_start=523
-  _globals['_PINGREQUEST']._serialized_end=574
-  _globals['_PINGREPLY']._serialized_start=576
-  _globals['_PINGREPLY']._serialized_end=604
-  _globals['_PEER']._serialized_start=606
-  _globals['_PEER']._serialized_end=726
+  _globals['_FRAME']._serialized_start=350
+  _globals['_FRAME']._serialized_end=510
+  _globals['_BUNDLE']._serialized_start=512
+  _globals['_BUNDLE']._serialized_end=536
+  _globals['_STREAMSUMMARY']._serialized_start=538
+  _globals['_STREAMSUMMARY']._serialized_end=586
+  _globals['_PINGREQUEST']._serialized_start=588
+  _globals['_PINGREQUEST']._serialized_end=639
+  _globals['_PINGREPLY']._serialized_start=641
+  _globals['_PINGREPLY']._serialized_end=669
+  _globals['_PEER']._serialized_start=671
+  _globals['_PEER']._serialized_end=791
 # @@protoc_insertion_point(module_scope)

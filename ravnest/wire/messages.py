@@ -20,6 +20,7 @@ from ravnest.wire.tensors import (ByteBudget, CodecState, WireError, WireLimits,
                                 restore, validate_header, wrap)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+BUNDLE_BYTES = 64 << 10  # frames smaller than this travel together (`bundled`): a message costs per gRPC message
 _CHUNK_TAG = 0x1A  # Frame.chunk: field number 3, wire type 2 (length-delimited)
 _END = "end of stream"  # what MessageAssembler._next reports when the frames run out
 
@@ -113,6 +114,37 @@ def chunked_frames(parts: list[tuple[bytes, memoryview | None]],
                 yield chunk_frame(view[start:start + chunk_bytes])
 
 
+def bundled(frames: Iterable[bytes], limit: int = BUNDLE_BYTES) -> Iterator[bytes]:
+    """`frames` with each run of small ones joined into one Bundle frame of at most about `limit` bytes
+    (a frame alone where it is the only one of its run: a large chunk stays as it is)."""
+    def joined(run: list[bytes]) -> bytes:
+        return run[0] if len(run) == 1 else peer_pb2.Frame(bundle=peer_pb2.Bundle(frames=run)).SerializeToString()
+    run: list[bytes] = []
+    size = 0
+    for frame in frames:
+        if run and size + len(frame) > limit:
+            yield joined(run)
+            run, size = [], 0
+        run.append(frame)
+        size += len(frame)
+    if run:
+        yield joined(run)
+
+
+def unbundled(frames: Iterable[FrameLike]) -> Iterator[peer_pb2.Frame | memoryview]:
+    """The frames a stream carried, parsed (a Frame, or a chunk's data), each bundle's in its place."""
+    for item in frames:
+        frame = item if isinstance(item, peer_pb2.Frame) else parse_frame(item)
+        if isinstance(frame, memoryview) or frame.WhichOneof("body") != "bundle":
+            yield frame
+            continue
+        for inner in frame.bundle.frames:
+            parsed = parse_frame(inner)
+            if isinstance(parsed, peer_pb2.Frame) and parsed.WhichOneof("body") == "bundle":
+                raise WireError("a bundle of frames holds another bundle")
+            yield parsed
+
+
 def encode_message(msg: Message, codec: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
     """The serialized frames of one message: its header, then per tensor a header and its chunks."""
     if chunk_bytes <= 0:
@@ -143,7 +175,7 @@ class MessageAssembler:
         self.decode_device = decode_device
 
     def messages(self, frames: Iterable[FrameLike]) -> Iterator[Message]:
-        frames = iter(frames)
+        frames = unbundled(frames)
         while True:
             body, value = self._next(frames)
             if body == _END:
@@ -153,22 +185,21 @@ class MessageAssembler:
             yield self._read_message(value, frames)
 
     @staticmethod
-    def _next(frames: Iterator[FrameLike]) -> tuple[str, Any]:
-        """(body kind, value) of the next frame: "message", "tensor", "chunk", "empty frame" or _END."""
+    def _next(frames: Iterator[peer_pb2.Frame | memoryview]) -> tuple[str, Any]:
+        """(body kind, value) of the next frame of `unbundled`: "message", "tensor", "chunk", "empty frame"
+        or _END."""
         item = next(frames, None)
         if item is None:
             return _END, None
-        if not isinstance(item, peer_pb2.Frame):
-            item = parse_frame(item)
-            if isinstance(item, memoryview):
-                return "chunk", item
+        if isinstance(item, memoryview):
+            return "chunk", item
         body = item.WhichOneof("body")
         if body is None:
             return "empty frame", None
         value = getattr(item, body)
         return body, memoryview(value) if body == "chunk" else value
 
-    def _read_message(self, mh: peer_pb2.MessageHeader, frames: Iterator[FrameLike]) -> Message:
+    def _read_message(self, mh: peer_pb2.MessageHeader, frames: Iterator[peer_pb2.Frame | memoryview]) -> Message:
         limits = self.limits
         if len(mh.kind) > limits.max_name_chars:
             raise WireError(f"message kind of {len(mh.kind)} chars exceeds the limit of {limits.max_name_chars}")
@@ -214,7 +245,7 @@ class MessageAssembler:
                 self.budget.give(taken)
         return msg
 
-    def _read_tensor(self, th: peer_pb2.TensorHeader, frames: Iterator[FrameLike],
+    def _read_tensor(self, th: peer_pb2.TensorHeader, frames: Iterator[peer_pb2.Frame | memoryview],
                      in_place: bool = False) -> torch.Tensor:
         """Copy the chunks straight into a tensor allocated from the validated header; with `in_place`,
         a tensor that arrives in one aligned chunk is instead a read-only view of that chunk."""

@@ -12,7 +12,7 @@ import grpc
 
 from ravnest.v1 import peer_pb2
 from ravnest.wire import faults, traffic
-from ravnest.wire.messages import DEFAULT_CHUNK_BYTES, Message, chunked_frames, prepare_message
+from ravnest.wire.messages import DEFAULT_CHUNK_BYTES, Message, bundled, chunked_frames, prepare_message
 
 from .allocator import keep_freed_buffers
 from .channels import DIALER, ChannelPool, PeerError, peer_error
@@ -80,7 +80,7 @@ class OutboundStream:
             if isinstance(frames, threading.Event):  # a flush marker: everything before it is out
                 frames.set()
                 continue
-            for frame in frames:
+            for frame in bundled(frames):
                 self.sent_bytes += len(frame)
                 yield frame
 
