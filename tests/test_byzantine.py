@@ -1,7 +1,7 @@
 """Issue 43 end to end, with real processes: a volunteer that lies in what it sends (tests/attacks.py,
 run by tests/attacker_node.py) among honest ones, on the README's digits CNN: as 4 replicas with robust
-averaging, and as 2 pipelines of 2 stages. Each job completes as well as the honest run, and only the
-liar is left out, as an outlier."""
+averaging, as 2 pipelines of 2 stages, and as 3 of 3 stages whose audits catch what the scale check
+cannot see. Each job completes as well as the honest run, and only the liar is left out, as an outlier."""
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +38,7 @@ def attacker(cluster: LocalCluster, attack: str) -> Iterator[str]:
     watched here, not by the cluster."""
     proc = cluster._spawn(["tests.attacker_node", "--attack", attack, "--attack-from-round", "2", "--attack-every",
                            str(EVERY), "join", "--coordinator", cluster.url, f"--token={cluster.join_token}",
-                           "--name", "attacker", "--ephemeral", "--threads", "1"], "attacker.log")
+                           "--name", "attacker", "--ephemeral", "--threads", "1", *cluster.node_args], "attacker.log")
     cluster.procs.remove(proc)
     try:
         yield cluster.wait_for(lambda: next((n["id"] for n in cluster.alive_nodes() if n["name"] == "attacker"),
@@ -109,3 +109,23 @@ def test_a_stage_that_sends_garbage_down_its_pipeline_is_left_out_as_an_outlier_
     assert recovery["reached_step"] <= 6 * EVERY, recovery
     print(f"digits CNN, 2 x 2: honest {clean['metrics']['test_accuracy']:.4f}, with a stage sending garbage "
           f"left out at step {recovery['reached_step']}: {attacked['metrics']['test_accuracy']:.4f}")
+
+
+def test_a_middle_stage_sending_noise_of_the_honest_scale_is_caught_by_an_audit_and_left_out(tmp_path):
+    """Audits (ravnest/pipeline/audits.py) between real processes: a robust job of 3 pipelines of 3 stages,
+    where the liar's activations (and the gradients it sends back) are noise of their own RMS from round 2,
+    which the scale check lets through. Equal-split placement deals nodes of equal memory into clusters in
+    join order (the j-th to join holds stage j // 3 of cluster j % 3), so the liar, fifth to join, holds
+    cluster 1's middle stage: the stage after it finds its input off in two audits in a row and refuses it."""
+    with LocalCluster(tmp_path, nodes=4, node_args=["--max-memory", "2GiB"],
+                      coordinator_args=["--revoke-outliers"]) as cluster, \
+            attacker(cluster, "noise_activations") as liar:
+        cluster.add_nodes(4)
+        spec = pipelines_job()
+        spec["averaging"]["robust"] = "centered_clip"
+        spec["placement"] = {"clusters": 3, "stages_per_cluster": 3, "policy": "equal-split"}
+        attacked, clean = attacked_then_honest(cluster, liar, spec, witnesses=1)
+    recovery = attacked["recoveries"][0]
+    assert "refused as an outlier" in recovery["reason"] and "audit" in recovery["reason"], recovery
+    print(f"digits CNN, 3 x 3 robust: honest {clean['metrics']['test_accuracy']:.4f}, with a middle stage sending "
+          f"noise caught by audits at step {recovery['reached_step']}: {attacked['metrics']['test_accuracy']:.4f}")
