@@ -158,9 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                    f"separate processes on loopback, 1 torch thread each, {args.repeat} runs on {os.cpu_count()} cores "
                    f"(load average {load:.1f} at the start), medians: ours {rate['wire']:,.0f} messages/s "
                    f"(`send(copy=False)`: {rate['wire_nocopy']:,.0f}), raw gRPC {rate['raw']:,.0f} messages/s; ratio "
-                   f"in the same run {statistics.median(ratios['wire']):.2f}. Before a message's frames were bundled "
-                   f"into one gRPC message (its header, its tensor's header and the data were three), the same "
-                   f"command measured 1,494 messages/s against raw gRPC's 5,347 (0.28).")
+                   f"in the same run {statistics.median(ratios['wire']):.2f}.")
         print(summary)
         if not args.no_docs:
             write_section("Wire (small messages)", f"Command: `{command_line('bench.wire', argv).strip()}`\n\n{summary}\n")
