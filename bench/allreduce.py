@@ -70,8 +70,10 @@ def _ring_member(args: argparse.Namespace) -> None:
         from ravnest.averaging.torch_group import TorchMember
         member = TorchMember(args.member, addresses, router, TOKEN, step_timeout=120.0)
     else:
+        from ravnest.averaging.signatures import public_key
         member = RingMember(args.member, addresses, router, TOKEN, weights=weights, codec=args.codec,
-                            chunk_bytes=args.chunk_bytes, step_timeout=120.0, lanes=args.lanes)
+                            chunk_bytes=args.chunk_bytes, step_timeout=120.0, lanes=args.lanes,
+                            keys=[public_key(TOKEN)] * len(addresses))
     x = member_input(args.member, args.numel)
     result = torch.empty_like(x)
     for round, _ in enumerate(sys.stdin):

@@ -39,6 +39,7 @@ from bench.allreduce import run_ring
 from bench.common import command_line, write_section
 from ravnest.averaging.collectives import RingMember
 from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
+from ravnest.averaging.signatures import public_key
 from ravnest.averaging.robust import OUTLIER_RATIO
 from ravnest.data import load_dataset
 from ravnest.wire import PeerServer, Router
@@ -141,7 +142,8 @@ def run(replicas: int, attackers: list[int], attack: str | None, defended: bool,
 
 def _ring(alive: list[int], routers: list[Router], servers: list[PeerServer], segment: int) -> dict[int, RingMember]:
     addresses = [servers[i].address for i in alive]
-    return {i: RingMember(rank, addresses, routers[i], TOKEN, segment=segment, step_timeout=60.0)
+    return {i: RingMember(rank, addresses, routers[i], TOKEN, segment=segment, step_timeout=60.0,
+                          keys=[public_key(TOKEN)] * len(alive))
             for rank, i in enumerate(alive)}
 
 

@@ -20,7 +20,7 @@ import logging
 import math
 from collections import OrderedDict
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -178,25 +178,29 @@ def pin_content(job: JobRow, contents: dict[str, str]) -> None:
 
 def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
                peer_credentials: dict[str, str], tls_names: dict[str, str],
-               direct: DirectLinks | None = None, audit_secret: int | None = None) -> StageAssignment:
+               direct: DirectLinks | None = None, audit_secret: int | None = None,
+               signing_key: Callable[[str], str] | None = None) -> StageAssignment:
     """What the node running `stage` of `cluster` needs to know, rings and credentials included
     (`tls_names`: node id -> the name its certificate carries, for those reached through a relay;
     `direct`: the links that a side nobody can dial opened itself, at the other side's relay for peers;
-    `audit_secret`: stage 0's, where the job's averaging is robust)."""
+    where the job's averaging is robust, `audit_secret`: stage 0's, and `signing_key`: node id -> the
+    public key its robust rounds' commitments are signed with)."""
     spec = spec_of(job)
     stages = plan.clusters[cluster].stages
     me = stages[stage].node_id
+    signs = signing_key if spec.averaging.robust else None
 
-    def member(node: PlannedStage, codec: str | None = None) -> StagePeer:
+    def member(node: PlannedStage, codec: str | None = None, ring: bool = False) -> StagePeer:
         return StagePeer(node_id=node.node_id, address=node.address, codec=codec, tls_name=tls_names.get(node.node_id),
                          listen_at=direct.listen_at(me, node.node_id) if direct else None,
-                         dials_out=direct.dials_out(me, node.node_id) if direct else False)
+                         dials_out=direct.dials_out(me, node.node_id) if direct else False,
+                         signing_key=signs(node.node_id) if signs and ring else None)
 
     def peer(s: int, link: int) -> StagePeer:  # link: the stage whose link to the next one joins the two
         return member(stages[s], stages[link].codec)
     rings = [] if spec.averaging.strategy == NO_AVERAGING else [
         Ring(segment=ring.segment, blocks=ring.blocks, weights=ring.weights, order=ring.order,
-             members=[member(plan.clusters[c].stages[s]) for c, s in enumerate(ring.stages)])
+             members=[member(plan.clusters[c].stages[s], ring=True) for c, s in enumerate(ring.stages)])
         for ring in plan.rings if ring.stages[cluster] == stage]
     planned = stages[stage]
     return StageAssignment(

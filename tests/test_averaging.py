@@ -17,6 +17,7 @@ from ravnest.averaging import (AveragingStrategy, RingError, RingMember, RingTim
                                ring_time_bound, segment_rings, share_bounds)
 from ravnest.averaging import registry as registry_module
 from ravnest.averaging.strategies.ring import RingAveraging
+from ravnest.averaging.signatures import public_key
 from ravnest.averaging.torch_group import TorchMember
 from ravnest.spec import (AveragingSettings, DatasetRef, ModelRef, Ring, StageAssignment, StagePeer,
                           TrainingSettings)
@@ -42,6 +43,7 @@ class Nodes:
         self.addresses = [s.address for s in self.servers]
 
     def ring(self, **kwargs) -> list[RingMember]:
+        kwargs.setdefault("keys", [public_key(TOKEN)] * len(self.routers))  # (one token here: one key for all)
         return [RingMember(i, self.addresses, r, TOKEN, **kwargs) for i, r in enumerate(self.routers)]
 
     def torch_group(self, segment: int = 0) -> list[TorchMember]:

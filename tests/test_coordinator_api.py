@@ -25,6 +25,7 @@ from coordinator.app import create_app
 from coordinator.config import Settings
 from coordinator.service.core import planning_bandwidth
 from coordinator.store import JobRow, NodeRow, StageRow
+from ravnest.averaging.signatures import public_key
 from ravnest.data import proof
 from ravnest.models import build_model
 
@@ -1228,3 +1229,18 @@ def test_stage_0_of_a_robust_job_alone_gets_the_audit_secret_the_same_in_every_c
     secrets = {a["audit_secret"] for a in assignments if a["stage"] == 0}
     assert len(secrets) == 1 and None not in secrets
     assert all(a["audit_secret"] is None for a in assignments if a["stage"] > 0)
+
+
+def test_ring_members_of_a_robust_job_get_each_others_signing_keys_derived_from_their_own_credentials(
+        client: TestClient) -> None:
+    """A robust round's commitments are signed (ravnest/averaging/signatures.py): every ring member is named
+    with the public key of the credential that only that node holds, so nobody can sign for another."""
+    members = [join(client, f"node{i}") for i in range(6)]
+    spec = {**digits_job(clusters=3, min_nodes=6), "averaging": {"every": 5, "robust": "centered_clip"}}
+    assert client.post("/v1/jobs", json=spec).status_code == 201
+    assignments = {node_id: beat(client, node_id, auth)["assignment"] for node_id, auth in members}
+    named = {m["node_id"]: m["signing_key"] for a in assignments.values() for ring in a["rings"]
+             for m in ring["members"]}
+    assert named == {node_id: public_key(a["token"]) for node_id, a in assignments.items()}
+    assert len(set(named.values())) == 6
+    assert all(a["next"]["signing_key"] is None for a in assignments.values() if a["next"])  # (ring members only)

@@ -10,7 +10,8 @@ from ravnest.averaging.collectives import RingMember
 from ravnest.averaging.robust_round import RingOutlier, robust_allreduce
 from ravnest.failures import FailureKind, also_named, classify
 from ravnest.spec import AveragingSettings
-from tests.test_averaging import nodes, run_all  # noqa: F401  (nodes: a fixture, an argument below)
+from ravnest.averaging.signatures import Signatures, digest, public_key
+from tests.test_averaging import TOKEN, nodes, run_all  # noqa: F401  (nodes: a fixture, an argument below)
 
 
 def test_the_worked_example_of_centered_clip():
@@ -169,6 +170,68 @@ def test_a_share_other_than_the_committed_one_is_a_vote_against_its_sender(nodes
     monkeypatch.setattr(RingMember, "_send", switching)
     results = robust_all(members, tensors)
     assert all(isinstance(r, RingOutlier) and r.address == members[2].addresses[2] for r in results[:2]), results
+
+
+def test_a_member_that_commits_to_one_member_other_than_to_the_rest_is_named_by_every_honest_member(
+        nodes, monkeypatch):
+    """The gap signed commitments close: member 3 commits to member 0 (late, as if it had first seen the
+    others' shares) to a share other than the one it bound itself to before the rest, and sends 0 that
+    share. Member 0 finds nothing wrong with the share; but every owner forwards the commitments it got,
+    so each honest member holds two of 3's signatures for one round: the proof."""
+    members = nodes(4).ring()
+    n, base = 4, torch.randn(4000)
+    tensors = [base + 0.01 * torch.randn(4000) for _ in range(n)]
+    liar = Signatures(TOKEN, members[3].keys, 3)
+    send, shift = RingMember._send, 1e-3
+
+    def two_faced(self, round, step, chunk, part, *args, to=None, **kwargs):
+        if self.rank == 3 and to == 0 and step == -1 - 2 * n - 3:  # its commitment, to member 0
+            digests = part[:32 * n].clone().reshape(n, 32)
+            share = torch.tensor_split(tensors[3], n)[0] + shift
+            digests[0] = torch.frombuffer(bytearray(digest(share.numpy().data)), dtype=torch.uint8)
+            signature = liar.sign(self.segment, round, digest(digests.numpy().data))
+            part = torch.cat([digests.reshape(-1), torch.frombuffer(bytearray(signature), dtype=torch.uint8)])
+        elif self.rank == 3 and to == 0 and -1 - 3 * n >= step > -1 - 4 * n:  # the share it committed to for 0
+            part = part + shift
+        return send(self, round, step, chunk, part, *args, to=to, **kwargs)
+    monkeypatch.setattr(RingMember, "_send", two_faced)
+    results = robust_all(members, tensors)
+    for result in results[:3]:
+        assert isinstance(result, RingOutlier) and result.addresses == (members[3].addresses[3],), result
+        assert not result.by_vote and "signed two different commitments" in str(result)
+
+
+def test_an_owner_that_forwards_a_commitment_nobody_signed_frames_nobody(nodes, monkeypatch):
+    n = 4
+    members = nodes(n).ring()
+    base = torch.randn(3000)
+    tensors = [base + 0.01 * torch.randn(3000) for _ in range(n)]
+    send = RingMember._send
+
+    def forging(self, round, step, chunk, part, *args, **kwargs):  # owner 2 alters member 1's, as it forwards it
+        if self.rank == 2 and -1 - 4 * n >= step > -1 - 5 * n:  # its mean, then the commitments, then the votes
+            part = part.clone()
+            part[-n - 96 // 2 * n + 96 // 2] += 1.0  # the first two bytes of member 1's digest
+        return send(self, round, step, chunk, part, *args, **kwargs)
+    monkeypatch.setattr(RingMember, "_send", forging)
+    results = robust_all(members, tensors)
+    assert not any(isinstance(r, BaseException) for r in results), results
+
+
+def test_a_robust_round_without_its_members_signing_keys_is_refused_with_the_reason(nodes):
+    members = nodes(2).ring(keys=None)
+    with pytest.raises(ValueError, match="signs its members' commitments"):
+        robust_allreduce(members[0], torch.zeros(4), 0, "centered_clip")
+
+
+def test_a_signing_key_that_is_not_the_members_own_is_refused():
+    with pytest.raises(ValueError, match="not this member's"):
+        Signatures(TOKEN, [public_key(TOKEN), public_key("another")], 1)
+    signatures = Signatures(TOKEN, [public_key(TOKEN), public_key("another")], 0)
+    signed = signatures.sign(0, 5, b"x" * 32)
+    assert signatures.valid(0, 0, 5, b"x" * 32, signed)
+    assert not signatures.valid(0, 0, 6, b"x" * 32, signed), "a signature speaks for its own round only"
+    assert not signatures.valid(1, 0, 5, b"x" * 32, signed), "nor for another member"
 
 
 def test_an_owner_that_sends_a_wrong_mean_of_its_share_is_named_by_the_members_it_sent_it_to(nodes, monkeypatch):

@@ -7,6 +7,7 @@ import logging
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from ravnest.averaging.signatures import public_key
 from ravnest.failures import Failure, FailureKind
 from ravnest.spec import (HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport,
                           NodeProfile, Offered)
@@ -143,7 +144,7 @@ class Membership:
                                                   {m: credential_hash(token(job, m)) for m in members},
                                                   tls_names(session, members),
                                                   direct_links(session, members, self.core.relay_secret),
-                                                  self.core.audit_secret(job))
+                                                  self.core.audit_secret(job), lambda m: public_key(token(job, m)))
             if job.state == JobState.PLACING.value and not undelivered(session, job.id):
                 jobs.transition(job, JobState.RUNNING, f"every node has its assignment; {self.core.plan(job).reason}",
                                 self.core.clock())

@@ -242,13 +242,13 @@ class RingMember:
     all-reduce passes shares around the ring `order` (member indices; default 0, 1, ..., n-1): the
     planner orders members so the slowest link is as fast as it can be (coordinator/ring_order.py).
     Every member must use the same `order`, `weights` (share sizes in ring order; default equal) and
-    vector length. Gossip (`exchange`) addresses members by index, whatever the order.
-    """
+    vector length. Gossip (`exchange`) addresses members by index, whatever the order. `keys`: the
+    members' public keys, which robust rounds sign their commitments for (robust_round.py)."""
 
     def __init__(self, rank: int, addresses: list[str], router: Router, token: str | None = None, *,
                  segment: int = 0, weights: list[float] | None = None, codec: str = "",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, step_timeout: float = 60.0, lanes: int = 1,
-                 order: list[int] | None = None):
+                 order: list[int] | None = None, keys: list[str] | None = None):
         if not 0 <= rank < len(addresses):
             raise ValueError(f"rank {rank} outside a ring of {len(addresses)} members")
         order = list(range(len(addresses))) if order is None else list(order)
@@ -258,7 +258,7 @@ class RingMember:
         if chunk_bytes < 4:
             raise ValueError("chunk_bytes must hold at least one fp32 element")
         self.rank, self.addresses, self.size = rank, list(addresses), len(addresses)
-        self.segment, self.codec, self.step_timeout = segment, codec, step_timeout
+        self.segment, self.codec, self.step_timeout, self.keys = segment, codec, step_timeout, keys
         self.weights = list(weights) if weights is not None else [1.0] * self.size
         if len(self.weights) != self.size:
             raise ValueError(f"{len(self.weights)} weights for a ring of {self.size} members")

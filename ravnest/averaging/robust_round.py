@@ -7,7 +7,6 @@ below the ring's and gossip's (-1 - (2 + phase) * n - sender), so rounds of all 
 """
 from __future__ import annotations
 
-import hashlib
 import weakref
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from ravnest.averaging import robust
 from ravnest.averaging.collectives import RingError, RingMember, _work_buffer
 from ravnest.averaging.shares import share_bounds
+from ravnest.averaging.signatures import DIGEST_BYTES, SIGNATURE_BYTES, Signatures, digest
 from ravnest.failures import FailureKind, KnownFailure
 from ravnest.wire.tensors import decode, encode
 
@@ -28,6 +28,8 @@ _LAST: "weakref.WeakKeyDictionary[RingMember, torch.Tensor]" = weakref.WeakKeyDi
 # easy holds a gradient thousands of times smaller than another's, and an honest mean of the two is far
 # from its own by that much; so a member allows for the largest RMS it has sent in a vector of that size
 _PEAK: "weakref.WeakKeyDictionary[RingMember, dict[int, float]]" = weakref.WeakKeyDictionary()
+_SIGNATURES: "weakref.WeakKeyDictionary[RingMember, Signatures]" = weakref.WeakKeyDictionary()
+VOUCHED = DIGEST_BYTES + SIGNATURE_BYTES  # a commitment as owners forward it: its digest and its signature
 
 
 class RingOutlier(RingError, KnownFailure):
@@ -66,15 +68,18 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     as the ring, in n - 1 messages a phase):
 
         commit   each member sends everyone the SHA-256 of each of its shares, as owners will decode
-                 them, and waits for everyone's before it sends a share
-        scatter  then share k to owner k; one that does not match its commitment is a lie (nobody
-                 adapts its shares to what others sent: it was bound to them before it saw any)
+                 them, signed (signatures.py), and waits for everyone's before it sends a share
+        scatter  then share k to owner k; one that does not match its commitment is a lie
         reduce   owner k: the robust mean of the n copies, and a vote against each copy far off
-        gather   owner k sends its mean and its votes to every member (in one message where they fit)
+        gather   owner k sends every member its mean, the commitments it got (a digest and a signature
+                 each) and its votes (in one message where they fit)
 
     Every member then counts the same votes: a member that more than half of the other owners
     voted against is an outlier, and the round raises RingOutlier naming every such member (after `out`
-    holds the robust mean), so every honest member reports the same peers in the same round. An owner that
+    holds the robust mean), so every honest member reports the same peers in the same round. Nobody
+    adapts its shares to what others sent: to see a share, a member must have committed to the share's
+    sender, and a commitment that it sent one member later, and other than the rest's, reaches every
+    member beside the first, signed twice for one round: every honest member names it. An owner that
     sends a mean of its share far from the member's own values (OWNER_SLACK times their movement
     since the last round) is named by each member it sent that to. The last result is kept for
     that: one more copy of the vector per segment, from the second round on. `changes`: the vectors
@@ -82,6 +87,7 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     from zero, and at least as the largest this member sent before (`_PEAK`)."""
     codec = member.codec if codec is None else codec
     n, r = member.size, member.rank
+    signatures = _signatures(member)
     buf = _work_buffer(flat, out)
     shares = share_bounds(buf.numel(), [1.0] * n)
     others = [k for k in range(n) if k != r]
@@ -92,13 +98,23 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     with member._sending(round, others, flush=False):
         # every member's digests of all its shares, to everyone, before any share leaves: an owner
         # sees shares only once their senders are bound to all theirs
-        digests = torch.zeros(n, 32, dtype=torch.uint8)
+        digests = torch.zeros(n, DIGEST_BYTES, dtype=torch.uint8)
         for k in others:
             digests[k] = _digest(_as_received(buf[slice(*shares[k])], codec))
+        # vouched[j]: the digest of member j's commitment and j's signature of it, as this member got it
+        vouched = torch.zeros(n, VOUCHED, dtype=torch.uint8)
+        own = _digest(digests)
+        signature = torch.frombuffer(bytearray(signatures.sign(member.segment, round, bytes(own.numpy()))),
+                                     dtype=torch.uint8)
+        vouched[r] = torch.cat([own, signature])
+        signed = torch.cat([digests.reshape(-1), signature])
         for k in others:
-            member._send(round, steps["commit"] - r, 0, digests.reshape(-1), 32 * n, "", to=k)
-        committed = {j: member._receive(round, steps["commit"] - j, 0, 32 * n, 32 * n, sender=j, raw=True)
-                     .reshape(n, 32) for j in others}
+            member._send(round, steps["commit"] - r, 0, signed, signed.numel(), "", to=k)
+        committed = {}
+        for j in others:
+            got = member._receive(round, steps["commit"] - j, 0, signed.numel(), signed.numel(), sender=j, raw=True)
+            committed[j] = got[:DIGEST_BYTES * n].reshape(n, DIGEST_BYTES)
+            vouched[j] = torch.cat([_digest(got[:DIGEST_BYTES * n]), got[DIGEST_BYTES * n:]])
         for k in others:
             for c, (a, b) in enumerate(member._chunk_bounds(*shares[k])):
                 member._send(round, steps["scatter"] - r, c, buf[a:b], buf.numel(), codec, to=k)
@@ -121,31 +137,41 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
         mean = robust.reducer(rule)(stack) if b > a else stack[r]
         votes = torch.maximum(votes, torch.tensor(robust.outliers(stack, mean), dtype=torch.float32))
         buf[a:b] = mean
-        # raw, the votes ride at the end of the last piece of the mean: messages cost more than bytes
-        ride = not codec
+        # then the commitments it got, as evidence, and its votes: raw, they ride at the end of the last
+        # piece of the mean (messages cost more than bytes), else in a message of their own
+        ride, tail = not codec, torch.cat([_as_floats(vouched), votes])
         for k in others:
             pieces = member._chunk_bounds(a, b) or [(a, a)]
             for c, (ca, cb) in enumerate(pieces):
                 last = c == len(pieces) - 1
-                payload = torch.cat([mean[ca - a:cb - a], votes]) if ride and last else mean[ca - a:cb - a]
+                payload = torch.cat([mean[ca - a:cb - a], tail]) if ride and last else mean[ca - a:cb - a]
                 member._send(round, steps["gather"] - r, c, payload, buf.numel(), codec, to=k)
             if not ride:
-                member._send(round, steps["votes"] - r, 0, votes, n, "", to=k)
+                member._send(round, steps["votes"] - r, 0, tail, tail.numel(), "", to=k)
         ballots = torch.zeros(n, n)  # ballots[owner][member]: owner voted against member
         ballots[r] = votes
+        forwarded = torch.zeros(n, n, VOUCHED, dtype=torch.uint8)  # [owner][member]: what the owner got
         off = torch.zeros(n)  # per owner: the squared distance of its mean from this member's values
         for j in others:
             pieces = member._chunk_bounds(*shares[j]) or [(shares[j][0],) * 2]
             for c, (ca, cb) in enumerate(pieces):
                 last = c == len(pieces) - 1
-                got = member._receive(round, steps["gather"] - j, c, cb - ca + n * (ride and last), buf.numel(),
-                                      sender=j)
+                got = member._receive(round, steps["gather"] - j, c, cb - ca + tail.numel() * (ride and last),
+                                      buf.numel(), sender=j)
                 off[j] += float((got[:cb - ca] - buf[ca:cb]).square().sum())
                 buf[ca:cb] = got[:cb - ca]
                 if ride and last:
-                    ballots[j] = got[cb - ca:]
+                    forwarded[j], ballots[j] = _as_bytes(got[cb - ca:-n], n), got[-n:]
             if not ride:
-                ballots[j] = member._receive(round, steps["votes"] - j, 0, n, n, sender=j)
+                got = member._receive(round, steps["votes"] - j, 0, tail.numel(), tail.numel(), sender=j)
+                forwarded[j], ballots[j] = _as_bytes(got[:-n], n), got[-n:]
+    two_faced = _two_faced(signatures, member, round, vouched, forwarded)
+    if two_faced:
+        whom = ", ".join(f"{member.addresses[j]} (rank {j})" for j in two_faced)
+        raise RingOutlier(f"ring segment {member.segment} round {round}: {whom} signed two different commitments "
+                          f"to its shares, one sent to this member and another to an owner, which forwarded it: it "
+                          f"could fit a share to what others had sent", address=member.addresses[two_faced[0]],
+                          also=tuple(member.addresses[j] for j in two_faced[1:]))
     for j in others if moved is not None else ():
         if (float(off[j]) / max(1, shares[j][1] - shares[j][0])) ** 0.5 > OWNER_SLACK * float(moved[j]):  # type: ignore[index]
             raise RingOutlier(f"ring segment {member.segment} round {round}: {member.addresses[j]} (rank {j}) sent a "
@@ -179,10 +205,46 @@ def _movement(values: torch.Tensor, last: torch.Tensor | None, shares: list[tupl
                          for a, b in shares]) + 1e-12
 
 
+def _signatures(member: RingMember) -> Signatures:
+    if member.keys is None:
+        raise ValueError("a robust round signs its members' commitments: give the ring member its group's "
+                         "signing keys (RingMember keys=, the assignment's StagePeer.signing_key)")
+    if member not in _SIGNATURES:
+        _SIGNATURES[member] = Signatures(member.hub.token or "", member.keys, member.rank)
+    return _SIGNATURES[member]
+
+
+def _two_faced(signatures: Signatures, member: RingMember, round: int, vouched: torch.Tensor,
+               forwarded: torch.Tensor) -> list[int]:
+    """The members that signed, for this round, a commitment other than the one this member got from them:
+    where an owner forwarded a digest unlike this member's, its signature decides (one that does not
+    verify proves nothing against the member, and only costs the owner's word)."""
+    r = member.rank
+    differs = (forwarded[:, :, :DIGEST_BYTES] != vouched[:, :DIGEST_BYTES]).any(dim=2)
+    differs[r] = False  # (its own row: nothing forwarded)
+    differs[:, r] = False  # (this member knows what it signed)
+    found = set()
+    for owner, j in differs.nonzero().tolist():
+        if j not in found and signatures.valid(j, member.segment, round, forwarded[owner, j, :DIGEST_BYTES].numpy()
+                                               .tobytes(), forwarded[owner, j, DIGEST_BYTES:].numpy().tobytes()):
+            found.add(j)
+    return sorted(found)
+
+
+def _as_floats(data: torch.Tensor) -> torch.Tensor:
+    """Bytes as fp32 values that cross the wire exactly (two bytes each, as int16: never NaN)."""
+    return data.reshape(-1).view(torch.int16).float()
+
+
+def _as_bytes(values: torch.Tensor, n: int) -> torch.Tensor:
+    """`_as_floats`'s inverse, shaped as n rows of `vouched`; values out of int16's range (a liar's) wrap."""
+    return values.to(torch.int32).to(torch.int16).view(torch.uint8).reshape(n, VOUCHED)
+
+
 def _digest(values: torch.Tensor) -> torch.Tensor:
-    """SHA-256 of an fp32 vector's bytes, as 32 uint8 values (a message's tensor)."""
-    data = values.detach().to(torch.float32).contiguous().view(torch.uint8).numpy()
-    return torch.frombuffer(bytearray(hashlib.sha256(data.data).digest()), dtype=torch.uint8)
+    """SHA-256 of a tensor's bytes (an fp32 share's, as the wire carries it), as 32 uint8 values."""
+    data = values.detach().contiguous().view(torch.uint8).numpy()
+    return torch.frombuffer(bytearray(digest(data.data)), dtype=torch.uint8)
 
 
 def _as_received(values: torch.Tensor, codec: str) -> torch.Tensor:

@@ -79,8 +79,10 @@ def group_member(context: StageContext, ring: Ring, *, step_timeout: float, code
     if a.averaging.backend == "torch":
         from ravnest.averaging.torch_group import TorchMember  # torch.distributed loads on demand
         member = TorchMember
+    keys = [m.signing_key for m in ring.members if m.signing_key]
     return member(a.cluster, [m.address for m in ring.members], context.router, a.token, segment=ring.segment,
-                  weights=ring.weights, order=ring.order, codec=codec, step_timeout=step_timeout)
+                  weights=ring.weights, order=ring.order, codec=codec, step_timeout=step_timeout,
+                  keys=keys if len(keys) == len(ring.members) else None)
 
 
 class AveragingStrategy:

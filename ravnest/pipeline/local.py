@@ -20,6 +20,7 @@ from safetensors.torch import save as save_tensors
 
 from ravnest.averaging.registry import NO_AVERAGING
 from ravnest.averaging import segment_rings
+from ravnest.averaging.signatures import public_key
 from ravnest.data import load_dataset
 from ravnest.models import BlockCost, build_model, profile_blocks, stage_input
 from ravnest.pipeline.stage_metrics import EvalAccumulator, StageClock
@@ -66,7 +67,8 @@ def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], add
         return clusters
     for segment, (blocks, holders) in enumerate(segment_rings([list(r) for r in cluster_ranges])):
         ring = Ring(segment=segment, blocks=blocks, members=[
-            StagePeer(node_id=f"cluster{c}-stage{s}", address=addresses[c][s]) for c, s in enumerate(holders)])
+            StagePeer(node_id=f"cluster{c}-stage{s}", address=addresses[c][s], signing_key=public_key(token))
+            for c, s in enumerate(holders)])
         for c, s in enumerate(holders):
             clusters[c][s].rings.append(ring)
     return clusters

@@ -28,6 +28,9 @@ class StagePeer(Strict):
         "over the connection you opened there rather than through your relay"))
     dials_out: bool = Field(False, description=(
         "peers cannot dial this one, and it listens at your relay for your peers: send to it through there"))
+    signing_key: str | None = Field(None, pattern="^[0-9a-f]{64}$", description=(
+        "ring members only: the Ed25519 public key (hex) it signs its robust rounds' commitments with "
+        "(ravnest/averaging/signatures.py)"))
 
     @field_validator("codec")
     @classmethod
