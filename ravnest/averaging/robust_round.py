@@ -77,9 +77,10 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     Every member then counts the same votes: a member that more than half of the other owners
     voted against is an outlier, and the round raises RingOutlier naming every such member (after `out`
     holds the robust mean), so every honest member reports the same peers in the same round. Nobody
-    adapts its shares to what others sent: to see a share, a member must have committed to the share's
-    sender, and a commitment that it sent one member later, and other than the rest's, reaches every
-    member beside the first, signed twice for one round: every honest member names it. An owner that
+    adapts its shares to what others sent: a member sees shares only from members that hold its
+    commitment, so one that holds it back from a member until it has seen shares, then commits that
+    member to another share, has signed two commitments for one round; the owners' gathers show both
+    to every honest member, and each names it. An owner that
     sends a mean of its share far from the member's own values (OWNER_SLACK times their movement
     since the last round) is named by each member it sent that to. The last result is kept for
     that: one more copy of the vector per segment, from the second round on. `changes`: the vectors
