@@ -42,6 +42,7 @@ import torch
 CLIP_SCALE = 1.0  # tau, in median distances of the contributions from their coordinate-wise median
 ITERATIONS = 20  # of centered_clip at most; it stops once v moves less than SETTLED of tau
 SETTLED = 1e-3
+NETWORK_ROWS = 16  # sorted_rows: a sorting network up to this many contributions, numpy's sort beyond
 TRIM = 1 / 4  # trimmed_mean drops this share of the contributions at each end (at least one each, from 3)
 # 8 let replicas that train on flipped labels or replay old weights go unnamed (bench.byzantine); at 4 no
 # honest replica of the bench's or of tests/test_byzantine.py's jobs was ever named
@@ -73,19 +74,37 @@ class Strikes:
         return in_a_row >= STRIKES
 
 
-# (numpy, not torch: torch's median or sort across a few rows takes 2 to 4 times as long here, and an owner
-# runs one on every value of its share each round)
 def median(stack: torch.Tensor) -> torch.Tensor:
     """The coordinate-wise (lower) median of `stack`, contributions along dim 0."""
-    middle = (stack.shape[0] - 1) // 2
-    return torch.from_numpy(np.partition(stack.detach().cpu().numpy(), middle, axis=0)[middle]).to(stack.device)
+    return sorted_rows(stack)[(stack.shape[0] - 1) // 2]
 
 
 def trimmed_mean(stack: torch.Tensor) -> torch.Tensor:
     """The coordinate-wise mean without the TRIM largest and smallest (the plain mean below 3)."""
     n = stack.shape[0]
     cut = max(1, int(n * TRIM)) if n >= 3 else 0
-    return torch.from_numpy(np.sort(stack.detach().cpu().numpy(), axis=0)[cut:n - cut]).to(stack.device).mean(dim=0)
+    return torch.stack(sorted_rows(stack)[cut:n - cut]).mean(dim=0)
+
+
+def sorted_rows(stack: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of `stack` sorted coordinate-wise: row i holds the i-th smallest value of every column.
+
+    An owner sorts a few long rows, where sorting along dim 0 is slow (torch.median(dim=0) of 8 rows of
+    250,000 values: 53 ms; numpy's partition: 22 ms): up to NETWORK_ROWS rows, odd-even transposition
+    instead, whose compare-exchanges are element-wise minimums and maximums of whole rows (7 ms). Pass p
+    exchanges rows (i, i + 1) for every i of p's parity; n passes sort n rows. E.g. columns (3, 1, 2):
+    pass 0 swaps rows 0 and 1 -> (1, 3, 2), pass 1 rows 1 and 2 -> (1, 2, 3), pass 2 finds them sorted."""
+    n = stack.shape[0]
+    if n > NETWORK_ROWS:  # n^2 / 2 exchanges: numpy's sort is cheaper by then
+        return list(torch.from_numpy(np.sort(stack.detach().cpu().numpy(), axis=0)).to(stack.device))
+    rows, spare = list(stack.detach().clone()), torch.empty_like(stack[0])  # (no row allocated per exchange)
+    for p in range(n):
+        for i in range(p % 2, n - 1, 2):
+            low, high = rows[i], rows[i + 1]
+            torch.maximum(low, high, out=spare)
+            torch.minimum(low, high, out=low)
+            rows[i + 1], spare = spare, high
+    return rows
 
 
 def centered_clip(stack: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,7 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
                 last = c == len(pieces) - 1
                 got = member._receive(round, steps["gather"] - j, c, cb - ca + tail.numel() * (ride and last),
                                       buf.numel(), sender=j)
-                off[j] += float((got[:cb - ca] - buf[ca:cb]).square().sum())
+                off[j] += float(torch.dist(got[:cb - ca], buf[ca:cb])) ** 2
                 buf[ca:cb] = got[:cb - ca]
                 if ride and last:
                     forwarded[j], ballots[j] = _as_bytes(got[cb - ca:-n], n), got[-n:]
@@ -200,9 +200,9 @@ def _movement(values: torch.Tensor, last: torch.Tensor | None, shares: list[tupl
     it saw no token of, still allows for the others' movement); None in a first round."""
     if last is None or last.numel() != values.numel():
         return None
-    change = values - last
-    overall = float(change.square().mean()) ** 0.5 if values.numel() else 0.0
-    return torch.tensor([max(overall, float(change[a:b].square().mean()) ** 0.5 if b > a else 0.0)
+    squares = (values - last).square_()  # (one temporary: a segment can be large)
+    overall = float(squares.mean()) ** 0.5 if values.numel() else 0.0
+    return torch.tensor([max(overall, float(squares[a:b].mean()) ** 0.5 if b > a else 0.0)
                          for a, b in shares]) + 1e-12
 
 
