@@ -91,7 +91,9 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     signatures = _signatures(member)
     buf = _work_buffer(flat, out)
     shares = share_bounds(buf.numel(), [1.0] * n)
-    others = [k for k in range(n) if k != r]
+    # each member sends to r + 1, r + 2, ... first: were all to start with member 0, a slow one, each would
+    # wait on its link before it sends to the others
+    others = [(r + i) % n for i in range(1, n)]
     steps = {phase: -1 - (2 + p) * n for p, phase in enumerate(PHASES)}
     # No flush at the end (a wait per peer, about a tenth of the round on 2 cores): nothing queued here
     # changes later. Digests and means are tensors of the round's own, and share k of `buf` is overwritten
