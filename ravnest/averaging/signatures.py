@@ -53,7 +53,7 @@ class Signatures:
         self._own = _private_key(token)
 
     def sign(self, segment: int, round: int, committed: bytes) -> bytes:
-        """This member's signature of `committed`'s SHA-256 (`committed`: that digest) in `round` of `segment`."""
+        """This member's signature of `committed`, the SHA-256 of what it commits to in `round` of `segment`."""
         return self._own.sign(_statement(segment, round, committed))
 
     def valid(self, rank: int, segment: int, round: int, committed: bytes, signature: bytes) -> bool:

@@ -66,7 +66,7 @@ def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], add
     if job.averaging.strategy == NO_AVERAGING or len(clusters) < 2:
         return clusters
     for segment, (blocks, holders) in enumerate(segment_rings([list(r) for r in cluster_ranges])):
-        ring = Ring(segment=segment, blocks=blocks, members=[
+        ring = Ring(segment=segment, blocks=blocks, members=[  # (one token for a whole local run: one key)
             StagePeer(node_id=f"cluster{c}-stage{s}", address=addresses[c][s], signing_key=public_key(token))
             for c, s in enumerate(holders)])
         for c, s in enumerate(holders):
