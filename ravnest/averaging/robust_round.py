@@ -107,8 +107,7 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
         # vouched[j]: the digest of member j's commitment and j's signature of it, as this member got it
         vouched = torch.zeros(n, VOUCHED, dtype=torch.uint8)
         own = _digest(digests)
-        signature = torch.frombuffer(bytearray(signatures.sign(member.segment, round, bytes(own.numpy()))),
-                                     dtype=torch.uint8)
+        signature = _uint8(signatures.sign(member.segment, round, bytes(own.numpy())))
         vouched[r] = torch.cat([own, signature])
         signed = torch.cat([digests.reshape(-1), signature])
         for k in others:
@@ -228,8 +227,9 @@ def _two_faced(signatures: Signatures, member: RingMember, round: int, vouched: 
     differs[:, r] = False  # (this member knows what it signed)
     found = set()
     for owner, j in differs.nonzero().tolist():
-        if j not in found and signatures.valid(j, member.segment, round, forwarded[owner, j, :DIGEST_BYTES].numpy()
-                                               .tobytes(), forwarded[owner, j, DIGEST_BYTES:].numpy().tobytes()):
+        row = forwarded[owner, j].numpy()  # its digest, then its signature
+        if j not in found and signatures.valid(j, member.segment, round, row[:DIGEST_BYTES].tobytes(),
+                                               row[DIGEST_BYTES:].tobytes()):
             found.add(j)
     return sorted(found)
 
@@ -246,8 +246,11 @@ def _as_bytes(values: torch.Tensor, n: int) -> torch.Tensor:
 
 def _digest(values: torch.Tensor) -> torch.Tensor:
     """SHA-256 of a tensor's bytes (an fp32 share's, as the wire carries it), as 32 uint8 values."""
-    data = values.detach().contiguous().view(torch.uint8).numpy()
-    return torch.frombuffer(bytearray(digest(data.data)), dtype=torch.uint8)
+    return _uint8(digest(values.detach().contiguous().view(torch.uint8).numpy().data))
+
+
+def _uint8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _as_received(values: torch.Tensor, codec: str) -> torch.Tensor:
