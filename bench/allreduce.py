@@ -63,7 +63,7 @@ def _emit(obj: dict) -> None:
 def _ring_member(args: argparse.Namespace) -> None:
     from ravnest.averaging import RingMember, reference_mean
     from ravnest.wire import PeerServer, Router
-    router = Router()
+    router = Router(wait_for_route=60.0)  # (a peer's first round can come before this member built its ring)
     server = PeerServer(router, args.host, token=TOKEN)
     _emit({"address": server.address})
     addresses = json.loads(sys.stdin.readline())["addresses"]
@@ -78,21 +78,23 @@ def _ring_member(args: argparse.Namespace) -> None:
                             keys=[public_key(TOKEN)] * len(addresses))
     x = member_input(args.member, args.numel)
     result = torch.empty_like(x)
-    for round, _ in enumerate(sys.stdin):
-        result.copy_(x)  # in place, like gloo's all_reduce, into a buffer reused every round
-        start, cpu = time.perf_counter(), time.process_time()
-        if args.robust:
-            from ravnest.averaging.robust_round import robust_allreduce
-            robust_allreduce(member, result, round, args.robust, out=result)
-        else:
-            member.allreduce(result, round, out=result)
-        reply = {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}
-        if args.check and round == 0:
-            expected = reference_mean([member_input(r, args.numel) for r in range(args.world)])
-            reply["max_error"] = float((result - expected).abs().max()) if args.numel else 0.0
-        _emit(reply)
-    member.close()
-    server.stop(0)
+    try:  # (a member that raises must still stop its server, or its process never exits)
+        for round, _ in enumerate(sys.stdin):
+            result.copy_(x)  # in place, like gloo's all_reduce, into a buffer reused every round
+            start, cpu = time.perf_counter(), time.process_time()
+            if args.robust:
+                from ravnest.averaging.robust_round import robust_allreduce
+                robust_allreduce(member, result, round, args.robust, out=result)
+            else:
+                member.allreduce(result, round, out=result)
+            reply = {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}
+            if args.check and round == 0:
+                expected = reference_mean([member_input(r, args.numel) for r in range(args.world)])
+                reply["max_error"] = float((result - expected).abs().max()) if args.numel else 0.0
+            _emit(reply)
+    finally:
+        member.close()
+        server.stop(0)
 
 
 def _gloo_member(args: argparse.Namespace) -> None:

@@ -103,31 +103,60 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
         # sees shares only once their senders are bound to all theirs
         digests = torch.zeros(n, DIGEST_BYTES, dtype=torch.uint8)
         for k in others:
-            digests[k] = _digest(_as_received(buf[slice(*shares[k])], codec))
+            digests[k] = _digest(_as_received(buf[slice(*shares[k])], codec, member.chunk_elems))
         # vouched[j]: the digest of member j's commitment and j's signature of it, as this member got it
         vouched = torch.zeros(n, VOUCHED, dtype=torch.uint8)
         own = _digest(digests)
         signature = _uint8(signatures.sign(member.segment, round, bytes(own.numpy())))
         vouched[r] = torch.cat([own, signature])
         signed = torch.cat([digests.reshape(-1), signature])
-        for k in others:
+        # Of each pair, the lower rank's commitment comes alone and, raw, the higher rank's rides on the
+        # first piece of the share it then sends the lower one (messages cost more than bytes): 3 messages
+        # a pair, not 4, and still no owner gets a share before its sender holds the owner's commitment
+        ride = not codec
+        riding = _as_floats(signed) if ride else signed[:0].float()
+        ahead = [k for k in others if k > r] if ride else others  # those this member commits to alone, first
+        behind = [j for j in others if j < r] if ride else others  # those whose commitment comes alone
+        for k in ahead:
             member._send(round, steps["commit"] - r, 0, signed, signed.numel(), "", to=k)
-        committed = {}
-        for j in others:
-            got = member._receive(round, steps["commit"] - j, 0, signed.numel(), signed.numel(), sender=j, raw=True)
-            committed[j] = got[:DIGEST_BYTES * n].reshape(n, DIGEST_BYTES)
-            vouched[j] = torch.cat([_digest(got[:DIGEST_BYTES * n]), got[DIGEST_BYTES * n:]])
-        for k in others:
-            for c, (a, b) in enumerate(member._chunk_bounds(*shares[k])):
-                member._send(round, steps["scatter"] - r, c, buf[a:b], buf.numel(), codec, to=k)
         a, b = shares[r]
         stack = torch.empty(n, b - a)
         stack[r] = buf[a:b]
+        mine, committed = _pieces(member, a, b), {}
+
+        def take_commitment(j: int, got: torch.Tensor) -> None:
+            committed[j] = got[:DIGEST_BYTES * n].reshape(n, DIGEST_BYTES)
+            vouched[j] = torch.cat([_digest(got[:DIGEST_BYTES * n]), got[DIGEST_BYTES * n:]])
+
+        def send_share(k: int, first: int, end: int | None) -> None:  # pieces first..end - 1 of share k
+            pieces = _pieces(member, *shares[k])
+            for c in range(first, len(pieces) if end is None else end):
+                ca, cb = pieces[c]
+                part = torch.cat([buf[ca:cb], riding]) if ride and k < r and c == 0 else buf[ca:cb]
+                member._send(round, steps["scatter"] - r, c, part, buf.numel(), codec, to=k)
+
+        def receive_share(j: int, first: int, end: int) -> None:  # pieces first..end - 1 of j's share of mine
+            for c in range(first, end):
+                ca, cb = mine[c]
+                carries = ride and j > r and c == 0  # j's commitment, on its first piece
+                got = member._receive(round, steps["scatter"] - j, c, cb - ca + riding.numel() * carries,
+                                      buf.numel(), sender=j)
+                stack[j, ca - a:cb - a] = got[:cb - ca]
+                if carries:
+                    take_commitment(j, _as_bytes(got[cb - ca:]))
+
+        for j in behind:  # first pieces first, so that no lower rank waits long to send its share
+            take_commitment(j, member._receive(round, steps["commit"] - j, 0, signed.numel(), signed.numel(),
+                                               sender=j, raw=True))
+            send_share(j, 0, 1)
+        for j in behind:
+            send_share(j, 1, None)
+        for k in ahead if ride else ():
+            receive_share(k, 0, 1)
+            send_share(k, 0, None)
         votes = torch.zeros(n)
         for j in others:
-            for c, (ca, cb) in enumerate(member._chunk_bounds(a, b)):
-                stack[j, ca - a:cb - a] = member._receive(round, steps["scatter"] - j, c, cb - ca, buf.numel(),
-                                                        sender=j)
+            receive_share(j, 1 if ride and j > r else 0, len(mine))
             if not torch.equal(_digest(stack[j]), committed[j][r]):
                 votes[j] = 1.0  # it broke its word: a lie only this owner can see, so a vote like the others
         reference = torch.zeros_like(buf) if changes else _LAST.get(member)
@@ -138,15 +167,15 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
             moved = moved.clamp(min=peak)
         mean = robust.reducer(rule)(stack) if b > a else stack[r]
         votes = torch.maximum(votes, torch.tensor(robust.outliers(stack, mean), dtype=torch.float32))
-        buf[a:b] = mean
+        buf[a:b] = _as_received(mean, codec, member.chunk_elems)  # (every member, this one too, holds the same bits)
         # then the commitments it got, as evidence, and its votes: raw, they ride at the end of the last
-        # piece of the mean (messages cost more than bytes), else in a message of their own
-        ride, tail = not codec, torch.cat([_as_floats(vouched), votes])
+        # piece of the mean, else in a message of their own
+        tail = torch.cat([_as_floats(vouched), votes])
+        payloads = [mean[ca - a:cb - a] for ca, cb in mine]
+        if ride:
+            payloads[-1] = torch.cat([payloads[-1], tail])
         for k in others:
-            pieces = member._chunk_bounds(a, b) or [(a, a)]
-            for c, (ca, cb) in enumerate(pieces):
-                last = c == len(pieces) - 1
-                payload = torch.cat([mean[ca - a:cb - a], tail]) if ride and last else mean[ca - a:cb - a]
+            for c, payload in enumerate(payloads):
                 member._send(round, steps["gather"] - r, c, payload, buf.numel(), codec, to=k)
             if not ride:
                 member._send(round, steps["votes"] - r, 0, tail, tail.numel(), "", to=k)
@@ -155,7 +184,7 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
         forwarded = torch.zeros(n, n, VOUCHED, dtype=torch.uint8)  # [owner][member]: what the owner got
         off = torch.zeros(n)  # per owner: the squared distance of its mean from this member's values
         for j in others:
-            pieces = member._chunk_bounds(*shares[j]) or [(shares[j][0],) * 2]
+            pieces = _pieces(member, *shares[j])
             for c, (ca, cb) in enumerate(pieces):
                 last = c == len(pieces) - 1
                 got = member._receive(round, steps["gather"] - j, c, cb - ca + tail.numel() * (ride and last),
@@ -163,10 +192,10 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
                 off[j] += float(torch.dist(got[:cb - ca], buf[ca:cb])) ** 2
                 buf[ca:cb] = got[:cb - ca]
                 if ride and last:
-                    forwarded[j], ballots[j] = _as_bytes(got[cb - ca:-n], n), got[-n:]
+                    forwarded[j], ballots[j] = _as_bytes(got[cb - ca:-n]).reshape(n, VOUCHED), got[-n:]
             if not ride:
                 got = member._receive(round, steps["votes"] - j, 0, tail.numel(), tail.numel(), sender=j)
-                forwarded[j], ballots[j] = _as_bytes(got[:-n], n), got[-n:]
+                forwarded[j], ballots[j] = _as_bytes(got[:-n]).reshape(n, VOUCHED), got[-n:]
     two_faced = _two_faced(signatures, member, round, vouched, forwarded)
     if two_faced:
         whom = ", ".join(f"{member.addresses[j]} (rank {j})" for j in two_faced)
@@ -239,9 +268,14 @@ def _as_floats(data: torch.Tensor) -> torch.Tensor:
     return data.reshape(-1).view(torch.int16).float()
 
 
-def _as_bytes(values: torch.Tensor, n: int) -> torch.Tensor:
-    """`_as_floats`'s inverse, shaped as n rows of `vouched`; values out of int16's range (a liar's) wrap."""
-    return values.to(torch.int32).to(torch.int16).view(torch.uint8).reshape(n, VOUCHED)
+def _as_bytes(values: torch.Tensor) -> torch.Tensor:
+    """`_as_floats`'s inverse; values out of int16's range (a liar's) wrap."""
+    return values.to(torch.int32).to(torch.int16).view(torch.uint8)
+
+
+def _pieces(member: RingMember, start: int, end: int) -> list[tuple[int, int]]:
+    """The chunks a share crosses in: one at least, which an empty share's commitment or votes ride on."""
+    return member._chunk_bounds(start, end) or [(start, start)]
 
 
 def _digest(values: torch.Tensor) -> torch.Tensor:
@@ -253,9 +287,9 @@ def _uint8(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _as_received(values: torch.Tensor, codec: str) -> torch.Tensor:
-    """`values` as a receiver decodes them under `codec` (itself for raw fp32)."""
+def _as_received(values: torch.Tensor, codec: str, chunk: int) -> torch.Tensor:
+    """`values` as a receiver decodes them under `codec`, chunk by chunk as they cross (itself for raw fp32)."""
     if not codec:
         return values
-    header, view = encode("x", values, codec)
-    return decode(header, view).reshape(-1).float()
+    return torch.cat([decode(*encode("x", piece, codec)).reshape(-1).float() for piece in values.split(chunk)]
+                     or [values[:0]])
