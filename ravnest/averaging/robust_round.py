@@ -65,11 +65,13 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     robust.RULES), written like `RingMember.allreduce`'s. Every member sends share k of its vector
     straight to member k (equal shares by rank), which reduces all n copies robustly and sends the
     result to everyone (an all-to-all reduce-scatter, then an all-gather: the same bytes per member
-    as the ring, in n - 1 messages a phase):
+    as the ring, in 2.5 (n - 1) messages per member where the ring sends 2 (n - 1)):
 
-        commit   each member sends everyone the SHA-256 of each of its shares, as owners will decode
-                 them, signed (signatures.py), and waits for everyone's before it sends a share
-        scatter  then share k to owner k; one that does not match its commitment is a lie
+        commit   each member commits to the SHA-256 of each of its shares, as owners will decode them,
+                 signed (signatures.py); it sends member k a share only once it holds k's commitment
+        scatter  share k to owner k; one that does not match its commitment is a lie. Of each pair of
+                 members the lower rank commits alone, and the higher rank's commitment rides on the
+                 first piece of its share (raw: a pair exchanges 3 messages, not 4)
         reduce   owner k: the robust mean of the n copies, and a vote against each copy far off
         gather   owner k sends every member its mean, the commitments it got (a digest and a signature
                  each) and its votes (in one message where they fit)
@@ -149,11 +151,12 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
             take_commitment(j, member._receive(round, steps["commit"] - j, 0, signed.numel(), signed.numel(),
                                                sender=j, raw=True))
             send_share(j, 0, 1)
-        for j in behind:
-            send_share(j, 1, None)
-        for k in ahead if ride else ():
-            receive_share(k, 0, 1)
-            send_share(k, 0, None)
+        for k in others:  # then the rest, in the order of `others`
+            if k in behind:
+                send_share(k, 1, None)
+            else:  # a higher rank's commitment rides on its first piece
+                receive_share(k, 0, 1)
+                send_share(k, 0, None)
         votes = torch.zeros(n)
         for j in others:
             receive_share(j, 1 if ride and j > r else 0, len(mine))
