@@ -101,8 +101,7 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
     # changes later. Digests and means are tensors of the round's own, and share k of `buf` is overwritten
     # only by owner k's mean, which k sends once it has received (so this side had framed) that share.
     with member._sending(round, others, flush=False):
-        # every member's digests of all its shares, to everyone, before any share leaves: an owner
-        # sees shares only once their senders are bound to all theirs
+        # the digests of all its shares, which bind this member before it sees anyone's share
         digests = torch.zeros(n, DIGEST_BYTES, dtype=torch.uint8)
         for k in others:
             digests[k] = _digest(_as_received(buf[slice(*shares[k])], codec, member.chunk_elems))
@@ -112,9 +111,8 @@ def robust_allreduce(member: RingMember, flat: torch.Tensor, round: int, rule: s
         signature = _uint8(signatures.sign(member.segment, round, bytes(own.numpy())))
         vouched[r] = torch.cat([own, signature])
         signed = torch.cat([digests.reshape(-1), signature])
-        # Of each pair, the lower rank's commitment comes alone and, raw, the higher rank's rides on the
-        # first piece of the share it then sends the lower one (messages cost more than bytes): 3 messages
-        # a pair, not 4, and still no owner gets a share before its sender holds the owner's commitment
+        # raw, a higher rank's commitment rides on its first piece of share to a lower one (messages cost
+        # more than bytes); under a codec, which cannot carry its bytes, it comes alone
         ride = not codec
         riding = _as_floats(signed) if ride else signed[:0].float()
         ahead = [k for k in others if k > r] if ride else others  # those this member commits to alone, first
