@@ -522,6 +522,47 @@ def test_a_refusal_leaves_out_the_sender_and_outweighs_the_senders_report_that_c
     assert {node_id: n["accused_by"] for node_id, n in blamed.items() if n["accused_by"]} == {evil: [honest]}
 
 
+@pytest.mark.parametrize("root", ["outlier", "local_error"])
+def test_a_failures_own_account_outweighs_the_messenger_that_reported_it_first(client: TestClient, root: str) -> None:
+    """A pipeline of 3: stage 2 stops (it refused stage 1's activations as an outlier's, or a disk filled)
+    and aborts its neighbours, who pass its words on (kind peer_failed). Stage 0, two hops away, reports
+    first: the re-plan leaves it out for now, as the failure was its own. The stage whose failure it was
+    then reports first-hand, and the re-plan becomes what it would have been had that come first: the
+    messenger is back and unblamed; the sender refused (or the stage that failed) is left out."""
+    job_id, members = placed_job(client, nodes=3, clusters=1, stages_per_cluster=3, min_nodes=3)
+    auth = dict(members)
+    at = {a["stage"]: node_id for node_id, h in members if (a := beat(client, node_id, h)["assignment"])}
+    said = "stage 2: its input was off in 2 audits in a row; refused as an outlier" if root == "outlier" else \
+        "disk full"
+    for stage in (0, 1):  # stage 1 passes it on too, later: no second word changes the re-plan
+        r = client.post(f"/v1/jobs/{job_id}/fail", headers=auth[at[stage]], json={
+            "node_id": at[stage], "recoverable": True, "reason": "a neighbour failed", "failure": {
+                "kind": "peer_failed", "message": f"stage {stage}: its neighbour reported a failure ({said!r})"}})
+        assert r.status_code == 204
+        assert client.get(f"/v1/jobs/{job_id}").json()["recoveries"][0]["left_out"] == [at[0]]
+    failure = {"kind": "outlier", "message": said, "peer_id": at[1]} if root == "outlier" else \
+        {"kind": "local_error", "message": said}
+    r = client.post(f"/v1/jobs/{job_id}/fail", headers=auth[at[2]], json={
+        "node_id": at[2], "recoverable": True, "reason": said, "failure": failure})
+    assert r.status_code == 204
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    [recovery] = job["recoveries"]
+    culprit = at[1] if root == "outlier" else at[2]
+    assert recovery["left_out"] == [culprit] and recovery["reported_by"] == at[2], recovery
+    headline = rf"node node\d \({culprit}\) sent values that cannot be honest, and is left out as an outlier: " \
+        if root == "outlier" else rf"cluster 0 stage 2 on node node\d \({culprit}\) failed: "
+    assert recovery["failure"]["kind"] == root and re.match(headline, recovery["reason"]), recovery
+    assert job["reason"].startswith(recovery["reason"]), job["reason"]
+    with client.app.state.service.store.session() as session:
+        caused = {node_id: len(session.get_one(NodeRow, node_id).replans_caused or []) for node_id, _ in members}
+    assert caused == {at[0]: 0, at[1]: 0, at[2]: 0 if root == "outlier" else 1}, caused
+    accused = {n["id"]: n["accused_by"] for n in client.get("/v1/nodes").json() if n["accused_by"]}
+    assert accused == ({at[1]: [at[2]]} if root == "outlier" else {}), accused
+    settle(client, members)  # they stopped: placed again without the culprit
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert culprit not in {s["node_id"] for c in (job["plan"] or {"clusters": []})["clusters"] for s in c["stages"]}
+
+
 def test_a_forged_accusation_costs_an_honest_node_one_job_and_never_its_credential(settings: Settings) -> None:
     """A liar reports a peer its assignment names as an outlier, and 20 s later another one: each is left
     out of the job (one node's word cannot be told from the truth), but neither is blamed or revoked,

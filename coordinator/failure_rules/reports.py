@@ -7,7 +7,11 @@ job is re-planned without the reporter. Every re-plan a report causes counts aga
 and the re-plan leaves out the sender, the source of the poison, not the messenger. So does an outlier:
 a peer whose averaging contributions most members of a robust round found far beyond theirs
 (ravnest/averaging/robust.py), or whose activations its pipeline neighbour refused. Whom a refusal
-counts against, and who is revoked, is accusations.py's to decide: the accuser may be the liar."""
+counts against, and who is revoked, is accusations.py's to decide: the accuser may be the liar.
+
+A report that only passes on a neighbour's failure (kind peer_failed, the neighbour's words) is judged
+as the reporter's own, for want of better; but where it came first, the failure's own account, heard
+while the job is re-planned, replaces it (Recoveries.first_hand): the messenger is back and unblamed."""
 from __future__ import annotations
 
 from collections.abc import Collection

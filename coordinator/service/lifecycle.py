@@ -231,12 +231,18 @@ class JobLifecycle:
             # (no plan while the job waits to be placed again: then any member, as its stage rows say)
             peers = jobs.planned_peers(self.core.plan(job), stage.cluster, stage.stage) if job.plan else set(members)
             source = refused_from(report.failure, reporter.id, peers)
-            if job.state not in jobs.ACTIVE:  # the job already ended or is being re-planned
+            # a neighbour that passed this node's failure on may have reported first: this account is first-hand
+            messenger = self.recoveries.messenger(job)
+            first_hand = messenger not in (None, reporter.id) and (
+                report.failure is None or report.failure.kind != FailureKind.PEER_FAILED)
+            if job.state not in jobs.ACTIVE and not first_hand:  # the job already ended or is being re-planned
                 if source is not None and report.failure is not None and job.state == JobState.RECOVERING.value:
                     self._refused(session, job, source, reporter, report.failure,
                                   failure_reason(report.failure, report.reason, reporter, stage, members))
                 self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
                 return
+            if first_hand and messenger is not None:
+                self.rulings.withdraw_blame(session, messenger, since=job.faults[-1].at)
             relays = {relay.id: relay for node in members.values()
                       if node.relayed_by and (relay := session.get(NodeRow, node.relayed_by)) is not None}
             reason = failure_reason(report.failure, report.reason, reporter, stage, members, relays)
@@ -246,7 +252,8 @@ class JobLifecycle:
                           {node.id: Member(node.id, node.last_seen, node.relayed_by, node.beat_interval_s)
                            for node in members.values()},
                           {r.reported_by for r in job.faults if r.could_not_start and r.reported_by}, peers)
-            self.rulings.observe(session, seen, reported_by=reporter.id, could_not_start=not report.recoverable)
+            self.rulings.observe(session, seen, first_hand=first_hand, reported_by=reporter.id,
+                                 could_not_start=not report.recoverable)
             if source is not None:
                 self._refused(session, job, source, reporter, failure, reason)
             self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from ravnest.failures import Failure
+from ravnest.failures import Failure, FailureKind
 
 from .. import jobs
 from ..jobs import JobState
@@ -52,9 +52,7 @@ class Recoveries:
             return
         self.open(session, job, kind, reason, failure, left_out, **record)
         self.core.rules.forget(job.id)
-        words = "intact clusters train on, then its nodes hand in their state" if kind == LOST else \
-            "its nodes hand in their state"
-        jobs.transition(job, JobState.RECOVERING, f"{reason}; {words}, then it is planned again", clock())
+        jobs.transition(job, JobState.RECOVERING, _recovering(reason, kind), clock())
 
     def open(self, session: Session, job: JobRow, kind: str, reason: str,
              failure: Failure | None = None, left_out: Sequence[str] = (), **record: Any) -> None:
@@ -64,6 +62,25 @@ class Recoveries:
         job.faults = [*(job.faults or []), Recovery(
             kind=kind, at=now, reason=reason, generation=job.generation, reached_step=reached,
             hand_in_at=None if kind == LOST else now, failure=failure, left_out=list(left_out), **record)]
+
+    @staticmethod
+    def messenger(job: JobRow) -> str | None:
+        """The node whose report opened the re-plan under way, where that report only passed on a
+        neighbour's failure (kind peer_failed): the failure's own node reports it too, or goes silent."""
+        last = job.faults[-1] if job.faults else None
+        hearsay = last is not None and last.failure is not None and last.failure.kind == FailureKind.PEER_FAILED
+        return last.reported_by if job.state == JobState.RECOVERING.value and last and hearsay else None
+
+    @staticmethod
+    def first_hand(job: JobRow, reason: str, failure: Failure, left_out: Sequence[str], **record: Any) -> None:
+        """The failure's own account, heard while a messenger's report re-plans the job (the messenger
+        was quicker): it replaces the messenger's, whom the re-plan no longer leaves out, as if it had
+        come first."""
+        last = job.faults[-1]
+        kept = [n for n in last.left_out if n != last.reported_by]
+        _amend_last(job, reason=reason, failure=failure, left_out=[*kept, *(n for n in left_out if n not in kept)],
+                    **record)
+        job.reason = _recovering(reason, LOST)
 
     @staticmethod
     def refused(job: JobRow, source: str, refuser: str, reason: str) -> None:
@@ -181,6 +198,13 @@ class Recoveries:
         self.core.keep_plan(job, None)
         job.resume = resume
         job.generation += 1  # which also changes the job's credential (Core.peer_token)
+
+
+def _recovering(reason: str, kind: str) -> str:
+    """The job's reason while it is re-planned."""
+    words = "intact clusters train on, then its nodes hand in their state" if kind == LOST else \
+        "its nodes hand in their state"
+    return f"{reason}; {words}, then it is planned again"
 
 
 def _amend_last(job: JobRow, **changes: Any) -> None:

@@ -28,23 +28,27 @@ class Rulings:
     def __init__(self, core: Core, recoveries: Recoveries) -> None:
         self.core, self.recoveries = core, recoveries
 
-    def observe(self, session: Session, observation: Observation, **record: Any) -> list[Decision]:
+    def observe(self, session: Session, observation: Observation, *, first_hand: bool = False,
+                **record: Any) -> list[Decision]:
         """What the rules decide about `observation`, carried out; `record`: more fields of a re-plan's
-        Recovery record (who reported it)."""
+        Recovery record (who reported it). `first_hand`: the observation is the account of a failure whose
+        re-plan a messenger's report opened (Recoveries.first_hand)."""
         decisions = self.core.rules.observe(observation)
-        self.enforce(session, decisions, **record)
+        self.enforce(session, decisions, first_hand=first_hand, **record)
         return decisions
 
-    def enforce(self, session: Session, decisions: Sequence[Decision], **record: Any) -> None:
+    def enforce(self, session: Session, decisions: Sequence[Decision], *, first_hand: bool = False,
+                **record: Any) -> None:
         spared = {d.node_id for d in decisions if isinstance(d, Spare)}
         for d in decisions:
             if isinstance(d, FailJob):
                 jobs.transition(session.get_one(JobRow, d.job_id), JobState.FAILED, d.reason, self.core.clock())
             elif isinstance(d, Replan):
-                job = session.get_one(JobRow, d.job_id)
+                job, left_out = session.get_one(JobRow, d.job_id), [n for n in d.left_out if n not in spared]
                 if job.state in jobs.ACTIVE:
-                    self.recoveries.recover(session, job, d.reason, failure=d.failure,
-                                            left_out=[n for n in d.left_out if n not in spared], **record)
+                    self.recoveries.recover(session, job, d.reason, failure=d.failure, left_out=left_out, **record)
+                elif first_hand and d.failure is not None:
+                    self.recoveries.first_hand(job, d.reason, d.failure, left_out, **record)
             elif isinstance(d, NodeGone):
                 node = session.get(NodeRow, d.node_id)
                 if node is not None and node.state != GONE:
@@ -73,6 +77,12 @@ class Rulings:
                 node = session.get_one(NodeRow, d.node_id)
                 node.quarantined_until, node.quarantine_reason = d.until, d.reason
                 log.warning("node %s quarantined: %s", node.id, d.reason)
+
+    def withdraw_blame(self, session: Session, node_id: str, since: float) -> None:
+        """The re-plans the node's word caused since `since` were not its doing after all."""
+        node = session.get(NodeRow, node_id)
+        if node is not None and node.replans_caused:
+            node.replans_caused = [at for at in node.replans_caused if at < since]
 
     def blame(self, session: Session, node_id: str, reason: str) -> None:
         """What the node said or handed in caused a re-plan (a relay's id may be the coordinator's own)."""
