@@ -26,6 +26,8 @@ Rules (see also docs/jobs.md):
   gives cut points valid for every replica: one O(L * blocks^2) DP per group, not per replica,
   which is what keeps 10,000 nodes fast. Each replica's stage times are then predicted from its
   own nodes.
+- A robust job (`averaging.robust`) cuts its groups of one depth alike, over the weakest of all their
+  replicas, so that audits can compare each stage with its replicas in other clusters (`_cut_alike`).
 - Ring shares: each ring member reduces a share of the segment balanced against the ring's link
   rates (member r -> r+1 estimated as the slower end's bandwidth to the coordinator), so a slow
   member does not bound the round; equal shares when the links are equal or the ring is large.
@@ -184,6 +186,9 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                                           f"faster ones, averaging waits for the slowest"
                                for replica in shape.replicas for n in replica})
         shapes = [shapes[i] for i in sorted(kept)]
+    if averaging.robust:
+        shapes = _cut_alike(costs, shapes, why, training=training, averaging=averaging, links=links,
+                            lossiest=lossiest)
     if placement.stages_per_cluster:
         short = sorted({len(shape.ranges) for shape in shapes if len(shape.ranges) < placement.stages_per_cluster})
         why.append(f"{_n(placement.stages_per_cluster, 'stage')} per cluster, as the job asks"
@@ -382,6 +387,32 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
         raise PlanningError(f"a group of {len(chain)} nodes cannot hold the model: {last_error}")
     best = max(shape.samples_per_s for shape in shapes)
     return min((s for s in shapes if s.samples_per_s >= NEAR_BEST * best), key=lambda s: len(s.ranges)), considered
+
+
+def _cut_alike(costs: list[BlockCost], shapes: list[Shape], why: list[str], *, training: TrainingSettings,
+               averaging: AveragingSettings, links: Links | None, lossiest: str | None) -> list[Shape]:
+    """A robust job's groups of one depth, cut at the same blocks: audits (ravnest/pipeline/audits.py)
+    compare a stage's input only with the stages of other clusters that start at the same block, 3 clusters
+    or more. One partition over the stage-by-stage weakest capacity of all their replicas, as the replicas
+    of one group share theirs; where none fits them all, each group keeps its own, and the plan says so."""
+    cut = list(shapes)
+    for depth in sorted({len(shape.ranges) for shape in shapes}):
+        alike = [i for i, shape in enumerate(shapes) if len(shape.ranges) == depth]
+        replicas = [replica for i in alike for replica in shapes[i].replicas]
+        if depth == 1 or len(replicas) < 3 or len({tuple(shapes[i].ranges) for i in alike}) == 1:
+            continue
+        try:
+            fit = _fitting_partition(costs, _weakest(replicas, links), training_load(training, depth, averaging=True))
+        except PartitionError:
+            why.append(f"pipelines of {_n(depth, 'stage')} cut differently, as no one cut fits them all: "
+                       f"audits compare a stage only with those that start at the same block")
+            continue
+        for i in alike:
+            cut[i] = make_shape(costs, shapes[i].replicas, _weakest(shapes[i].replicas, links), fit.ranges, fit.load,
+                                training, averaging, lossiest)
+        why.append(f"{_n(len(replicas), 'pipeline')} of {_n(depth, 'stage')} cut alike, so that audits can "
+                   f"compare their stages (averaging.robust)")
+    return cut
 
 
 @dataclass

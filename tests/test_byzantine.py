@@ -127,5 +127,7 @@ def test_a_middle_stage_sending_noise_of_the_honest_scale_is_caught_by_an_audit_
         attacked, clean = attacked_then_honest(cluster, liar, spec, witnesses=1)
     recovery = attacked["recoveries"][0]
     assert "refused as an outlier" in recovery["reason"] and "audit" in recovery["reason"], recovery
+    passed = [s["metrics"].get("audits_passed") for s in clean["metrics"]["stages"] if s["stage"] > 0]
+    assert len(passed) == 6 and all(p and p >= 1 for p in passed), passed  # as the coordinator shows them
     print(f"digits CNN, 3 x 3 robust: honest {clean['metrics']['test_accuracy']:.4f}, with a middle stage sending "
           f"noise caught by audits at step {recovery['reached_step']}: {attacked['metrics']['test_accuracy']:.4f}")

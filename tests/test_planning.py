@@ -398,3 +398,18 @@ def test_relay_code_is_counted_on_the_nodes_it_runs_on() -> None:
         planned = {s.node_id: s.predicted_memory_bytes for s in plan_job(
             costs, [shown, dataclasses.replace(node("hidden"), hidden=True)], two).clusters[0].stages}
         assert planned == {"shown": plain["shown"] + extra, "hidden": plain["hidden"] + RELAYING_BYTES}
+
+
+def test_a_robust_jobs_pipelines_are_cut_alike_so_that_audits_can_compare_their_stages() -> None:
+    """Three groups of unequal pairs cut where each pair is balanced; under averaging.robust, one cut over
+    the weakest of all, since audits compare a stage only with stages of other clusters that start at
+    the same block (ravnest/pipeline/audits.py)."""
+    pairs = [(1e7, (4e10, 1e10)), (1e8, (1e10, 1e10)), (1e9, (2e10, 1e10))]
+    nodes = [node(f"p{i}{j}", flops=f, bandwidth=b) for i, (b, pair) in enumerate(pairs) for j, f in enumerate(pair)]
+    cuts = {}
+    for robust in ("", "centered_clip"):
+        plan = plan_job(mlp_costs(12), nodes, Placement(clusters=3, stages_per_cluster=2),
+                        averaging=AveragingSettings(robust=robust))
+        cuts[robust] = {tuple(s.blocks for s in c.stages) for c in plan.clusters}
+        assert ("3 pipelines of 2 stages cut alike" in plan.reason) == bool(robust), plan.reason
+    assert len(cuts[""]) > 1 and len(cuts["centered_clip"]) == 1, cuts

@@ -219,17 +219,20 @@ def nodes_(ctx: typer.Context) -> None:
 def _stage_table(plan: dict, reports: list[dict]):
     """One row per planned stage with what it last reported: how far it is, the share of time it
     computes (its utilization) and waits for its neighbours (its bubble), and its mean staleness in
-    steps."""
+    steps; in a robust job, how many spot checks of its input passed (ravnest/pipeline/audits.py)."""
     reported = {(r["cluster"], r["stage"]): r for r in reports}
-    stages = table("cluster", "stage", "blocks", "node", "step", "computing", "waiting", "stale", "samples/s")
+    audited = any("audits_passed" in (r.get("metrics") or {}) for r in reports)
+    stages = table("cluster", "stage", "blocks", "node", "step", "computing", "waiting", "stale", "samples/s",
+                   *(["audits passed"] if audited else []))
     for cluster in plan["clusters"]:
         for s in cluster["stages"]:
             r = reported.get((cluster["cluster"], s["stage"]), {})
             figures = [f"{r[key]:.2f}" if r.get(key) is not None else ""
                        for key in ("utilization", "bubble", "staleness")]
-            rate = (r.get("metrics") or {}).get("samples_per_s")
+            rate, passed = ((r.get("metrics") or {}).get(key) for key in ("samples_per_s", "audits_passed"))
             stages.add_row(str(cluster["cluster"]), str(s["stage"]), f"[{s['blocks'][0]}, {s['blocks'][1]})",
-                           s["node_id"], str(r.get("step", "")), *figures, f"{rate:,.0f}" if rate is not None else "")
+                           s["node_id"], str(r.get("step", "")), *figures, f"{rate:,.0f}" if rate is not None else "",
+                           *([f"{passed:.0f}" if passed is not None else ""] if audited else []))
     return stages
 
 

@@ -38,7 +38,8 @@ under 0.7 of the activations' size, or a lie in fewer than STRIKES audits in a r
 
 What it cannot see: lies of stage 0 (it knows its audits; its garbage is poisoned data, left to robust
 averaging), gradients sent back (they depend on the labels and later stages' weights), clusters whose
-stages start at other blocks, and a job of fewer than 3 clusters (no majority). A peer's sketch is
+stages start at other blocks (the planner cuts a robust job's pipelines of one depth alike where one cut
+fits them all: coordinator/planning.py), and a job of fewer than 3 clusters (no majority). A peer's sketch is
 known by the cluster it names: a liar among the peers that sends sketches in another's name makes the
 audit void (two different sketches for one cluster), not a verdict, unless the real peer never answers.
 Audits run where `averaging.robust` is set, the setting for volunteers not trusted; their secret
