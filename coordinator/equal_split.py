@@ -23,7 +23,8 @@ from ravnest.pipeline.memory import training_load
 from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 
 from .clustering import NodeInfo
-from .planning import Links, PlanningError, _mib, _n, assemble, capacities, less_relaying, make_shape
+from .peer_links import Links, capacities
+from .planning import PlanningError, _mib, _n, assemble, less_relaying, make_shape
 from .schemas import Plan
 
 

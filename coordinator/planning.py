@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -54,6 +54,7 @@ from ravnest.wire import codecs
 
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
 from .codec_choice import averaging_candidates, averaging_codec, averaging_predictions, coded_links, pick_codecs
+from .peer_links import Links, capacities, link
 from .ring_order import best_ring
 from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, PlannedStage
 
@@ -83,38 +84,6 @@ class PlanningError(RavnestError, ValueError):
 
 def chain_order(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     return sorted(nodes, key=lambda n: (-n.bandwidth, -n.effective_flops, n.node_id))
-
-
-# (node id, peer id) -> (bandwidth bytes/s, round-trip seconds) as measured from the node
-Links = Mapping[tuple[str, str], tuple[float, float]]
-
-
-def link(here: NodeInfo, after: NodeInfo, links: Links | None = None) -> tuple[float, float]:
-    """(bandwidth, latency) between two nodes: measured (slower direction) if either end probed it,
-    else estimated from both ends' links to the coordinator; no more than either end's share of the
-    relay it is reached through (a probe measures a relayed link alone, not beside the relay's others).
-    A hidden node and a peer with a relay for its peers take no relay hop (node/relaying.py): what the
-    hidden one measured when it probed the other, both ways over the connection it opened, is the link."""
-    links = links or {}
-    hidden, shown = (here, after) if here.hidden else (after, here)
-    if hidden.hidden and not shown.hidden and shown.peer_relay:
-        measured_there = links.get((hidden.node_id, shown.node_id))
-        return measured_there or (min(here.bandwidth, after.bandwidth), (here.latency + after.latency) / 2)
-    measured = [m for m in (links.get((here.node_id, after.node_id)), links.get((after.node_id, here.node_id)))
-                if m is not None]
-    relayed = min(here.relay_share, after.relay_share)
-    if measured:
-        return min(relayed, *(m[0] for m in measured)), max(m[1] for m in measured)
-    return min(here.bandwidth, after.bandwidth, relayed), (here.latency + after.latency) / 2
-
-
-def capacities(chain: Sequence[NodeInfo], links: Links | None = None) -> list[NodeCapacity]:
-    """Each node's capacity with its link to the next (see `link`)."""
-    result = []
-    for here, after in zip(chain, [*chain[1:], None]):
-        bandwidth, latency = link(here, after, links) if after else (here.bandwidth, 0.0)
-        result.append(NodeCapacity(here.flops, here.memory_bytes, bandwidth, latency, here.slowdown, here.message_s))
-    return result
 
 
 @dataclass
@@ -189,6 +158,9 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     if averaging.robust:
         shapes = _cut_alike(costs, shapes, why, training=training, averaging=averaging, links=links,
                             lossiest=lossiest)
+    if averaging.robust and sum(len(shape.replicas) for shape in shapes) < 3:
+        why.append("of fewer than 3 replicas robust averaging cannot tell which one lies, and stages are audited "
+                   "only with 3 clusters: a lying volunteer goes unnamed until a third cluster is there")
     if placement.stages_per_cluster:
         short = sorted({len(shape.ranges) for shape in shapes if len(shape.ranges) < placement.stages_per_cluster})
         why.append(f"{_n(placement.stages_per_cluster, 'stage')} per cluster, as the job asks"

@@ -400,10 +400,10 @@ def test_relay_code_is_counted_on_the_nodes_it_runs_on() -> None:
         assert planned == {"shown": plain["shown"] + extra, "hidden": plain["hidden"] + RELAYING_BYTES}
 
 
-def test_a_robust_jobs_pipelines_are_cut_alike_so_that_audits_can_compare_their_stages() -> None:
+def test_a_robust_jobs_pipelines_are_cut_alike_for_audits_and_on_2_clusters_it_says_what_it_lacks() -> None:
     """Three groups of unequal pairs cut where each pair is balanced; under averaging.robust, one cut over
     the weakest of all, since audits compare a stage only with stages of other clusters that start at
-    the same block (ravnest/pipeline/audits.py)."""
+    the same block (ravnest/pipeline/audits.py). On 2 clusters the plan says what a robust job lacks there."""
     pairs = [(1e7, (4e10, 1e10)), (1e8, (1e10, 1e10)), (1e9, (2e10, 1e10))]
     nodes = [node(f"p{i}{j}", flops=f, bandwidth=b) for i, (b, pair) in enumerate(pairs) for j, f in enumerate(pair)]
     cuts = {}
@@ -413,3 +413,6 @@ def test_a_robust_jobs_pipelines_are_cut_alike_so_that_audits_can_compare_their_
         cuts[robust] = {tuple(s.blocks for s in c.stages) for c in plan.clusters}
         assert ("3 pipelines of 2 stages cut alike" in plan.reason) == bool(robust), plan.reason
     assert len(cuts[""]) > 1 and len(cuts["centered_clip"]) == 1, cuts
+    two = plan_job(mlp_costs(12), nodes[:4], Placement(clusters=2, stages_per_cluster=2),
+                   averaging=AveragingSettings(robust="centered_clip"))
+    assert "of fewer than 3 replicas robust averaging cannot tell which one lies" in two.reason, two.reason

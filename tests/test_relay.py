@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from coordinator.app import create_app
 from coordinator.clustering import NodeInfo
 from coordinator.config import Settings
-from coordinator.planning import link
+from coordinator.peer_links import link
 from coordinator.service.reachability import DirectLinks, relay_shares, tls_names
 from coordinator.store import NodeRow
 from ravnest.relay import server as relay_server

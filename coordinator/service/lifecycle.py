@@ -80,8 +80,7 @@ class JobLifecycle:
             job = self.core.job(session, job_id, owner)
             stages = stages_of(session, job.id)
             return JobView(**_summary(job).model_dump(), spec=jobs.spec_of(job),
-                           history=job.history, generation=job.generation,
-                           recoveries=job.faults or [],
+                           history=job.history, generation=job.generation, recoveries=job.faults or [],
                            checkpoint_step=self.artifacts.manifest(job.id).get("step"),
                            progress=jobs.progress(job, stages),
                            metrics=jobs.metrics(stages, self.core.plan(job) if job.plan else None),
@@ -231,18 +230,13 @@ class JobLifecycle:
             # (no plan while the job waits to be placed again: then any member, as its stage rows say)
             peers = jobs.planned_peers(self.core.plan(job), stage.cluster, stage.stage) if job.plan else set(members)
             source = refused_from(report.failure, reporter.id, peers)
-            # a neighbour that passed this node's failure on may have reported first: this account is first-hand
-            messenger = self.recoveries.messenger(job)
-            first_hand = messenger not in (None, reporter.id) and (
-                report.failure is None or report.failure.kind != FailureKind.PEER_FAILED)
+            first_hand = self.recoveries.outweighs_messenger(job, reporter.id, report.failure)
             if job.state not in jobs.ACTIVE and not first_hand:  # the job already ended or is being re-planned
                 if source is not None and report.failure is not None and job.state == JobState.RECOVERING.value:
                     self._refused(session, job, source, reporter, report.failure,
                                   failure_reason(report.failure, report.reason, reporter, stage, members))
                 self.recoveries.reported(session, job, reporter, stage.cluster, report.still_training)
                 return
-            if first_hand and messenger is not None:
-                self.rulings.withdraw_blame(session, messenger, since=job.faults[-1].at)
             relays = {relay.id: relay for node in members.values()
                       if node.relayed_by and (relay := session.get(NodeRow, node.relayed_by)) is not None}
             reason = failure_reason(report.failure, report.reason, reporter, stage, members, relays)

@@ -220,8 +220,7 @@ class Placement:
                     plan = self._plan_on(session, fewer, nodes)
                 except PlanningError:
                     continue
-                plan.reason = (f"{asked} clusters asked for, {clusters} on the nodes there now"
-                               f"{_unguarded(spec, clusters)}; {plan.reason}")
+                plan.reason = f"{asked} clusters asked for, {clusters} on the nodes there now; {plan.reason}"
                 return plan
             raise refused
 
@@ -242,14 +241,6 @@ class Placement:
             self._left_out[node_id] = f"no stage in job {job.id}: {why}"
         job.reason = f"planned {plan.reason}; waiting for every node to fetch its stage"
         return used
-
-
-def _unguarded(spec: JobSpec, clusters: int) -> str:
-    """What a robust job loses on fewer than 3 clusters, said where it re-plans onto them."""
-    if not spec.averaging.robust or clusters >= 3:
-        return ""
-    return (" (of fewer than 3 replicas robust averaging cannot tell which one lies, and stages are audited only "
-            "with 3 clusters: a lying volunteer goes unnamed until a third cluster is back)")
 
 
 def left_out_of(job: JobRow) -> set[str]:

@@ -64,12 +64,15 @@ class Recoveries:
             hand_in_at=None if kind == LOST else now, failure=failure, left_out=list(left_out), **record)]
 
     @staticmethod
-    def messenger(job: JobRow) -> str | None:
-        """The node whose report opened the re-plan under way, where that report only passed on a
-        neighbour's failure (kind peer_failed): the failure's own node reports it too, or goes silent."""
+    def outweighs_messenger(job: JobRow, reporter_id: str, failure: Failure | None) -> bool:
+        """Whether this report is the first-hand account of a failure whose re-plan is under way on a
+        messenger's word: a report of another node that only passed on a neighbour's failure (kind
+        peer_failed) and came first. The failure's own node reports it too (else it went silent)."""
         last = job.faults[-1] if job.faults else None
         hearsay = last is not None and last.failure is not None and last.failure.kind == FailureKind.PEER_FAILED
-        return last.reported_by if job.state == JobState.RECOVERING.value and last and hearsay else None
+        return (job.state == JobState.RECOVERING.value and last is not None and hearsay
+                and last.reported_by not in (None, reporter_id)
+                and (failure is None or failure.kind != FailureKind.PEER_FAILED))
 
     @staticmethod
     def first_hand(job: JobRow, reason: str, failure: Failure, left_out: Sequence[str], **record: Any) -> None:

@@ -47,7 +47,8 @@ class Rulings:
                 job, left_out = session.get_one(JobRow, d.job_id), [n for n in d.left_out if n not in spared]
                 if job.state in jobs.ACTIVE:
                     self.recoveries.recover(session, job, d.reason, failure=d.failure, left_out=left_out, **record)
-                elif first_hand and d.failure is not None:
+                elif first_hand and d.failure is not None:  # the messenger's blame withdrawn, its re-plan amended
+                    self.withdraw_blame(session, job.faults[-1].reported_by, since=job.faults[-1].at)
                     self.recoveries.first_hand(job, d.reason, d.failure, left_out, **record)
             elif isinstance(d, NodeGone):
                 node = session.get(NodeRow, d.node_id)
@@ -78,9 +79,9 @@ class Rulings:
                 node.quarantined_until, node.quarantine_reason = d.until, d.reason
                 log.warning("node %s quarantined: %s", node.id, d.reason)
 
-    def withdraw_blame(self, session: Session, node_id: str, since: float) -> None:
+    def withdraw_blame(self, session: Session, node_id: str | None, since: float) -> None:
         """The re-plans the node's word caused since `since` were not its doing after all."""
-        node = session.get(NodeRow, node_id)
+        node = session.get(NodeRow, node_id) if node_id else None
         if node is not None and node.replans_caused:
             node.replans_caused = [at for at in node.replans_caused if at < since]
 
