@@ -1077,7 +1077,7 @@ def test_typos_in_a_job_spec_get_a_did_you_mean(client: TestClient) -> None:
                                                             "you mean 'steps'?)"),
                         ({**job, "model": {"name": "cnnn"}}, "unknown model 'cnnn' (did you mean 'cnn'?)"),
                         ({**job, "model": {"name": "cnn", "config": {"chanels": [8]}}},
-                         "unknown config keys ['chanels'] (did you mean 'channels'?)"),
+                         "unknown config key 'chanels' (did you mean 'channels'?)"),
                         ({**job, "averaging": {"codec": "topl"}},
                          "averaging.codec: 'topl' is not a codec for averaging (did you mean 'topk'?)")):
         r = client.post("/v1/jobs", json=body)

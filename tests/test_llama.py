@@ -67,7 +67,7 @@ def test_blocks_are_the_embedding_each_layer_and_the_head_and_plan_on_the_meta_d
 @pytest.mark.parametrize("config, words", [
     ({"num_attention_heads": 8, "num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"hidden_size": 60, "num_attention_heads": 8}, "divisible by num_attention_heads"),
-    ({"n_layers": 2}, "unknown config keys ['n_layers']"),
+    ({"n_layers": 2}, "unknown config key 'n_layers'"),
 ])
 def test_configs_that_cannot_be_built_say_why(config, words):
     with pytest.raises(ModelError, match=words.replace("[", r"\[").replace("]", r"\]")):

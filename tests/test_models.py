@@ -158,7 +158,7 @@ def test_unknown_name_lists_known_models() -> None:
 
 
 @pytest.mark.parametrize(("name", "config", "reason"), [
-    ("mlp", {"width": 3}, "unknown config keys"),
+    ("mlp", {"width": 3}, "unknown config key 'width'"),
     ("mlp", {"depth": "4"}, "'depth' must be int"),
     ("mlp", {"hidden": 0}, "hidden must be >= 1"),
     ("mlp", {"depth": True}, "'depth' must be int"),
@@ -168,6 +168,8 @@ def test_unknown_name_lists_known_models() -> None:
     ("cnn", {"batch_norm": 1}, "'batch_norm' must be bool"),
     ("gpt", {"d_model": 30, "n_heads": 4}, "divisible"),
     ("gpt", {"n_layers": -1}, "n_layers must be >= 1"),
+    ("gpt", {"n_embd": 64, "block_size": 32}, r"unknown config keys 'block_size' \(did you mean 'seq_len'\?\), "
+                                              r"'n_embd' \(did you mean 'd_model'\?\); allowed: 'd_model', "),
 ])
 def test_bad_configs_raise_model_error(name: str, config: dict, reason: str) -> None:
     with pytest.raises(ModelError, match=reason):

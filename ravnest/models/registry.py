@@ -168,12 +168,24 @@ def build_model(name: str, config: dict[str, Any] | None = None) -> ModelSpec:
     return spec
 
 
+# the names nanoGPT and Hugging Face configs give what our builders call otherwise (a hint, not an alias)
+_THEIR_NAMES = {"n_embd": "d_model", "hidden_size": "d_model", "n_layer": "n_layers", "num_hidden_layers": "n_layers",
+                "n_head": "n_heads", "num_attention_heads": "n_heads", "block_size": "seq_len",
+                "n_positions": "seq_len", "max_position_embeddings": "seq_len"}
+
+
+def _hint(key: str, allowed: list[str]) -> str:
+    ours = _THEIR_NAMES.get(key)
+    return f" (did you mean {ours!r}?)" if ours in allowed else did_you_mean(key, allowed)
+
+
 def resolve_config(name: str, defaults: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """Defaults overlaid with `config`; unknown keys and values of the wrong type raise ModelError."""
     unknown = sorted(set(config) - set(defaults))
     if unknown:
-        hints = "".join(did_you_mean(key, sorted(defaults)) for key in unknown)
-        raise ModelError(f"{name}: unknown config keys {unknown}{hints}; allowed: {sorted(defaults)}")
+        keys = ", ".join(f"{key!r}{_hint(key, sorted(defaults))}" for key in unknown)
+        raise ModelError(f"{name}: unknown config key{'s' if len(unknown) > 1 else ''} {keys}; "
+                         f"allowed: {', '.join(map(repr, sorted(defaults)))}")
     resolved = dict(defaults)
     for key, value in config.items():
         expected = type(defaults[key])
