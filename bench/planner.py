@@ -1,6 +1,7 @@
 """Planner benchmark: cluster and plan 10,000 synthetic heterogeneous nodes for a 48-block model.
 
     python -m bench.planner [--nodes 10000] [--repeats 3]
+    python -m bench.planner --robust-cuts   # what cutting a robust job's pipelines alike costs
 
 The model is gpt with 46 transformer layers (+ embedding and head = 48 blocks), profiled once with
 FLOP counting (not timed: the coordinator caches profiles per model). The timed part is exactly
@@ -18,7 +19,7 @@ import numpy as np
 
 from ravnest.models import build_model, profile_blocks
 from ravnest.models.profile import BlockCost
-from ravnest.spec import Placement, TrainingSettings
+from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 
 from bench.common import write_section
 from coordinator.clustering import NodeInfo
@@ -52,11 +53,37 @@ def model_costs() -> list[BlockCost]:
     return profile_blocks(build_model(name, config), BATCH_SIZE)
 
 
+def robust_cuts(draws: int = 10) -> None:
+    """A robust job's pipelines of one depth are cut alike, for audits (coordinator/planning.py): its
+    predicted samples/s over that of the same job with each cluster cut for its own nodes, for `draws`
+    draws of volunteers from the tiers, per shape (clusters x stages)."""
+    costs, lines = model_costs(), []
+    for clusters, stages in ((3, 2), (3, 4), (4, 3)):
+        ratios = []
+        for seed in range(draws):
+            nodes = synthetic_nodes(clusters * stages, seed)
+            placement = Placement(clusters=clusters, stages_per_cluster=stages)
+            own, alike = (plan_job(costs, nodes, placement, training=TrainingSettings(batch_size=BATCH_SIZE),
+                                   averaging=AveragingSettings(robust=robust)).predicted_samples_per_s
+                          for robust in ("", "centered_clip"))
+            ratios.append(alike / own)
+        lines.append(f"{clusters} clusters x {stages} stages: cut alike / each its own, predicted: median "
+                     f"{statistics.median(ratios):.3f}, worst {min(ratios):.3f} ({draws} draws)")
+    text = "\n".join(lines)
+    print(text)
+    write_section("Planner: a robust job's pipelines cut alike",
+                  f"Command: `python -m bench.planner --robust-cuts`\n\n```\n{text}\n```")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--robust-cuts", action="store_true", help="what cutting a robust job alike costs, instead")
     args = parser.parse_args()
+    if args.robust_cuts:
+        robust_cuts()
+        return
 
     start = time.perf_counter()
     costs = model_costs()
