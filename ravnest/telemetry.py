@@ -39,8 +39,8 @@ STAGE_FIGURES = {
     "mfu": "model FLOPs utilization: model_flops_per_s over the GPU's 16-bit peak (where known)",
     "steady_utilization": "share of wall time spent computing, 20%-90% of the steps (final report)",
     "steady_samples_per_s": "training samples per second, 20%-90% of the steps (final report)",
-    "audits_passed": "spot checks of the stage's input judged fine (robust jobs, stages after the first)",
     "steady_step_sd_s": "spread of single steps' wall times, 20%-90% of the steps (final report)",
+    "audits_passed": "spot checks of the stage's input judged fine (robust jobs, stages after the first)",
 }
 STRATEGY_FIGURE = re.compile(r"avg_[a-z0-9_]{1,40}")  # an averaging strategy's own figures
 MAX_FIGURES = 64  # figures in one report; a stage sends about 25
