@@ -528,10 +528,15 @@ def test_a_failures_own_account_outweighs_the_messenger_that_reported_it_first(c
     and aborts its neighbours, who pass its words on (kind peer_failed). Stage 0, two hops away, reports
     first: the re-plan leaves it out for now, as the failure was its own. The stage whose failure it was
     then reports first-hand, and the re-plan becomes what it would have been had that come first: the
-    messenger is back and unblamed; the sender refused (or the stage that failed) is left out."""
+    messenger is back and unblamed, and no longer quarantined where its blame tipped it into quarantine (it
+    had two re-plans to answer for already); the sender refused (or the stage that failed) is left out."""
     job_id, members = placed_job(client, nodes=3, clusters=1, stages_per_cluster=3, min_nodes=3)
     auth = dict(members)
     at = {a["stage"]: node_id for node_id, h in members if (a := beat(client, node_id, h)["assignment"])}
+    service = client.app.state.service
+    earlier = [service.core.clock() - 60.0 * i for i in range(service.core.settings.quarantine_after - 1, 0, -1)]
+    with service.store.session() as session:
+        session.get_one(NodeRow, at[0]).replans_caused = earlier
     said = "stage 2: its input was off in 2 audits in a row; refused as an outlier" if root == "outlier" else \
         "disk full"
     for stage in (0, 1):  # stage 1 passes it on too, later: no second word changes the re-plan
@@ -540,6 +545,7 @@ def test_a_failures_own_account_outweighs_the_messenger_that_reported_it_first(c
                 "kind": "peer_failed", "message": f"stage {stage}: its neighbour reported a failure ({said!r})"}})
         assert r.status_code == 204
         assert client.get(f"/v1/jobs/{job_id}").json()["recoveries"][0]["left_out"] == [at[0]]
+    assert {n["id"]: n for n in client.get("/v1/nodes").json()}[at[0]]["quarantined_until"]
     failure = {"kind": "outlier", "message": said, "peer_id": at[1]} if root == "outlier" else \
         {"kind": "local_error", "message": said}
     r = client.post(f"/v1/jobs/{job_id}/fail", headers=auth[at[2]], json={
@@ -553,9 +559,11 @@ def test_a_failures_own_account_outweighs_the_messenger_that_reported_it_first(c
         if root == "outlier" else rf"cluster 0 stage 2 on node node\d \({culprit}\) failed: "
     assert recovery["failure"]["kind"] == root and re.match(headline, recovery["reason"]), recovery
     assert job["reason"].startswith(recovery["reason"]), job["reason"]
-    with client.app.state.service.store.session() as session:
-        caused = {node_id: len(session.get_one(NodeRow, node_id).replans_caused or []) for node_id, _ in members}
-    assert caused == {at[0]: 0, at[1]: 0, at[2]: 0 if root == "outlier" else 1}, caused
+    with service.store.session() as session:
+        caused = {node_id: session.get_one(NodeRow, node_id).replans_caused or [] for node_id, _ in members}
+    assert caused == {at[0]: earlier, at[1]: [], at[2]: [] if root == "outlier" else caused[at[2]]}, caused
+    assert len(caused[at[2]]) == (root != "outlier")
+    assert not any(n["quarantined_until"] for n in client.get("/v1/nodes").json())
     accused = {n["id"]: n["accused_by"] for n in client.get("/v1/nodes").json() if n["accused_by"]}
     assert accused == ({at[1]: [at[2]]} if root == "outlier" else {}), accused
     settle(client, members)  # they stopped: placed again without the culprit

@@ -207,8 +207,13 @@ def test_a_node_whose_word_replans_too_often_is_quarantined(rules) -> None:
     assert rules.observe(Blamed(100.0, "r", "first", ())) == [BlameRecord("r", (100.0,))]
     assert rules.observe(Blamed(5000.0, "r", "later", (100.0,))) == [BlameRecord("r", (5000.0,))]  # out of window
     record, quarantine = rules.observe(Blamed(5002.0, "r", "third", (5000.0, 5001.0)))
-    assert record == BlameRecord("r", ()) and quarantine.until == 5002.0 + 1800.0
+    assert record == BlameRecord("r", (5000.0, 5001.0, 5002.0)) and quarantine.until == 5002.0 + 1800.0
     assert quarantine == Quarantine("r", 6802.0, "what it reported caused 3 re-plans within 3600 s; the last: third")
+    # the quarantine served those three: once it ended, they are remembered (a withdrawn one lifts it) but not
+    # counted again
+    caused = (5000.0, 5001.0, 5002.0)
+    assert rules.observe(Blamed(6900.0, "r", "fourth", caused, 6802.0)) == [BlameRecord("r", (*caused, 6900.0))]
+    assert len(rules.observe(Blamed(6900.0, "r", "fourth", caused))) == 2  # had it not been served
 
 
 NEW_RULE = textwrap.dedent('''

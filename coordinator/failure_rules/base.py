@@ -104,10 +104,12 @@ class Accusation(Observation):
 
 @dataclass(frozen=True)
 class Blamed(Observation):
-    """A node's word (a report, handed-in weights) just caused a re-plan; `caused`: when its earlier ones did."""
+    """A node's word (a report, handed-in weights) just caused a re-plan; `caused`: when its earlier ones did;
+    `quarantined_until`: its last quarantine's end (the re-plans that began it were served)."""
     node_id: str
     reason: str
     caused: tuple[float, ...]
+    quarantined_until: float | None = None
 
 
 # --- decisions ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from .. import calibration, jobs
 from ..failure_reasons import who
 from ..failure_rules.base import (Accusation, AccusationRecord, Blame, Blamed, BlameRecord, CorrectFlops, Decision,
                                   FailJob, NodeGone, Observation, Quarantine, Replan, Revoke, Silence, Spare, Stall)
+from ..failure_rules.quarantine import served
 from ..jobs import JobState
 from ..store import JobRow, NodeRow, StageRow, stage_of_node
 from .core import GONE, Core
@@ -80,16 +81,21 @@ class Rulings:
                 log.warning("node %s quarantined: %s", node.id, d.reason)
 
     def withdraw_blame(self, session: Session, node_id: str | None, since: float) -> None:
-        """The re-plans the node's word caused since `since` were not its doing after all."""
+        """The re-plans the node's word caused since `since` were not its doing after all, nor is a
+        quarantine they tipped it into."""
         node = session.get(NodeRow, node_id) if node_id else None
         if node is not None and node.replans_caused:
             node.replans_caused = [at for at in node.replans_caused if at < since]
+        if node is not None and served(since, node.quarantined_until, self.core.settings):
+            node.quarantined_until = node.quarantine_reason = None
+            log.warning("node %s is no longer quarantined: the re-plan that tipped it was not its doing", node.id)
 
     def blame(self, session: Session, node_id: str, reason: str) -> None:
         """What the node said or handed in caused a re-plan (a relay's id may be the coordinator's own)."""
         node = session.get(NodeRow, node_id)
         if node is not None:
-            self.observe(session, Blamed(self.core.clock(), node.id, reason, tuple(node.replans_caused or ())))
+            self.observe(session, Blamed(self.core.clock(), node.id, reason, tuple(node.replans_caused or ()),
+                                         node.quarantined_until))
 
     def accuse(self, session: Session, job_id: str, accuser: NodeRow, accused_id: str, failure: Failure,
                reason: str) -> None:
