@@ -123,6 +123,10 @@ def validate_spec(spec: JobSpec, max_blocks: int) -> ModelSpec:
         if min_nodes < placement.clusters:
             raise InvalidRequest(f"placement.min_nodes ({placement.min_nodes}) must be at least "
                                  f"placement.clusters ({placement.clusters}): each cluster needs a node")
+        if spec.averaging.robust and placement.clusters < 3:
+            raise InvalidRequest(f"averaging.robust compares the clusters' replicas, and of "
+                                 f"{placement.clusters} nobody can tell which one lies: set placement.clusters to "
+                                 f"3 or more (or 'auto'), or leave averaging.robust out")
     return model
 
 

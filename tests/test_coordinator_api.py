@@ -862,6 +862,14 @@ def test_placement_max_nodes_must_not_be_below_min_nodes(client: TestClient) -> 
     assert response.status_code == 422 and "max_nodes" in response.text
 
 
+def test_a_robust_job_asking_for_fewer_than_3_clusters_is_refused_at_submit(client: TestClient) -> None:
+    spec = {**digits_job(), "averaging": {"robust": "centered_clip"}}  # 2 clusters x 2 stages
+    response = client.post("/v1/jobs", json=spec)
+    assert response.status_code == 422 and "of 2 nobody can tell which one lies" in response.json()["detail"]
+    spec["placement"] = {**spec["placement"], "clusters": "auto"}  # the planner says so where it places 2
+    assert client.post("/v1/jobs", json=spec).status_code == 201
+
+
 def test_a_job_waits_for_the_nodes_its_shape_asks_for_without_min_nodes(client: TestClient) -> None:
     spec = digits_job()
     del spec["placement"]["min_nodes"]  # 2 clusters x 2 stages: 4 nodes, unsaid
