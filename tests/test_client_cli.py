@@ -133,6 +133,8 @@ def test_config_file_tokens_watch_in_a_terminal_versions_and_the_coordinators_lo
     config.write_text(f'coordinator = "{cluster.url}"\n')  # no key anywhere: the refusal says where one comes from
     refused = ravnest_cli("status")
     assert refused.returncode == 1 and "set RAVNEST_KEY or pass --key" in refused.stderr, refused.stderr
+    refused = ravnest_cli("--key", "not-a-key", "status")  # a mistyped key: told so, not only "unknown token"
+    assert refused.returncode == 1 and "this coordinator knows no such API key" in refused.stderr, refused.stderr
     config.write_text(f'coordinator = "{cluster.url}"\nkey = "{cluster.operator_token}"\n')
     assert ravnest_cli("whoami").stdout.startswith(f"operator key operator token (data directory) at {cluster.url}")
     created = ravnest_cli("token", "create", "--name", "lab machines", "--uses", "3")

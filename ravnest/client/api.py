@@ -27,6 +27,8 @@ def refusal_reason(response: httpx.Response) -> str:
 
 NO_KEY_HINT = ("; no API key was given: set RAVNEST_KEY or pass --key (an operator's key is the file "
                "operator_token in the coordinator's data directory)")
+WRONG_KEY_HINT = ("; this coordinator knows no such API key (an operator's key is the file operator_token in its "
+                  "data directory)")
 
 
 class ApiError(RavnestError, RuntimeError):
@@ -97,8 +99,10 @@ class Api:
             self._current = index
 
     def _refused(self, response: httpx.Response, token: str | None, prefix: str = "") -> ApiError:
-        hint = NO_KEY_HINT if response.status_code == 401 and not (self.keyed or token) else ""
-        return ApiError(f"{prefix}{response.status_code}: {refusal_reason(response)}{hint}", response.status_code)
+        reason, hint = refusal_reason(response), ""
+        if response.status_code == 401 and not token:  # (a node's own credential is no user's to fix)
+            hint = NO_KEY_HINT if not self.keyed else WRONG_KEY_HINT if reason == "unknown token" else ""
+        return ApiError(f"{prefix}{response.status_code}: {reason}{hint}", response.status_code)
 
     def call(self, method: str, path: str, **kwargs) -> Any:
         """The JSON body of the answer (None when it has none)."""
