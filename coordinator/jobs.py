@@ -198,7 +198,8 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
         return StagePeer(node_id=node.node_id, address=node.address, codec=codec, tls_name=tls_names.get(node.node_id),
                          listen_at=direct.listen_at(me, node.node_id) if direct else None,
                          dials_out=direct.dials_out(me, node.node_id) if direct else False,
-                         signing_key=signs(node.node_id) if signs and ring else None)
+                         signing_key=signs(node.node_id) if signs and ring else None,
+                         starts_at=node.blocks[0] if ring else None)
 
     def peer(s: int, link: int) -> StagePeer:  # link: the stage whose link to the next one joins the two
         return member(stages[s], stages[link].codec)

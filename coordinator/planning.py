@@ -367,10 +367,13 @@ def _cut_alike(costs: list[BlockCost], shapes: list[Shape], why: list[str], *, t
     compare a stage's input only with the stages of other clusters that start at the same block, 3 clusters
     or more. One partition over the stage-by-stage weakest capacity of all their replicas, as the replicas
     of one group share theirs; where none fits them all, each group keeps its own, and the plan says so."""
-    cut = list(shapes)
+    cut, total = list(shapes), sum(len(shape.replicas) for shape in shapes)
     for depth in sorted({len(shape.ranges) for shape in shapes}):
         alike = [i for i, shape in enumerate(shapes) if len(shape.ranges) == depth]
         replicas = [replica for i in alike for replica in shapes[i].replicas]
+        if depth > 1 and len(replicas) < 3 <= total:  # (of fewer than 3 in all, the planner says so anyway)
+            why.append(f"{_n(len(replicas), 'pipeline')} of {_n(depth, 'stage')}, where audits compare 3 or more of "
+                       f"one depth: their stages are not audited")
         if depth == 1 or len(replicas) < 3 or len({tuple(shapes[i].ranges) for i in alike}) == 1:
             continue
         try:

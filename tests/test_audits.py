@@ -8,12 +8,13 @@ import torch
 
 import ravnest.pipeline.audits as audits
 from ravnest.failures import FailureKind
-from ravnest.pipeline.audits import AUDIT_EVERY, FAR, FLOOR, AuditPicker, off_by, sketch
+from ravnest.pipeline.audits import AUDIT_EVERY, FAR, FLOOR, AuditCheck, AuditPicker, audits_for, off_by, sketch
 from ravnest.pipeline.executor import StageExecutor
 from ravnest.pipeline.inbox import PipelineError
-from ravnest.pipeline.local import run_threaded_clusters
+from ravnest.pipeline.local import make_cluster_assignments, run_threaded_clusters
 from ravnest.pipeline.stage import StageRunner
 from ravnest.spec import JobSpec
+from ravnest.wire import Router
 from tests.attacks import Attack
 
 RANGES = [(0, 1), (1, 2), (2, 4)]
@@ -58,6 +59,24 @@ def test_stage_0_reveals_an_audit_only_once_it_came_back_and_every_cluster_runs_
     reveal, same = pickers[0].tags(first + 2), pickers[1].tags(first + 2)
     assert reveal == same and reveal["audit_of"] == first and reveal["audit_no"] == 0
     assert 0 <= reveal["audit_key"] < 2 ** 62
+
+
+@pytest.mark.parametrize("cuts,audited", [
+    ([RANGES] * 3, {(c, s) for c in range(3) for s in (1, 2)}),
+    ([[(0, 4)], [(0, 2), (2, 4)], [(0, 2), (2, 4)]], set()),  # the whole model in one: 2 pipelines alike
+    ([[(0, 4)], *[[(0, 2), (2, 4)]] * 3], {(c, 1) for c in (1, 2, 3)}),
+], ids=["3-alike", "1-and-2-alike", "1-and-3-alike"])
+def test_a_stage_is_audited_only_against_ring_peers_whose_stage_starts_at_its_block(cuts, audited):
+    """A stage that holds the whole model is in the ring of every segment, but has no input to compare:
+    it is no aligned peer, so of it and 2 pipelines alike nobody audits (nor waits for its sketches)."""
+    assignments = make_cluster_assignments(job(10), cuts, [[f"127.0.0.1:{c}{s}" for s in range(len(r))]
+                                                           for c, r in enumerate(cuts)], token="t" * 32)
+    checks = {(a.cluster, a.stage): audits_for(a, Router(), window=2, parts=1) for cluster in assignments
+              for a in cluster}
+    assert {where for where, check in checks.items() if isinstance(check, AuditCheck)} == audited
+    for check in checks.values():
+        if isinstance(check, AuditCheck):
+            check.close()
 
 
 def job(steps: int) -> JobSpec:

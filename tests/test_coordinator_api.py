@@ -1298,10 +1298,11 @@ def test_stage_0_of_a_robust_job_alone_gets_the_audit_secret_the_same_in_every_c
     assert all(a["audit_secret"] is None for a in assignments if a["stage"] > 0)
 
 
-def test_ring_members_of_a_robust_job_get_each_others_signing_keys_derived_from_their_own_credentials(
+def test_ring_members_of_a_robust_job_get_each_others_signing_keys_and_where_their_stages_start(
         client: TestClient) -> None:
     """A robust round's commitments are signed (ravnest/averaging/signatures.py): every ring member is named
-    with the public key of the credential that only that node holds, so nobody can sign for another."""
+    with the public key of the credential that only that node holds, so nobody can sign for another, and
+    with the first block of its stage, so that audits compare only stages that start alike."""
     members = [join(client, f"node{i}") for i in range(6)]
     spec = {**digits_job(clusters=3, min_nodes=6), "averaging": {"every": 5, "robust": "centered_clip"}}
     assert client.post("/v1/jobs", json=spec).status_code == 201
@@ -1311,3 +1312,5 @@ def test_ring_members_of_a_robust_job_get_each_others_signing_keys_derived_from_
     assert named == {node_id: public_key(a["token"]) for node_id, a in assignments.items()}
     assert len(set(named.values())) == 6
     assert all(a["next"]["signing_key"] is None for a in assignments.values() if a["next"])  # (ring members only)
+    starts = {m["node_id"]: m["starts_at"] for a in assignments.values() for ring in a["rings"] for m in ring["members"]}
+    assert starts == {node_id: a["blocks"][0] for node_id, a in assignments.items()}  # (whom audits compare)

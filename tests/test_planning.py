@@ -416,3 +416,8 @@ def test_a_robust_jobs_pipelines_are_cut_alike_for_audits_and_on_2_clusters_it_s
     two = plan_job(mlp_costs(12), nodes[:4], Placement(clusters=2, stages_per_cluster=2),
                    averaging=AveragingSettings(robust="centered_clip"))
     assert "of fewer than 3 replicas robust averaging cannot tell which one lies" in two.reason, two.reason
+    mixed = plan_job(mlp_costs(12), nodes[:5], Placement(clusters=3, stages_per_cluster=2),
+                     averaging=AveragingSettings(robust="centered_clip"))  # a pair lost a node: depths 2, 2 and 1
+    assert sorted(len(c.stages) for c in mixed.clusters) == [1, 2, 2], mixed.reason
+    assert "2 pipelines of 2 stages, where audits compare 3 or more of one depth: their stages are not audited" \
+        in mixed.reason, mixed.reason

@@ -93,10 +93,12 @@ def audits_for(a: StageAssignment, router: Router, window: int, parts: int) -> A
 
 
 def aligned_peers(a: StageAssignment) -> dict[int, str]:
-    """Cluster -> address of the ring peers of this stage's first block, itself left out (those whose
-    stage starts elsewhere say so in their sketches, which are then not compared)."""
+    """Cluster -> address of the ring peers whose stage starts at this stage's first block, itself left out
+    (a member that does not say where its stage starts is taken for one; if it starts elsewhere, its
+    sketches say so and are not compared)."""
     return {c: member.address for ring in a.rings if ring.blocks[0] == a.blocks[0]
-            for c, member in enumerate(ring.members) if c != a.cluster}
+            for c, member in enumerate(ring.members)
+            if c != a.cluster and member.starts_at in (None, a.blocks[0])}
 
 
 def audit_rows(seed: int, j: int, count: int, rows: int) -> torch.Tensor:

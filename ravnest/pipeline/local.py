@@ -67,7 +67,8 @@ def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], add
         return clusters
     for segment, (blocks, holders) in enumerate(segment_rings([list(r) for r in cluster_ranges])):
         ring = Ring(segment=segment, blocks=blocks, members=[  # (one token for a whole local run: one key)
-            StagePeer(node_id=f"cluster{c}-stage{s}", address=addresses[c][s], signing_key=public_key(token))
+            StagePeer(node_id=f"cluster{c}-stage{s}", address=addresses[c][s], signing_key=public_key(token),
+                      starts_at=cluster_ranges[c][s][0])
             for c, s in enumerate(holders)])
         for c, s in enumerate(holders):
             clusters[c][s].rings.append(ring)

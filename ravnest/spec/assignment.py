@@ -31,6 +31,9 @@ class StagePeer(Strict):
     signing_key: str | None = Field(None, pattern="^[0-9a-f]{64}$", description=(
         "ring members only: the Ed25519 public key (hex) it signs its robust rounds' commitments with "
         "(ravnest/averaging/signatures.py)"))
+    starts_at: int | None = Field(None, ge=0, description=(
+        "ring members only: the first block of its stage; audits compare stages that start at the same block "
+        "(ravnest/pipeline/audits.py). None: not said"))
 
     @field_validator("codec")
     @classmethod
