@@ -294,13 +294,17 @@ def test_a_gossip_replica_names_every_neighbour_struck_out_in_the_same_round():
     assert [f.peer_id for f in told] == ["node5"]
 
 
-def test_of_three_an_honest_replica_a_little_farther_off_is_not_named_and_a_liar_is():
+@pytest.mark.parametrize("farther", [6, 50])
+def test_of_three_an_honest_replica_farther_off_is_not_named_and_a_liar_is(farther: int):
     """Of 3 contributions the median distance is half the nearer pair's gap: at OUTLIER_RATIO an honest
-    third replica 5 gaps away would be named (a 3 x 3 robust ring named one so)."""
+    third replica 6 gaps away would be named (a 3 x 3 robust ring named one so), and at OUTLIER_RATIO_OF_3
+    one 50 gaps away, whose shard holds harder examples (a 4,000-step digits job named one so); but it
+    lies within the weights' norm, and liars lie far beyond it."""
     torch.manual_seed(0)
     base = torch.randn(1000)
     step = 0.01 * torch.randn(1000)
-    honest = torch.stack([base, base + step, base + 6 * step])
+    honest = torch.stack([base, base + step, base + farther * step])
     assert robust.outliers(honest, robust.centered_clip(honest)) == [False, False, False]
-    lying = torch.stack([base, base + step, -1000 * base])
-    assert robust.outliers(lying, robust.centered_clip(lying)) == [False, False, True]
+    for lie in (-1000 * base, base + 100 * base.norm() * torch.nn.functional.normalize(torch.randn(1000), dim=0)):
+        lying = torch.stack([base, base + step, lie])
+        assert robust.outliers(lying, robust.centered_clip(lying)) == [False, False, True]

@@ -28,9 +28,10 @@ neighbours, which is the plain mix x_i <- sum_j w_ij x_j wherever nobody is clip
 
 `outliers` then names the contributions that were far beyond the others: ||x_i - v|| more than
 OUTLIER_RATIO times the (lower) median distance, which is an honest one while f < n / 2 (of 3
-contributions, OUTLIER_RATIO_OF_3 times: the median is then the nearer pair's half-gap). A replica
-owning one share sees only that share; the round takes a majority of the owners' votes
-(robust_round.robust_allreduce).
+contributions, OUTLIER_RATIO_OF_3 times, and farther than OUTLIER_NORMS_OF_3 times the robust mean's
+norm: the median is then the nearer pair's half-gap, which says nothing of the honest spread; the same for
+a gossip replica's 2 or 3 neighbours, around its own values). A replica owning one share sees only that
+share; the round takes a majority of the owners' votes (robust_round.robust_allreduce).
 """
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ OUTLIER_RATIO = 4.0
 # would count: a 3 x 3 robust ring named one (tests/test_audits.py's honest run, round 19). Of 3, the bar is
 # this many median distances instead (a liar times -1000, or 100 times its norm, is far beyond either)
 OUTLIER_RATIO_OF_3 = 16.0
+# ... and even 16 is no bar: one honest replica whose shard holds harder examples moves more for rounds on end
+# (examples/jobs/digits-robust.json's CNN: 26 median distances away in rounds 18 to 22 of 150, 0.1 of the
+# weights' norm; a user's 4,000-step run named it). Of 3, a contribution is named only if it also lies
+# farther from the robust mean than this many times the mean's own norm: a liar times -1000 lies 1000 norms
+# away, one that adds 100 times its norm 100; weights that differ by training do not
+OUTLIER_NORMS_OF_3 = 1.0
 # Where one round's view can be an honest accident, a member is named only once it was far off in this many
 # rounds in a row: dear's per-step gradients (heavy-tailed) and gossip (each replica sees 2 or so neighbours)
 STRIKES = 3
@@ -140,10 +147,8 @@ def outliers(stack: torch.Tensor, center: torch.Tensor) -> list[bool]:
     if stack.shape[0] <= 2:
         return [False] * stack.shape[0]
     distances = _distances(stack, center)
-    typical = float(distances.median())
-    floor = 1e-6 * float(center.norm()) + 1e-12  # identical replicas: anything measurably apart counts
-    ratio = OUTLIER_RATIO_OF_3 if stack.shape[0] == 3 else OUTLIER_RATIO
-    return [bool(d > ratio * max(typical, floor)) for d in distances]
+    bar = _outlier_bar(float(distances.median()), float(center.norm()), few=stack.shape[0] == 3)
+    return [bool(d > bar) for d in distances]
 
 
 def clipped_gossip(own: torch.Tensor, heard: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor,
@@ -156,8 +161,17 @@ def clipped_gossip(own: torch.Tensor, heard: list[torch.Tensor], weights: list[f
     for difference, weight, distance in zip(heard, weights, distances):
         if distance > 0:
             mixed.add_(difference, alpha=weight * min(1.0, tau / distance))
-    floor = 1e-6 * float(own.norm()) + 1e-12
-    return mixed, [len(heard) >= 2 and d > OUTLIER_RATIO * max(tau, floor) for d in distances]
+    bar = _outlier_bar(tau, float(own.norm()), few=len(heard) <= 3)
+    return mixed, [len(heard) >= 2 and d > bar for d in distances]
+
+
+def _outlier_bar(typical: float, norm: float, few: bool) -> float:
+    """The distance beyond which a contribution is named, `typical` the (lower) median one, `norm` the
+    center's; `few`: of 3 or fewer, where that median says nothing of the honest spread."""
+    floor = 1e-6 * norm + 1e-12  # identical replicas: anything measurably apart counts
+    if few:
+        return max(OUTLIER_RATIO_OF_3 * max(typical, floor), OUTLIER_NORMS_OF_3 * norm)
+    return OUTLIER_RATIO * max(typical, floor)
 
 
 def _distances(stack: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
