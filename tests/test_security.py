@@ -262,7 +262,7 @@ def test_an_operator_hands_out_and_revokes_credentials_with_the_ravnest_command(
         node = cluster.node_process(node_id)
         assert node.wait(timeout=30) == 1
         log = (tmp_path / "logs" / "node-0.log").read_text()
-        assert "revoked by the operator" in log
+        assert "credential was revoked, by the operator" in log
     unreachable = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "--coordinator", "http://127.0.0.1:9",
                                   "--key", "x", "key", "list"], capture_output=True, text=True, timeout=60)
     assert unreachable.returncode == 3 and "cannot reach" in unreachable.stderr

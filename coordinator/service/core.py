@@ -218,7 +218,8 @@ class Credentialed(Protocol):
 
 def node_refusal(node: Credentialed, now: float) -> str | None:
     if node.credential_ended == "revoked":
-        return f"node {node.id}'s credential was revoked by the operator"
+        return (f"node {node.id}'s credential was revoked, by the operator or because 2 nodes refused what it "
+                f"sent as not honest (--revoke-outliers)")
     if node.credential_ended == "left":
         return f"node {node.id} has left; join again"
     if node.token_expires_at is not None and now >= node.token_expires_at:
