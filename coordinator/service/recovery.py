@@ -69,10 +69,11 @@ class Recoveries:
         messenger's word: a report of another node that only passed on a neighbour's failure (kind
         peer_failed) and came first. The failure's own node reports it too (else it went silent)."""
         last = job.faults[-1] if job.faults else None
-        hearsay = last is not None and last.failure is not None and last.failure.kind == FailureKind.PEER_FAILED
-        return (job.state == JobState.RECOVERING.value and last is not None and hearsay
-                and last.reported_by not in (None, reporter_id)
-                and (failure is None or failure.kind != FailureKind.PEER_FAILED))
+        if job.state != JobState.RECOVERING.value or last is None or last.failure is None \
+                or last.failure.kind != FailureKind.PEER_FAILED:
+            return False  # no re-plan under way, or it opened on a first-hand account
+        passed_on = failure is not None and failure.kind == FailureKind.PEER_FAILED
+        return last.reported_by not in (None, reporter_id) and not passed_on
 
     @staticmethod
     def first_hand(job: JobRow, reason: str, failure: Failure, left_out: Sequence[str], **record: Any) -> None:
