@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast check protos bench clean
+.PHONY: install demo test test-fast soak check protos bench clean
 
 install: $(VENV)/.installed
 
@@ -13,11 +13,17 @@ $(VENV)/.installed: pyproject.toml scripts/bootstrap.sh
 demo: install
 	$(PY) scripts/demo.py
 
-# the fast tests in two processes (one process each, no shared state), then the slow end-to-end ones
-# one at a time: they start real coordinators and nodes, and time what they do
+# every test in two worker processes: the slow end-to-end ones (real coordinators and nodes) beside the
+# fast ones, so that one's waits are the other's CPU; loadfile keeps each module on one worker, where
+# its module-scoped cluster is started once.
+# What each slow test proves: tests/README.md. Long chaos and soak runs: `make soak`.
 test: install check
-	$(PY) -m pytest -q -n 2 -m "not slow"
-	$(PY) -m pytest -q -m slow --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+
+# the slow tests 5 times in a row beside a busy loop (tests/README.md): before resolving an issue that
+# touches faults, averaging or placement
+soak: install
+	PY=$(PY) bash scripts/soak.sh
 
 # lint and types (configured in pyproject.toml); `make test` runs this first
 check: install

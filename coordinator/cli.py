@@ -123,14 +123,25 @@ def main(argv: list[str] | None = None) -> None:
     operator = "given (--operator-token)" if args.operator_token else f"in {data / 'operator_token'}"
     join = "given (--token)" if args.token else f"in {data / 'join_token'}"
     relay = app.state.service.membership.reachability.relay
-    print(f"ravnest-coordinator {__version__}: data in {data}; database {database}\n"
-          f"  authentication is on: every call but /healthz needs a token. Operator key {operator} (jobs, nodes, "
-          f"dashboard, metrics); join token {join} (ravnest-node join --token ...)\n"
-          f"  that join token admits any number of nodes until revoked: hand out limited ones with `ravnest "
-          f"token create --uses N --expires 7d`, then `ravnest token revoke join`\n"
-          f"  relay for volunteers that peers cannot dial: "
-          f"{f'{relay.address}, and {span(relay.node_ports)} for them' if relay else 'off (--no-relay)'}\n"
-          f"  dashboard at {'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/", flush=True)
+    url = f"{'https' if args.tls_cert else 'http'}://{args.host}:{args.port}"
+    token_file = data / "join_token"
+    nodes_join = (f"    a node joins with RAVNEST_JOIN_TOKEN=$(cat {token_file}) \\\n"
+                  f"      ravnest-node join --coordinator {url}" if not args.token else
+                  f"    a node joins with the token in $RAVNEST_JOIN_TOKEN: ravnest-node join --coordinator {url}")
+    relayed = f"{relay.address},\n    and {span(relay.node_ports)} for them" if relay else "off (--no-relay)"
+    # lines for people: 80 columns (a path longer than that stays whole, on a line of its own)
+    print(f"ravnest-coordinator {__version__}\n"
+          f"  data in {data}\n"
+          f"  database {database}\n"
+          f"  authentication is on: every call but /healthz needs a token\n"
+          f"    operator key {operator}\n"
+          f"      (jobs, nodes, dashboard, metrics)\n"
+          f"    join token {join}\n{nodes_join}\n"
+          f"  that join token admits any number of nodes until revoked: hand out\n"
+          f"  limited ones with `ravnest token create --uses N --expires 7d`,\n"
+          f"  then `ravnest token revoke join`\n"
+          f"  relay for volunteers that peers cannot dial: {relayed}\n"
+          f"  dashboard at {url}/", flush=True)
     # asyncio's own event loop, not uvloop: under uvloop a node's bandwidth probe of the coordinator
     # measured 214-236 Mbit/s on a 400 Mbit/s link in 3 of 4 runs of tests/test_testbed.py (340-372 without)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio",

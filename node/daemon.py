@@ -176,6 +176,8 @@ class NodeDaemon:
         """Join, then heartbeat until `stop` is set; runs assigned stages in a worker thread."""
         remove_orphaned_scratch()
         fingerprints = self.offers.fingerprints()
+        self.progress.log(f"measuring this machine ({self.device}: compute, memory, the link to the coordinator) "
+                          "before joining")
         profile = profile_node(self.client.http, self.device, self.max_memory, fingerprints, self.offers.vocabularies())
         joined = self.client.join(JoinRequest(name=self.name, address=self.address, profile=profile,
                                               identity=self.identity, relay_port=self.relaying.relay_port,

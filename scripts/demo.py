@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -61,7 +62,9 @@ def main() -> int:
     parser.add_argument("--job", default="examples/jobs/digits-cnn.json")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--data-dir", default="ravnest-data/demo")
-    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds the job may take (default 900)")
+    parser.add_argument("--join-timeout", type=float, default=600,
+                        help="seconds the nodes may take to join while they still make progress (default 600)")
     parser.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH",
                         help="a file every node offers to the job (e.g. gpl3=/usr/share/common-licenses/GPL-3 "
                              "for examples/jobs/text-gpt.json)")
@@ -75,36 +78,24 @@ def main() -> int:
     start = time.monotonic()
     offered = dict(item.split("=", 1) for item in args.dataset)
     node_args = [arg for item in args.dataset for arg in ("--dataset", item)]
-    with LocalCluster(data_dir, nodes=args.nodes, node_args=node_args) as cluster:
-        job_id = cluster.submit(spec_json)
-        print(f"submitted {args.job} as job {job_id}", flush=True)
-        shown = {"plan": False}
-
-        def show(job: dict) -> None:
-            if job.get("plan") and not shown["plan"]:
-                print("plan:\n" + describe_plan(job), flush=True)
-                print("progress (utilization: the share of time the stages compute; the rest they wait for their "
-                      "neighbours):", flush=True)
-                shown["plan"] = True
-            m, p = job.get("metrics") or {}, job.get("progress") or {}
-            parts = [f"[{time.monotonic() - start:5.0f}s] {job['state']:<9}"]
-            if p.get("clusters"):
-                done = min(c["steps_done"] for c in p["clusters"])
-                parts.append(f"step {done}/{p['steps_total']}")
-            for key, fmt in (("loss", "loss {:.4f}"), ("samples_per_s", "{:.0f} samples/s"),
-                             ("utilization", "utilization {:.2f}"), ("test_accuracy", "test accuracy {:.4f}")):
-                if m.get(key) is not None:
-                    parts.append(fmt.format(m[key]))
-            print("  ".join(parts), flush=True)
-
-        job = cluster.wait_job(job_id, args.timeout, on_update=show)
-        if job["state"] != "completed":
-            print(f"job {job['state']}: {job.get('reason')}", flush=True)
-            return 1
-        model_path = data_dir / f"{job_id}.safetensors"
-        response = cluster.http.get(f"/v1/jobs/{job_id}/model")
-        response.raise_for_status()
-        model_path.write_bytes(response.content)
+    # SIGTERM (a closed terminal, `kill`) leaves through the same door as an error or Ctrl-C: the cluster stops
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped by SIGTERM after {time.monotonic() - start:.0f}s"))
+    try:
+        with LocalCluster(data_dir, nodes=args.nodes, node_args=node_args, join_timeout=args.join_timeout) as cluster:
+            job = train(cluster, args.job, spec_json, args.timeout, start)
+            if job["state"] == "completed":
+                model_path = data_dir / f"{job['id']}.safetensors"
+                response = cluster.http.get(f"/v1/jobs/{job['id']}/model")
+                response.raise_for_status()
+                model_path.write_bytes(response.content)
+    except (TimeoutError, RuntimeError) as e:  # the cluster could not start: say why, not where in the code
+        print(f"the demo's cluster did not start: {e}", flush=True)
+        return 1
+    finally:
+        print(f"stopped the coordinator and the {args.nodes} nodes this demo started", flush=True)
+    if job["state"] != "completed":
+        print(f"job {job['state']}: {job.get('reason')}", flush=True)
+        return 1
 
     accuracy = (job.get("metrics") or {}).get("test_accuracy")
     reloaded = evaluate_model_file(model_path, spec, offered)
@@ -115,6 +106,32 @@ def main() -> int:
     print(f"test accuracy of the downloaded model, reloaded in one process: {reloaded:.4f}")
     print(f"model: {model_path}")
     return 0
+
+
+def train(cluster: LocalCluster, job_file: str, spec_json: dict, timeout: float, start: float) -> dict:
+    """Submit the job, print its plan and its progress until it ends; the job as it ended."""
+    job_id = cluster.submit(spec_json)
+    print(f"submitted {job_file} as job {job_id}", flush=True)
+    shown = {"plan": False}
+
+    def show(job: dict) -> None:
+        if job.get("plan") and not shown["plan"]:
+            print("plan:\n" + describe_plan(job), flush=True)
+            print("progress (utilization: the share of time the stages compute; the rest they wait for their "
+                  "neighbours):", flush=True)
+            shown["plan"] = True
+        m, p = job.get("metrics") or {}, job.get("progress") or {}
+        parts = [f"[{time.monotonic() - start:5.0f}s] {job['state']:<9}"]
+        if p.get("clusters"):
+            done = min(c["steps_done"] for c in p["clusters"])
+            parts.append(f"step {done}/{p['steps_total']}")
+        for key, fmt in (("loss", "loss {:.4f}"), ("samples_per_s", "{:.0f} samples/s"),
+                         ("utilization", "utilization {:.2f}"), ("test_accuracy", "test accuracy {:.4f}")):
+            if m.get(key) is not None:
+                parts.append(fmt.format(m[key]))
+        print("  ".join(parts), flush=True)
+
+    return cluster.wait_job(job_id, timeout, on_update=show)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,15 @@ def answering_address(host: str = "127.0.0.1") -> str:
     return f"{host}:{listening.getsockname()[1]}"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU a process has used (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_bytes(pid: int) -> int:
     """A process's resident memory now (VmRSS)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -48,8 +57,9 @@ def rss_bytes(pid: int) -> int:
 class LocalCluster:
     def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = (),
                  tls: bool = False, heartbeat_timeout: float | None = None, relay: bool = True,
-                 coordinator_args: list[str] = ()):
+                 coordinator_args: list[str] = (), join_timeout: float = 600.0):
         self.data_dir = Path(data_dir)
+        self.join_timeout = join_timeout  # the most a start waits for nodes that still make progress
         self.nodes = nodes
         self.node_args = list(node_args)  # extra `ravnest-node join` flags, e.g. ["--max-memory", "1GiB"]
         self.threads_per_node = threads_per_node
@@ -78,6 +88,8 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / log_name, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node)}
+        if getattr(self, "join_token", None):  # in the environment, not in `ps` for anybody on the machine to read
+            env["RAVNEST_JOIN_TOKEN"] = self.join_token
         proc = subprocess.Popen([*self._launcher(log_name), sys.executable, "-m", *args], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
@@ -90,28 +102,58 @@ class LocalCluster:
     def _node_args(self, index: int) -> list[str]:
         return []
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 600.0) -> None:
+        """The coordinator, then the nodes, waited for while they make progress (`wait_joined`)."""
         self._start_coordinator(timeout)
-        for _ in range(self.nodes):
-            self._spawn_node()
-        self.wait_for(lambda: len(self.alive_nodes()) >= self.nodes, timeout, f"{self.nodes} nodes to join")
+        names = [self._node_name(self._spawn_node()) for _ in range(self.nodes)]
+        self.wait_joined(names, timeout)
+
+    def _node_name(self, proc: subprocess.Popen) -> str:
+        return f"node-{self.procs.index(proc) - 1}"
+
+    def wait_joined(self, names: list[str], timeout: float = 600.0, stalled_s: float = 60.0) -> set[str]:
+        """Wait until the nodes called `names` have joined; their ids. On a busy machine joining takes as
+        long as it takes: the wait goes on while some node still joining uses CPU (imports, profiling,
+        probing), and fails once none of them has for `stalled_s`, or after `timeout` in all, naming each
+        node that did not join and the end of its log."""
+        deadline, progressed = time.monotonic() + timeout, time.monotonic()
+        procs = {name: self.procs[1 + int(name.rsplit("-", 1)[1])] for name in names}
+        spent = {name: -1.0 for name in names}
+        while True:
+            joined = {n["name"]: n["id"] for n in self.alive_nodes() if n["name"] in procs}
+            missing = sorted(set(procs) - set(joined), key=lambda name: int(name.rsplit("-", 1)[1]))
+            if not missing:
+                return set(joined.values())
+            now = time.monotonic()
+            for name in missing:
+                cpu = cpu_seconds(procs[name].pid)
+                if cpu > spent[name]:
+                    spent[name], progressed = cpu, now
+            exited = [name for name in missing if procs[name].poll() is not None]
+            if exited or now - progressed > stalled_s or now > deadline:
+                why = (f"{', '.join(exited)} exited" if exited else
+                       f"none of them used any CPU for {stalled_s:.0f} s" if now - progressed > stalled_s else
+                       f"not within {timeout:.0f} s")
+                raise TimeoutError(f"{len(missing)} of {len(names)} nodes did not join ({why}):" + "".join(
+                    f"\n{name} ({self._state(procs[name])}); its log ends:\n{self.log_tail(f'{name}.log', 8)}"
+                    for name in missing))
+            time.sleep(0.25)  # polling a remote HTTP API: there is nothing local to wait on
+
+    @staticmethod
+    def _state(proc: subprocess.Popen) -> str:
+        code = proc.poll()
+        return "still running" if code is None else f"exited with code {code}"
 
     def _spawn_node(self, extra_args: list[str] = ()) -> subprocess.Popen:
         i = len(self.procs) - 1  # node i is procs[1 + i]
-        return self._spawn(["node.cli", "join", "--coordinator", self.url, f"--token={self.join_token}",
+        return self._spawn(["node.cli", "join", "--coordinator", self.url,
                             "--name", f"node-{i}", "--data-dir", str(self.data_dir / "nodes" / f"node-{i}"),
                             "--threads", str(self.threads_per_node), *self._node_args(i),
                             *self.node_args, *extra_args], f"node-{i}.log")
 
-    def add_nodes(self, count: int, extra_args: list[str] = (), timeout: float = 60.0) -> set[str]:
+    def add_nodes(self, count: int, extra_args: list[str] = (), timeout: float = 600.0) -> set[str]:
         """Start `count` more nodes at once (e.g. mid-job), wait until they joined; returns their ids."""
-        names = set()
-        for _ in range(count):
-            names.add(f"node-{len(self.procs) - 1}")
-            self._spawn_node(extra_args)
-        ids = lambda: {n["id"] for n in self.alive_nodes() if n["name"] in names}  # noqa: E731
-        self.wait_for(lambda: len(ids()) == count, timeout, f"{', '.join(sorted(names))} to join")
-        return ids()
+        return self.wait_joined([self._node_name(self._spawn_node(extra_args)) for _ in range(count)], timeout)
 
     def _start_coordinator(self, timeout: float, log_name: str = "coordinator.log") -> None:
         port = self.url.rsplit(":", 1)[1]
@@ -212,7 +254,11 @@ class LocalCluster:
         self.http.close()
 
     def __enter__(self):
-        self.start()
+        try:
+            self.start(self.join_timeout)
+        except BaseException:  # a failed start (or Ctrl-C during it) leaves nothing running
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc):

@@ -87,9 +87,9 @@ class ShapedTestbed(LocalCluster):
         try:
             self.http = NamespacedClient(HUB, self.url)
             self._start_coordinator(timeout)
-            for count in range(1, self.nodes + 1):  # one at a time: hosts that would each have their own
-                self._spawn_node()                  # CPU do not slow each other's profiling down here
-                self.wait_for(lambda: len(self.alive_nodes()) >= count, timeout, f"node {count - 1} to join")
+            # one at a time: hosts that would each have their own CPU do not slow each other's profiling down here
+            for _ in range(self.nodes):
+                self.wait_joined([self._node_name(self._spawn_node())], timeout)
         except BaseException:
             self.stop()
             raise

@@ -37,7 +37,7 @@ def attacker(cluster: LocalCluster, attack: str) -> Iterator[str]:
     """A node running `attack` from averaging round 2 on; its id once joined. Once revoked, it exits: it is
     watched here, not by the cluster."""
     proc = cluster._spawn(["tests.attacker_node", "--attack", attack, "--attack-from-round", "2", "--attack-every",
-                           str(EVERY), "join", "--coordinator", cluster.url, f"--token={cluster.join_token}",
+                           str(EVERY), "join", "--coordinator", cluster.url,
                            "--name", "attacker", "--ephemeral", "--threads", "1", *cluster.node_args], "attacker.log")
     cluster.procs.remove(proc)
     try:
@@ -61,8 +61,11 @@ def attacked_then_honest(cluster: LocalCluster, liar: str, spec: dict, witnesses
     honest |= cluster.add_nodes(1)
     attacked = cluster.wait_job(job_id, timeout=600)
     assert attacked["state"] == "completed", attacked["reason"]
-    assert attacked["recoveries"] and all(r["left_out"] == [liar] for r in attacked["recoveries"]), \
-        attacked["recoveries"]
+    # only the liar is left out; a later re-plan that grows the job back onto nodes idle again (under load
+    # the liar's re-plan may come before they were free) leaves nobody out
+    assert attacked["recoveries"] and attacked["recoveries"][0]["left_out"] == [liar], attacked["recoveries"]
+    assert all(r["left_out"] == [liar] or (r["kind"] == "grow" and not r["left_out"])
+               for r in attacked["recoveries"]), attacked["recoveries"]
     assert {s["node_id"] for c in attacked["plan"]["clusters"] for s in c["stages"]} <= honest
     nodes = {n["id"]: n for n in cluster.http.get("/v1/nodes").json()}
     assert len(nodes[liar]["accused_by"]) >= witnesses and set(nodes[liar]["accused_by"]) <= honest, nodes[liar]

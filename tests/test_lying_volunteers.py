@@ -252,7 +252,7 @@ def test_a_real_attacker_poisoning_its_averaging_and_claiming_a_fast_link_is_the
     spec = {**CNN_JOB, "training": {**CNN_JOB["training"], "steps": 240, "eval_every": 0}}
     with LocalCluster(tmp_path, nodes=3) as cluster:
         honest = {n["id"] for n in cluster.alive_nodes()}
-        cluster._spawn(["tests.attacker_node", "join", "--coordinator", cluster.url, f"--token={cluster.join_token}",
+        cluster._spawn(["tests.attacker_node", "join", "--coordinator", cluster.url,
                         "--name", "attacker", "--ephemeral", "--threads", "1"], "attacker.log")
         attacker = cluster.wait_for(lambda: next((n["id"] for n in cluster.alive_nodes() if n["name"] == "attacker"),
                                                  None), 60, "the attacker to join")
