@@ -24,7 +24,8 @@ from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 
 from .clustering import NodeInfo
 from .peer_links import Links, capacities
-from .planning import PlanningError, _mib, _n, assemble, less_relaying, make_shape
+from .plan_words import mib, plural
+from .planning import PlanningError, assemble, less_relaying, make_shape
 from .schemas import Plan
 
 
@@ -74,7 +75,7 @@ def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placemen
     size = min(size, len(costs), max_depth or len(costs))
     k = placement.clusters if isinstance(placement.clusters, int) else len(nodes) // size
     if k < 1 or k * size > len(nodes):
-        raise PlanningError(f"equal-split: {_n(k, 'cluster')} of {_n(size, 'node')} need {k * size} nodes; "
+        raise PlanningError(f"equal-split: {plural(k, 'cluster')} of {plural(size, 'node')} need {k * size} nodes; "
                             f"{len(nodes)} idle")
     join_rank = {n.node_id: i for i, n in enumerate(nodes)}
     chosen = by_memory[:k * size]
@@ -89,11 +90,11 @@ def plan_equal_split(costs: list[BlockCost], nodes: Sequence[NodeInfo], placemen
         for node, (a, b) in zip(chain, ranges):
             need = stage_memory_bytes(costs, a, b, load)
             if need > node.memory_bytes:
-                raise PlanningError(f"equal-split: blocks [{a}, {b}) need {_mib(need)}; node {node.node_id[:8]} "
-                                    f"offers {_mib(node.memory_bytes)}")
+                raise PlanningError(f"equal-split: blocks [{a}, {b}) need {mib(need)}; node {node.node_id[:8]} "
+                                    f"offers {mib(node.memory_bytes)}")
         shape = make_shape(costs, [chain], capacities(chain, links), ranges, load, training, averaging, lossiest)
         shapes.append(shape)
-        why.append(f"{_n(len(chain), 'node')} in join order -> {shape.describe()}")
-    why.insert(0, f"equal-split: {_n(k, 'cluster')} by memory, equal parameters per stage, rings in join order")
+        why.append(f"{plural(len(chain), 'node')} in join order -> {shape.describe()}")
+    why.insert(0, f"equal-split: {plural(k, 'cluster')} by memory, equal parameters per stage, rings in join order")
     return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links,
                     order_rings=False, lossiest=lossiest)

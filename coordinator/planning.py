@@ -35,7 +35,6 @@ Rules (see also docs/jobs.md):
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -55,6 +54,7 @@ from ravnest.wire import codecs
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
 from .codec_choice import averaging_candidates, averaging_codec, averaging_predictions, coded_links, pick_codecs
 from .peer_links import Links, capacities, link
+from .plan_words import counted, mib, named_groups, plural, rate
 from .ring_order import best_ring
 from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, PlannedStage
 
@@ -100,8 +100,8 @@ class Shape:
     def describe(self) -> str:
         fitted = not self.load.split_backward and not self.load.checkpoint_blocks  # (checkpointing never splits)
         plain = " (backward not split, to fit memory)" if fitted else ""
-        shape = f"{_n(len(self.replicas), 'pipeline')} of {_n(len(self.ranges), 'stage')}"
-        return f"{shape}{plain}: {_rate(self.samples_per_s)}"
+        shape = f"{plural(len(self.replicas), 'pipeline')} of {plural(len(self.ranges), 'stage')}"
+        return f"{shape}{plain}: {rate(self.samples_per_s)}"
 
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
@@ -116,7 +116,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
     nodes = less_relaying(nodes)
     single_load = training_load(training, 1)
     smallest = min(stage_memory_bytes(costs, i, i + 1, single_load) for i in range(len(costs)))
-    unused = {n.node_id: f"offers {_mib(n.memory_bytes)}; the smallest block needs {_mib(smallest)}"
+    unused = {n.node_id: f"offers {mib(n.memory_bytes)}; the smallest block needs {mib(smallest)}"
               for n in nodes if n.memory_bytes < smallest}
     usable = [n for n in nodes if n.node_id not in unused]
     if placement.max_nodes is not None and len(usable) > placement.max_nodes:
@@ -126,7 +126,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         usable = usable[:placement.max_nodes]
     if not usable:
         raise PlanningError(f"no node can hold even one block of the model: the smallest block needs "
-                            f"{_mib(smallest)}; {_offers(nodes)}")
+                            f"{mib(smallest)}; {_offers(nodes)}")
     exact = placement.clusters if isinstance(placement.clusters, int) else None
     try:
         groups = cluster_nodes(usable, stage_memory_bytes(costs, 0, len(costs), single_load), exact, training.seed,
@@ -135,7 +135,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         raise PlanningError(f"{e}; {_offers(usable)}") from e
 
     shapes: list[Shape] = []
-    why: list[str] = []
+    described: list[str] = []  # a line per group, named by its clusters once the groups kept are known
     for group in groups:
         chain = chain_order([usable[i] for i in group])
         options = _depths(min(len(costs), max_depth or len(costs)), len(chain), placement, pipeline_cap)
@@ -144,17 +144,19 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         used = {n.node_id for replica in shape.replicas for n in replica}
         unused.update({n.node_id: "spare: the chosen shape leaves it over" for n in chain if n.node_id not in used})
         shapes.append(shape)
-        why.append(f"{_n(len(chain), 'node')} as {shape.describe()}"
-                   + (f" (weighed against: {'; '.join(considered)})" if len(considered) > 1 else ""))
+        described.append(f"{plural(len(chain), 'node')} as {shape.describe()}"
+                         + (f" (weighed against: {'; '.join(considered)})" if len(considered) > 1 else ""))
+    kept, replicas = set(range(len(shapes))), [len(shape.replicas) for shape in shapes]
     if exact is None and _paced_by_slowest(averaging):
         kept = _without_laggards(shapes)
         for index, shape in enumerate(shapes):
             if index not in kept:
-                why[index] += ", left out: averaging would wait for it"
+                described[index] += ", left out: averaging would wait for it"
                 unused.update({n.node_id: f"spare: its group ({shape.describe()}) would set the pace of the "
                                           f"faster ones, averaging waits for the slowest"
                                for replica in shape.replicas for n in replica})
         shapes = [shapes[i] for i in sorted(kept)]
+    why = named_groups(described, replicas, kept)
     if averaging.robust:
         shapes = _cut_alike(costs, shapes, why, training=training, averaging=averaging, links=links,
                             lossiest=lossiest)
@@ -163,7 +165,7 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
                    "only with 3 clusters: a lying volunteer goes unnamed until a third cluster is there")
     if placement.stages_per_cluster:
         short = sorted({len(shape.ranges) for shape in shapes if len(shape.ranges) < placement.stages_per_cluster})
-        why.append(f"{_n(placement.stages_per_cluster, 'stage')} per cluster, as the job asks"
+        why.append(f"{plural(placement.stages_per_cluster, 'stage')} per cluster, as the job asks"
                    + (f", {' or '.join(map(str, short))} where a cluster has fewer nodes" if short else ""))
     return assemble(costs, shapes, why, unused, training=training, averaging=averaging, links=links,
                     lossiest=lossiest)
@@ -213,8 +215,8 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
     averaging_plan = _planned_averaging(averaging, training, max(step_s), ring_groups) if len(clusters) > 1 else None
     throughput = _throughput(shapes, averaging)
     depths = sorted({len(s.ranges) for s in shapes})
-    reason = (f"{_n(len(clusters), 'cluster')} x {'/'.join(map(str, depths))} stage{'s' if depths != [1] else ''}, "
-              f"predicted {_rate(throughput)}; " + "; ".join(_counted(why)))
+    reason = (f"{plural(len(clusters), 'cluster')} x {'/'.join(map(str, depths))} stage{'s' if depths != [1] else ''}, "
+              f"predicted {rate(throughput)}; " + "; ".join(counted(why)))
     if averaging_plan is not None and averaging.strategy == AUTO:
         reason += f"; averaging: {averaging_plan.strategy}" + (f" ({averaging_plan.topology})" if
                                                                averaging_plan.topology else "") + \
@@ -290,27 +292,9 @@ def _ring_group(ring: PlannedRing, pipelines: list[tuple[list[NodeInfo], Shape]]
                          fine_overlap=all(len(shape.ranges) == 1 for _, shape in pipelines))
 
 
-def _counted(lines: list[str]) -> list[str]:
-    """Each line once, in order, those said of several groups with how many: '3 groups: 2 nodes -> ...'."""
-    return [line if count == 1 else f"{count} groups: {line}" for line, count in Counter(lines).items()]
-
-
-def _n(count: int, thing: str) -> str:
-    """'1 stage', '2 stages'."""
-    return f"{count} {thing}{'' if count == 1 else 's'}"
-
-
-def _rate(samples_per_s: float) -> str:
-    return f"{samples_per_s:,.0f} samples/s" if samples_per_s >= 100 else f"{samples_per_s:.3g} samples/s"
-
-
 def _offers(nodes: Sequence[NodeInfo]) -> str:
-    listed = ", ".join(f"{n.node_id[:8]} {_mib(n.memory_bytes)}" for n in nodes[:8])
-    return f"the {_n(len(nodes), 'node')} offer {listed}{', ...' if len(nodes) > 8 else ''}"
-
-
-def _mib(count: float) -> str:
-    return f"{count / 2**20:,.0f} MiB"
+    listed = ", ".join(f"{n.node_id[:8]} {mib(n.memory_bytes)}" for n in nodes[:8])
+    return f"the {plural(len(nodes), 'node')} offer {listed}{', ...' if len(nodes) > 8 else ''}"
 
 
 def _depths(num_blocks: int, num_nodes: int, placement: Placement, pipeline_cap: int) -> tuple[list[int], list[int]]:
@@ -346,7 +330,7 @@ def _choose_shape(costs: list[BlockCost], chain: list[NodeInfo], options: tuple[
                 fit = _fitting_partition(costs, weakest, load)
             except PartitionError as e:
                 last_error = str(e)
-                considered.append(f"{_n(count, 'pipeline')} of {_n(depth, 'stage')}: does not fit")
+                considered.append(f"{plural(count, 'pipeline')} of {plural(depth, 'stage')}: does not fit")
                 continue
             load, ranges = fit.load, fit.ranges
             shape = make_shape(costs, dealt, weakest, ranges, load, training, averaging, lossiest)
@@ -372,20 +356,20 @@ def _cut_alike(costs: list[BlockCost], shapes: list[Shape], why: list[str], *, t
         alike = [i for i, shape in enumerate(shapes) if len(shape.ranges) == depth]
         replicas = [replica for i in alike for replica in shapes[i].replicas]
         if depth > 1 and len(replicas) < 3 <= total:  # (of fewer than 3 in all, the planner says so anyway)
-            why.append(f"{_n(len(replicas), 'pipeline')} of {_n(depth, 'stage')}, where audits compare 3 or more of "
-                       f"one depth: their stages are not audited")
+            why.append(f"{plural(len(replicas), 'pipeline')} of {plural(depth, 'stage')}, where audits compare 3 or "
+                       f"more of one depth: their stages are not audited")
         if depth == 1 or len(replicas) < 3 or len({tuple(shapes[i].ranges) for i in alike}) == 1:
             continue
         try:
             fit = _fitting_partition(costs, _weakest(replicas, links), training_load(training, depth, averaging=True))
         except PartitionError:
-            why.append(f"pipelines of {_n(depth, 'stage')} cut differently, as no one cut fits them all: "
+            why.append(f"pipelines of {plural(depth, 'stage')} cut differently, as no one cut fits them all: "
                        f"audits compare a stage only with those that start at the same block")
             continue
         for i in alike:
             cut[i] = make_shape(costs, shapes[i].replicas, _weakest(shapes[i].replicas, links), fit.ranges, fit.load,
                                 training, averaging, lossiest)
-        why.append(f"{_n(len(replicas), 'pipeline')} of {_n(depth, 'stage')} cut alike, so that audits can "
+        why.append(f"{plural(len(replicas), 'pipeline')} of {plural(depth, 'stage')} cut alike, so that audits can "
                    f"compare their stages (averaging.robust)")
     return cut
 

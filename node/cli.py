@@ -191,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    kept = identity_file(args)
-    identity, held = hold_identity(kept, progress.log) if kept else ("", None)
     client = CoordinatorClient(args.coordinator, join_token=args.token,
                                verify=ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else True)
+    held = None
     try:
         client.wait_until_reachable(args.wait, stop)
+        client.check_join_token()
+        kept = identity_file(args)
+        identity, held = hold_identity(kept, progress.log) if kept else ("", None)
         daemon = NodeDaemon(client, device=pick_device(args.device), host=args.host, port=args.port,
                             advertise=args.advertise, name=args.name, progress=progress,
                             max_memory=args.max_memory, datasets=offered, identity=identity,

@@ -61,6 +61,11 @@ class CoordinatorClient:
             stop.wait(delay)
             delay = min(delay * 2, 5.0)
 
+    def check_join_token(self) -> None:
+        """ApiError (401) at once if the coordinator refuses the join token: before the node spends seconds
+        measuring itself, and before it makes an identity file for a node that was never admitted."""
+        self._call("GET", "/v1/probe", token=self._join_token, params={"bytes": 1})
+
     @tenacity.retry(retry=tenacity.retry_if_exception(lambda e: isinstance(e, ApiError) and e.status == 409),
                     wait=tenacity.wait_fixed(2), stop=tenacity.stop_after_delay(60), reraise=True)
     def join(self, request: JoinRequest) -> JoinResponse:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from scripts.preloaded import Forked
+
 ROOT = Path(__file__).resolve().parent.parent
 TERMINAL_STATES = {"completed", "failed", "cancelled"}
 _ACCESS_LINE = re.compile(r'INFO: +[\d.:\[\]a-f]+ - "(GET|POST|PUT|DELETE) ')  # uvicorn's access log
@@ -55,6 +57,8 @@ def rss_bytes(pid: int) -> int:
 
 
 class LocalCluster:
+    preloaded = False  # fork processes from one that imported torch once (the tests' conftest.py sets it)
+
     def __init__(self, data_dir: Path, nodes: int = 4, threads_per_node: int = 1, node_args: list[str] = (),
                  tls: bool = False, heartbeat_timeout: float | None = None, relay: bool = True,
                  coordinator_args: list[str] = (), join_timeout: float = 600.0):
@@ -84,14 +88,21 @@ class LocalCluster:
         self.http = httpx.Client(base_url=self.url, timeout=30, verify=verify)
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        """`python -m *args`, writing to logs/`log_name`: a fresh interpreter, or, where the cluster is
+        `preloaded`, forked from one that imported torch already (scripts/preloaded.py)."""
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / log_name, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node)}
         if getattr(self, "join_token", None):  # in the environment, not in `ps` for anybody on the machine to read
             env["RAVNEST_JOIN_TOKEN"] = self.join_token
-        proc = subprocess.Popen([*self._launcher(log_name), sys.executable, "-m", *args], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+        launcher = self._launcher(log_name)
+        if self.preloaded and not launcher:
+            log.close()
+            proc: subprocess.Popen = Forked(args[0], args[1:], env, ROOT, logs / log_name)  # type: ignore[assignment]
+        else:
+            proc = subprocess.Popen([*launcher, sys.executable, "-m", *args], cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
 

@@ -11,6 +11,7 @@ are deleted on exit.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -28,6 +29,9 @@ from scripts.local_cluster import ROOT, LocalCluster
 NETNS = ROOT / "deploy" / "testbed" / "netns.sh"
 HUB, SUBNET = "rvn-hub", "10.77.0"
 HUB_ADDRESS = f"{SUBNET}.254"
+# The namespaces' names and addresses are fixed, so one testbed runs at a time on a host: a second
+# (another pytest worker, a bench beside the tests) waits for this lock instead of tearing down the first.
+LOCK = Path(tempfile.gettempdir()) / "ravnest-testbed.lock"
 
 
 def unavailable(nat: bool = False) -> str | None:
@@ -57,7 +61,8 @@ class NamespacedClient:
         return self.request("POST", url, **kwargs)
 
     def close(self) -> None:
-        self._thread.submit(self._client.close).result()
+        if not self._client.is_closed:  # a failed start and the context manager's exit both close it
+            self._thread.submit(self._client.close).result()
         self._thread.shutdown()
 
 
@@ -72,6 +77,7 @@ class ShapedTestbed(LocalCluster):
         self.host, self.url = HUB_ADDRESS, f"http://{HUB_ADDRESS}:8470"
         self.http.close()
         self.http = None
+        self._lock = None
 
     def _launcher(self, log_name: str) -> list[str]:
         namespace = HUB if log_name.startswith("coordinator") else f"rvn-m{log_name.split('-')[1].split('.')[0]}"
@@ -83,8 +89,10 @@ class ShapedTestbed(LocalCluster):
 
     def start(self, timeout: float = 120.0) -> None:
         members = [f"{tier:g}{':nat' if i in self.natted else ''}" for i, tier in enumerate(self.tiers)]
-        subprocess.run(["bash", str(NETNS), "up", *members], check=True, timeout=60)
+        self._lock = open(LOCK, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # released by stop(), after the namespaces are gone
         try:
+            subprocess.run(["bash", str(NETNS), "up", *members], check=True, timeout=60)
             self.http = NamespacedClient(HUB, self.url)
             self._start_coordinator(timeout)
             # one at a time: hosts that would each have their own CPU do not slow each other's profiling down here
@@ -102,7 +110,10 @@ class ShapedTestbed(LocalCluster):
                 for proc in self.procs:
                     proc.kill()
         finally:
-            subprocess.run(["bash", str(NETNS), "down"], check=False, timeout=60)
+            if self._lock is not None:
+                subprocess.run(["bash", str(NETNS), "down"], check=False, timeout=60)
+                self._lock.close()  # closing the file releases the lock
+                self._lock = None
 
     def tier_of(self, node: dict) -> float:
         """The tier (Mbit/s) of a node from the coordinator's list, by its name (node-<i>)."""

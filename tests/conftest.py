@@ -5,7 +5,12 @@ import itertools
 
 import pytest
 
+from scripts.local_cluster import LocalCluster
 from tests.postgres import PostgresServer
+
+# nodes and coordinators forked from a process that imported torch once: real processes, each paying
+# for its own work only (scripts/preloaded.py); most of the suite's CPU was imports
+LocalCluster.preloaded = True
 
 _databases = itertools.count()
 

@@ -111,7 +111,12 @@ def _resources(pid: int) -> tuple[int, int, int]:
     than sockets. Sockets: connections to peers and the coordinator, which gRPC and the REST client
     open and close as they see fit (idle connections, link probes): CI saw one more, for minutes,
     after a job than before it, so they get a margin of one per direction (see the test)."""
-    names = [(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()]
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:
+            pass  # a thread that ended since the listing
     threads = sum(not name.startswith((SERVER_THREADS[:15], *GRPC_CORE_THREADS))  # comm keeps 15 characters
                   for name in names)
     targets = _open_files(pid)
@@ -282,15 +287,16 @@ class CpuLimit:
 
 
 def test_a_node_far_slower_than_planned_is_replanned_around_and_the_job_completes(tmp_path):
-    """One stage of a 2-stage pipeline is held to 8% of a core mid-job: its compute per micro-batch
+    """One stage of a 2-stage pipeline is held to 5% of a core mid-job: its compute per micro-batch
     stays far above the plan's and its peer's, so the job is re-planned onto the spare, says why, and
     completes as well as without the fault."""
     with LocalCluster(tmp_path, nodes=3) as cluster:
-        job_id = cluster.submit(cnn_job(steps=1200, checkpoint_every=100, clusters=1, stages_per_cluster=2,
+        job_id = cluster.submit(cnn_job(steps=1500, checkpoint_every=100, clusters=1, stages_per_cluster=2,
                                         min_nodes=2, max_nodes=2))
         job = wait_progress(cluster, job_id, 0.05)
         victim = job["plan"]["clusters"][0]["stages"][1]["node_id"]
-        with CpuLimit(cluster.node_process(victim).pid, share=0.08):
+        # 5% of a core: slow beyond slow_factor even where the host's other work slows its peer down too
+        with CpuLimit(cluster.node_process(victim).pid, share=0.05):
             job = cluster.wait_for(lambda: (j := cluster.job(job_id))["recoveries"] and j, 180,
                                    "the job to re-plan around the slow node", ignore_exits=True)
         [recovery] = job["recoveries"]

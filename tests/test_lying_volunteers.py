@@ -175,7 +175,9 @@ def test_a_maximal_fake_profile_loses_its_work_once_measured_and_its_fabricated_
     from ravnest.models import build_model
 
     spec = {**CNN_JOB, "training": {**CNN_JOB["training"], "steps": 200, "eval_every": 100},
-            "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 1, "min_nodes": 1}}
+            "averaging": {"strategy": "none"},
+            # max_nodes 1 keeps the node of most compute: the liar, even once probes have corrected its bandwidth
+            "placement": {"clusters": 1, "stages_per_cluster": 1, "min_nodes": 1, "max_nodes": 1}}
     with LocalCluster(tmp_path, nodes=3) as cluster:
         honest = {n["id"] for n in cluster.alive_nodes()}
         measured = Liar(cluster, "measured", profile=MAXIMAL)

@@ -4,6 +4,7 @@ the job it held re-plans naming it first, and it takes the next job."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import stat
 import subprocess
@@ -27,16 +28,23 @@ def test_a_node_started_again_with_no_flags_is_the_same_node(tmp_path, monkeypat
     for kept_elsewhere in ("RAVNEST_NODE_DIR", "RAVNEST_NODE_IDENTITY"):
         monkeypatch.delenv(kept_elsewhere, raising=False)
     with LocalCluster(tmp_path / "cluster", nodes=0) as cluster:
-        command = ["node.cli", "join", "--coordinator", cluster.url, f"--token={cluster.join_token}", "--name", "d"]
+        command = ["node.cli", "join", "--coordinator", cluster.url, "--name", "d"]
+        identity = tmp_path / "home" / "ravnest" / "node" / "identity"
+        # a wrong token is refused before the node measures itself or makes an identity
+        refused = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120,
+                                 cwd=ROOT, env={**os.environ, "RAVNEST_JOIN_TOKEN": "rvn_not-the-token"})
+        assert refused.returncode == 1 and "401" in refused.stderr, refused.stderr
+        assert "measuring this machine" not in refused.stderr and not identity.exists(), refused.stderr
+
         ids = lambda: [n["id"] for n in cluster.alive_nodes()]  # noqa: E731
-        first = cluster._spawn(command, "d-1.log")
+        first = cluster._spawn(command, "d-1.log")  # (its token comes in the environment, as LocalCluster's)
         cluster.wait_for(lambda: len(ids()) == 1, 60, "the node to join")
         [node_id] = ids()
-        identity = tmp_path / "home" / "ravnest" / "node" / "identity"
         assert stat.S_IMODE(identity.stat().st_mode) == 0o600
         assert f"made this node's identity in {identity} (mode 600" in (cluster.data_dir / "logs/d-1.log").read_text()
 
-        twin = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        twin = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env={**os.environ, "RAVNEST_JOIN_TOKEN": cluster.join_token})
         assert twin.returncode == 1, twin.stderr
         assert f"another ravnest-node on this machine is running as the node in {identity}" in twin.stderr
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 import pytest
@@ -300,7 +301,20 @@ def test_the_plan_says_a_line_said_of_several_groups_once() -> None:
     plan = plan_job(mlp_costs(), [node(f"n{i}") for i in range(4)],
                     Placement(clusters=4, min_nodes=4, stages_per_cluster=1))
     assert plan.reason.count("1 node as 1 pipeline of 1 stage") == 1, plan.reason
-    assert "; 4 groups: 1 node as 1 pipeline of 1 stage: " in plan.reason
+    assert "; clusters 0-3: 4 groups, each 1 node as 1 pipeline of 1 stage: " in plan.reason
+
+
+def test_the_plan_names_the_clusters_each_group_became() -> None:
+    """Before: '2 nodes as 1 pipeline of 2 stages: 5,333 samples/s; 2 nodes as 1 pipeline of 2 stages:
+    1,959 samples/s', with nothing saying which cluster was which."""
+    nodes = [node("a"), node("b"), node("c", bandwidth=1e6), node("d", bandwidth=1e6)]
+    plan = plan_job(mlp_costs(), nodes, Placement(clusters=2, min_nodes=4, stages_per_cluster=2))
+    rates = {}
+    for c in plan.clusters:
+        said = re.search(rf"cluster {c.cluster}: 2 nodes as 1 pipeline of 2 stages: ([\d,]+) samples/s", plan.reason)
+        assert said, plan.reason
+        rates[frozenset(s.node_id for s in c.stages)] = float(said[1].replace(",", ""))
+    assert rates[frozenset("ab")] > 2 * rates[frozenset("cd")], plan.reason
     assert plan.reason.count("per cluster, as the job asks") == 1
 
 

@@ -19,7 +19,8 @@ from ..clustering import NodeInfo
 from ..codec_choice import lossiest_codec
 from ..jobs import JobState
 from ..equal_split import plan_equal_split
-from ..planning import PlanningError, _n, plan_job
+from ..plan_words import plural
+from ..planning import PlanningError, plan_job
 from ..schemas import Plan
 from ..store import JobRow, LinkRow, NodeRow, StageRow, stages_of
 from .core import BUSY, GROW, IDLE, Core, costs_of, planning_bandwidth, planning_flops
@@ -92,7 +93,7 @@ class Placement:
                     source = f" proven to hold {files}" if files else ""
                     excluded = sum(node.id in left_out_of(job) for node in offered)
                     also = f"; {excluded} more left out of this job after failures" if excluded else ""
-                    reason = f"waiting for {_n(needed, 'idle node')}{source} ({len(candidates)} available{also})"
+                    reason = f"waiting for {plural(needed, 'idle node')}{source} ({len(candidates)} available{also})"
                     unoffered = self.offers.unoffered(session, spec)
                     other = self.offers.other_content(session, spec)
                     if unoffered:  # the likeliest reason first: nobody has the file, or not with that content
@@ -100,8 +101,9 @@ class Placement:
                     elif other:
                         reason = f"{other}; {reason}"
                     elif misfits:
-                        reason = (f"token file {spec.dataset.source!r} has {min(misfits.values()):,} ids or more on "
-                                  f"{_n(len(misfits), 'node')}, more than the model's vocab_size {vocab:,}; {reason}")
+                        reason = (f"token file {spec.dataset.source!r} has {min(misfits.values()):,} ids or more "
+                                  f"on {plural(len(misfits), 'node')}, more than the model's vocab_size {vocab:,}; "
+                                  f"{reason}")
                     if job.reason != reason:
                         job.reason = reason
                     continue
@@ -114,7 +116,7 @@ class Placement:
                     else:
                         jobs.transition(job, JobState.FAILED, f"cannot place the job: {e}", now)
                     continue
-                jobs.transition(job, JobState.PLACING, f"placing on {_n(len(candidates), 'idle node')}", now)
+                jobs.transition(job, JobState.PLACING, f"placing on {plural(len(candidates), 'idle node')}", now)
                 jobs.pin_content(job, content)  # it reads this content from now on, whoever offers what
                 used = self._reserve(session, job, plan, candidates)
                 idle = [node for node in idle if node.id not in used]
@@ -147,7 +149,7 @@ class Placement:
             if self._grow_considered.get(job.id) == considered:
                 continue
             self._grow_considered[job.id] = considered
-            some = _n(len(newcomers), "idle node")
+            some = plural(len(newcomers), "idle node")
             done = jobs.progress(job, stages_of(session, job.id)).fraction
             if done > 0.75:
                 log.info("job %s stays on its nodes: it is %.0f%% done, too little is left to re-plan it onto %s",
