@@ -96,19 +96,21 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node)}
         if getattr(self, "join_token", None):  # in the environment, not in `ps` for anybody on the machine to read
             env["RAVNEST_JOIN_TOKEN"] = self.join_token
-        launcher = self._launcher(log_name)
-        if self.preloaded and not launcher:
+        namespace = self._namespace(log_name)
+        if self.preloaded:
             log.close()
-            proc: subprocess.Popen = Forked(args[0], args[1:], env, ROOT, logs / log_name)  # type: ignore[assignment]
+            proc: subprocess.Popen = Forked(args[0], args[1:], env, ROOT, logs / log_name,  # type: ignore[assignment]
+                                            namespace=namespace)
         else:
+            launcher = ["ip", "netns", "exec", namespace] if namespace else []
             proc = subprocess.Popen([*launcher, sys.executable, "-m", *args], cwd=ROOT, stdout=log,
                                     stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
 
-    def _launcher(self, log_name: str) -> list[str]:
-        """What runs a process (before `python -m ...`): nothing here; a testbed enters a namespace."""
-        return []
+    def _namespace(self, log_name: str) -> str | None:
+        """The network namespace a process runs in: none here; a testbed's are its own."""
+        return None
 
     def _node_args(self, index: int) -> list[str]:
         return []

@@ -3,8 +3,8 @@
 A node's start is mostly imports: torch, and torch._dynamo, which the first optimizer pulls in (3.5 of
 its 5.5 CPU-seconds here). The test suite starts some 300 nodes, on 2 cores. Forked from a process
 that imported them once (multiprocessing's forkserver), each node still is its own process with its
-own environment, working directory, log, signals and exit status; it runs the same `main` a shell
-would, and pays only for its own work. What a user runs (`make demo`, `ravnest-node join`) starts
+own environment, working directory, network namespace, log, signals and exit status; it runs the
+same `main` a shell would, and pays only for its own work. What a user runs (`make demo`, `ravnest-node join`) starts
 fresh interpreters; LocalCluster(preloaded=True) is for the tests.
 """
 from __future__ import annotations
@@ -32,8 +32,12 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def _run(module: str, args: list[str], env: dict[str, str], cwd: str, log: str) -> None:
-    """In the forked child: become `python -m module args` writing to `log`."""
+def _run(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, namespace: str | None) -> None:
+    """In the forked child: become `python -m module args` writing to `log`, in network `namespace` if
+    one is named (as `ip netns exec` would put it there)."""
+    if namespace:
+        from ravnest.pipeline.local import enter_network_namespace
+        enter_network_namespace(namespace)  # (one thread so far: every thread it starts is in there too)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for stream in (1, 2):
         os.dup2(fd, stream)
@@ -52,8 +56,10 @@ class Forked:
     """The part of subprocess.Popen's interface the tests use, for a process forked by the forkserver
     (whose exit status the forkserver reports back)."""
 
-    def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: Path, log: Path):
-        self._process = _forkserver().Process(target=_run, args=(module, list(args), dict(env), str(cwd), str(log)),
+    def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: Path, log: Path,
+                 namespace: str | None = None):
+        self._process = _forkserver().Process(target=_run, args=(module, list(args), dict(env), str(cwd), str(log),
+                                                                 namespace),
                                               name=module, daemon=True)  # stopped if the test process exits
         self._process.start()
         self.pid = self._process.pid

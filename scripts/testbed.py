@@ -79,9 +79,8 @@ class ShapedTestbed(LocalCluster):
         self.http = None
         self._lock = None
 
-    def _launcher(self, log_name: str) -> list[str]:
-        namespace = HUB if log_name.startswith("coordinator") else f"rvn-m{log_name.split('-')[1].split('.')[0]}"
-        return ["ip", "netns", "exec", namespace]
+    def _namespace(self, log_name: str) -> str:
+        return HUB if log_name.startswith("coordinator") else f"rvn-m{log_name.split('-')[1].split('.')[0]}"
 
     def _node_args(self, index: int) -> list[str]:
         return ["--host", f"192.168.{index}.2" if index in self.natted else f"{SUBNET}.{index + 1}",

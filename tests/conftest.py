@@ -12,6 +12,13 @@ from tests.postgres import PostgresServer
 # for its own work only (scripts/preloaded.py); most of the suite's CPU was imports
 LocalCluster.preloaded = True
 
+
+def pytest_collection_modifyitems(items):
+    """Modules with slow tests first (`--dist loadfile` hands modules out in this order): the long ones
+    start at once, and the many short ones fill in at the end, so that neither worker idles long."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # (stable: each module keeps its own order)
+
 _databases = itertools.count()
 
 
