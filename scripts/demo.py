@@ -9,6 +9,7 @@ import json
 import shutil
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -33,6 +34,11 @@ def evaluate_model_file(path: Path, spec: JobSpec, offered: dict[str, str]) -> f
     return (predictions == data.test_y).float().mean().item()
 
 
+def fit(line: str, indent: str = "    ") -> str:
+    """A line for people, wrapped at 80 columns; its continuation lines indented."""
+    return textwrap.fill(line, 80, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
 def describe_plan(job: dict) -> str:
     lines = [f"  why: {job['plan']['reason']}"]
     for cluster in job["plan"]["clusters"]:
@@ -43,7 +49,7 @@ def describe_plan(job: dict) -> str:
         where = ", ".join(f"cluster {c} stage {s}" for c, s in enumerate(ring["stages"]))
         lines.append(f"  blocks [{ring['blocks'][0]}, {ring['blocks'][1]}) are averaged across clusters by "
                      f"{where}")
-    return "\n".join(lines)
+    return "\n".join(map(fit, lines))
 
 
 def describe_memory(job: dict) -> str:
@@ -94,7 +100,7 @@ def main() -> int:
     finally:
         print(f"stopped the coordinator and the {args.nodes} nodes this demo started", flush=True)
     if job["state"] != "completed":
-        print(f"job {job['state']}: {job.get('reason')}", flush=True)
+        print(fit(f"job {job['state']}: {job.get('reason')}"), flush=True)
         return 1
 
     accuracy = (job.get("metrics") or {}).get("test_accuracy")
@@ -117,19 +123,19 @@ def train(cluster: LocalCluster, job_file: str, spec_json: dict, timeout: float,
     def show(job: dict) -> None:
         if job.get("plan") and not shown["plan"]:
             print("plan:\n" + describe_plan(job), flush=True)
-            print("progress (utilization: the share of time the stages compute; the rest they wait for their "
-                  "neighbours):", flush=True)
+            print(fit("progress (util: the share of time the stages compute; the rest they wait for their "
+                      "neighbours; acc: accuracy on the held-out test set):"), flush=True)
             shown["plan"] = True
         m, p = job.get("metrics") or {}, job.get("progress") or {}
-        parts = [f"[{time.monotonic() - start:5.0f}s] {job['state']:<9}"]
+        parts = [f"[{time.monotonic() - start:4.0f}s] {job['state']:<9}"]  # (within 80 columns)
         if p.get("clusters"):
             done = min(c["steps_done"] for c in p["clusters"])
             parts.append(f"step {done}/{p['steps_total']}")
         for key, fmt in (("loss", "loss {:.4f}"), ("samples_per_s", "{:.0f} samples/s"),
-                         ("utilization", "utilization {:.2f}"), ("test_accuracy", "test accuracy {:.4f}")):
+                         ("utilization", "util {:.2f}"), ("test_accuracy", "acc {:.4f}")):
             if m.get(key) is not None:
                 parts.append(fmt.format(m[key]))
-        print("  ".join(parts), flush=True)
+        print(" ".join(parts), flush=True)
 
     return cluster.wait_job(job_id, timeout, on_update=show)
 

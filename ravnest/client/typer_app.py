@@ -28,10 +28,16 @@ nodes = typer.Typer(help="Joined nodes.", no_args_is_help=True)
 app.add_typer(tokens, name="token")
 app.add_typer(keys, name="key")
 app.add_typer(nodes, name="node")
-# piped into a file or another program: wide enough that no row is cut (a terminal's width otherwise)
-out = Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
-# a message is one line when piped (scripts grep it), wrapped between words in a terminal
-err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
+
+
+def _width(stream) -> int | None:
+    """A terminal's own width (None), else $COLUMNS, else 80: what people read fits (the whole of every
+    field is in `--json` and the API). Volunteers' text is never read as markup."""
+    return None if stream.isatty() else int(os.environ.get("COLUMNS") or 80)
+
+
+out = Console(width=_width(sys.stdout), markup=False, highlight=False)
+err = Console(stderr=True, width=_width(sys.stderr), markup=False, highlight=False)
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -131,5 +137,5 @@ def show(grid: Table, spare: tuple[str, ...] = ()) -> None:
 
 
 def say(line: str) -> None:
-    """A line of output: one line when piped (scripts grep it), wrapped between words in a terminal."""
-    out.print(line, highlight=False, markup=False, soft_wrap=not out.is_terminal)
+    """A line of output, wrapped between words at the output's width."""
+    out.print(line)
