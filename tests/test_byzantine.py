@@ -119,7 +119,8 @@ def test_a_middle_stage_sending_noise_of_the_honest_scale_is_caught_by_an_audit_
     where the liar's activations (and the gradients it sends back) are noise of their own RMS from round 2,
     which the scale check lets through. Equal-split placement deals nodes of equal memory into clusters in
     join order (the j-th to join holds stage j // 3 of cluster j % 3), so the liar, fifth to join, holds
-    cluster 1's middle stage: the stage after it finds its input off in two audits in a row and refuses it."""
+    cluster 1's middle stage: the stage after it finds its input off in two audits in a row and refuses it.
+    (Over 60 s: audits need 3 pipelines of 3 stages, 9 nodes on this machine, and an honest run to compare.)"""
     with LocalCluster(tmp_path, nodes=4, node_args=["--max-memory", "2GiB"],
                       coordinator_args=["--revoke-outliers"]) as cluster, \
             attacker(cluster, "noise_activations") as liar:

@@ -193,9 +193,11 @@ def test_nodes_serve_job_after_job_cancelled_or_not_and_release_everything(tmp_p
 
 
 def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
-    """A job running as one 2-stage pipeline; two nodes join: the planner predicts twice the
-    throughput with a second replica, so the job is re-planned onto all four and continues from the
-    state its stages hand in, on all four."""
+    """A job running as 2 replicas; two nodes join: the planner predicts twice the throughput with 4,
+    so the job is re-planned onto all four and continues from the state its stages hand in, on all four.
+    (One stage per replica: a pipeline hop between a newcomer and a training node is planned at what the
+    newcomer's probes measured of a busy peer, which here, on 2 shared cores, predicted 2 pipelines of 2
+    slower than the one running: what is tested is how a job grows, not that estimate; issue 64.)"""
     # four nodes share this machine's cores, which the planner takes for four machines' (and the
     # newcomers profile while two nodes train): it predicted +34% with twice the nodes here, and once in
     # CI less than the default +20%. What is tested is how a job grows, so any predicted gain will do.
@@ -203,9 +205,9 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
         # long enough that the newcomers (which start, profile and measure their links while two nodes
         # train on the same cores) join before three quarters of it are done, when a job stops growing:
         # 6000 steps were not, once, on a loaded CI machine (it completed first)
-        job_id = cluster.submit(cnn_job(steps=12000, clusters="auto", min_nodes=2))
+        job_id = cluster.submit(cnn_job(steps=12000, clusters="auto", stages_per_cluster=1, min_nodes=2))
         wait_progress(cluster, job_id, 0.01)
-        assert len(cluster.job(job_id)["plan"]["clusters"]) == 1
+        assert len(cluster.job(job_id)["plan"]["clusters"]) == 2
         newcomers = cluster.add_nodes(2)
         joined = time.monotonic()
 
@@ -223,7 +225,7 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
         print(f"newcomers training {time.monotonic() - joined:.1f} s after joining: {job['recoveries'][-1]}")
         assert time.monotonic() - joined < 30 and job["recoveries"][-1]["kind"] == "grow"
         resumed = job["recoveries"][-1]["resume_step"]
-        assert len(job["plan"]["clusters"]) == 2 and resumed > 0
+        assert len(job["plan"]["clusters"]) == 4 and resumed > 0
 
         def trained_on(job: dict) -> bool:  # every stage of the grown plan, the newcomers' included
             return all(s["step"] >= resumed + 300 for s in job["metrics"]["stages"]) and \

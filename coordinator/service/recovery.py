@@ -101,6 +101,9 @@ class Recoveries:
         if job.state == JobState.RECOVERING.value and source not in last.left_out:
             faults[-1] = last.model_copy(update={"left_out": [*last.left_out, source], "reason": last.reason + (
                 ": the sender is left out instead" if last.reason.endswith(doubted) else f"; then {reason}")})
+        elif job.state == JobState.RECOVERING.value and reason not in last.reason:
+            # already left out, as a neighbour's report that it went silent said first: the refusal is why
+            faults[-1] = last.model_copy(update={"reason": f"{last.reason}; {reason}"})
         job.faults = faults
 
     def training_again(self, job: JobRow, step: int) -> None:
