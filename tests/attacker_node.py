@@ -22,7 +22,7 @@ from ravnest.data.datasets import Dataset
 from ravnest.pipeline.executor import StageExecutor
 from tests.attacks import ATTACKS, Attack
 
-CLAIMED_BANDWIDTH = 1e10  # bytes/s: more than loopback carries here, within what a profile may say
+CLAIMED_BANDWIDTH = 1e11  # bytes/s: 10x more than loopback carries here (1e9), within what a profile may say
 
 
 def _claiming_a_fast_link(profile_node):
