@@ -1,11 +1,12 @@
 """`python -m MODULE ARGS` as a real process forked from one that has imported torch already.
 
 A node's start is mostly imports: torch, and torch._dynamo, which the first optimizer pulls in (3.5 of
-its 5.5 CPU-seconds here). The test suite starts some 300 nodes, on 2 cores. Forked from a process
-that imported them once (multiprocessing's forkserver), each node still is its own process with its
-own environment, working directory, network namespace, log, signals and exit status; it runs the
-same `main` a shell would, and pays only for its own work. What a user runs (`make demo`, `ravnest-node join`) starts
-fresh interpreters; LocalCluster(preloaded=True) is for the tests.
+its 5.5 CPU-seconds here), and the test suite starts hundreds of nodes on 2 cores. Forked from a
+process that imported them once (multiprocessing's forkserver), each node still is its own process
+with its own environment, working directory, network namespace, log, signals and exit status; it
+runs the same `main` a shell would, and pays only for its own work. What a user runs (`make demo`,
+`ravnest-node join`) starts fresh interpreters; `LocalCluster.preloaded = True` is for the tests. (A
+script that sets it needs the `if __name__ == "__main__":` guard: the forkserver imports the main module.)
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import runpy
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
-# imported once, before any fork; nothing here opens sockets or starts threads when imported
+# imported once, before any fork; none of them opens a socket or starts a Python thread when imported
 PRELOADED = ["torch", "torch._dynamo", "torch.func", "node.cli", "node.daemon", "node.profiler",
              "coordinator.cli", "coordinator.app", "sklearn.cluster"]
 
@@ -49,6 +51,8 @@ def _run(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, 
     os.environ.update(env)
     os.chdir(cwd)
     sys.argv = [module, *args]
+    # (runpy would say the module was imported before it ran: here that is the point)
+    warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
