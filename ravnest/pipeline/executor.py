@@ -121,8 +121,7 @@ class StageExecutor:
         if msg.id != m:
             raise PipelineError(f"stage {self.assignment.stage} expected micro-batch {m}, got {msg.id}")
         self.checkpoints.heard(msg.tags)
-        self._scales[0].check(msg.tensors["x"], m)
-        self._pending = msg.tensors["x"], msg.tensors["y"]
+        self._pending = self._scales[0].check(msg.tensors["x"], m), msg.tensors["y"]
         if isinstance(self.audits, AuditCheck):
             self.audits.received(m, *self._pending, msg.tags)
 
@@ -170,8 +169,7 @@ class StageExecutor:
         if msg.id != m:
             raise PipelineError(f"stage {self.assignment.stage} expected the gradient of micro-batch {m}, "
                                 f"got {msg.id}")
-        self._scales[1].check(msg.tensors[GRADIENT], m)
-        self._grad = msg.tensors[GRADIENT].to(self.device)
+        self._grad = self._scales[1].check(msg.tensors[GRADIENT], m).to(self.device)
 
     def _backward_input(self, m: int) -> None:
         with self.clock.busy():
