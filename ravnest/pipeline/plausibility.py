@@ -4,8 +4,8 @@ While a pipeline trains, the activations one stage sends the next change their s
 do the gradients that come back: the RMS of one micro-batch's stays within a small factor of the last
 ones'. A neighbour that starts sending noise of 1000 times their RMS (tests/attacks.py,
 `garbage_activations`) had the job complete at 0.975 with nothing noticed. Now the receiving stage
-refuses the first such micro-batch and names its sender an outlier (PipelineError, kind `outlier`):
-the job re-plans without it, as for a replica most of a robust round found far off.
+refuses the third such micro-batch in a row and names its sender an outlier (PipelineError, kind
+`outlier`): the job re-plans without it, as for a replica most of a robust round found far off.
 
 The bound: more than JUMP times the median RMS of the last WINDOW micro-batches, and more than
 PEAK_SLACK times the largest RMS accepted so far, once WARMUP have come. Both, because gradients are
