@@ -11,7 +11,7 @@ It also trains one gpt whose fp32 weights exceed a node's cap as a 4-stage pipel
 and with Adam K=4, and tabulates each stage's predicted memory against its measured peak.
 
     python -m bench.memory [--cap 256MiB] [--d-model 256] [--no-docs]
-    python -m bench.memory --small [--no-docs]     # the README's jobs' small stages, predicted vs measured
+    python -m bench.memory --small [--no-docs]     # the README's jobs' stages, predicted vs measured
 
 The last line printed is `memory largest_params_4_nodes=<N> largest_params_1_node=<M> ratio=<N/M>`.
 """
@@ -103,25 +103,35 @@ def prediction_table() -> str:
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "jobs"
-SMALL_JOBS = ("digits-cnn", "digits-mlp", "text-gpt")  # the README's jobs, whose stages are small
+SMALL_JOBS = ("digits-cnn", "digits-mlp", "text-gpt", "python-llama")  # the README's jobs
 
 
-def small_stages_table(steps: int = 60, rounds: int = 3, fresh: bool = False) -> tuple[str, float, float]:
+def small_stages_table(steps: int = 60, rounds: int = 3, fresh: bool = False,
+                       jobs: tuple[str, ...] = SMALL_JOBS) -> tuple[str, float, float]:
     """Markdown rows for the README's jobs as 2 clusters x 2 stages on 4 nodes, run in turn on the same nodes
     (or with `fresh`, each job on nodes of its own), all `rounds` times: per stage, the median predicted and
     measured memory and the median of measured / predicted; and the lowest and highest of those medians."""
     import json
     import statistics
 
+    from bench.lm import PACKAGES
+    from ravnest.data.tokens import prepare
+
+    tokens_folder = tempfile.TemporaryDirectory(prefix="ravnest-bench-memory-tokens-")
+    tokens = Path(tokens_folder.name) / "stdlib.tokens"  # python-llama's dataset, as the README prepares it
+    if "python-llama" in jobs:
+        prepare([Path(json.__file__).parent.parent / p for p in PACKAGES], tokens, vocab_size=4096, pattern="*.py")
+    offers = ["--dataset", f"gpl3={TEXT}", "--dataset", f"python-stdlib={tokens}"]
+
     def nodes(stack: contextlib.ExitStack) -> LocalCluster:
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ravnest-bench-memory-"))
-        return stack.enter_context(LocalCluster(Path(folder), nodes=4, node_args=["--dataset", f"gpl3={TEXT}"]))
+        return stack.enter_context(LocalCluster(Path(folder), nodes=4, node_args=offers))
 
     seen: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     for round_ in range(1, rounds + 1):
         with contextlib.ExitStack() as for_the_round:
             shared = None if fresh else nodes(for_the_round)
-            for name in SMALL_JOBS:
+            for name in jobs:
                 spec = json.loads((EXAMPLES / f"{name}.json").read_text())
                 spec["training"].update(steps=steps, eval_every=0)
                 spec["placement"] = {"clusters": 2, "stages_per_cluster": 2, "min_nodes": 4}
@@ -160,9 +170,11 @@ def small_main(argv: list[str] | None) -> None:
 local node processes, each stage's predicted memory against its node's measured peak RSS above idle,
 three runs, medians. A small stage's peak is mostly fixed costs: its computing thread's heap and stack,
 the wire's buffers (`STAGE_BASE`, 1.5 MiB), its kernels' libraries' state (`KERNEL_BYTES`: 5 MiB
-for convolutions, 3 MiB for matrix products), and on the first stage of a digits job the dataset,
-which is loaded whole (`DIGITS_RESIDENT_BYTES`, 1 MiB; text and token files are read from disk a
-window at a time).
+for convolutions, 3 MiB for matrix products, 9.5 MiB for a llama layer), and on the first stage the
+feed: digits loaded whole (`DIGITS_RESIDENT_BYTES`, 1 MiB), or a text or token file read from disk a
+window at a time, whose first batches fault in torch's shuffling code (`FILE_FEED_BYTES`, 7.5 MiB).
+Activations are those of the blocks traced on fake CPU tensors at the job's precision (what autograd
+really saves; a trace on the meta device counted 1.5x for a llama layer).
 Bound: 0.8 to 1.25.
 
 Each job on nodes of its own, the first job those processes run (what a prediction must cover):
@@ -172,7 +184,7 @@ Each job on nodes of its own, the first job those processes run (what a predicti
 
 Measured / predicted (medians) from {fresh_low:.2f} to {fresh_high:.2f}.
 
-The three jobs in turn on the same 4 nodes, as volunteers serve job after job:
+The four jobs in turn on the same 4 nodes, as volunteers serve job after job:
 
 {header}
 {shared}

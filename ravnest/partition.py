@@ -26,8 +26,7 @@ flight, is what the stage runner really holds:
       (`pipeline.memory.TRANSIENT` for real jobs)
 
 Under bf16 or fp16 each micro-batch in flight also keeps autocast's 16-bit copy of the weights (P / 2);
-its activations are still counted at float32 (a stage of two llama layers kept 38 MiB per micro-batch
-under bf16 against 33 in float32, of 50 predicted for float32).
+its activations are those the blocks save under autocast (`models.profile`, traced in that precision).
 
 With activation checkpointing (`training.activation_checkpointing`) a micro-batch keeps only each
 block's input in place of the block's saved activations, its backward recomputes one block at a time

@@ -373,7 +373,7 @@ def test_activation_checkpointing_keeps_block_inputs_as_planned_and_gives_the_sa
     (plain, plain_predicted), (kept, predicted) = held["0"], held["1"]
     print(f"\nper micro-batch in flight: {plain / 2**20:.1f} MiB (predicted {plain_predicted / 2**20:.1f}), "
           f"with activation checkpointing {kept / 2**20:.1f} MiB (predicted {predicted / 2**20:.1f})")
-    assert 0.8 * predicted <= kept <= 1.25 * predicted and 0 < plain <= 1.25 * plain_predicted
+    assert 0.8 * predicted <= kept <= 1.25 * predicted and 0.8 * plain_predicted <= plain <= 1.25 * plain_predicted
     assert kept < plain / 10
 
 

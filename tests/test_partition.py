@@ -84,9 +84,9 @@ def test_stage_memory_formula() -> None:
     assert stage_memory_bytes(fed, 2, 3, adam_k2) == stage_memory_bytes(costs, 2, 3, adam_k2)
 
 
-def test_a_digits_job_plans_its_first_stage_with_the_dataset_it_loads_whole() -> None:
+def test_a_first_stage_is_planned_with_what_its_feed_holds() -> None:
     from coordinator.service.core import costs_of
-    from ravnest.data.datasets import DIGITS_RESIDENT_BYTES
+    from ravnest.data.datasets import DIGITS_RESIDENT_BYTES, FILE_FEED_BYTES
     from ravnest.spec import JobSpec
     spec = {"name": "j", "model": {"name": "mlp", "config": {"input_dim": 64, "hidden": 32, "depth": 2}},
             "dataset": {"name": "digits"}}
@@ -94,7 +94,8 @@ def test_a_digits_job_plans_its_first_stage_with_the_dataset_it_loads_whole() ->
     spec["dataset"] = {"name": "text", "source": "corpus", "seq_len": 8}  # read from disk window by window
     spec["model"] = {"name": "gpt", "config": {"vocab_size": 128, "seq_len": 8, "d_model": 16, "n_layers": 1,
                                               "n_heads": 2}}
-    assert costs_of(JobSpec.model_validate(spec))[0].feed_bytes == 0
+    costs = costs_of(JobSpec.model_validate(spec))
+    assert costs[0].feed_bytes == FILE_FEED_BYTES and costs[1].feed_bytes == 0
 
 
 def test_memory_forces_a_slower_split() -> None:

@@ -57,14 +57,15 @@ ROOT_OPERATOR, ROOT_JOIN = "operator", "join"  # ids of the credentials kept in 
 
 
 @functools.lru_cache(maxsize=32)
-def _block_costs(name: str, config_json: str, batch_size: int) -> tuple[BlockCost, ...]:
-    """Profiled on the meta device: no weights are allocated, whatever the model's size."""
-    return tuple(profile_blocks(build_model(name, json.loads(config_json)), batch_size))
+def _block_costs(name: str, config_json: str, batch_size: int, precision: str) -> tuple[BlockCost, ...]:
+    """Profiled on fake tensors: no weights are allocated, whatever the model's size."""
+    return tuple(profile_blocks(build_model(name, json.loads(config_json)), batch_size, precision=precision))
 
 
 def costs_of(spec: JobSpec) -> list[BlockCost]:
     """The model's block costs for this job, the first block carrying the stage's data feed."""
-    costs = list(_block_costs(spec.model.name, json.dumps(spec.model.config, sort_keys=True), spec.training.batch_size))
+    costs = list(_block_costs(spec.model.name, json.dumps(spec.model.config, sort_keys=True),
+                              spec.training.batch_size, spec.training.precision))
     costs[0] = dataclasses.replace(costs[0], feed_bytes=resident_bytes(spec.dataset))
     return costs
 

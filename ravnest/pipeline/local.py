@@ -52,7 +52,8 @@ def make_assignments(job: JobSpec, ranges: Ranges, addresses: list[str], token: 
 
 
 def _profile(job: JobSpec) -> list[BlockCost]:
-    return profile_blocks(build_model(job.model.name, job.model.config), job.training.batch_size)  # meta: cheap
+    return profile_blocks(build_model(job.model.name, job.model.config), job.training.batch_size,  # fake: cheap
+                          precision=job.training.precision)
 
 
 def make_cluster_assignments(job: JobSpec, cluster_ranges: Sequence[Ranges], addresses: list[list[str]],
