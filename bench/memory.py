@@ -121,7 +121,7 @@ def small_stages_table(steps: int = 60, rounds: int = 3, fresh: bool = False,
     tokens = Path(tokens_folder.name) / "stdlib.tokens"  # python-llama's dataset, as the README prepares it
     if "python-llama" in jobs:
         prepare([Path(json.__file__).parent.parent / p for p in PACKAGES], tokens, vocab_size=4096, pattern="*.py")
-    offers = ["--dataset", f"gpl3={TEXT}", "--dataset", f"python-stdlib={tokens}"]
+    offers = ["--dataset", f"gpl3={TEXT}", *(["--dataset", f"python-stdlib={tokens}"] if tokens.exists() else [])]
 
     def nodes(stack: contextlib.ExitStack) -> LocalCluster:
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ravnest-bench-memory-"))
@@ -170,7 +170,7 @@ def small_main(argv: list[str] | None) -> None:
 local node processes, each stage's predicted memory against its node's measured peak RSS above idle,
 three runs, medians. A small stage's peak is mostly fixed costs: its computing thread's heap and stack,
 the wire's buffers (`STAGE_BASE`, 1.5 MiB), its kernels' libraries' state (`KERNEL_BYTES`: 5 MiB
-for convolutions, 3 MiB for matrix products, 9.5 MiB for a llama layer), and on the first stage the
+for convolutions, 4.5 MiB for matrix products, 11 MiB for a llama layer), and on the first stage the
 feed: digits loaded whole (`DIGITS_RESIDENT_BYTES`, 1 MiB), or a text or token file read from disk a
 window at a time, whose first batches fault in torch's shuffling code (`FILE_FEED_BYTES`, 7.5 MiB).
 Activations are those of the blocks traced on fake CPU tensors at the job's precision (what autograd

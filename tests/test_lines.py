@@ -156,3 +156,33 @@ def test_a_running_line_changes_and_loses_what_it_is_told_to():
             counting.join()
         print(f"{got} of 2000 datagrams through a line losing 20%")
         assert 1500 <= got <= 1700  # 1,600 expected: a binomial's sd is 18
+
+
+PROBE_SERVER = ("import sys, time; from ravnest.wire.transport.peer_server import PeerServer; "
+                "server = PeerServer(lambda *_: None, host=sys.argv[1], port=int(sys.argv[2]), token='t'); "
+                "print('up', flush=True); time.sleep(120)")
+PROBE = ("import sys; from ravnest.wire import measure_link; "
+         "print(*measure_link(sys.argv[1], token='t', timeout=20.0))")
+
+
+def test_a_peer_200_ms_away_connects_and_its_probe_reads_the_round_trip():
+    """A node's own link probe (gRPC Pings) across a line: it connects at all (gRPC gave a connection
+    attempt 100 ms once, and no peer 100 ms away ever connected) and reads the round trip asked."""
+    import subprocess
+    import sys
+    with namespaces([member(100, Line(100)), member(100)]):
+        server = subprocess.Popen(["ip", "netns", "exec", "rvn-m1", sys.executable, "-c", PROBE_SERVER, address(1),
+                                   str(PORT)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "up"
+            for rtt in (100, 200):
+                set_line(0, Line(rtt))
+                probe = subprocess.run(["ip", "netns", "exec", "rvn-m0", sys.executable, "-c", PROBE,
+                                        f"{address(1)}:{PORT}"], capture_output=True, text=True, timeout=60)
+                assert probe.returncode == 0, probe.stderr[-2000:]
+                latency, bandwidth = map(float, probe.stdout.split())
+                print(f"probe at {rtt} ms: round trip {latency * 1000:.1f} ms, {bandwidth * 8 / 1e6:.0f} Mbit/s")
+                assert 0.95 * rtt <= latency * 1000 <= 1.1 * rtt
+        finally:
+            server.kill()
+            server.wait()

@@ -44,9 +44,10 @@ class BlockCost:
 # A kernel's first use in a node's process sets up its library's state (oneDNN's for convolutions, the
 # BLAS's for matrix products), which later jobs reuse: a digits CNN stage measured 8.6-11.8 MiB above
 # idle on a CPU node, of 3.1 MiB for its tensors; a digits MLP stage, 0.3 MiB of tensors, measured
-# 5.5-6.1 MiB on a node's first job and 2-3.5 MiB on later ones (bench.memory --small). A stage pays
-# the largest of its blocks' (`kernel_bytes`): the prediction is a bound for a node's first job.
-KERNEL_BYTES = {nn.modules.conv._ConvNd: 5 << 20, nn.Linear: 3 << 20}
+# 6.7-7.7 MiB on a node's first job (5.5-6.1 when first measured) and 2-3.5 MiB on later ones
+# (bench.memory --small). A stage pays the largest of its blocks' (`kernel_bytes`): the prediction is a
+# bound for a node's first job.
+KERNEL_BYTES = {nn.modules.conv._ConvNd: 5 << 20, nn.Linear: 9 << 19}
 
 
 def kernel_bytes(block: nn.Module) -> int:
@@ -168,10 +169,13 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # training.precision: wh
 
 
 def profile_blocks(spec: ModelSpec, batch_size: int, *, precision: str = "fp32", measure: bool = False,
-                   device: str | torch.device = "cpu", repeats: int = 3) -> list[BlockCost]:
+                   device: str | torch.device = "cpu", repeats: int = 3, fake: bool = True) -> list[BlockCost]:
     """Cost of every block of `spec` for micro-batches of `batch_size` computed in `precision`, in
-    block order. Shapes, FLOPs and bytes come from fake CPU tensors (see the module docstring);
-    `measure=True` also times each block on `device` (built there one at a time, with random weights)."""
+    block order. Shapes, FLOPs and bytes come from fake CPU tensors (see the module docstring), or
+    with `fake=False` from the meta device alone: the same FLOPs and shapes, saved bytes an estimate,
+    and none of the megabytes fake tensors' machinery takes in the process (a training node counting
+    its FLOPs). `measure=True` also times each block on `device` (built there one at a time, with
+    random weights)."""
     if batch_size < 1 or repeats < 1:
         raise ValueError("batch_size and repeats must be >= 1")
     device = torch.device(device)
@@ -179,7 +183,8 @@ def profile_blocks(spec: ModelSpec, batch_size: int, *, precision: str = "fp32",
     x = spec.example_input(batch_size, device="meta")
     for index in range(spec.num_blocks):
         block = spec.block(index, device="meta")
-        flops, saved, owner_outputs, out = _trace_as_a_cpu_node(block, x, HALF.get(precision))
+        flops, saved, owner_outputs, out = (_trace_as_a_cpu_node(block, x, HALF.get(precision)) if fake
+                                            else _trace(block, x))
         cost = BlockCost(params=sum(p.numel() for p in block.parameters()), param_bytes=_state_bytes(block),
                          flops=flops, activation_bytes=tensor_bytes(out), saved_bytes=saved,
                          owner_output_bytes=owner_outputs, kernel_bytes=kernel_bytes(block),

@@ -31,7 +31,7 @@ def training_flops_per_sample(spec: ModelSpec, start: int, end: int, tokens: int
     sequence length when it is not the model's longest."""
     if tokens is not None and spec.input.shape and tokens != spec.input.shape[0]:
         spec = dataclasses.replace(spec, input=InputSpec((tokens,), spec.input.dtype, spec.input.high))
-    return 3 * sum(cost.flops for cost in profile_blocks(spec, 1)[start:end])
+    return 3 * sum(cost.flops for cost in profile_blocks(spec, 1, fake=False)[start:end])
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:

@@ -20,9 +20,11 @@ GRPC_OPTIONS = [
     # A peer that was unreachable is retried within 2 s, not gRPC's up-to-120 s backoff: a volunteer
     # restarting on its address, or a new job's peer on a port an earlier one used, is reached at
     # once. Each channel keeps its own connections (no process-wide subchannel pool): a fresh channel
-    # never inherits another's backoff.
+    # never inherits another's backoff. gRPC core reads "min_reconnect_backoff" as the least time a
+    # connection attempt is given (doc/connection-backoff.md's MIN_CONNECT_TIMEOUT): at 100 ms, no peer
+    # 100 ms away ever connected (the TCP and HTTP/2 handshakes take two round trips); 20 s, gRPC's own.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 20_000),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.use_local_subchannel_pool", 1),
 ]
