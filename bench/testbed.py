@@ -54,13 +54,13 @@ def job_spec(variant: str, steps: int) -> dict:
     return spec
 
 
-def trained_samples_per_s(job: dict, batch_size: int) -> float:
+def trained_samples_per_s(job: dict, samples_per_step: int) -> float:
     """Samples of all clusters over the longest cluster's training time (its last stage's report)."""
     last = {}
     for stage in job["metrics"]["stages"]:
         if stage["stage"] == len(job["plan"]["clusters"][stage["cluster"]]["stages"]) - 1:
             last[stage["cluster"]] = stage["metrics"]
-    return sum(m["step"] * batch_size for m in last.values()) / max(m["elapsed_s"] for m in last.values())
+    return sum(m["step"] * samples_per_step for m in last.values()) / max(m["elapsed_s"] for m in last.values())
 
 
 def run(testbed: ShapedTestbed, variant: str, steps: int) -> dict:

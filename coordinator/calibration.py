@@ -32,16 +32,18 @@ one that joined while others trained beside it and looked too slow to be given w
 job measures it, a node is planned with the median slowdown of the nodes that were measured (`prior`).
 
 The messages between stages are corrected the same way. The plan counts each activation or gradient
-a stage sends at its bytes over the link, the link's latency, and a fixed cost per message m
-(partition.MESSAGE_OVERHEAD_S, 1 ms until measured): serialising, the wire's threads, waking the
-receiver. A pipeline of S stages with K micro-batches in flight is paced at
+a stage sends at its bytes over the link and a fixed cost per message m (partition.MESSAGE_OVERHEAD_S,
+1 ms until measured): serialising, the wire's threads, waking the receiver. A pipeline of S stages with
+K micro-batches in flight is paced at
 
-    pace = max( max over sending stages of (c + x + 2 m),  c of the last stage,  sum of all (c + x + 2 m) / K )
+    pace = max( max over sending stages of (c + x + 2 m),  c of the last stage,
+                (sum of all (c + x + 2 m) + sum of the links' round trips r) / K )
 
-with c a stage's measured compute seconds per micro-batch and x its link's seconds (the last stage
-sends nothing). Every stage reports its wall seconds per step, so the m that gives the pace measured
-is found (`observed_message_s`) and blended into each node of the pipeline like its slowdown. Four
-nodes sharing two cores here measured 0.2-0.7 ms (bench.prediction).
+with c a stage's measured compute seconds per micro-batch, x its link's seconds (the last stage
+sends nothing) and r a link's probed round trip, which holds a micro-batch up but occupies no stage.
+Every stage reports its wall seconds per step, so the m that gives the pace measured is found
+(`observed_message_s`) and blended into each node of the pipeline like its slowdown. Four nodes sharing
+two cores here measured 0.2-0.7 ms (bench.prediction).
 
 A node's bandwidth is a claim too: its profile times a download from the coordinator, and a node can
 send any figure. Its peers measure its links (the idle nodes' link probes, LinkProbes) and, while it
@@ -81,10 +83,12 @@ def observed_slowdown(measured_s: float, forward_flops: float, flops: float) -> 
     return min(BOUND, max(1.0, measured_s / predicted))
 
 
-def observed_message_s(pace_s: float, stages: Sequence[tuple[float, float | None]], in_flight: int) -> float | None:
+def observed_message_s(pace_s: float, stages: Sequence[tuple[float, float | None]], in_flight: int,
+                       round_trips: Sequence[float] = ()) -> float | None:
     """The message cost m that gives the measured `pace_s` (seconds per micro-batch) in the model of the
-    module docstring; `stages` are each stage's (c, x), x None for the last stage. None where there is
-    nothing to learn from: one stage, or a figure missing.
+    module docstring; `stages` are each stage's (c, x), x None for the last stage, and `round_trips` the
+    links' probed round trips, which a micro-batch's cycle crosses too. None where there is nothing to
+    learn from: one stage, or a figure missing.
 
     Worked example: stages (3 ms, 1 ms) and (4 ms, None), K = 2, paced at 10 ms. Stage 0 gives
     m = (10 - 3 - 1) / 2 = 3 ms; the round trip (3 + 1 + 4 + 2 m) / 2 = 10 ms would need m = 6 ms. The
@@ -93,7 +97,8 @@ def observed_message_s(pace_s: float, stages: Sequence[tuple[float, float | None
     if not senders or not pace_s > 0 or not all(c >= 0 and math.isfinite(c) for c, _ in stages):
         return None
     by_stage = (pace_s - max(c + x for c, x in senders)) / 2
-    by_round_trip = (in_flight * pace_s - sum(c + (x or 0.0) for c, x in stages)) / (2 * len(senders))
+    cycle = sum(c + (x or 0.0) for c, x in stages) + sum(round_trips)
+    by_round_trip = (in_flight * pace_s - cycle) / (2 * len(senders))
     low, high = MESSAGE_S
     return min(high, max(low, min(by_stage, by_round_trip)))
 

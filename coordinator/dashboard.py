@@ -23,6 +23,7 @@ def render_dashboard(nodes: list[NodeView], jobs: list[JobSummary]) -> str:
                   f"{(n.measured_flops or n.profile.flops) / (n.slowdown or 1) / 1e9:.1f}",
                   f"{n.profile.memory_bytes / 2**30:.1f}",
                   f"{(n.measured_bandwidth or n.profile.bandwidth_bytes_per_s) / 1e6:.1f}",
+                  f"{n.profile.latency_s * 1e3:.0f}",
                   n.job_id or "", "" if n.cluster is None else f"cluster {n.cluster} stage {n.stage}"] for n in nodes]
     job_rows = [[j.id, j.name, j.model, j.state, j.reason, ""] for j in reversed(jobs)]
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
@@ -52,7 +53,7 @@ across clusters.</p>
 operator key may submit.</p><textarea id="spec" rows="14" spellcheck="false"></textarea><br>
 <button id="submit-button" type="button">Submit</button></details></section>
 <section><h2>Nodes <span id="node-count">({len(nodes)})</span></h2>
-{_table("nodes", ["name", "address", "state", "GFLOP/s", "memory GiB", "MB/s", "job", "place"], node_rows)}
+{_table("nodes", ["name", "address", "state", "GFLOP/s", "memory GiB", "MB/s", "ms", "job", "place"], node_rows)}
 </section></main><script src="{ASSETS}/dashboard.js"></script></body></html>"""
 
 

@@ -29,11 +29,11 @@ from ravnest.averaging.strategy import AUTO
 from ravnest.data.datasets import DatasetError, load_dataset
 from ravnest.models import ModelError, ModelSpec, build_model
 from ravnest.pipeline.optim import build_optimizer
-from ravnest.spec import AUTO_CODEC, AveragingSettings, JobSpec, Ring, StageAssignment, StagePeer
+from ravnest.spec import AUTO_CODEC, AveragingSettings, JobSpec, Ring, StageAssignment, StagePeer, TrainingSettings
 
 from .codec_choice import lossier_than
 from .service_errors import Conflict, InvalidRequest
-from .schemas import ClusterProgress, JobMetrics, Plan, PlannedStage, Progress, StageMetrics
+from .schemas import ClusterProgress, JobMetrics, Plan, PlannedCluster, PlannedStage, Progress, StageMetrics
 from .store import JobRow, StageRow
 
 if TYPE_CHECKING:
@@ -217,11 +217,18 @@ def assignment(job: JobRow, plan: Plan, cluster: int, stage: int, token: str,
         input_shape=planned.input_shape, input_dtype=planned.input_dtype,
         predicted_memory_bytes=planned.predicted_memory_bytes, split_backward=planned.split_backward,
         model=spec.model, dataset=spec.dataset,
-        training=spec.training, averaging=_averaging(spec, plan),
+        training=_training(spec, plan.clusters[cluster]), averaging=_averaging(spec, plan),
         prev=peer(stage - 1, stage - 1) if stage > 0 else None,
         next=peer(stage + 1, stage) if stage + 1 < len(stages) else None,
         rings=rings, audit_secret=audit_secret if stage == 0 and spec.averaging.robust else None)
 
+
+
+def _training(spec: JobSpec, cluster: PlannedCluster) -> TrainingSettings:
+    """The job's training, with the K the planner chose for its links' round trips where it chose none."""
+    if spec.training.microbatches_in_flight is not None or cluster.in_flight in (None, len(cluster.stages)):
+        return spec.training
+    return spec.training.model_copy(update={"microbatches_in_flight": cluster.in_flight})
 
 def planned_peers(plan: Plan, cluster: int, stage: int) -> set[str]:
     """The nodes `stage` of `cluster` exchanges values with: its pipeline neighbours and its rings' members

@@ -12,7 +12,10 @@ Rules (see also docs/jobs.md):
   the best so far (throughput over depth rises, then falls).
 - A replica's samples/s is batch x min(1 / slowest stage, K / round trip), capped by averaging: a
   ring all-reduce of its stage's parameters every `averaging.every` steps (bandwidth and latency
-  terms) that takes longer than those steps stalls training.
+  terms) that takes longer than those steps stalls training. The round trip of a micro-batch is every
+  stage's time plus every link's measured round trip, so where the job leaves K open the planner keeps
+  as many micro-batches in flight as that takes (`in_flight_for`), up to a step's micro-batches (more
+  would let two updates fall between a forward and its gradient) and what the weakest node's memory holds.
 - Averaging makes the fast clusters wait for the slowest (every strategy but the asynchronous ones),
   so with `placement.clusters = "auto"` a group whose pace would cost the others more than it adds
   is left out as spares: the plan keeps the fastest groups whose number of replicas times the
@@ -35,6 +38,7 @@ Rules (see also docs/jobs.md):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -96,12 +100,14 @@ class Shape:
     load: Load
     samples_per_s: float
     pace: float
+    in_flight_note: str = ""  # what K the links' round trips asked for, where that is not the default
 
     def describe(self) -> str:
         fitted = not self.load.split_backward and not self.load.checkpoint_blocks  # (checkpointing never splits)
         plain = " (backward not split, to fit memory)" if fitted else ""
         shape = f"{plural(len(self.replicas), 'pipeline')} of {plural(len(self.ranges), 'stage')}"
-        return f"{shape}{plain}: {rate(self.samples_per_s)}"
+        return f"{shape}{plain}: {rate(self.samples_per_s)}" + (f" ({self.in_flight_note})" if self.in_flight_note
+                                                                else "")
 
 
 def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Placement, *,
@@ -194,14 +200,17 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
                                   why=why if training.codec == AUTO_CODEC else None)
         coded = coded_links(merged, link_codecs)
         stage_times = [stage_seconds(coded, capacity, s, s + 1) for s, capacity in enumerate(chain)]
-        step_s.append(_compute_step_s(stage_times, shape.load, training))
+        round_trips = [capacity.latency_to_next for capacity in chain[:-1]]
+        step_s.append(_compute_step_s(stage_times, shape.load, training, round_trips))
         per_step = 2 * training.accumulation * shape.load.parts  # activations forward, gradients back
         clusters.append(PlannedCluster.model_construct(
-            cluster=index, predicted_bottleneck_seconds=max(stage_times),
+            cluster=index, predicted_bottleneck_seconds=max(stage_times), in_flight=shape.load.in_flight,
             stages=[PlannedStage.model_construct(
                 stage=s, node_id=node.node_id, address=node.address, blocks=blocks, predicted_seconds=seconds,
                 predicted_compute_seconds=compute_seconds(coded[s].flops, chain[s]),
                 predicted_message_seconds=chain[s].message_s,
+                link_bandwidth_bytes_per_s=chain[s].bandwidth_to_next if s + 1 < len(chain) else None,
+                round_trip_seconds=chain[s].latency_to_next if s + 1 < len(chain) else None,
                 predicted_memory_bytes=memory[s] + relaying_bytes(node, hidden),
                 split_backward=shape.load.split_backward,
                 input_shape=inputs[s][0], input_dtype=inputs[s][1], codec=link_codecs[s],
@@ -399,24 +408,85 @@ def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: 
     """These replicas cut at `ranges`, with what they predict: the pace of `weakest` (stage by stage
     the weakest capacity over the replicas), and with averaging among them (the runtime model) times
     their number."""
-    plain = _merge_stages(costs, ranges, load.parts)
-    merged = coded_links(plain, pick_codecs(plain, weakest, training, lossiest=lossiest))  # each link, as coded
-    times = [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
+    round_trips = [capacity.latency_to_next for capacity in weakest[:-1]]
+
+    def stage_times(load: Load) -> tuple[list[BlockCost], list[float]]:
+        plain = _merge_stages(costs, ranges, load.parts)
+        merged = coded_links(plain, pick_codecs(plain, weakest, training, lossiest=lossiest))  # each link, as coded
+        return merged, [stage_seconds(merged, capacity, s, s + 1) for s, capacity in enumerate(weakest)]
+    merged, times = stage_times(load)
+    note = ""
+    if training.microbatches_in_flight is None and any(round_trips):
+        load, note = _in_flight_for(costs, ranges, weakest, load, training, lambda k: stage_times(k)[1], round_trips)
+        merged, times = stage_times(load)
     codec = averaging_candidates(averaging)[-1] if averaging.codec == AUTO_CODEC else averaging.codec
     groups = [runtime.Group(len(replicas), coded_bytes(merged[s].param_bytes, codec, len(replicas)),
                             min(r[s].bandwidth for r in replicas),
                             max(r[s].latency for r in replicas), fine_overlap=len(ranges) == 1)
               for s in range(len(ranges))]
-    compute_step = _compute_step_s(times, load, training)
+    compute_step = _compute_step_s(times, load, training, round_trips)
     samples = training.batch_size * training.accumulation
     step = _averaged_step_s(averaging, training, compute_step, groups)
-    return Shape(replicas, ranges, load, len(replicas) * samples / step, samples / compute_step)
+    return Shape(replicas, ranges, load, len(replicas) * samples / step, samples / compute_step, note)
 
 
-def _compute_step_s(stage_times: list[float], load: Load, training: TrainingSettings) -> float:
-    """Seconds per optimizer step of one pipeline from its stages' seconds per micro-batch: its slowest
-    stage, or the round trip over K, for each of the step's micro-batches."""
-    return training.accumulation * load.parts * max(max(stage_times), sum(stage_times) / load.in_flight)
+# micro-batches in flight per what the predicted cycle needs: stage times are predicted up to 2x off (a small
+# stage runs faster than its fixed costs say), links jitter, and K beyond the need costs only memory (checked)
+HEADROOM = 2
+WORTH_HIDING = 1.05  # round trips that slow a pipeline with K = its stages by less than 5% are left be
+
+
+def _in_flight_for(costs: list[BlockCost], ranges: list[tuple[int, int]], weakest: list[NodeCapacity], load: Load,
+                   training: TrainingSettings, times_of: Callable[[Load], list[float]],
+                   round_trips: list[float]) -> tuple[Load, str]:
+    """The load with K micro-batches in flight that keep the slowest stage busy while the others cross
+    the links: a micro-batch's cycle (every stage's time and every link's round trip) over the slowest
+    stage's time, twice over (HEADROOM). No more than a step's micro-batches (`training.accumulation` whole
+    batches: more would let two updates fall between a forward and its gradient), nor than every
+    stage's node holds; no fewer than the stages. With it, what the plan says about K ("" when K is
+    the default and that is enough).
+
+    Worked example: stages of 5 ms and a 100 ms link need ceil(2 x (5 + 5 + 100) / 5) = 44 in flight.
+    With accumulation 1, K stays 2 (cutting the batch into more parts would shorten each micro-batch,
+    not the link), and the plan says that accumulation 44 would hide the link; with accumulation 64
+    the pipeline keeps 44 whole batches in flight."""
+    depth, most = len(ranges), max(len(ranges), training.accumulation)
+    # K above the stages only where a step has that many whole batches; their times hold for any such K
+    times = times_of(_with_in_flight(load, training, depth, most) if most > depth else load)
+    cycle = sum(times) + sum(round_trips)
+    if cycle / depth <= WORTH_HIDING * max(times):
+        return load, ""
+    need = math.ceil(HEADROOM * cycle / max(times))
+    k, chosen = min(need, most), load
+    while k > depth:
+        chosen = _with_in_flight(load, training, depth, k)
+        if all(stage_memory_bytes(costs, a, b, chosen) <= node.memory_bytes for (a, b), node in zip(ranges, weakest)):
+            break
+        k, chosen = k - 1, load
+    trips = f"the links' {'/'.join(f'{rtt * 1e3:.0f}' for rtt in round_trips)} ms round trips"
+    if k == need:
+        return chosen, f"{k} micro-batches in flight for {trips}"
+    batches = f"{training.accumulation} batch{'' if training.accumulation == 1 else 'es'}"
+    why = (f"a step has {batches} (training.accumulation) and more in flight would add staleness" if k == most
+           else "the weakest node's memory holds no more")
+    return chosen, (f"{trips} need {need} micro-batches in flight to keep the slowest stage busy; it keeps {k}, as "
+                    f"{why}: accumulation {need} would hide them, or microbatches_in_flight {need} with staleness "
+                    f"'predict2' at more staleness")
+
+
+def _with_in_flight(load: Load, training: TrainingSettings, depth: int, k: int) -> Load:
+    """`load` with K = k (and the parts and weight versions that come with it)."""
+    fresh = training_load(training, depth, averaging=load.averaging_copies > 0, in_flight=k)
+    return dataclasses.replace(fresh, split_backward=load.split_backward)
+
+
+def _compute_step_s(stage_times: list[float], load: Load, training: TrainingSettings,
+                    round_trips: Sequence[float] = ()) -> float:
+    """Seconds per optimizer step of one pipeline from its stages' seconds per micro-batch and its links'
+    round trips: its slowest stage, or a micro-batch's cycle (every stage, every round trip) over K, for
+    each of the step's micro-batches."""
+    cycle = sum(stage_times) + sum(round_trips)
+    return training.accumulation * load.parts * max(max(stage_times), cycle / load.in_flight)
 
 
 def _averaged_step_s(averaging: AveragingSettings, training: TrainingSettings, step_s: float,

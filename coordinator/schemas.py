@@ -82,12 +82,19 @@ class PlannedStage(BaseModel):
                                                 "last stage ('' sends float32 as computed)")
     predicted_link_bytes_per_step: int | None = Field(None, description=(
         "bytes its link to the next stage carries per optimizer step, activations and gradients, as coded"))
+    link_bandwidth_bytes_per_s: float | None = Field(None, description=(
+        "the bandwidth of its link to the next stage that the plan priced (None on the last stage)"))
+    round_trip_seconds: float | None = Field(None, description=(
+        "the round trip of its link to the next stage, as probed (None on the last stage): in no stage's time, "
+        "its cluster's micro-batches in flight cover it"))
 
 
 class PlannedCluster(BaseModel):
     cluster: int
     stages: list[PlannedStage]
     predicted_bottleneck_seconds: float
+    in_flight: int | None = Field(None, description="K, the micro-batches its stages keep in flight: the job's, "
+                                                    "or the planner's for the links' round trips")
 
 
 class PlannedRing(BaseModel):

@@ -5,7 +5,9 @@ node's FLOP/s) plus sending its boundary activation forward and the same-size gr
 the link to the next node, plus a fixed cost per message each way (framing, gRPC, Python: about a
 millisecond on a laptop core, which is what makes a pipeline of tiny blocks slower than one node).
 An asynchronous pipeline runs at the pace of its slowest stage, so the partition minimises the
-maximum stage time, subject to every stage fitting its node's memory.
+maximum stage time, subject to every stage fitting its node's memory. A link's round trip occupies
+neither of its stages: while a micro-batch crosses it, others are computed, as long as enough are in
+flight (the planner chooses K for that: coordinator/planning.py, `in_flight_for`).
 
 A stage's memory (`stage_memory_bytes`), with P its blocks' parameter bytes and K micro-batches in
 flight, is what the stage runner really holds:
@@ -87,7 +89,7 @@ class NodeCapacity:
     flops: float              # FLOP/s
     memory_bytes: int
     bandwidth_to_next: float  # bytes/s on the link to the next node in the chain (ignored for the last)
-    latency_to_next: float = 0.0
+    latency_to_next: float = 0.0  # round trip seconds of that link (in no stage's time: see above)
     slowdown: float = 1.0     # its compute seconds as measured over as predicted from `flops` (calibration.py)
     message_s: float = MESSAGE_OVERHEAD_S  # what one message to or from it costs beyond bytes and latency
 
@@ -182,7 +184,7 @@ def _seconds(forward_flops: float, node: NodeCapacity, boundary_bytes: int | Non
     compute = compute_seconds(forward_flops, node)
     if boundary_bytes is None:
         return compute
-    return compute + 2 * boundary_bytes / node.bandwidth_to_next + node.latency_to_next + 2 * node.message_s
+    return compute + 2 * boundary_bytes / node.bandwidth_to_next + 2 * node.message_s
 
 
 def partition(costs: list[BlockCost], nodes: list[NodeCapacity], *, load: Load | None = None,

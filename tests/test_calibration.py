@@ -118,7 +118,8 @@ def test_a_node_whose_stages_compute_slower_than_its_profile_says_is_planned_slo
         figures = {n["id"]: n["slowdown"] for n in cluster.http.get("/v1/nodes").json()}
         assert figures[nodes[0].id] == pytest.approx(1.0) and figures[nodes[1].id] == pytest.approx(4.0)
         # the pipeline keeps 30 ms per step more than its slowest stage: its messages cost that, less the
-        # other stage's compute (K = 1: a micro-batch goes the whole round trip before the next)
+        # other stage's compute and the link's probed round trip (K = 1: a micro-batch goes the whole cycle
+        # before the next)
         first, last = sorted(plan.values(), key=lambda s: s["stage"])
         link_s = first["predicted_seconds"] - first["predicted_compute_seconds"] \
             - 2 * first["predicted_message_seconds"]
@@ -129,7 +130,7 @@ def test_a_node_whose_stages_compute_slower_than_its_profile_says_is_planned_slo
         pace = max(c0 + link_s, c1) + 0.030  # K = 1, one micro-batch per step
         for node in nodes:
             assert node.report(job_id, 40, compute_s=computed[node.id], step_wall_s=pace).status_code == 204
-        expected = observed_message_s(pace, [(c0, link_s), (c1, None)], 1)
+        expected = observed_message_s(pace, [(c0, link_s), (c1, None)], 1, [first["round_trip_seconds"]])
         learned = {n["id"]: n["message_s"] for n in cluster.http.get("/v1/nodes").json()}
         assert expected > 0.002 and [learned[n.id] for n in nodes] == pytest.approx([expected] * 2)
 

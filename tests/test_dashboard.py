@@ -139,6 +139,8 @@ def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_cur
                 "[...document.querySelectorAll('#pipelines g.link text.busy')]"
                 ".filter((t) => /^\\d+% busy$/.test(t.textContent)).length === 2")
             assert page.locator("#pipelines g.link").first.inner_html().count("fp32") == 1
+            priced = page.locator("#pipelines g.link text.priced").all_text_contents()  # what the plan priced
+            assert len(priced) == 2 and all(re.fullmatch(r"\d+\.\d MB/s · \d+ ms", t) for t in priced), priced
             page.wait_for_function("document.querySelector('#loss-chart polyline.series')")
             first = int(page.locator("#loss-chart polyline.series").first.get_attribute("data-points"))
             page.wait_for_function(  # the curve grows from the job's server-sent events, no reload

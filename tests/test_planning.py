@@ -435,3 +435,40 @@ def test_a_robust_jobs_pipelines_are_cut_alike_for_audits_and_on_2_clusters_it_s
     assert sorted(len(c.stages) for c in mixed.clusters) == [1, 2, 2], mixed.reason
     assert "2 pipelines of 2 stages, where audits compare 3 or more of one depth: their stages are not audited" \
         in mixed.reason, mixed.reason
+
+
+def test_a_long_round_trip_is_covered_by_whole_batches_in_flight_where_a_step_has_them() -> None:
+    """A 100 ms link between two stages of ~5 ms: with accumulation 64 the planner keeps enough whole
+    batches in flight that the link costs the pipeline nothing; with accumulation 1 it keeps K = 2 (more
+    parts would shorten each micro-batch, not the link: the step's samples cross it once either way) and
+    the plan says what would hide it; where memory cannot hold what the link needs, K stops there."""
+    costs, placement = mlp_costs(), Placement(clusters=1, stages_per_cluster=2)
+    nodes = [node("a"), node("b")]
+
+    def planned(accumulation: int, round_trip: float, memory: int = GIB):
+        chain = [dataclasses.replace(n, memory_bytes=memory) for n in nodes]
+        return plan_job(costs, chain, placement, training=TrainingSettings(accumulation=accumulation),
+                        links={("a", "b"): (1e8, round_trip)})
+
+    near, far = planned(64, 0.0), planned(64, 0.1)
+    cluster = far.clusters[0]
+    assert [s.round_trip_seconds for s in cluster.stages] == [0.1, None] and near.clusters[0].in_flight == 2
+    cycle = sum(s.predicted_seconds for s in cluster.stages) + 0.1
+    assert cluster.in_flight == math.ceil(2 * cycle / cluster.predicted_bottleneck_seconds)
+    assert far.predicted_samples_per_s == pytest.approx(near.predicted_samples_per_s)
+    assert f"{cluster.in_flight} micro-batches in flight for the links' 100 ms round trips" in far.reason
+
+    one_near, one_far = planned(1, 0.0), planned(1, 0.1)
+    assert one_far.clusters[0].in_flight == 2
+    assert one_far.predicted_samples_per_s < 0.2 * one_near.predicted_samples_per_s  # the link paces it
+    assert f"need {cluster.in_flight} micro-batches in flight" in one_far.reason
+    assert f"accumulation {cluster.in_flight} would hide them" in one_far.reason
+
+    # memory for 6 whole batches in flight on each stage, not for what the link needs
+    load = dataclasses.replace(training_load(TrainingSettings(accumulation=64), 2, in_flight=6),
+                               split_backward=True)
+    ranges = [s.blocks for s in cluster.stages]
+    held = max(stage_memory_bytes(costs, a, b, load) for a, b in ranges)
+    tight = planned(64, 0.1, memory=held)
+    assert [s.blocks for s in tight.clusters[0].stages] == ranges and tight.clusters[0].in_flight == 6
+    assert "it keeps 6, as the weakest node's memory holds no more" in tight.reason

@@ -13,8 +13,8 @@ from ravnest.pipeline import StageRunner, run_local_pipeline, run_threaded_pipel
 from ravnest.pipeline.single_process import two_stage_reference
 from ravnest.pipeline.stash import StageCompute
 from ravnest.pipeline.schedule import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, ScheduleError,
-                                       check_stage_schedule, stage_actions, staleness, steps_before_next_forward,
-                                       validate_schedule, warmup)
+                                       batch_parts, check_stage_schedule, stage_actions, staleness,
+                                       steps_before_next_forward, validate_schedule, warmup)
 from ravnest.spec import JobSpec
 
 SHAPES = [(S, K, acc, n) for S in (1, 2, 3, 4) for K in (1, 2, 4, 6) for acc in (1, 3) for n in (1, 5, 12)]
@@ -251,3 +251,13 @@ def _broken(stage: int, change) -> list[Action]:
 def test_a_broken_schedule_is_refused_naming_the_action(stage, change, reason) -> None:
     with pytest.raises(ScheduleError, match=reason):
         validate_schedule(_broken(stage, change), stage, 2, 2, 6, 1)
+
+
+def test_2bw_cuts_a_batch_only_as_far_as_a_step_needs_to_cover_the_micro_batches_in_flight() -> None:
+    """PipeDream-2BW keeps at most one update between a forward and its gradient by giving a step at
+    least K micro-batches: a batch cut in K parts, or fewer parts where the step accumulates batches
+    (whole batches once it has K of them); other methods never cut, and no part is under one sample."""
+    assert [batch_parts("2bw+predict2", 4, 32, accumulation) for accumulation in (1, 2, 3, 4, 64)] == \
+        [4, 2, 2, 1, 1]
+    assert batch_parts("2bw", 24, 32, 16) == 2 and batch_parts("2bw", 64, 8) == 8
+    assert batch_parts("predict2", 24, 32, 1) == batch_parts("none", 4, 32, 1) == 1

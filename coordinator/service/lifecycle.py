@@ -151,7 +151,8 @@ class JobLifecycle:
         cluster = next((c for c in self.core.plan(job).clusters if c.cluster == stage.cluster), None)
         if step < self.core.settings.slow_after_steps or node is None or cluster is None:
             return
-        load = training_load(spec.training, len(cluster.stages))  # a micro-batch is 1/parts of a batch
+        # a micro-batch is 1/parts of a batch, with the K planned for the links' round trips
+        load = training_load(spec.training, len(cluster.stages), in_flight=cluster.in_flight)
         forward_flops = sum(c.flops for c in costs_of(spec)[slice(*cluster.stages[stage.stage].blocks)]) / load.parts
         observed = calibration.observed_slowdown(figures["compute_s"], forward_flops, planning_flops(node))
         if observed is not None:
@@ -168,7 +169,8 @@ class JobLifecycle:
             stages.append((compute_s, None if last else max(0.0, planned.predicted_seconds
                                                             - planned.predicted_compute_seconds - 2 * message_s)))
         pace = figures["step_wall_s"] / (spec.training.accumulation * load.parts)  # per micro-batch
-        observed = calibration.observed_message_s(pace, stages, load.in_flight)
+        round_trips = [planned.round_trip_seconds or 0.0 for planned in cluster.stages[:-1]]
+        observed = calibration.observed_message_s(pace, stages, load.in_flight, round_trips)
         if observed is not None:
             calibration.measured(node, spec.model.name, "message_s", observed)
 

@@ -73,7 +73,8 @@ function nodeRow(node) {
   }
   row.append(name, address, state,
              el("td", {}, fixed(flops / 1e9, 1)), el("td", {}, fixed(node.profile.memory_bytes / 2 ** 30, 1)),
-             el("td", {}, fixed(node.profile.bandwidth_bytes_per_s / 1e6, 1)), el("td", {}, node.job_id || ""),
+             el("td", {}, fixed(node.profile.bandwidth_bytes_per_s / 1e6, 1)),
+             el("td", {}, String(Math.round(1e3 * node.profile.latency_s))), el("td", {}, node.job_id || ""),
              el("td", {}, place || ""));
   return row;
 }
@@ -200,7 +201,7 @@ function drawPipelines(job) {
     svg.append(el("svg:text", {x: 4, y: 20}, "not placed yet"));
     return;
   }
-  const boxW = 200, boxH = 91, gapX = 46, gapY = 34, left = 84;
+  const boxW = 200, boxH = 91, gapX = 100, gapY = 34, left = 84;
   const stageFigures = {};
   for (const s of job.metrics.stages) stageFigures[`${s.cluster}/${s.stage}`] = s;
   const centre = {};
@@ -238,7 +239,11 @@ function drawPipelines(job) {
         const sent = stageFigures[`${cluster.cluster}/${before.stage}`];
         const busy = sent && sent.metrics.next_link_busy !== undefined ? sent.metrics.next_link_busy : null;
         const link = el("svg:g", {class: "link", "data-cluster": cluster.cluster, "data-stage": before.stage});
-        link.append(el("svg:text", {x: x0 + 2, y: y + boxH / 2 - 6, "font-size": 10}, before.codec || "fp32"),
+        // and what the plan priced it at: its bandwidth and the round trip its micro-batches in flight cover
+        const priced = before.link_bandwidth_bytes_per_s == null ? ""
+          : `${fixed(before.link_bandwidth_bytes_per_s / 1e6, 1)} MB/s · ${Math.round(1e3 * before.round_trip_seconds)} ms`;
+        link.append(el("svg:text", {x: x0 + 2, y: y + boxH / 2 - 20, "font-size": 10, class: "priced"}, priced),
+                    el("svg:text", {x: x0 + 2, y: y + boxH / 2 - 6, "font-size": 10}, before.codec || "fp32"),
                     el("svg:text", {x: x0 + 2, y: y + boxH / 2 + 14, "font-size": 10, class: "busy"},
                        busy === null ? "" : `${Math.round(100 * busy)}% busy`));
         svg.append(link);

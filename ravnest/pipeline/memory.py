@@ -60,14 +60,17 @@ def _state_factor(name: str, kwargs_json: str) -> float:
     return held / (param.nelement() * param.element_size())
 
 
-def training_load(training: TrainingSettings, num_stages: int, *, averaging: bool = False) -> Load:
-    """The memory-relevant facts of a job's training on a pipeline of `num_stages` stages."""
-    k = training.microbatches_in_flight or num_stages
+def training_load(training: TrainingSettings, num_stages: int, *, averaging: bool = False,
+                  in_flight: int | None = None) -> Load:
+    """The memory-relevant facts of a job's training on a pipeline of `num_stages` stages, with K the
+    job's, else `in_flight` (the planner's, for the links' round trips), else the number of stages."""
+    k = training.microbatches_in_flight or in_flight or num_stages
     method = staleness_method(training.staleness, k)
     return Load(in_flight=k, optimizer_state=optimizer_state_factor(training.optimizer),
                 recompute=training.weight_stash == "recompute",
                 averaging_copies=RING_COPIES if averaging else 0.0, stage_base=STAGE_BASE, transient=TRANSIENT,
-                parts=batch_parts(method, k, training.batch_size), predict=prediction_order(method),
+                parts=batch_parts(method, k, training.batch_size, training.accumulation),
+                predict=prediction_order(method),
                 heap_slack=HEAP_SLACK, checkpoint_blocks=training.activation_checkpointing,
                 cast_weights=0.5 if training.precision in ("bf16", "fp16") else 0.0,
                 split_backward=not training.activation_checkpointing)

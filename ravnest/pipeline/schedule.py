@@ -105,9 +105,13 @@ def prediction_order(method: str) -> int:
     return 2 if method.endswith("predict2") else int(method.endswith("predict"))
 
 
-def batch_parts(method: str, window: int, batch_size: int) -> int:
-    """Micro-batches each batch is cut into: K with PipeDream-2BW (at most one per sample), else 1."""
-    return min(window, batch_size) if method.startswith("2bw") else 1
+def batch_parts(method: str, window: int, batch_size: int, accumulation: int = 1) -> int:
+    """Micro-batches each batch is cut into: with PipeDream-2BW, enough that a step's micro-batches
+    (`accumulation` batches' parts) cover the K in flight, so that at most one update falls between a
+    forward and its gradient (at most one part per sample); else 1. K = 4 cuts a batch into 4 parts
+    with accumulation 1, into 2 with accumulation 2, and none with accumulation 4 or more: K whole
+    batches are then in flight, which is how a pipeline keeps a long round trip busy (docs/pipeline.md)."""
+    return min(-(-window // accumulation), batch_size) if method.startswith("2bw") else 1
 
 
 class ScheduleError(RavnestError, ValueError):

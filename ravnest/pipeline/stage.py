@@ -82,7 +82,7 @@ class StageRunner:
         self.window = training.microbatches_in_flight or a.num_stages  # K, the staleness bound
         method = staleness_method(training.staleness, self.window)
         # "2bw" (PipeDream-2BW): stage 0 cuts every batch into K parts, whose gradients make one update
-        self.parts = batch_parts(method, self.window, training.batch_size)
+        self.parts = batch_parts(method, self.window, training.batch_size, training.accumulation)
         self.per_step = training.accumulation * self.parts  # micro-batches per optimizer step
         self.total_micro_batches = (training.steps - a.resume_step) * self.per_step
         spec = build_model(a.model.name, a.model.config)
