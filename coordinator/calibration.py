@@ -66,6 +66,7 @@ from collections.abc import Mapping, Sequence
 
 from ravnest.partition import NodeCapacity, compute_seconds
 
+from .schemas import PlannedStage
 from .store import NodeRow
 
 WEIGHT = 0.1
@@ -101,6 +102,21 @@ def observed_message_s(pace_s: float, stages: Sequence[tuple[float, float | None
     by_round_trip = (in_flight * pace_s - cycle) / (2 * len(senders))
     low, high = MESSAGE_S
     return min(high, max(low, min(by_stage, by_round_trip)))
+
+
+def reported_stages(stages: Sequence[PlannedStage], compute_s: Mapping[int, float | None]
+                    ) -> list[tuple[float, float | None]] | None:
+    """Each planned stage's (c, x) for `observed_message_s`: c the compute seconds it reported, x what its
+    predicted time has beyond compute and its two messages (None for the last stage). None while a stage
+    has not reported yet, or for a plan from before message costs."""
+    pairs = []
+    for planned in stages:
+        c, message_s = compute_s.get(planned.stage), planned.predicted_message_seconds
+        if c is None or message_s is None or planned.predicted_compute_seconds is None:
+            return None
+        rest = planned.predicted_seconds - planned.predicted_compute_seconds - 2 * message_s
+        pairs.append((c, None if planned is stages[-1] else max(0.0, rest)))
+    return pairs
 
 
 def blended(previous: float | None, observed: float) -> float:

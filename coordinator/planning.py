@@ -14,7 +14,7 @@ Rules (see also docs/jobs.md):
   ring all-reduce of its stage's parameters every `averaging.every` steps (bandwidth and latency
   terms) that takes longer than those steps stalls training. The round trip of a micro-batch is every
   stage's time plus every link's measured round trip, so where the job leaves K open the planner keeps
-  as many micro-batches in flight as that takes (`_in_flight_for`), up to a step's micro-batches (more
+  as many micro-batches in flight as that takes (`in_flight_for`), up to a step's micro-batches (more
   would let two updates fall between a forward and its gradient) and what the weakest node's memory holds.
 - Averaging makes the fast clusters wait for the slowest (every strategy but the asynchronous ones),
   so with `placement.clusters = "auto"` a group whose pace would cost the others more than it adds
@@ -38,7 +38,6 @@ Rules (see also docs/jobs.md):
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -56,6 +55,7 @@ from ravnest.spec import AUTO_CODEC, AveragingSettings, Placement, TrainingSetti
 from ravnest.wire import codecs
 
 from .clustering import ClusteringError, NodeInfo, cluster_nodes
+from .in_flight import compute_step_s, in_flight_for
 from .codec_choice import averaging_candidates, averaging_codec, averaging_predictions, coded_links, pick_codecs
 from .peer_links import Links, capacities, link
 from .plan_words import counted, mib, named_groups, plural, rate
@@ -201,7 +201,7 @@ def assemble(costs: list[BlockCost], shapes: list[Shape], why: list[str], unused
         coded = coded_links(merged, link_codecs)
         stage_times = [stage_seconds(coded, capacity, s, s + 1) for s, capacity in enumerate(chain)]
         round_trips = [capacity.latency_to_next for capacity in chain[:-1]]
-        step_s.append(_compute_step_s(stage_times, shape.load, training, round_trips))
+        step_s.append(compute_step_s(stage_times, shape.load, training, round_trips))
         per_step = 2 * training.accumulation * shape.load.parts  # activations forward, gradients back
         clusters.append(PlannedCluster.model_construct(
             cluster=index, predicted_bottleneck_seconds=max(stage_times), in_flight=shape.load.in_flight,
@@ -417,76 +417,17 @@ def make_shape(costs: list[BlockCost], replicas: list[list[NodeInfo]], weakest: 
     merged, times = stage_times(load)
     note = ""
     if training.microbatches_in_flight is None and any(round_trips):
-        load, note = _in_flight_for(costs, ranges, weakest, load, training, lambda k: stage_times(k)[1], round_trips)
+        load, note = in_flight_for(costs, ranges, weakest, load, training, lambda k: stage_times(k)[1], round_trips)
         merged, times = stage_times(load)
     codec = averaging_candidates(averaging)[-1] if averaging.codec == AUTO_CODEC else averaging.codec
     groups = [runtime.Group(len(replicas), coded_bytes(merged[s].param_bytes, codec, len(replicas)),
                             min(r[s].bandwidth for r in replicas),
                             max(r[s].latency for r in replicas), fine_overlap=len(ranges) == 1)
               for s in range(len(ranges))]
-    compute_step = _compute_step_s(times, load, training, round_trips)
+    compute_step = compute_step_s(times, load, training, round_trips)
     samples = training.batch_size * training.accumulation
     step = _averaged_step_s(averaging, training, compute_step, groups)
     return Shape(replicas, ranges, load, len(replicas) * samples / step, samples / compute_step, note)
-
-
-# micro-batches in flight per what the predicted cycle needs: stage times are predicted up to 2x off (a small
-# stage runs faster than its fixed costs say), links jitter, and K beyond the need costs only memory (checked)
-HEADROOM = 2
-WORTH_HIDING = 1.05  # round trips that slow a pipeline with K = its stages by less than 5% are left be
-
-
-def _in_flight_for(costs: list[BlockCost], ranges: list[tuple[int, int]], weakest: list[NodeCapacity], load: Load,
-                   training: TrainingSettings, times_of: Callable[[Load], list[float]],
-                   round_trips: list[float]) -> tuple[Load, str]:
-    """The load with K micro-batches in flight that keep the slowest stage busy while the others cross
-    the links: a micro-batch's cycle (every stage's time and every link's round trip) over the slowest
-    stage's time, twice over (HEADROOM). No more than a step's micro-batches (`training.accumulation` whole
-    batches: more would let two updates fall between a forward and its gradient), nor than every
-    stage's node holds; no fewer than the stages. With it, what the plan says about K ("" when K is
-    the default and that is enough).
-
-    Worked example: stages of 5 ms and a 100 ms link need ceil(2 x (5 + 5 + 100) / 5) = 44 in flight.
-    With accumulation 1, K stays 2 (cutting the batch into more parts would shorten each micro-batch,
-    not the link), and the plan says that accumulation 44 would hide the link; with accumulation 64
-    the pipeline keeps 44 whole batches in flight."""
-    depth, most = len(ranges), max(len(ranges), training.accumulation)
-    # K above the stages only where a step has that many whole batches; their times hold for any such K
-    times = times_of(_with_in_flight(load, training, depth, most) if most > depth else load)
-    cycle = sum(times) + sum(round_trips)
-    if cycle / depth <= WORTH_HIDING * max(times):
-        return load, ""
-    need = math.ceil(HEADROOM * cycle / max(times))
-    k, chosen = min(need, most), load
-    while k > depth:
-        chosen = _with_in_flight(load, training, depth, k)
-        if all(stage_memory_bytes(costs, a, b, chosen) <= node.memory_bytes for (a, b), node in zip(ranges, weakest)):
-            break
-        k, chosen = k - 1, load
-    trips = f"the links' {'/'.join(f'{rtt * 1e3:.0f}' for rtt in round_trips)} ms round trips"
-    if k == need:
-        return chosen, f"{k} micro-batches in flight for {trips}"
-    batches = f"{training.accumulation} batch{'' if training.accumulation == 1 else 'es'}"
-    why = (f"a step has {batches} (training.accumulation) and more in flight would add staleness" if k == most
-           else "the weakest node's memory holds no more")
-    return chosen, (f"{trips} need {need} micro-batches in flight to keep the slowest stage busy; it keeps {k}, as "
-                    f"{why}: accumulation {need} would hide them, or microbatches_in_flight {need} with staleness "
-                    f"'predict2' at more staleness")
-
-
-def _with_in_flight(load: Load, training: TrainingSettings, depth: int, k: int) -> Load:
-    """`load` with K = k (and the parts and weight versions that come with it)."""
-    fresh = training_load(training, depth, averaging=load.averaging_copies > 0, in_flight=k)
-    return dataclasses.replace(fresh, split_backward=load.split_backward)
-
-
-def _compute_step_s(stage_times: list[float], load: Load, training: TrainingSettings,
-                    round_trips: Sequence[float] = ()) -> float:
-    """Seconds per optimizer step of one pipeline from its stages' seconds per micro-batch and its links'
-    round trips: its slowest stage, or a micro-batch's cycle (every stage, every round trip) over K, for
-    each of the step's micro-batches."""
-    cycle = sum(stage_times) + sum(round_trips)
-    return training.accumulation * load.parts * max(max(stage_times), cycle / load.in_flight)
 
 
 def _averaged_step_s(averaging: AveragingSettings, training: TrainingSettings, step_s: float,

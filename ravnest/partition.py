@@ -7,7 +7,7 @@ millisecond on a laptop core, which is what makes a pipeline of tiny blocks slow
 An asynchronous pipeline runs at the pace of its slowest stage, so the partition minimises the
 maximum stage time, subject to every stage fitting its node's memory. A link's round trip occupies
 neither of its stages: while a micro-batch crosses it, others are computed, as long as enough are in
-flight (the planner chooses K for that: coordinator/planning.py, `_in_flight_for`).
+flight (the planner chooses K for that: coordinator/in_flight.py).
 
 A stage's memory (`stage_memory_bytes`), with P its blocks' parameter bytes and K micro-batches in
 flight, is what the stage runner really holds:

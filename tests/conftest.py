@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 
+from ravnest.wire import close_channels
 from scripts.local_cluster import LocalCluster
 from tests.postgres import PostgresServer
 
@@ -18,6 +19,16 @@ def pytest_collection_modifyitems(items):
     start at once, and the many short ones fill in at the end, so that neither worker idles long."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # (stable: each module keeps its own order)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_channels():
+    """Each test dials with fresh channels: a channel the default pool kept to a server an earlier test
+    stopped is in reconnect backoff, and the OS hands that port to the next test's server, whose first
+    calls would then fail as UNAVAILABLE ("connection refused") without ever reaching it."""
+    yield
+    close_channels()
+
 
 _databases = itertools.count()
 

@@ -38,7 +38,7 @@ def test_stage_time_formula_by_hand() -> None:
     nodes = [node(flops=2e9, bandwidth=100 * MB, latency=0.5), node(flops=1e9)]
     result = partition(costs, nodes)
     # each stage also costs STAGE_OVERHEAD_S (2 ms) per micro-batch:
-    # the link's 0.5 s round trip is in neither stage's time (K in flight hide it: planning._in_flight_for)
+    # the link's 0.5 s round trip is in neither stage's time (K in flight hide it: in_flight.in_flight_for)
     # [0,1): 3*6e9/2e9 = 9 s + 2*100MB/100MB/s + 2 messages = 11.004 s; [1,3): 3*6e9/1e9 = 18.002 s
     # [0,2): 3*9e9/2e9 = 13.5 s + 2*7/100 + 0.002 = 13.644 s; [2,3): 9.002 s  -> the better split
     assert result.ranges == [(0, 2), (2, 3)]

@@ -160,14 +160,9 @@ class JobLifecycle:
         if "step_wall_s" not in figures or len(cluster.stages) < 2:
             return
         reported = {row.stage: row.metrics.get("compute_s") for row in rows if row.cluster == stage.cluster}
-        stages = []
-        for planned in cluster.stages:
-            compute_s, message_s = reported.get(planned.stage), planned.predicted_message_seconds
-            if compute_s is None or message_s is None or planned.predicted_compute_seconds is None:
-                return  # a stage that has not reported yet, or a plan from before message costs
-            last = planned is cluster.stages[-1]
-            stages.append((compute_s, None if last else max(0.0, planned.predicted_seconds
-                                                            - planned.predicted_compute_seconds - 2 * message_s)))
+        stages = calibration.reported_stages(cluster.stages, reported)
+        if stages is None:
+            return
         pace = figures["step_wall_s"] / (spec.training.accumulation * load.parts)  # per micro-batch
         round_trips = [planned.round_trip_seconds or 0.0 for planned in cluster.stages[:-1]]
         observed = calibration.observed_message_s(pace, stages, load.in_flight, round_trips)
