@@ -14,7 +14,7 @@ Rules (see also docs/jobs.md):
   ring all-reduce of its stage's parameters every `averaging.every` steps (bandwidth and latency
   terms) that takes longer than those steps stalls training. The round trip of a micro-batch is every
   stage's time plus every link's measured round trip, so where the job leaves K open the planner keeps
-  as many micro-batches in flight as that takes (`in_flight_for`), up to a step's micro-batches (more
+  as many micro-batches in flight as that takes (`coordinator/in_flight.py`), up to a step's micro-batches (more
   would let two updates fall between a forward and its gradient) and what the weakest node's memory holds.
 - Averaging makes the fast clusters wait for the slowest (every strategy but the asynchronous ones),
   so with `placement.clusters = "auto"` a group whose pace would cost the others more than it adds
