@@ -227,6 +227,8 @@ class LinkRow(Base):
     bandwidth: Mapped[float] = mapped_column(Float)  # bytes/s
     latency: Mapped[float] = mapped_column(Float)  # round trip, seconds
     measured_at: Mapped[float] = mapped_column(Float)
+    spread: Mapped[float] = mapped_column(Float, default=1.0, server_default="1.0")  # its repeats' largest / smallest
+    rounds: Mapped[int] = mapped_column(Integer, default=1, server_default="1")  # probe rounds that measured it
 
 
 POOL_SIZE = 24  # THREADS (app.py) and a few for the background loops

@@ -9,7 +9,7 @@ import threading
 import grpc
 
 from ravnest.relay.dial import dial
-from ravnest.spec import LATENCY, LinkReport, PeerProbe, plausible_bandwidth
+from ravnest.spec import LATENCY, SPREAD, LinkReport, PeerProbe, plausible_bandwidth
 from ravnest.timeouts import LINK_PROBE_S
 from ravnest.wire import measure_link, name_peer
 
@@ -83,10 +83,10 @@ class LinkProber:
             try:
                 if probe.tls_name:
                     name_peer(probe.address, probe.tls_name)
-                latency, bandwidth = measure_link(probe.address, token=self._token, probe_bytes=self._probe_bytes,
-                                                  timeout=LINK_PROBE_S)  # the process's shared channels
-                report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),
-                                    latency_s=min(latency, LATENCY["le"]))
+                link = measure_link(probe.address, token=self._token, probe_bytes=self._probe_bytes,
+                                    timeout=LINK_PROBE_S)  # the process's shared channels
+                report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=plausible_bandwidth(link.bandwidth),
+                                    latency_s=min(link.latency, LATENCY["le"]), spread=min(link.spread, SPREAD["le"]))
             except (grpc.RpcError, ValueError) as e:  # unreachable, refused, or a malformed address
                 log.info("link probe to %s (%s) failed: %s", probe.node_id, probe.address, e)
                 report = None

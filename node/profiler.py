@@ -16,8 +16,8 @@ import torch
 from node.progress import Progress
 from ravnest.client.api import ApiError, refusal_reason
 from ravnest.pipeline.memory import status_bytes
-from ravnest.spec import LATENCY, NodeProfile, plausible_bandwidth
-from ravnest.wire.transport import growing_probe
+from ravnest.spec import LATENCY, SPREAD, NodeProfile, plausible_bandwidth
+from ravnest.wire.transport.probes import PINGS, LinkFigures, growing_probe
 
 
 def pick_device(choice: str = "auto") -> torch.device:
@@ -122,13 +122,13 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def coordinator_link(client: httpx.Client, probe_bytes: int = 1 << 20, probe_s: float = 0.25,
-                     max_probe_bytes: int = 16 << 20) -> tuple[float, float]:
-    """(round-trip seconds, bytes/s) to the coordinator, from /healthz pings and probe downloads that
-    grow while they are short (`growing_probe`)."""
+                     max_probe_bytes: int = 16 << 20) -> LinkFigures:
+    """The link to the coordinator, from /healthz pings (their median) and probe downloads that grow
+    while they are short (`growing_probe`: the longest repeated, their median and spread)."""
     _steady_get(client, "/healthz")  # opens the connection
-    latency = min(_steady_get(client, "/healthz") for _ in range(3))
+    latency = statistics.median(_steady_get(client, "/healthz") for _ in range(PINGS))
     probe = lambda size: _steady_get(client, "/v1/probe", params={"bytes": size}, expect_busy=True)  # noqa: E731
-    return latency, growing_probe(probe, latency, probe_bytes, max_probe_bytes, probe_s)
+    return LinkFigures(latency, *growing_probe(probe, latency, probe_bytes, max_probe_bytes, probe_s))
 
 
 def _steady_get(client: httpx.Client, path: str, *, params: dict | None = None, expect_busy: bool = False,
@@ -199,12 +199,12 @@ def profile_node(client: httpx.Client, device: torch.device, max_memory: int | N
     """`datasets`: each offered name -> its file's fingerprint (ravnest/data/proof.py); `vocab_sizes`:
     each offered token file's vocabulary."""
     warm_up(device)
-    latency, bandwidth = coordinator_link(client)
+    link = coordinator_link(client)
     return NodeProfile(
         flops=matmul_flops(device), memory_bytes=offered_memory(device, max_memory), device=str(device),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
-        cores=torch.get_num_threads(), bandwidth_bytes_per_s=plausible_bandwidth(bandwidth),
-        latency_s=min(latency, LATENCY["le"]), datasets=sorted(datasets or {}), fingerprints=dict(datasets or {}),
+        cores=torch.get_num_threads(), bandwidth_bytes_per_s=plausible_bandwidth(link.bandwidth),
+        bandwidth_spread=min(link.spread, SPREAD["le"]), latency_s=min(link.latency, LATENCY["le"]), datasets=sorted(datasets or {}), fingerprints=dict(datasets or {}),
         vocab_sizes=dict(vocab_sizes or {}),
         idle_bytes=status_bytes("VmRSS") or 0)
 

@@ -157,7 +157,7 @@ def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: Te
     r = client.post(f"/v1/nodes/{a[0]}/heartbeat", json={"links": links}, headers=a[1])
     assert r.status_code == 200 and r.json()["probe"] == []
     views = {n["id"]: n for n in client.get("/v1/nodes").json()}
-    assert views[a[0]]["links"] == [{"peer_id": b[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02}]
+    assert views[a[0]]["links"] == [{"peer_id": b[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02, "spread": 1.0}]
     assert views[b[0]]["links"] == []
     bad = [{"peer_id": b[0], "bandwidth_bytes_per_s": -1, "latency_s": 0.0}]
     r = client.post(f"/v1/nodes/{a[0]}/heartbeat", json={"links": bad}, headers=a[1])
@@ -168,6 +168,28 @@ def test_idle_nodes_are_asked_to_probe_peers_and_their_links_are_kept(client: Te
     done = [{"peer_id": c[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02}]
     assert client.post(f"/v1/nodes/{a[0]}/heartbeat", json={"links": done}, headers=a[1]).status_code == 200
     assert {p["node_id"] for p in beat(client, *b)["probe"]} == {a[0], c[0]}  # a's probes reported: b's turn
+
+
+def test_a_link_whose_probe_repeats_lay_far_apart_is_measured_again(client: TestClient) -> None:
+    """One probe round on a busy host must not decide a link for good: a link reported with a wide
+    spread is asked for again (up to REMEASURES rounds); a clean round replaces it, and a wide one does
+    not replace a figure measured clean."""
+    from coordinator.service.link_probes import REMEASURES
+
+    a, b = (join(client, name) for name in ("alpha", "beta"))
+
+    def report(bandwidth: float, spread: float) -> dict:
+        links = [{"peer_id": b[0], "bandwidth_bytes_per_s": bandwidth, "latency_s": 0.02, "spread": spread}]
+        r = client.post(f"/v1/nodes/{a[0]}/heartbeat", json={"links": links}, headers=a[1])
+        assert r.status_code == 200, r.text
+        return {n["id"]: n for n in client.get("/v1/nodes").json()}[a[0]]["links"][0]
+
+    for round_ in range(1, REMEASURES + 1):
+        assert [p["node_id"] for p in beat(client, *a)["probe"]] == [b[0]], f"round {round_}"
+        assert report(1e6 * round_, 3.0)["bandwidth_bytes_per_s"] == 1e6 * round_
+    assert beat(client, *a)["probe"] == []  # REMEASURES wide rounds: it stays as measured
+    assert report(5e6, 1.1)["bandwidth_bytes_per_s"] == 5e6  # a clean figure replaces a wide one
+    assert report(2e5, 4.0) == {"peer_id": b[0], "bandwidth_bytes_per_s": 5e6, "latency_s": 0.02, "spread": 1.1}
 
 
 def test_a_node_that_trains_is_not_probed(client: TestClient) -> None:

@@ -78,8 +78,34 @@ def test_the_link_measurement_survives_connections_the_coordinator_resets():
     thread.start()
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{listener.getsockname()[1]}") as client:
-            latency, bandwidth = coordinator_link(client, probe_bytes=1 << 16, max_probe_bytes=1 << 18)
+            latency, bandwidth, _ = coordinator_link(client, probe_bytes=1 << 16, max_probe_bytes=1 << 18)
     finally:
         listener.close()
     assert served["reset"] == 2 and served["answered"] >= 4, served
     assert 0 < latency < 1 and bandwidth > 0
+
+
+def test_a_link_is_the_median_of_its_repeats_and_a_wide_spread_is_taken_again():
+    """One slowed transfer of several (a busy host) neither decides a link's figure nor hides: the
+    probe's longest transfer is repeated, taken as the median, and repeated further while the repeats
+    lie far apart; what stays wide is reported as such (the coordinator measures it again)."""
+    from ravnest.wire.transport.probes import MOST_REPEATS, REPEATS, growing_probe, repeated, summarised
+
+    assert summarised([10, 10, 5]) == (10, 2.0)
+    assert summarised([10, 12, 5, 10, 11]) == (10, 1.1)
+    once_slowed = iter([10.0] * 10)
+    calls = []
+    figure = repeated(lambda: calls.append(1) or next(once_slowed), first=[5.0])
+    assert figure == (10.0, 1.0) and len(calls) == 3  # 3 repeats were 2x apart: a fourth settled it
+    assert repeated(lambda: 10.0) == (10.0, 1.0)  # alike at once: REPEATS and no more
+    noisy = iter([4.0, 10.0] * MOST_REPEATS)
+    assert repeated(lambda: next(noisy)).spread == 2.5  # still wide after MOST_REPEATS: said so
+    sizes = []
+
+    def transfer(size: int) -> float:  # a 1 MB/s link 10 ms away; the third repeat slowed 3x
+        sizes.append(size)
+        seconds = 0.01 + size / 1e6
+        return 3 * seconds if len(sizes) == 5 else seconds
+    value, spread = growing_probe(transfer, 0.01, 1 << 12, 1 << 24, 0.25)
+    assert sizes[:3] == [1 << 12, 1 << 14, 1 << 16] and set(sizes[3:]) == {1 << 18} and len(sizes) >= 2 + REPEATS
+    assert value == pytest.approx(1e6) and spread < 1.5

@@ -80,7 +80,7 @@ def test_a_peer_reaches_a_node_through_the_relay_with_its_own_credentials_checke
             assert [m.id for m, _ in node_server.received] == list(range(5))
             assert all(torch.equal(m.tensors["x"], t) for (m, _), t in zip(node_server.received, tensors))
             assert ping(address, token="peer-token") >= 0
-            latency, bandwidth = measure_link(address, token="peer-token")
+            latency, bandwidth, _ = measure_link(address, token="peer-token")
             assert bandwidth > 1e6  # measured through the relay, as the planner will price the link
             with pytest.raises(grpc.RpcError) as refused:  # the relay does not vouch for anyone
                 ping(address, token="not the node's token")

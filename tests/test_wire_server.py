@@ -128,8 +128,8 @@ def test_frames_from_the_generated_stub_are_accepted(node: Node) -> None:
 
 def test_ping_and_measure_link(node: Node) -> None:
     assert ping(node.server.address, payload_bytes=1000, reply_bytes=1000) > 0
-    latency, bandwidth = measure_link(node.server.address, probe_bytes=1 << 20)
-    assert latency > 0 and bandwidth > 0
+    latency, bandwidth, spread = measure_link(node.server.address, probe_bytes=1 << 20)
+    assert latency > 0 and bandwidth > 0 and spread >= 1.0
     for too_much in (1 << 30, (64 << 10) + 1):
         with pytest.raises(grpc.RpcError) as info:
             ping(node.server.address, reply_bytes=too_much)
@@ -355,7 +355,7 @@ def test_single_string_token() -> None:
 def test_ping_token_opens_ping_only() -> None:
     node = Node(token="job-secret", ping_token=lambda: {"probe-secret"})
     try:
-        latency, bandwidth = measure_link(node.server.address, token="probe-secret", probe_bytes=1 << 16)
+        latency, bandwidth, _ = measure_link(node.server.address, token="probe-secret", probe_bytes=1 << 16)
         assert latency > 0 and bandwidth > 0
         with pytest.raises(grpc.RpcError) as info:
             raw_stream(node.server.address, list(message_frames(Message("ok"))), token="probe-secret")

@@ -6,6 +6,8 @@ again; several coordinator processes each run their own rounds). Bounded three w
 nodes cost no more per beat than 10: a node takes part in one round of probes at a time, as prober or
 as target; at most MAX_ROUNDS rounds run at once; and a node that measured MAX_LINKS_PER_NODE links
 is not asked again (remembered without a query). Peers are drawn at random from the idle nodes.
+A link whose repeats lay far apart (`WIDE_SPREAD`) is asked for again, and a round as wide does not
+replace a figure measured clean.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ravnest.spec import LinkReport, PeerProbe
+from ravnest.wire.transport.probes import WIDE_SPREAD
 
 from ..calibration import refuted_bandwidth
 from ..failure_reasons import who
@@ -32,6 +35,7 @@ MAX_ROUNDS = 64  # probe rounds at once, in all (each a prober and probe_peers t
 DRAWS = 8  # random idle nodes looked at per probe asked (those measured or in a round are passed over)
 IDLE_EVERY_S = 2.0  # the idle nodes probes are drawn from are read again this often
 FORGET_ENOUGH_S = 600.0  # how long "measured enough" is believed without counting again
+REMEASURES = 3  # probe rounds at most for a link whose repeats lay far apart (the node's probe repeats them too)
 
 
 class Candidate(NamedTuple):
@@ -51,6 +55,7 @@ class LinkProbes:
         self._enough: set[str] = set()  # nodes that measured MAX_LINKS_PER_NODE links
         self._expired_at = self._enough_since = core.clock()
         self._idle: list[Candidate] = []
+        self._idle_by_id: dict[str, Candidate] = {}
         self._idle_at = float("-inf")
 
     def answered(self, node_id: str, reports: list[LinkReport], unreached: list[str]) -> set[str]:
@@ -80,7 +85,11 @@ class LinkProbes:
                 if report.peer_id not in known or report.peer_id == node_id:
                     continue
                 link = links.get((node_id, report.peer_id)) or LinkRow(node_id=node_id, peer_id=report.peer_id)
-                link.bandwidth, link.latency, link.measured_at = report.bandwidth_bytes_per_s, report.latency_s, at
+                if link.bandwidth is None or report.spread <= max(WIDE_SPREAD, link.spread):
+                    link.bandwidth, link.latency = report.bandwidth_bytes_per_s, report.latency_s
+                    link.spread = report.spread
+                # (else a link measured clean once keeps that figure: this round was taken on a busy host)
+                link.measured_at, link.rounds = at, (link.rounds or 0) + 1
                 links[(node_id, report.peer_id)] = link
                 session.add(link)
 
@@ -115,8 +124,9 @@ class LinkProbes:
             self._asked = {pair: at for pair, at in self._asked.items() if pair[1] != peer_id}
 
     def probes_for(self, session: Session, node_id: str) -> list[PeerProbe]:
-        """Up to `probe_peers` idle peers whose link this node has not measured, drawn at random; none
-        once it measured MAX_LINKS_PER_NODE links. A peer that trains is not probed: a probe's
+        """Up to `probe_peers` idle peers whose link this node has not measured, drawn at random, after
+        those whose link it measured with repeats far apart (up to REMEASURES rounds: a busy host's moment
+        is not the link's); none once it measured MAX_LINKS_PER_NODE links. A peer that trains is not probed: a probe's
         megabytes would take its link's bandwidth and its memory from the job. A node takes part in
         one round of probes at a time, as prober or as target (until reported, or `probe_retry_s`):
         two probes through one host's link each measured about half of it (a 400 Mbit/s pair came out
@@ -127,8 +137,13 @@ class LinkProbes:
             if want <= 0 or node_id in self._enough or self._busy.get(node_id, 0.0) > now \
                     or len(self._rounds) >= MAX_ROUNDS:
                 return []
-        measured = set(session.scalars(select(LinkRow.peer_id).where(LinkRow.node_id == node_id)))
-        if len(measured) >= MAX_LINKS_PER_NODE:
+        measured, wide = set(), []
+        for peer_id, spread, rounds in session.execute(select(LinkRow.peer_id, LinkRow.spread, LinkRow.rounds)
+                                                       .where(LinkRow.node_id == node_id)):
+            measured.add(peer_id)
+            if spread > WIDE_SPREAD and rounds < REMEASURES:
+                wide.append(peer_id)
+        if len(measured) - len(wide) >= MAX_LINKS_PER_NODE:
             with self._lock:
                 self._enough.add(node_id)
             return []
@@ -136,8 +151,9 @@ class LinkProbes:
         with self._lock:
             if self._busy.get(node_id, 0.0) > now or len(self._rounds) >= MAX_ROUNDS:
                 return []  # another thread gave it (or the last round) meanwhile
-            chosen: list[Candidate] = []
-            for peer in random.sample(idle, min(len(idle), DRAWS * want)):
+            chosen: list[Candidate] = [peer for peer_id in wide if (peer := self._idle_by_id.get(peer_id))
+                                       and self._busy.get(peer_id, 0.0) <= now][:want]
+            for peer in random.sample(idle, min(len(idle), DRAWS * want) if len(chosen) < want else 0):
                 if peer.id != node_id and peer.id not in measured and self._busy.get(peer.id, 0.0) <= now:
                     chosen.append(peer)
                     if len(chosen) == want:
@@ -164,7 +180,7 @@ class LinkProbes:
             NodeRow.id, NodeRow.address, NodeRow.tls_name, NodeRow.relayed_by).where(
             NodeRow.state == IDLE, NodeRow.credential_ended.is_(None), self.core.live(now)))]
         with self._lock:
-            self._idle = idle
+            self._idle, self._idle_by_id = idle, {peer.id: peer for peer in idle}
         return idle
 
     def _expire(self, now: float) -> None:

@@ -194,7 +194,7 @@ class Membership:
             offers = self.offers.describe(session, page)
             for row in session.scalars(select(LinkRow).where(LinkRow.node_id.in_(page)).order_by(LinkRow.peer_id)):
                 links.setdefault(row.node_id, []).append(LinkReport(
-                    peer_id=row.peer_id, bandwidth_bytes_per_s=row.bandwidth, latency_s=row.latency))
+                    peer_id=row.peer_id, bandwidth_bytes_per_s=row.bandwidth, latency_s=row.latency, spread=row.spread))
             return [NodeView(id=node.id, name=node.name, address=node.address,
                              profile=NodeProfile.model_validate(node.profile),
                              state=GONE if self.core.gone(node, now) else node.state,

@@ -12,12 +12,12 @@ from .assignment import RelayOffer, Ring, StageAssignment, StagePeer
 from .common import DATASET_NAME, FINGERPRINT, HEX_NONCE, MAX_STEPS, SHA256, BlockRange, Strict, field_names
 from .job import (AUTO_CODEC, AveragingSettings, CheckpointSettings, DatasetRef, JobSpec, ModelRef, OptimizerRef,
                   Placement, StartingWeights, TrainingSettings)
-from .protocol import (ADDRESS, BANDWIDTH, FLOPS, LATENCY, DataChallenge, DataProof, FailureReport, HeartbeatRequest,
-                       HeartbeatResponse, JoinRequest, JoinResponse, LinkReport, MetricsReport, NodeProfile, Offered,
-                       PeerProbe, plausible_bandwidth)
+from .protocol import (ADDRESS, BANDWIDTH, FLOPS, LATENCY, SPREAD, DataChallenge, DataProof, FailureReport,
+                       HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinkReport, MetricsReport,
+                       NodeProfile, Offered, PeerProbe, plausible_bandwidth)
 
 __all__ = ["ADDRESS", "AUTO_CODEC", "BANDWIDTH", "DATASET_NAME", "FINGERPRINT", "FLOPS", "HEX_NONCE", "LATENCY",
-           "MAX_STEPS", "SHA256", "AveragingSettings", "BlockRange", "CheckpointSettings", "DataChallenge", "DataProof",
+           "MAX_STEPS", "SPREAD", "SHA256", "AveragingSettings", "BlockRange", "CheckpointSettings", "DataChallenge", "DataProof",
            "DatasetRef", "FailureReport", "HeartbeatRequest", "HeartbeatResponse", "JobSpec", "JoinRequest",
            "JoinResponse", "LinkReport", "MetricsReport", "ModelRef", "NodeProfile", "Offered", "OptimizerRef",
            "PeerProbe", "Placement", "RelayOffer", "Ring", "StageAssignment", "StagePeer", "StartingWeights", "Strict",

@@ -27,6 +27,7 @@ def plausible_bandwidth(measured: float) -> float:
     """A measurement within BANDWIDTH: a probe over loopback can finish faster than the clock resolves."""
     return min(max(measured, BANDWIDTH["ge"]), BANDWIDTH["le"])
 LATENCY: dict[str, Any] = dict(ge=0, le=60)  # seconds, round trip
+SPREAD: dict[str, Any] = dict(ge=1.0, le=1e6)  # a repeated measurement's largest over its smallest
 ADDRESS = r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}$"
 
 
@@ -62,6 +63,8 @@ class NodeProfile(Offered):
     cores: int = Field(1, ge=1, le=4096)
     bandwidth_bytes_per_s: float = Field(description="measured to the coordinator", **BANDWIDTH)
     latency_s: float = Field(description="round trip to the coordinator", **LATENCY)
+    bandwidth_spread: float = Field(1.0, description="how far its repeated probes lay apart (largest over smallest)",
+                                    **SPREAD)
     idle_bytes: int = Field(0, ge=0, le=1 << 46, description=(
         "the node process's own resident memory when it joined (torch and the node, about 0.5 GB on a CPU), "
         "on top of memory_bytes, which is for training only"))
@@ -103,6 +106,8 @@ class LinkReport(_Measured):
     peer_id: str = Field(max_length=64)
     bandwidth_bytes_per_s: float = Field(**BANDWIDTH)
     latency_s: float = Field(description="round trip", **LATENCY)
+    spread: float = Field(1.0, description="how far its repeated probes lay apart (largest over smallest): a wide "
+                                           "one is measured again", **SPREAD)
 
 
 class PeerProbe(Strict):

@@ -2,8 +2,11 @@
 and bandwidth."""
 from __future__ import annotations
 
+import math
+import statistics
 import time
-from typing import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import grpc
 
@@ -45,28 +48,70 @@ def wait_authorized(address: str, token: str | None, timeout: float = AUTH_GRACE
         delay = min(2 * delay, 1.0)
 
 
+WIDE_SPREAD = 1.5  # repeats further apart than this (largest over smallest of the middle ones) are taken again
+REPEATS, MOST_REPEATS = 3, 7  # of a probe's longest transfer: at first, and at most while they stay wide
+PINGS = 5  # empty pings a link's round trip is the median of
+
+
+class Measured(NamedTuple):
+    """A figure taken several times: their median, and how far the middle ones lie apart (the largest
+    over the smallest, 1.0 where all agree)."""
+    value: float
+    spread: float
+
+
+def summarised(samples: Sequence[float]) -> Measured:
+    """The median of `samples` and the spread of their middle half (a quarter left out at each end, so
+    one slowed repeat of five does not make the spread wide). Worked example: [10, 10, 5] -> (10, 2.0);
+    [10, 12, 5, 10, 11] -> (10, 1.1)."""
+    ordered = sorted(samples)
+    cut = len(ordered) // 4
+    middle = ordered[cut:len(ordered) - cut]
+    return Measured(statistics.median(ordered), middle[-1] / middle[0] if middle[0] > 0 else math.inf)
+
+
+def repeated(measure: Callable[[], float], first: Sequence[float] = ()) -> Measured:
+    """`measure()` taken until there are REPEATS samples (`first` counts), and again while their spread is
+    wider than WIDE_SPREAD, up to MOST_REPEATS: on a busy host some repeats are slowed by what else runs
+    (one probe round there once decided a whole plan), and the median of several is what the link does.
+    A spread still wide at the end is reported as it is: the coordinator measures that link again."""
+    samples = list(first)
+    while len(samples) < REPEATS:
+        samples.append(measure())
+    while (figure := summarised(samples)).spread > WIDE_SPREAD and len(samples) < MOST_REPEATS:
+        samples.append(measure())
+    return figure
+
+
+class LinkFigures(NamedTuple):
+    """What a probe measured of a link: its round trip (the median of PINGS), its bandwidth (the median
+    of its longest transfer's repeats) and their spread."""
+    latency: float
+    bandwidth: float
+    spread: float = 1.0
+
+
 def measure_link(address: str, *, token: str | None = None, probe_bytes: int = 1 << 20, probe_s: float = 0.25,
-                 timeout: float = 10.0, pool: ChannelPool | None = None) -> tuple[float, float]:
-    """(latency seconds, bandwidth bytes/s) to a peer: empty pings, then payload pings that grow while
-    they are short (`growing_probe`; 1 MiB alone measured 400 Mbit/s links below 100 Mbit/s ones)."""
+                 timeout: float = 10.0, pool: ChannelPool | None = None) -> LinkFigures:
+    """A link to a peer: empty pings, then payload pings that grow while they are short (`growing_probe`;
+    1 MiB alone measured 400 Mbit/s links below 100 Mbit/s ones)."""
     ping(address, token=token, timeout=timeout, pool=pool)  # warm the channel
-    latency = min(ping(address, token=token, timeout=timeout, pool=pool) for _ in range(3))
-    return latency, growing_probe(lambda size: ping(address, token=token, payload_bytes=size, timeout=timeout,
-                                                    pool=pool), latency, probe_bytes, MAX_PING_BYTES, probe_s)
+    latency = statistics.median(ping(address, token=token, timeout=timeout, pool=pool) for _ in range(PINGS))
+    bandwidth = growing_probe(lambda size: ping(address, token=token, payload_bytes=size, timeout=timeout, pool=pool),
+                              latency, probe_bytes, MAX_PING_BYTES, probe_s)
+    return LinkFigures(latency, *bandwidth)
 
 
 def growing_probe(transfer: Callable[[int], float], latency: float, first_bytes: int, max_bytes: int,
-                  probe_s: float) -> float:
+                  probe_s: float) -> Measured:
     """Bytes/s from `transfer(size) -> seconds`, each transfer 4x larger than the last while it took
     under `probe_s` (up to `max_bytes`): a fast link needs more bytes than a slow one to be measured
-    beyond a request's own overhead. The last, longest size is sent twice and the faster counts (noise
-    on a shared machine only ever slows a transfer: a join's one probe of a 400 Mbit/s link once came
-    out at 211), less the round trip (at most half of it: a short probe on loopback minus the ping
-    once gave 1 TB/s)."""
+    beyond a request's own overhead. The last, longest size is `repeated`, each less the round trip
+    (at most half of it: a short probe on loopback minus the ping once gave 1 TB/s)."""
     size = first_bytes
-    while True:
-        elapsed = transfer(size)
-        if elapsed >= probe_s or size * 4 > max_bytes:
-            elapsed = min(elapsed, transfer(size))
-            return size / max(elapsed - latency, elapsed / 2)
+    while (elapsed := transfer(size)) < probe_s and size * 4 <= max_bytes:
         size *= 4
+
+    def rate(seconds: float) -> float:
+        return size / max(seconds - latency, seconds / 2)
+    return repeated(lambda: rate(transfer(size)), first=[rate(elapsed)])
