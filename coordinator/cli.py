@@ -44,8 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-interval", type=float, default=2.0,
                         help="seconds between node heartbeats (default: 2)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None,
-                        help="seconds without a heartbeat before a node is declared lost and its job re-planned "
-                             "(default: 3 intervals)")
+                        help="seconds without a heartbeat before a node is suspect: not placed; it is lost (its "
+                             "job re-planned) once its pipeline also stops stepping, or after 10 intervals of "
+                             "silence (default: 3 intervals)")
     parser.add_argument("--heartbeat-rate", type=float, default=100.0, metavar="PER_S",
                         help="beats a second all nodes together send at most: past rate x interval nodes, the interval "
                              "grows (up to 40 s idle, 10 s busy), and so does the time to notice a lost node "

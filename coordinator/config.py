@@ -18,7 +18,10 @@ class Settings:
     heartbeat_interval_s: float = 2.0
     node_credential_ttl_s: float = 86400.0  # a node silent this long must join again
     node_retention_s: float = 7 * 86400.0  # a node gone this long is forgotten (pruned from the store)
-    heartbeat_timeout_factor: float = 3.0  # a node is gone after this many missed intervals (its own)
+    # a node is suspect after this many missed intervals (its own), gone on more evidence or after
+    # heartbeat_dead_factor of them (coordinator/failure_rules/heartbeat.py)
+    heartbeat_timeout_factor: float = 3.0
+    heartbeat_dead_factor: float = 10.0
     # beats a second all nodes together send at most: past heartbeat_rate x heartbeat_interval_s live nodes
     # the interval grows (service/presence.py), and so does the time it takes to notice a lost node
     heartbeat_rate: float = 100.0
@@ -82,6 +85,11 @@ class Settings:
     @property
     def database_url(self) -> str:
         return self.db_url or f"sqlite:///{(self.data_dir / 'coordinator.db').resolve()}"
+
+    @property
+    def silence_dead_factor(self) -> float:
+        """Intervals of silence that convict a node on their own: never under twice the suspect's."""
+        return max(self.heartbeat_dead_factor, 2 * self.heartbeat_timeout_factor)
 
     @property
     def heartbeat_timeout_s(self) -> float:

@@ -204,8 +204,8 @@ def profile_node(client: httpx.Client, device: torch.device, max_memory: int | N
         flops=matmul_flops(device), memory_bytes=offered_memory(device, max_memory), device=str(device),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
         cores=torch.get_num_threads(), bandwidth_bytes_per_s=plausible_bandwidth(link.bandwidth),
-        bandwidth_spread=min(link.spread, SPREAD["le"]), latency_s=min(link.latency, LATENCY["le"]), datasets=sorted(datasets or {}), fingerprints=dict(datasets or {}),
-        vocab_sizes=dict(vocab_sizes or {}),
+        bandwidth_spread=min(link.spread, SPREAD["le"]), latency_s=min(link.latency, LATENCY["le"]),
+        datasets=sorted(datasets or {}), fingerprints=dict(datasets or {}), vocab_sizes=dict(vocab_sizes or {}),
         idle_bytes=status_bytes("VmRSS") or 0)
 
 

@@ -730,8 +730,15 @@ def test_lost_heartbeats_replan_the_running_job_on_the_survivors(client: TestCli
         beat(client, node_id, auth, job_id=job_id)
     clock.now += 2 * INTERVAL  # members[0] last seen 4 intervals ago, the others 2
     client.app.state.service.tick()
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "running"  # suspect: its cluster may step on
+    for _ in range(3):  # ... but it does not (no stage reports a step)
+        clock.now += INTERVAL
+        for node_id, auth in members[1:]:
+            beat(client, node_id, auth, job_id=job_id)
+        client.app.state.service.tick()
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["state"] == "recovering" and members[0][0] in job["reason"] and "heartbeats" in job["reason"]
+    assert "its cluster made no step for 3 s" in job["reason"]
     states = {n["id"]: n["state"] for n in client.get("/v1/nodes").json()}
     assert states[members[0][0]] == "gone" and states[members[1][0]] == "busy"
     # the survivors are told to train alone (those of intact clusters train on meanwhile) ...
@@ -776,7 +783,7 @@ def test_a_job_that_lost_a_cluster_continues_with_fewer_than_it_asked_for(client
     for node_id, auth in members:
         beat(client, node_id, auth)
     survivors = members[1:]
-    clock.now += 4 * INTERVAL  # members[0] went silent
+    clock.now += 7 * INTERVAL  # members[0] went silent (alone in its cluster: only a long silence convicts it)
     for later in (3 * INTERVAL, 0):
         for node_id, auth in survivors:
             beat(client, node_id, auth, job_id=job_id)

@@ -47,11 +47,13 @@ class JobPace(Observation):
 
 @dataclass(frozen=True)
 class Silence(Observation):
-    """A node that missed at least one heartbeat."""
+    """A node that missed at least one heartbeat, and whether its cluster still steps."""
     node_id: str
     who: str  # how a user knows it: "c (2f8c...)"
     last_seen: float
     interval_s: float  # the heartbeat interval it was told: it grows with the number of nodes
+    job_id: str | None = None  # the running job it holds a stage of
+    cluster_step: int | None = None  # the furthest step its cluster's other stages reported (None: no such stage)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ under the lock.
 The interval. Nodes beat every `heartbeat_interval_s` until there are more than `heartbeat_rate`
 times that many live nodes; past that, the interval grows so that all of them together send about
 `heartbeat_rate` beats a second, up to IDLE_CAP_S for idle nodes and BUSY_CAP_S for busy ones. A node
-is lost after `heartbeat_timeout_factor` of *its own* intervals (the one it was last told, kept in
-`nodes.beat_interval_s`), so noticing a lost node takes at most 3 x 40 s = 2 minutes while idle and
-3 x 10 s = 30 s while busy (where its pipeline peers also report it at once). With the defaults
+is suspect after `heartbeat_timeout_factor` of *its own* intervals (the one it was last told, kept in
+`nodes.beat_interval_s`) and gone on more evidence (failure_rules/heartbeat.py), so noticing a lost
+node takes at most 10 x 40 s while idle and 2 x 3 x 10 s = 1 minute while busy (where its pipeline
+peers also report it at once). With the defaults
 (2 s, 100 beats/s) that starts past 200 nodes; 4,000 idle nodes and more beat every 40 s (10,000 of
 them: 250 beats/s, shared by the coordinator processes).
 """

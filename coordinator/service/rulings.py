@@ -123,6 +123,19 @@ class Rulings:
         node.state, node.job_id = GONE, None
         log.info("node %s: %s", node.id, reason)
 
+    @staticmethod
+    def _cluster_step(session: Session, node: NodeRow) -> tuple[str | None, int | None]:
+        """(the running job it holds a stage of, the furthest step the other stages of its cluster
+        reported): a second source on whether it is alive (failure_rules/heartbeat.py)."""
+        job = session.get(JobRow, node.job_id) if node.job_id else None
+        if job is None or job.state != JobState.RUNNING.value:
+            return None, None
+        stage = stage_of_node(session, job.id, node.id)
+        if stage is None:
+            return None, None
+        return job.id, session.scalar(select(func.max(StageRow.step)).where(
+            StageRow.job_id == job.id, StageRow.cluster == stage.cluster, StageRow.node_id != node.id))
+
     def check_silence(self, session: Session, now: float) -> None:
         """Every node that missed a heartbeat, and every stage alone in its cluster that has not reported
         since the last interval while its job ran, as the rules see them."""
@@ -130,8 +143,9 @@ class Rulings:
         late = now - base
         told = func.coalesce(NodeRow.beat_interval_s, base)
         for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < now - told)):
+            job_id, cluster_step = self._cluster_step(session, node)
             self.observe(session, Silence(now, node.id, f"{node.id} ({node.name or node.address})", node.last_seen,
-                                          node.beat_interval_s or base))
+                                          node.beat_interval_s or base, job_id, cluster_step))
         for row in session.scalars(select(StageRow).join(JobRow, JobRow.id == StageRow.job_id).where(
                 JobRow.state == JobState.RUNNING.value, StageRow.updated_at < late, JobRow.updated_at < late)):
             job, holder = session.get_one(JobRow, row.job_id), session.get(NodeRow, row.node_id)

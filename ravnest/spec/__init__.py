@@ -17,8 +17,8 @@ from .protocol import (ADDRESS, BANDWIDTH, FLOPS, LATENCY, SPREAD, DataChallenge
                        NodeProfile, Offered, PeerProbe, plausible_bandwidth)
 
 __all__ = ["ADDRESS", "AUTO_CODEC", "BANDWIDTH", "DATASET_NAME", "FINGERPRINT", "FLOPS", "HEX_NONCE", "LATENCY",
-           "MAX_STEPS", "SPREAD", "SHA256", "AveragingSettings", "BlockRange", "CheckpointSettings", "DataChallenge", "DataProof",
-           "DatasetRef", "FailureReport", "HeartbeatRequest", "HeartbeatResponse", "JobSpec", "JoinRequest",
-           "JoinResponse", "LinkReport", "MetricsReport", "ModelRef", "NodeProfile", "Offered", "OptimizerRef",
-           "PeerProbe", "Placement", "RelayOffer", "Ring", "StageAssignment", "StagePeer", "StartingWeights", "Strict",
-           "TrainingSettings", "field_names", "plausible_bandwidth"]
+           "MAX_STEPS", "SHA256", "SPREAD", "AveragingSettings", "BlockRange", "CheckpointSettings", "DataChallenge",
+           "DataProof", "DatasetRef", "FailureReport", "HeartbeatRequest", "HeartbeatResponse", "JobSpec",
+           "JoinRequest", "JoinResponse", "LinkReport", "MetricsReport", "ModelRef", "NodeProfile", "Offered",
+           "OptimizerRef", "PeerProbe", "Placement", "RelayOffer", "Ring", "StageAssignment", "StagePeer",
+           "StartingWeights", "Strict", "TrainingSettings", "field_names", "plausible_bandwidth"]
