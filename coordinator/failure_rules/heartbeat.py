@@ -41,7 +41,7 @@ class SilentNode(Rule[Silence]):
         if seen.cluster_step is None:
             return []  # no second source: only a long silence convicts it
         last_seen, step, since = self.memory.get(key, (None, None, None))
-        if last_seen != seen.last_seen or step is None or seen.cluster_step > step:  # a new silence, or a step
+        if last_seen != seen.last_seen or seen.cluster_step > step:  # a new silence, or a step
             self.memory[key] = (seen.last_seen, seen.cluster_step, seen.at)
             return []
         if seen.at - since < suspect_s:
