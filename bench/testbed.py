@@ -2,18 +2,22 @@
 
 Six nodes in network namespaces (scripts/testbed.py, needs root), links shaped with tbf to three
 tiers of home upload speeds, joining in an interleaved order as volunteers would (default
-40 10 2.5 2.5 10 40 Mbit/s). The coordinator measures them itself. The same job (the README's digits CNN as 2-stage pipelines:
-a model cut in two as one too big for a node would be) runs under `placement.policy` "measured"
-(clusters by measured bandwidth and compute, cuts by predicted time, slow clusters left out where
-they would pace the others, rings ordered by measured links) and "equal-split" (clusters by memory
-in join order, equal parameters per stage, rings in join order), alternating, `--repeat` times. A
-third run per repeat, "measured, every group" (`placement.clusters` = the number of tiers), keeps
-the slow groups in, to show what clustering by tier gives without leaving anyone out.
+40 10 2.5 2.5 10 40 Mbit/s). The coordinator measures them itself. The same job (the README's digits
+CNN as 2-stage pipelines: a model cut in two as one too big for a node would be) runs under
+`placement.policy` "measured" (clusters by measured bandwidth and compute, cuts by predicted time,
+slow clusters left out where they would pace the others, rings ordered by measured links) and
+"equal-split" (clusters by memory in join order, equal parameters per stage, rings in join order),
+alternating, `--repeat` times. A third run per repeat, "measured, every group" (`placement.clusters`
+= the number of tiers), keeps the slow groups in, to show what clustering by tier gives without leaving anyone out.
 
 Throughput is what the job trained: samples of every cluster over the time until the last cluster
 finished, from the stages' own reports (startup and the final upload not counted).
 
-    python -m bench.testbed [--repeat 3] [--steps 400] [--tiers 40 10 2.5 2.5 10 40] [--no-docs]
+    python -m bench.testbed [--repeat 3] [--steps 400] [--tiers 40 10 2.5 2.5 10 40] [--busy] [--no-docs]
+
+`--busy` runs a process burning one core beside it all along (a volunteer's host does other work), and
+each run prints what the planner was given of every host (tier: measured Mbit/s, GFLOP/s as its jobs
+measured them): which of them split the tiers where a run mixed them.
 
 Prints last `testbed tiers_clustered=<true|false> samples_per_s=<x> vs_equal_split=<r>` (medians);
 tiers_clustered: in every run of ours, each tier's hosts are one cluster of their own or left out
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -81,6 +86,24 @@ def run(testbed: ShapedTestbed, variant: str, steps: int) -> dict:
             "tiers_apart": tiers_apart(tier, where)}
 
 
+def planner_figures(testbed: ShapedTestbed) -> str:
+    """What the planner had of each host, by tier: Mbit/s as measured (a peer's figure where that was
+    below the node's own) and GFLOP/s over the slowdown its cnn stages measured."""
+    figures: dict[float, list[str]] = {}
+    for node in testbed.alive_nodes():
+        profile = node["profile"]
+        mbit = min(profile["bandwidth_bytes_per_s"], node.get("measured_bandwidth") or float("inf")) * 8 / 1e6
+        slowdown = (node.get("by_model") or {}).get("cnn", {}).get("slowdown") or node.get("slowdown") or 1.0
+        flops = (node.get("measured_flops") or profile["flops"]) / slowdown
+        figures.setdefault(testbed.tier_of(node), []).append(f"{mbit:.0f}/{flops / 1e9:.0f}")
+    return ", ".join(f"{tier:g}: {' '.join(sorted(f))}" for tier, f in sorted(figures.items()))
+
+
+def burn_one_core() -> subprocess.Popen:
+    """Other work on the host: a process spinning on one core until killed."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
 def tiers_apart(tier: dict[str, float], where: dict[str, str]) -> bool:
     """Whether each tier's hosts went to one place (a cluster, or out as one group) of their own."""
     places = {t: {where[node] for node in tier if tier[node] == t} for t in set(tier.values())}
@@ -93,13 +116,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--tiers", type=float, nargs="+", default=[40, 10, 2.5, 2.5, 10, 40],
                         help="Mbit/s of each host, in the order they join")
+    parser.add_argument("--busy", action="store_true", help="with a process burning one core beside it")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
         print(f"bench.testbed: {reason}", file=sys.stderr)
         return 2
+    busy = burn_one_core() if args.busy else None
+    try:
+        return bench(args, argv)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
 
+
+def bench(args: argparse.Namespace, argv: list[str] | None) -> int:
     runs: list[dict] = []
     lines: list[str] = []
     with tempfile.TemporaryDirectory() as scratch, ShapedTestbed(Path(scratch), args.tiers) as testbed:
@@ -110,27 +143,31 @@ def main(argv: list[str] | None = None) -> int:
                      f"measured {dict(sorted(measured.items()))}")
         for repeat in range(args.repeat):
             for variant in list(VARIANTS)[::1 if repeat % 2 == 0 else -1]:  # alternate who goes first
+                given = planner_figures(testbed)
                 figures = run(testbed, variant, args.steps)
                 runs.append(figures)
                 line = (f"run {repeat + 1} {variant:<11}: {figures['samples_per_s']:7.0f} samples/s trained "
                         f"(predicted {figures['predicted']:,.0f}), accuracy {figures['accuracy']:.4f}, tiers per "
-                        f"cluster {figures['clusters']}, {figures['spares']} spare")
+                        f"cluster {figures['clusters']}, {figures['spares']} spare\n"
+                        f"  planned from (tier: Mbit/s/GFLOP/s) {given}")
                 print(line, flush=True)
                 lines.append(line)
     ours, baseline, every = ([r for r in runs if r["variant"] == v] for v in VARIANTS)
     ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, baseline)]
-    clustered = all(r["tiers_apart"] for r in ours)
+    apart = sum(r["tiers_apart"] for r in ours)
     median = statistics.median(r["samples_per_s"] for r in ours)
     lines += [*(f"plan, {r['variant']}: {r['reason']}" for r in (ours[0], baseline[0], every[0])),
               f"measured / equal-split per run: {', '.join(f'{r:.2f}' for r in ratios)}; every group / equal-split: "
               f"{statistics.median(a['samples_per_s'] / b['samples_per_s'] for a, b in zip(every, baseline)):.2f}",
+              f"tiers clustered in {apart} of {len(ours)} runs of ours",
               "accuracy (medians): " + ", ".join(f"{name} {statistics.median(r['accuracy'] for r in rs):.4f}"
                                                  for name, rs in zip(VARIANTS, (ours, baseline, every)))]
-    summary = (f"testbed tiers_clustered={str(clustered).lower()} samples_per_s={median:.0f} "
+    summary = (f"testbed tiers_clustered={str(apart == len(ours)).lower()} samples_per_s={median:.0f} "
                f"vs_equal_split={statistics.median(ratios):.2f}")
-    print("\n".join(lines[-5:]))
+    print("\n".join(lines[-6:]))
     if not args.no_docs:
-        write_section("Shaped testbed: our plan against equal split", (
+        title = "Shaped testbed: our plan against equal split" + (", beside a busy core" if args.busy else "")
+        write_section(title, (
             f"Command (as root): `{command_line('bench.testbed', argv)}`\n\n{READING}\n\n```\n" + "\n".join(lines)
             + f"\n{summary}\n```\n"))
     print(summary)

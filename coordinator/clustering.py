@@ -3,6 +3,12 @@ log-memory, then repaired so that every cluster can hold the whole model.
 
 Similar machines in one pipeline keep its stages balanced and keep a slow link from throttling fast
 nodes; clusters are data-parallel replicas, so each must hold a full copy of the model.
+
+Where the planner picks the number of clusters, k-means' own choice (the k of best silhouette) is one
+candidate among a few (`candidate_groupings`), and the planner takes the one whose plan predicts most:
+on a busy host the compute figures of alike machines differ 2-4x from one probe to the next, which
+blurred three bandwidth tiers into "one group" in 8 of 40 simulated draws, and that group was then
+dealt into pipelines that each held a slow host.
 """
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ MAX_AUTO_CLUSTERS = 8
 SIMILAR_LOG_SPREAD = math.log(2.0)  # nodes within 2x of each other on every measure form one cluster
 MIN_SILHOUETTE = 0.5  # weaker structure than this is not worth splitting on
 SAMPLE = 1000  # k is chosen on a sample of this many nodes, so choosing stays fast for 10,000 nodes
+# up to this many nodes the planner also weighs other groupings than k-means' own (each a whole plan:
+# a few ms here, seconds at 10,000 nodes, where so many figures leave the silhouette little to chance)
+ALTERNATIVES_UP_TO = 256
 
 
 @dataclass(frozen=True)
@@ -72,15 +81,17 @@ def _alike(raw: np.ndarray) -> bool:
     return bool(np.ptp(raw, axis=0).max() < SIMILAR_LOG_SPREAD)
 
 
-def choose_k(raw: np.ndarray, x: np.ndarray, seed: int = 0) -> int:
-    """1 when the nodes are alike, else the k in 2..8 with the best silhouette (on a sample)."""
+def choose_k(raw: np.ndarray, x: np.ndarray, seed: int = 0, least_silhouette: float = MIN_SILHOUETTE) -> int:
+    """1 when the nodes are alike, else the k in 2..8 with the best silhouette (on a sample), where that
+    is above `least_silhouette` (else 1)."""
     n = len(x)
     if n <= 2 or _alike(raw):
         return 1
     rng = np.random.default_rng(seed)
     sample = x if n <= SAMPLE else x[rng.choice(n, SAMPLE, replace=False)]
-    best_k, best_score = 1, MIN_SILHOUETTE
-    for k in range(2, min(MAX_AUTO_CLUSTERS, len(sample) - 1) + 1):
+    best_k, best_score = 1, least_silhouette
+    distinct = len(np.unique(sample, axis=0))  # (more clusters than distinct points: k-means warns, and repeats)
+    for k in range(2, min(MAX_AUTO_CLUSTERS, len(sample) - 1, distinct) + 1):
         labels = _kmeans(sample, k, seed, n_init=1).labels_
         if len(set(labels)) < 2:
             continue
@@ -89,6 +100,30 @@ def choose_k(raw: np.ndarray, x: np.ndarray, seed: int = 0) -> int:
         if score > best_score:
             best_k, best_score = k, score
     return best_k
+
+
+def candidate_groupings(nodes: Sequence[NodeInfo], memory_need: int, seed: int = 0,
+                        min_size: int = 1) -> list[tuple[str, list[list[int]]]]:
+    """Groupings for the planner to weigh where it picks the number of clusters, each named, k-means'
+    own (`cluster_nodes`) first; for up to ALTERNATIVES_UP_TO nodes also the best k of any silhouette
+    and the grouping by bandwidth alone (a link's figure is repeated until its repeats agree; a compute
+    figure on a busy host is one moment's share of a core). Each is repaired as `cluster_nodes` repairs
+    its own; the same grouping is not listed twice."""
+    candidates = [("k-means on bandwidth, compute and memory",
+                   cluster_nodes(nodes, memory_need, None, seed, min_size))]
+    if len(nodes) > ALTERNATIVES_UP_TO:
+        return candidates
+    memory = np.array([node.memory_bytes for node in nodes], dtype=np.float64)
+    raw = log_features(nodes)
+    for name, features in (("k-means on all three at its best k", raw),
+                           ("k-means on bandwidth alone", raw[:, :1])):
+        x = standardise(features)
+        k = choose_k(features, x, seed, least_silhouette=-1.0)
+        labels = _kmeans(x, k, seed).labels_ if k > 1 else np.zeros(len(nodes), dtype=int)
+        groups = _merge_small(standardise(raw), labels, memory, memory_need, min_size)
+        if all(sorted(map(sorted, groups)) != sorted(map(sorted, known)) for _, known in candidates):
+            candidates.append((name, groups))
+    return candidates
 
 
 def cluster_nodes(nodes: Sequence[NodeInfo], memory_need: int, clusters: int | None = None,

@@ -25,7 +25,8 @@ from ravnest.spec import AveragingSettings, Placement, TrainingSettings
 from .clustering import NodeInfo
 from .peer_links import Links, capacities
 from .plan_words import mib, plural
-from .planning import PlanningError, assemble, less_relaying, make_shape
+from .planning import PlanningError, assemble, make_shape
+from .relay_memory import less_relaying
 from .schemas import Plan
 
 

@@ -54,34 +54,17 @@ from ravnest.pipeline.memory import training_load
 from ravnest.spec import AUTO_CODEC, AveragingSettings, Placement, TrainingSettings
 from ravnest.wire import codecs
 
-from .clustering import ClusteringError, NodeInfo, cluster_nodes
+from .clustering import ClusteringError, NodeInfo, candidate_groupings, cluster_nodes
 from .in_flight import compute_step_s, in_flight_for
 from .codec_choice import averaging_candidates, averaging_codec, averaging_predictions, coded_links, pick_codecs
 from .peer_links import Links, capacities, link
+from .relay_memory import less_relaying, relaying_bytes
 from .plan_words import counted, mib, named_groups, plural, rate
 from .ring_order import best_ring
 from .schemas import Plan, PlannedAveraging, PlannedCluster, PlannedRing, PlannedStage
 
 
 NEAR_BEST = 0.9  # within this share of the best predicted throughput the simpler plan wins (shallower, more groups)
-# what relay code holds on a node whose links run through it (node/relaying.py): a hidden node's tunnels, or the
-# relay for its peers of a node sent to hidden ones; with 2 of 4 nodes hidden, the digits CNN's stages measured
-# 0.9-3 MiB above their prediction on either side, and within it with no node hidden
-RELAYING_BYTES = 2 << 20
-
-
-def relaying_bytes(node: NodeInfo, hidden_in_job: bool) -> int:
-    """What relay code takes on `node` in a job that has hidden nodes (or not), beside its stage."""
-    return RELAYING_BYTES if node.hidden or (node.peer_relay and hidden_in_job) else 0
-
-
-def less_relaying(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
-    """The nodes as the planner fits stages on them: their offers less what relay code will hold there."""
-    hidden = any(n.hidden for n in nodes)
-    return [dataclasses.replace(n, memory_bytes=max(0, n.memory_bytes - relaying_bytes(n, hidden)))
-            if relaying_bytes(n, hidden) else n for n in nodes]
-
-
 class PlanningError(RavnestError, ValueError):
     """The job cannot be placed on these nodes; the message says why."""
 
@@ -134,12 +117,36 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         raise PlanningError(f"no node can hold even one block of the model: the smallest block needs "
                             f"{mib(smallest)}; {_offers(nodes)}")
     exact = placement.clusters if isinstance(placement.clusters, int) else None
+    need = stage_memory_bytes(costs, 0, len(costs), single_load)
     try:
-        groups = cluster_nodes(usable, stage_memory_bytes(costs, 0, len(costs), single_load), exact, training.seed,
-                               min_size=placement.stages_per_cluster or 1)
+        candidates = [("", cluster_nodes(usable, need, exact, training.seed, min_size=placement.stages_per_cluster
+                                         or 1))] if exact is not None else \
+            candidate_groupings(usable, need, training.seed, min_size=placement.stages_per_cluster or 1)
     except ClusteringError as e:
         raise PlanningError(f"{e}; {_offers(usable)}") from e
+    plans: list[tuple[str, Plan]] = []
+    for name, groups in candidates:
+        try:
+            plans.append((name, _plan_groups(costs, usable, groups, dict(unused), placement, exact=exact,
+                                             training=training, averaging=averaging, pipeline_cap=pipeline_cap,
+                                             links=links, max_depth=max_depth, lossiest=lossiest)))
+        except PlanningError:
+            if name == candidates[0][0]:
+                raise  # (an alternative that cannot be planned is only not taken)
+    first_name, first = plans[0]
+    name, best = max(plans, key=lambda named: named[1].predicted_samples_per_s)
+    if best.predicted_samples_per_s * NEAR_BEST <= first.predicted_samples_per_s:
+        return first
+    return best.model_copy(update={"reason": f"{best.reason}; grouped by {name}, predicted "
+                                             f"{rate(best.predicted_samples_per_s)}, where {first_name} predicted "
+                                             f"{rate(first.predicted_samples_per_s)}"})
 
+
+def _plan_groups(costs: list[BlockCost], usable: list[NodeInfo], groups: list[list[int]], unused: dict[str, str],
+                 placement: Placement, *, exact: int | None, training: TrainingSettings, averaging: AveragingSettings,
+                 pipeline_cap: int, links: Links | None, max_depth: int | None, lossiest: str | None) -> Plan:
+    """The plan of one grouping of the `usable` nodes (indices per cluster): each group's shape, laggard
+    groups left out where averaging waits for the slowest, robust cuts, and the rings (`assemble`)."""
     shapes: list[Shape] = []
     described: list[str] = []  # a line per group, named by its clusters once the groups kept are known
     for group in groups:

@@ -397,7 +397,7 @@ def test_the_plan_says_where_a_cluster_has_fewer_stages_than_the_job_asks() -> N
 def test_relay_code_is_counted_on_the_nodes_it_runs_on() -> None:
     """A hidden node's tunnels, and the relay for its peers of a node sent to hidden ones, hold buffers
     beside the stage: the prediction counts them there, and a stage fits only what is left of the offer."""
-    from coordinator.planning import RELAYING_BYTES
+    from coordinator.relay_memory import RELAYING_BYTES
     costs, one = mlp_costs(2), Placement(clusters=1, stages_per_cluster=1)
     need = plan_job(costs, [node("plain")], one).clusters[0].stages[0].predicted_memory_bytes
     hidden = dataclasses.replace(node("hidden", memory=need + RELAYING_BYTES), hidden=True)
@@ -472,3 +472,23 @@ def test_a_long_round_trip_is_covered_by_whole_batches_in_flight_where_a_step_ha
     tight = planned(64, 0.1, memory=held)
     assert [s.blocks for s in tight.clusters[0].stages] == ranges and tight.clusters[0].in_flight == 6
     assert "it keeps 6, as the weakest node's memory holds no more" in tight.reason
+
+
+def test_three_link_tiers_stay_apart_when_a_busy_host_blurs_their_compute() -> None:
+    """bench.testbed's six hosts (40, 10, 2.5, 2.5, 10, 40 Mbit/s) on one busy machine: compute measured
+    2.5x apart between alike machines (a draw of a simulation in which 8 of 40 did this) left k-means no
+    silhouette worth splitting on, and the one group was dealt into three pipelines that each held a slow
+    host (predicted 865 samples/s). The planner weighs other groupings and takes the tiered one."""
+    costs = profile_blocks(build_model("cnn", {"channels": [32, 64]}), 32)
+    tiers = [40, 10, 2.5, 2.5, 10, 40]
+    gflops = [51.6, 25.6, 59.9, 31.1, 64.1, 50.2]
+    nodes = [NodeInfo(f"n{i}", g * 1e9, 17 * GIB, mbit * 1e6 / 8, 0.0005, f"h{i}:1")
+             for i, (mbit, g) in enumerate(zip(tiers, gflops))]
+    averaging = AveragingSettings(strategy="ring", every=10)
+    plan = plan_job(costs, nodes, Placement(stages_per_cluster=2, min_nodes=6), averaging=averaging)
+    tier = {n.node_id: n.bandwidth for n in nodes}
+    assert all(len({tier[s.node_id] for s in c.stages}) == 1 for c in plan.clusters), plan.reason
+    assert "grouped by k-means on bandwidth alone" in plan.reason and plan.predicted_samples_per_s > 2000
+    # k-means' own grouping stands where nothing predicts better: alike nodes stay one group
+    alike = plan_job(costs, [node(f"a{i}") for i in range(4)], Placement(), averaging=averaging)
+    assert "grouped by" not in alike.reason
