@@ -10,7 +10,6 @@ script that sets it needs the `if __name__ == "__main__":` guard: the forkserver
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import runpy
 import signal
@@ -19,19 +18,11 @@ import sys
 import warnings
 from pathlib import Path
 
-# imported once, before any fork; none of them opens a socket or starts a Python thread when imported
-PRELOADED = ["torch", "torch._dynamo", "torch.func", "node.cli", "node.daemon", "node.profiler",
+from ravnest.forking import preloaded_context
+
+# imported once, before any fork (ravnest/forking.py); none opens a socket or starts a thread when imported
+PRELOADED = ["torch.func", "node.cli", "node.daemon", "node.profiler",
              "coordinator.cli", "coordinator.app", "sklearn.cluster"]
-
-_context: multiprocessing.context.ForkServerContext | None = None
-
-
-def _forkserver() -> multiprocessing.context.ForkServerContext:
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOADED)
-    return _context
 
 
 def _run(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, namespace: str | None) -> None:
@@ -62,9 +53,9 @@ class Forked:
 
     def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: Path, log: Path,
                  namespace: str | None = None):
-        self._process = _forkserver().Process(target=_run, args=(module, list(args), dict(env), str(cwd), str(log),
-                                                                 namespace),
-                                              name=module, daemon=True)  # stopped if the test process exits
+        self._process = preloaded_context(PRELOADED).Process(
+            target=_run, args=(module, list(args), dict(env), str(cwd), str(log), namespace),
+            name=module, daemon=True)  # stopped if the test process exits
         self._process.start()
         self.pid = self._process.pid
         self.args = [sys.executable, "-m", module, *args]

@@ -8,8 +8,6 @@ import itertools
 import os
 import re
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from coordinator.store import JobRow, NodeRow, StageRow
 from ravnest.averaging.signatures import public_key
 from ravnest.data import proof
 from ravnest.models import build_model
+from scripts.preloaded import Forked
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples" / "jobs").glob("*.json"))
@@ -833,10 +832,11 @@ def free_port() -> int:
 
 def test_real_coordinator_process_serves_health_and_docs(tmp_path: Path) -> None:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "--host", "127.0.0.1", "--port", str(port),
-                                "--relay-port", "0",
-                                "--data-dir", str(tmp_path), "--log-level", "warning"], cwd=ROOT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # forked from the process that imported torch once (scripts/preloaded.py): `python -m coordinator.cli`
+    # all the same, without paying for the imports again
+    process = Forked("coordinator.cli", ["--host", "127.0.0.1", "--port", str(port), "--relay-port", "0",
+                                         "--data-dir", str(tmp_path), "--log-level", "warning"],
+                     {**os.environ, "PYTHONUNBUFFERED": "1"}, ROOT, tmp_path / "coordinator.log")
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -963,10 +963,12 @@ def test_a_database_from_an_older_version_is_refused_with_a_reason(tmp_path: Pat
         db.execute("CREATE TABLE jobs (id VARCHAR(32) PRIMARY KEY, name VARCHAR(256), spec JSON, state VARCHAR(16), "
                    "reason TEXT, created_at FLOAT, updated_at FLOAT, history JSON, job_token VARCHAR(64), plan JSON, "
                    "final_metrics JSON)")
-    result = subprocess.run([sys.executable, "-m", "coordinator.cli", "--data-dir", str(tmp_path), "--port", "9"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert result.returncode == 1 and "older Ravnest" in result.stderr and "jobs.generation" in result.stderr
-    assert "Traceback" not in result.stderr
+    log = tmp_path / "coordinator.log"
+    returncode = Forked("coordinator.cli", ["--data-dir", str(tmp_path), "--port", "9"], dict(os.environ), ROOT,
+                        log).wait(timeout=60)
+    said = log.read_text()
+    assert returncode == 1 and "older Ravnest" in said and "jobs.generation" in said, said
+    assert "Traceback" not in said
 
 
 def test_secure_by_default_every_job_and_node_endpoint_needs_a_credential(tmp_path: Path) -> None:

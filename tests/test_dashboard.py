@@ -177,7 +177,7 @@ def test_a_language_models_dashboard_shows_its_tokens_per_second_and_held_out_pe
     executable = chromium()
     idle(cluster)
     spec = {"model": {"name": "gpt", "config": {"n_layers": 2, "seq_len": 32, "d_model": 64}},
-            "dataset": {"name": "text", "source": "argparse", "seq_len": 32},
+            "dataset": {"name": "text", "source": "argparse", "seq_len": 32, "test_fraction": 0.05},
             "training": {"steps": 400, "batch_size": 16, "eval_every": 40},
             "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 2}}
     job_id = cluster.submit(spec)

@@ -93,7 +93,7 @@ def test_a_llama_trains_as_a_pipeline_of_real_nodes_and_downloads_as_a_hugging_f
     corpus = prepare([stdlib / "json", stdlib / "email"], tmp_path / "corpus.tokens", vocab_size=512, pattern="*.py")
     config = {**SMALL, "vocab_size": corpus.vocab_size, "max_position_embeddings": 64}
     spec = {"model": {"name": "llama", "config": config},
-            "dataset": {"name": "tokens", "source": "stdlib", "seq_len": 64},
+            "dataset": {"name": "tokens", "source": "stdlib", "seq_len": 64, "test_fraction": 0.05},
             "training": {"steps": 150, "batch_size": 16, "eval_every": 75, "grad_clip": 1.0,
                          "optimizer": {"name": "Adam", "kwargs": {"lr": 3e-3}}},
             "averaging": {"strategy": "none"}, "placement": {"clusters": 1, "stages_per_cluster": 2}}
@@ -198,8 +198,8 @@ def test_a_16_bit_llama_learns_as_a_two_stage_pipeline(precision):
 
     job = JobSpec.model_validate({
         "model": {"name": "llama", "config": {**SMALL, "vocab_size": 128, "max_position_embeddings": 32}},
-        "dataset": {"name": "text", "source": "argparse", "seq_len": 32},
-        "training": {"steps": 120, "batch_size": 8, "precision": precision, "grad_clip": 1.0,
+        "dataset": {"name": "text", "source": "argparse", "seq_len": 32, "test_fraction": 0.05},
+        "training": {"steps": 70, "batch_size": 8, "precision": precision, "grad_clip": 1.0,
                      "activation_checkpointing": True,
                      "optimizer": {"name": "Adam", "kwargs": {"lr": 3e-3}}}})
     os.environ["RAVNEST_PRECISION_ANYWAY"] = "1"  # (the stage processes inherit it)

@@ -143,7 +143,7 @@ def test_a_subspace_llama_trains_as_a_pipeline_sending_a_fraction_of_the_bytes()
                                                   "num_hidden_layers": 2, "num_attention_heads": 4,
                                                   "num_key_value_heads": 2, "max_position_embeddings": 32,
                                                   "residual_rank": rank}},
-            "dataset": {"name": "text", "source": "argparse", "seq_len": 32},
+            "dataset": {"name": "text", "source": "argparse", "seq_len": 32, "test_fraction": 0.05},
             "training": {"steps": 100, "batch_size": 8, "codec": codec,
                          "optimizer": {"name": "Adam", "kwargs": {"lr": 3e-3}}}})
 

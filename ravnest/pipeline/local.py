@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import multiprocessing as mp
+import os
 import secrets
 import threading
 import time
@@ -22,6 +22,7 @@ from ravnest.averaging.registry import NO_AVERAGING
 from ravnest.averaging import segment_rings
 from ravnest.averaging.signatures import public_key
 from ravnest.data import load_dataset
+from ravnest.forking import preloaded_context
 from ravnest.models import BlockCost, build_model, profile_blocks, stage_input
 from ravnest.pipeline.stage_metrics import EvalAccumulator, StageClock
 from ravnest.pipeline.optim import StageOptimizer
@@ -97,10 +98,16 @@ StageSetup = Callable[[int, int, StageRunner], None]  # (cluster, stage, runner)
 
 
 def _stage_process(conn: Connection, token: str, threads: int, device: str, datasets: dict[str, str],
-                   place: tuple[str, str] | None = None, setup: StageSetup | None = None) -> None:
+                   place: tuple[str, str] | None = None, setup: StageSetup | None = None,
+                   surroundings: tuple[dict[str, str], str] | None = None) -> None:
     """Child: serve gRPC, tell the parent the address, run the assigned stage, send back the results.
     With `place` = (network namespace, address), it first moves into that namespace (the pipe to the
-    parent is a socket pair, which crosses namespaces) and serves on that address."""
+    parent is a socket pair, which crosses namespaces) and serves on that address. `surroundings`: the
+    parent's environment and working directory (a child of the fork server has the fork server's)."""
+    if surroundings is not None:
+        os.environ.clear()
+        os.environ.update(surroundings[0])
+        os.chdir(surroundings[1])
     if place is not None:
         enter_network_namespace(place[0])
     torch.set_num_threads(threads)
@@ -193,17 +200,18 @@ def run_local_clusters(job: JobSpec, cluster_ranges: Sequence[Ranges], *, timeou
     testbed: deploy/testbed/netns.sh; needs root); one run_local_pipeline-like result per cluster.
     `setup` (a module-level function: it is pickled to the children) runs on each stage before it trains."""
     flat = [(c, s) for c, ranges in enumerate(cluster_ranges) for s in range(len(ranges))]
-    context = mp.get_context("spawn")
+    context = preloaded_context(["ravnest.pipeline.local"])
     token = secrets.token_hex(16)
     deadline = time.monotonic() + timeout
     pipes: list[Connection] = []
     processes: list[BaseProcess] = []
     try:
+        surroundings = (dict(os.environ), os.getcwd())
         for i, _ in enumerate(flat):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_stage_process, daemon=True,
                                       args=(child_end, token, threads_per_stage, str(device), dict(datasets or {}),
-                                            tuple(places[i]) if places else None, setup))
+                                            tuple(places[i]) if places else None, setup, surroundings))
             process.start()
             child_end.close()
             pipes.append(parent_end)
