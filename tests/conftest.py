@@ -49,3 +49,9 @@ def postgres_server():
 def postgres_url(postgres_server) -> str:
     """A fresh, empty database on the session's server."""
     return postgres_server.create_database(f"ravnest_test_{next(_databases)}")
+
+
+@pytest.fixture
+def migrated_postgres_url(postgres_server) -> str:
+    """A fresh database with the newest schema, as a coordinator would leave an empty one."""
+    return postgres_server.create_database(f"ravnest_test_{next(_databases)}", postgres_server.migrated_template())

@@ -26,6 +26,7 @@ def find_binary(name: str) -> str | None:
 
 class PostgresServer:
     def __init__(self):
+        self._template: str | None = None  # (migrated_template)
         self.initdb, self.pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
         if not self.initdb or not self.pg_ctl:
             raise RuntimeError("PostgreSQL server binaries (initdb, pg_ctl) not found")
@@ -69,11 +70,27 @@ class PostgresServer:
     def url(self, database: str = "postgres") -> str:
         return f"postgresql+psycopg://{USER}@127.0.0.1:{self.port}/{database}"
 
-    def create_database(self, name: str) -> str:
+    def create_database(self, name: str, template: str | None = None) -> str:
+        """An empty database, or a copy of `template` (which nobody may be connected to)."""
         import psycopg
+        copy = f' TEMPLATE "{template}"' if template else ""
         with psycopg.connect(f"host=127.0.0.1 port={self.port} user={USER} dbname=postgres", autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+            conn.execute(f'CREATE DATABASE "{name}"{copy}')
         return self.url(name)
+
+    def migrated_template(self) -> str:
+        """A database at the newest migration that tests copy (0.07 s) instead of migrating each (0.3 s)."""
+        if self._template is None:
+            from sqlalchemy import create_engine
+
+            from coordinator.store import upgrade
+            engine = create_engine(self.create_database("ravnest_migrated"))
+            try:
+                upgrade(engine)
+            finally:
+                engine.dispose()  # (a template must have no connections)
+            self._template = "ravnest_migrated"
+        return self._template
 
     def stop(self) -> None:
         subprocess.run(self._as + [self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"],

@@ -67,7 +67,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request) -> str | None:
-    return request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
+    return request.getfixturevalue("migrated_postgres_url") if request.param == "postgresql" else None
 
 
 @pytest.fixture
