@@ -154,7 +154,7 @@ def test_nodes_serve_job_after_job_cancelled_or_not_and_release_everything(tmp_p
 
         def run(placement: dict, strategy: str = "ring", cancel: bool = False) -> None:
             # a cancelled job would take minutes were it not cancelled
-            spec = cnn_job(steps=20_000 if cancel else 300, checkpoint_every=0 if cancel else 50, **placement)
+            spec = cnn_job(steps=20_000 if cancel else 120, checkpoint_every=0 if cancel else 40, **placement)
             spec["averaging"]["strategy"] = strategy
             job_id = cluster.submit(spec)
             if cancel:
