@@ -115,12 +115,12 @@ def candidate_groupings(nodes: Sequence[NodeInfo], memory_need: int, seed: int =
         return candidates
     memory = np.array([node.memory_bytes for node in nodes], dtype=np.float64)
     raw = log_features(nodes)
-    for name, features in (("k-means on all three at its best k", raw),
-                           ("k-means on bandwidth alone", raw[:, :1])):
-        x = standardise(features)
+    everything = standardise(raw)  # (small clusters merge into their nearest on all three)
+    for name, features, x in (("k-means on all three at its best k", raw, everything),
+                              ("k-means on bandwidth alone", raw[:, :1], standardise(raw[:, :1]))):
         k = choose_k(features, x, seed, least_silhouette=-1.0)
         labels = _kmeans(x, k, seed).labels_ if k > 1 else np.zeros(len(nodes), dtype=int)
-        groups = _merge_small(standardise(raw), labels, memory, memory_need, min_size)
+        groups = _merge_small(everything, labels, memory, memory_need, min_size)
         if all(sorted(map(sorted, groups)) != sorted(map(sorted, known)) for _, known in candidates):
             candidates.append((name, groups))
     return candidates
