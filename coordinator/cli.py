@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # before the heavy imports: --help and --version answer at once
+    # every file it writes is its owner's alone, whatever the umask it was started with: the database and
+    # the files SQLite keeps beside it (-wal, -shm) hold node records, job specs and credentials' hashes
+    os.umask(0o077)
     timeout = args.heartbeat_timeout or 3 * args.heartbeat_interval
     if args.heartbeat_interval <= 0 or timeout <= args.heartbeat_interval:
         raise SystemExit("ravnest-coordinator: --heartbeat-timeout must exceed --heartbeat-interval (> 0)")

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     check_tls_options(parser, args)
+    os.umask(0o077)  # its identity, checkpoints and downloads are its owner's alone, whatever the umask
     if args.ephemeral and (args.identity or args.data_dir):
         parser.error("--ephemeral keeps no identity: leave out --identity and --data-dir")
     import httpx

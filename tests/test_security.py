@@ -269,6 +269,26 @@ def test_an_operator_hands_out_and_revokes_credentials_with_the_ravnest_command(
 
 
 @pytest.mark.slow
+def test_every_file_a_coordinator_and_a_node_write_is_owner_only_whatever_the_umask(tmp_path: Path) -> None:
+    """Started with umask 022 in a data directory of mode 0755 (as an operator might make it), the
+    coordinator's files, SQLite's -wal and -shm beside its database included, and the node's are 0600."""
+    tmp_path.chmod(0o755)
+    previous = os.umask(0o022)
+    try:
+        cluster = LocalCluster(tmp_path, nodes=1)
+        cluster.preloaded = False  # fresh interpreters, started with that umask (as a shell starts them)
+        with cluster:
+            cluster.http.get("/v1/nodes").raise_for_status()
+            written = [p for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.relative_to(tmp_path).parts]
+            modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written}
+    finally:
+        os.umask(previous)
+    assert {"coordinator.db", "coordinator.db-wal", "coordinator.db-shm", "coordinator.db.lock"} <= set(modes), modes
+    assert any(name.startswith("nodes/") for name in modes), modes
+    assert set(modes.values()) == {"0o600"}, modes
+
+
+@pytest.mark.slow
 def test_training_works_end_to_end_with_tls_everywhere(tmp_path: Path) -> None:
     """HTTPS to the coordinator and TLS on every gRPC stream (pipeline and rings), with per-node
     credentials: 2 clusters x 2 stages of the digits CNN train to a good accuracy."""
