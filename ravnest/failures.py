@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ravnest.errors import RavnestError
+from ravnest.printable import Prose
 
 
 class FailureKind(str, Enum):
@@ -42,11 +43,11 @@ PEER_KINDS = (FailureKind.PEER_LOST, FailureKind.PEER_UNREACHABLE, FailureKind.T
 class Failure(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kind: FailureKind
-    message: str = Field(max_length=1000, description="what happened, in a sentence")
+    message: Prose = Field(max_length=1000, description="what happened, in a sentence")
     peer_id: str | None = Field(None, max_length=64, description="the node it concerns, when one is known")
     peer_address: str | None = Field(None, max_length=300)
     step: int | None = Field(None, ge=0, le=10_000_000)
-    detail: str = Field("", max_length=2000, description="the transport's or the library's own words")
+    detail: Prose = Field("", max_length=2000, description="the transport's or the library's own words")
 
 
 class KnownFailure(RavnestError):

@@ -339,3 +339,33 @@ def test_login_links_expire_are_bounded_and_keep_no_key_readable(tmp_path) -> No
         links.create("k")
     assert links.redeem(first) is None and store.count(LoginLinkRow) == MAX_OPEN  # the oldest went first
     store.close()
+
+
+def test_names_with_control_characters_are_refused_and_tables_show_text_as_text(client: TestClient) -> None:
+    """A name that would clear the operator's screen, retitle the window or forge a table row is refused
+    at join, saying why; a job's name too. Markup is only text. Whatever reaches a table (rows from
+    before, a reason's escapes) is shown escaped: no control character reaches the terminal."""
+    from rich.console import Console
+
+    from ravnest.client import typer_app
+
+    volunteer = bearer((client.app.state.service.core.settings.data_dir / "join_token").read_text().strip())
+    for name in ("\x1b[2J\x1b[31mPWNED\x1b]0;owned\x07", "line1\nline2", "right\u202eleft"):
+        r = client.post("/v1/nodes", json={"name": name, "address": f"127.0.0.1:{next(_ports)}", "profile": profile()},
+                        headers=volunteer)
+        assert r.status_code == 422 and "control character" in r.text, r.text
+    refused = client.post("/v1/jobs", json={**digits_job(), "name": "job\x1b[2J"})
+    assert refused.status_code == 422 and "control character" in refused.text, refused.text
+    marked, _ = join(client, name="[bold red]x[/bold red]", headers=volunteer)
+    assert client.get("/v1/nodes").json()[0]["name"] == "[bold red]x[/bold red]"
+    # a failure's reason is prose: kept, escaped, so that a report is never lost to a stray byte
+    from ravnest.spec import FailureReport
+    assert FailureReport(node_id=marked, reason="peer \x1b[2Jgone\nat step 3").reason == "peer \\x1b[2Jgone\nat step 3"
+
+    grid = typer_app.table("id", "name", "reason")
+    grid.add_row(marked, "[bold red]x[/bold red]", "lost\x1b]0;owned\x07 peer\nnext row")
+    console = Console(width=120, markup=False, highlight=False, force_terminal=False, record=True)
+    console.print(grid)
+    text = console.export_text()
+    assert "[bold red]x[/bold red]" in text and "\\x1b]0;owned\\x07 peer next row" in text, text
+    assert not any(ord(c) < 32 and c != "\n" for c in text) and text.count("\n") == 2, repr(text)

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from ravnest import __version__
 from ravnest.client.api import Api, ApiError
+from ravnest.printable import shown
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)  # its help: cli.py's docstring
 tokens = typer.Typer(help="Join tokens: what volunteers join with (ravnest-node join --token ...).",
@@ -112,10 +113,18 @@ def when(seconds: Optional[float]) -> str:
     return "" if seconds is None else datetime.fromtimestamp(seconds).strftime("%m-%d %H:%M")
 
 
+class PlainTable(Table):
+    """Cells shown as text (ravnest/printable.py): a name cannot move the cursor, retitle the window or
+    forge a row (the console reads no markup either)."""
+
+    def add_row(self, *cells, **options) -> None:
+        super().add_row(*(shown(cell) if isinstance(cell, str) else cell for cell in cells), **options)
+
+
 def table(*columns: str) -> Table:
     """Plain columns, as `kubectl get` prints them. Ids and times are never wrapped or cut (people copy
     ids into the next command); names, addresses and reasons may wrap."""
-    grid = Table(box=None, pad_edge=False, header_style="bold")
+    grid = PlainTable(box=None, pad_edge=False, header_style="bold")
     for column in columns:
         grid.add_column(column, no_wrap=column not in ("name", "address", "reason"),
                         min_width={"id": 16, "name": 6, "reason": 20}.get(column))
@@ -137,5 +146,5 @@ def show(grid: Table, spare: tuple[str, ...] = ()) -> None:
 
 
 def say(line: str) -> None:
-    """A line of output, wrapped between words at the output's width."""
-    out.print(line)
+    """A line of output, wrapped between words at the output's width, shown as text (as a table's cells)."""
+    out.print(shown(line))

@@ -7,6 +7,7 @@ from pydantic import ConfigDict, Field, PositiveInt, ValidationError, field_vali
 
 from ravnest.averaging.registry import AUTO, NO_AVERAGING, available_strategies, is_strategy, registered, strategy_info
 from ravnest.errors import did_you_mean
+from ravnest.printable import Name
 from ravnest.wire import codecs
 
 from .common import DATASET_NAME, MAX_STEPS, SHA256, Strict, plain_json
@@ -304,7 +305,7 @@ class CheckpointSettings(Strict):
 
 
 class JobSpec(Strict):
-    name: str = Field("", max_length=256)
+    name: Name = Field("", max_length=256)
     model: ModelRef
     dataset: DatasetRef
     training: TrainingSettings = Field(default_factory=TrainingSettings)

@@ -6,6 +6,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, field_validator
 
 from ravnest.failures import Failure
+from ravnest.printable import Name, Prose
 from ravnest.telemetry import MAX_FIGURES
 
 from .assignment import RelayOffer, StageAssignment
@@ -59,7 +60,7 @@ class NodeProfile(Offered):
     flops: float = Field(description="matmul FLOP/s on the chosen device", **FLOPS)
     memory_bytes: int = Field(ge=1 << 20, le=1 << 46, description="memory free for training on the chosen device")
     device: str = Field("cpu", pattern=r"^(cpu|mps|cuda(:[0-9]{1,3})?)$", description="'cpu' or 'cuda[:i]'")
-    gpu_name: str = Field("", max_length=128)
+    gpu_name: Name = Field("", max_length=128)
     cores: int = Field(1, ge=1, le=4096)
     bandwidth_bytes_per_s: float = Field(description="measured to the coordinator", **BANDWIDTH)
     latency_s: float = Field(description="round trip to the coordinator", **LATENCY)
@@ -71,7 +72,7 @@ class NodeProfile(Offered):
 
 
 class JoinRequest(Strict):
-    name: str = Field("", max_length=128)
+    name: Name = Field("", max_length=128)
     address: str = Field(pattern=ADDRESS, description="host:port (or [v6]:port) where this node's gRPC server "
                                                       "listens; no other live node may hold it")
     profile: NodeProfile
@@ -180,7 +181,7 @@ class MetricsReport(Strict):
 
 class FailureReport(Strict):
     node_id: str
-    reason: str = Field(max_length=2000)
+    reason: Prose = Field(max_length=2000)
     recoverable: bool = Field(False, description="the stage failed while training (e.g. it lost a peer), so "
                                                  "a re-plan may fix it; False: it could not start at all")
     still_training: bool = Field(False, description="the stage trains on alone: its averaging failed")
