@@ -17,7 +17,15 @@ def _table(table_id: str, headers: list[str], rows: list[list[str]]) -> str:
     return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def render_dashboard(nodes: list[NodeView], jobs: list[JobSummary]) -> str:
+def shown_of(count: int, total: int) -> str:
+    """The count beside a list's title: "(12)", or "(200 of 219 shown)" where the page is cut (as
+    dashboard.js writes it on each refresh)."""
+    return f"({count})" if count >= total else f"({count:,} of {total:,} shown)"
+
+
+def render_dashboard(node_page: tuple[list[NodeView], int], job_page: tuple[list[JobSummary], int]) -> str:
+    """The page as its first paint; each list a page (rows, how many in all)."""
+    (nodes, node_total), (jobs, job_total) = node_page, job_page
     node_rows = [[n.name or n.id, n.address + (" (unreachable)" if n.reachable is False else
                                                " (relayed)" if n.relayed_by else ""), n.state,
                   f"{(n.measured_flops or n.profile.flops) / (n.slowdown or 1) / 1e9:.1f}",
@@ -47,12 +55,13 @@ across clusters.</p>
 <figure id="perplexity" hidden><figcaption>held-out perplexity by step</figcaption><svg id="perplexity-chart"></svg>
 </figure></div>
 </section>
-<section><h2>Jobs <span id="job-count">({len(jobs)})</span></h2>
+<section><h2>Jobs <span id="job-count">{shown_of(len(jobs), job_total)}</span></h2>
 {_table("jobs", ["id", "name", "model", "state", "reason", ""], job_rows)}
 <details id="submit"><summary>Submit a job</summary><p class="hint">A job spec (see docs/jobs.md); a submitter or
 operator key may submit.</p><textarea id="spec" rows="14" spellcheck="false"></textarea><br>
 <button id="submit-button" type="button">Submit</button></details></section>
-<section><h2>Nodes <span id="node-count">({len(nodes)})</span></h2>
+<section><h2>Nodes <span id="node-count">{shown_of(len(nodes), node_total)}</span>
+<input id="node-search" type="search" placeholder="name holds" aria-label="only nodes whose name holds"></h2>
 {_table("nodes", ["name", "address", "state", "GFLOP/s", "memory GiB", "MB/s", "ms", "job", "place"], node_rows)}
 </section></main><script src="{ASSETS}/dashboard.js"></script></body></html>"""
 

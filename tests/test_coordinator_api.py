@@ -124,6 +124,25 @@ def placed_job(client: TestClient, nodes: int = 4, averaging: dict | None = None
     return r.json()["id"], members
 
 
+def test_the_node_list_says_how_many_and_finds_nodes_by_state_and_name(client: TestClient, clock: FakeClock) -> None:
+    """Volunteers can push an operator's own nodes off a page: every page says how many there are in all
+    (X-Total-Count), and `state` and `name` (a substring, any case, no wildcards) find the others."""
+    joined = {name: join(client, name) for name in ("alpha", "Beta", "alphabet", "50%")}
+    page = client.get("/v1/nodes", params={"limit": 2})
+    assert len(page.json()) == 2 and page.headers["X-Total-Count"] == "4"
+    found = client.get("/v1/nodes", params={"name": "ALPHA"})
+    assert sorted(n["name"] for n in found.json()) == ["alpha", "alphabet"] and found.headers["X-Total-Count"] == "2"
+    assert [n["name"] for n in client.get("/v1/nodes", params={"name": "%"}).json()] == ["50%"]
+    assert len(client.get("/v1/nodes", params={"state": "idle"}).json()) == 4
+    clock.now += 100 * INTERVAL  # all silent past their timeout but alpha, which beats
+    beat(client, *joined["alpha"])
+    gone = client.get("/v1/nodes", params={"state": "gone"})
+    assert sorted(n["name"] for n in gone.json()) == ["50%", "Beta", "alphabet"] and gone.headers["X-Total-Count"] == "3"
+    assert [n["name"] for n in client.get("/v1/nodes", params={"state": "idle", "name": "alpha"}).json()] == ["alpha"]
+    refused = client.get("/v1/nodes", params={"state": "asleep"})
+    assert refused.status_code == 422 and "state" in refused.text, refused.text
+
+
 def test_join_heartbeat_list_leave(client: TestClient) -> None:
     node_id, auth = join(client, "alpha")
     reply = beat(client, node_id, auth)
@@ -1023,6 +1042,15 @@ def test_the_dashboard_asks_for_a_key_once(client: TestClient) -> None:
     assert r.status_code == 303 and "httponly" in r.headers["set-cookie"].lower()
     assert client.get("/", headers=anonymous).status_code == 200  # the cookie is kept by the client
     assert client.get("/v1/jobs", headers=anonymous).status_code == 200
+
+
+def test_the_dashboard_says_when_a_list_is_cut(client: TestClient, monkeypatch) -> None:
+    from coordinator.routes import site
+    monkeypatch.setattr(site, "DASHBOARD_ROWS", 2)
+    for name in ("a", "b", "c"):
+        join(client, name)
+    page = client.get("/").text
+    assert '<span id="node-count">(2 of 3 shown)</span>' in page and '<span id="job-count">(0)</span>' in page
 
 
 def test_a_job_runs_only_on_nodes_that_offer_its_dataset(client: TestClient) -> None:

@@ -110,6 +110,11 @@ def test_the_dashboard_in_a_browser_shows_nodes_pipelines_and_a_growing_loss_cur
             page.wait_for_url(f"{cluster.url}/")
             page.wait_for_function("document.querySelectorAll('#nodes tbody tr').length === 4")
             assert page.locator("#nodes tbody").inner_text().count("idle") == 4
+            page.fill("#node-search", "NODE-1")  # a search asks the coordinator: found beyond the page too
+            page.wait_for_function("document.querySelectorAll('#nodes tbody tr').length === 1")
+            assert "node-1" in page.locator("#nodes tbody").inner_text()
+            page.fill("#node-search", "")
+            page.wait_for_function("document.querySelectorAll('#nodes tbody tr').length === 4")
 
             page.click("#submit summary")  # submit the job through the page's form
             page.fill("#spec", "{not json")

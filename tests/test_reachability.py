@@ -56,3 +56,11 @@ def test_a_node_that_cannot_be_dialled_is_found_out_by_the_coordinator_and_by_it
         assert "behind-nat cannot be dialled by its peers: node" in listed.stdout.replace("\n", " ")
         table = [line for line in listed.stdout.splitlines() if re.match(r"id |[0-9a-f]{16} ", line)]  # (not notes)
         assert max(len(line) for line in table) <= 100
+        assert "shown" not in listed.stdout  # the whole list
+        # a list cut says so, and how to see the others
+        cut = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "nodes", "--limit", "1"],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert "1 of 2 shown; --limit, --state, --name" in cut.stdout, cut.stdout + cut.stderr
+        named = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "nodes", "--name", "BEHIND"],
+                               capture_output=True, text=True, env=env, timeout=60)
+        assert "behind-nat" in named.stdout and honest["name"] not in named.stdout and "shown" not in named.stdout

@@ -1,7 +1,9 @@
 """Volunteers join, heartbeat and leave; operators list and revoke them."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from ravnest.spec import HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, Offered
@@ -31,9 +33,13 @@ def offer(request: Request, node_id: str, body: Offered, authorization: str | No
 
 
 @router.get("/v1/nodes", response_model=list[NodeView])
-def list_nodes(request: Request, response: Response, limit: int = LIMIT, offset: int = OFFSET) -> list[NodeView]:
-    """A page of nodes in the order they joined; the header X-Total-Count says how many there are."""
-    return paged(response, *service(request).membership.list_nodes(limit, offset))
+def list_nodes(request: Request, response: Response, limit: int = LIMIT, offset: int = OFFSET,
+               state: Literal["idle", "busy", "gone"] | None = Query(None, description="only nodes in this state"),
+               name: str | None = Query(None, max_length=128, description="only nodes whose name holds this text "
+                                                                           "(in any case)")) -> list[NodeView]:
+    """A page of nodes in the order they joined; the header X-Total-Count says how many there are (of
+    those `state` and `name` select)."""
+    return paged(response, *service(request).membership.list_nodes(limit, offset, state, name))
 
 
 @router.delete("/v1/nodes/{node_id}", status_code=204)

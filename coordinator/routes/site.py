@@ -131,8 +131,8 @@ def logout() -> Response:
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
 def dashboard(request: Request) -> str:
     coordinator = service(request)
-    return render_dashboard(coordinator.membership.list_nodes(DASHBOARD_ROWS)[0],
-                            coordinator.jobs.list_jobs(own_jobs(request), DASHBOARD_ROWS)[0])
+    return render_dashboard(coordinator.membership.list_nodes(DASHBOARD_ROWS),
+                            coordinator.jobs.list_jobs(own_jobs(request), DASHBOARD_ROWS))
 
 
 @router.get("/metrics", tags=["service"], response_class=PlainTextResponse,

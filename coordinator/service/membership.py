@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from ravnest.averaging.signatures import public_key
@@ -181,13 +181,22 @@ class Membership:
                                                peer_id=node.id))
                 node.credential_ended = "revoked"
 
-    def list_nodes(self, limit: int | None = None, offset: int = 0) -> tuple[list[NodeView], int]:
-        """A page of nodes in the order they joined, and how many there are."""
+    def list_nodes(self, limit: int | None = None, offset: int = 0, state: str | None = None,
+                   name: str | None = None) -> tuple[list[NodeView], int]:
+        """A page of nodes in the order they joined, and how many there are; only those in `state`
+        (idle, busy or gone) and whose name holds `name` (in any case), where given."""
         now = self.core.clock()
+        wanted = []
+        if state == GONE:  # (as the view says it: silent past its timeout, or its row says so)
+            wanted.append(or_(~self.core.live(now), NodeRow.state == GONE))
+        elif state is not None:
+            wanted += [self.core.live(now), NodeRow.state == state]
+        if name:
+            wanted.append(func.lower(NodeRow.name).contains(name.lower(), autoescape=True))
         with self.core.store.session() as session:
-            total = session.scalar(select(func.count()).select_from(NodeRow)) or 0
+            total = session.scalar(select(func.count()).select_from(NodeRow).where(*wanted)) or 0
             rows = session.execute(select(NodeRow, StageRow).outerjoin(
-                StageRow, (StageRow.job_id == NodeRow.job_id) & (StageRow.node_id == NodeRow.id))
+                StageRow, (StageRow.job_id == NodeRow.job_id) & (StageRow.node_id == NodeRow.id)).where(*wanted)
                 .order_by(NodeRow.joined_at, NodeRow.id).limit(limit).offset(offset)).all()
             links: dict[str, list[LinkReport]] = {}
             page = [node.id for node, _ in rows]

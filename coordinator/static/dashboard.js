@@ -36,13 +36,26 @@ function say(text, error = false) {
   status.className = error ? "error" : "";
 }
 
-async function api(path, options = {}) {
+// the response and its JSON body; a refusal throws its reason
+async function answered(path, options = {}) {
   const response = await fetch(path, {credentials: "same-origin", ...options});
   if (response.status === 401) { window.location = "/login"; throw new Error("log in first"); }
   const body = response.status === 204 ? null : await response.json();
   if (!response.ok) throw new Error(body && body.detail ? body.detail : `${response.status}`);
-  return body;
+  return [response, body];
 }
+
+const api = async (path, options = {}) => (await answered(path, options))[1];
+
+// a page of a list, and how many the whole list has (the X-Total-Count header)
+async function apiPage(path) {
+  const [response, body] = await answered(path);
+  return [body, Number(response.headers.get("X-Total-Count") || body.length)];
+}
+
+// as coordinator/dashboard.py's shown_of: "(12)", or "(200 of 219 shown)" where the page is cut
+const shownOf = (count, total) => (count >= total ? `(${count})`
+  : `(${count.toLocaleString("en")} of ${total.toLocaleString("en")} shown)`);
 
 const fixed = (value, digits) => (value === null || value === undefined ? "" : Number(value).toFixed(digits));
 const ago = (seconds) => (seconds < 90 ? `${Math.round(seconds)} s ago` : `${Math.round(seconds / 60)} min ago`);
@@ -99,12 +112,15 @@ function jobRow(job) {
 
 async function refresh() {
   try {
-    const [nodes, jobs] = await Promise.all([api("/v1/nodes?limit=200"), api("/v1/jobs?limit=200")]);
+    const search = document.getElementById("node-search").value.trim();
+    const named = search ? `&name=${encodeURIComponent(search)}` : "";
+    const [[nodes, nodeTotal], [jobs, jobTotal]] = await Promise.all([apiPage(`/v1/nodes?limit=200${named}`),
+                                                                     apiPage("/v1/jobs?limit=200")]);
     nodesById = Object.fromEntries(nodes.map((node) => [node.id, node]));
     fillTable("nodes", nodes.map(nodeRow));
     fillTable("jobs", jobs.slice().reverse().map(jobRow));
-    document.getElementById("node-count").textContent = `(${nodes.length})`;
-    document.getElementById("job-count").textContent = `(${jobs.length})`;
+    document.getElementById("node-count").textContent = shownOf(nodes.length, nodeTotal);
+    document.getElementById("job-count").textContent = shownOf(jobs.length, jobTotal);
     if (!selected && jobs.length) {
       const running = jobs.filter((job) => ACTIVE.has(job.state));
       select((running.length ? running : jobs)[running.length ? 0 : jobs.length - 1].id);
@@ -325,6 +341,7 @@ async function identify() {
 
 document.getElementById("spec").value = JSON.stringify(EXAMPLE_SPEC, null, 2);
 document.getElementById("submit-button").addEventListener("click", submit);
+document.getElementById("node-search").addEventListener("input", refresh);
 if (window.location.hash.length > 1) select(window.location.hash.slice(1));
 identify().then(refresh);
 setInterval(refresh, REFRESH_MS);

@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from ravnest.client.typer_app import app, call, duration, err, keys, nodes, out, say, show, table, tokens, when
+from ravnest.client.typer_app import (app, call, duration, err, keys, listed_page, nodes, out, say, show, table, tokens,
+                                      when)
 
 def show_credentials(rows: list[dict], with_role: bool) -> None:
     table_ = table("id", "name", *(["role"] if with_role else ["uses left", "used"]), "created", "expires", "revoked")
@@ -95,11 +96,16 @@ OFFER_STATES = {"first": "the first to offer this file: the one others are check
 
 
 @nodes.command("list")
-def node_list(ctx: typer.Context) -> None:
+def node_list(ctx: typer.Context,
+              limit: int = typer.Option(100, min=1, max=1000, help="show at most this many, oldest first"),
+              state: Optional[str] = typer.Option(None, help="only nodes that are idle, busy or gone"),
+              name: Optional[str] = typer.Option(None, help="only nodes whose name holds this text")) -> None:
     """Nodes that joined, their state and what they offer."""
+    if state not in (None, "idle", "busy", "gone"):
+        raise typer.BadParameter(f"{state!r}: a node is idle, busy or gone", param_hint="--state")
     nodes_ = table("id", "name", "address", "state", "GFLOP/s", "GiB+idle", "job")
     notes = []
-    listed = call(ctx, "GET", "/v1/nodes")
+    listed, cut = listed_page(ctx, "/v1/nodes", "--limit, --state, --name", limit=limit, state=state, name=name)
     names = {node["id"]: node["name"] or node["id"] for node in listed}
     named = Counter(node["name"] for node in listed if node["name"])
     for node in listed:
@@ -141,7 +147,7 @@ def node_list(ctx: typer.Context) -> None:
         if node.get("note"):
             notes.append(f"{who}: {node['note']}")
     show(nodes_, spare=("address", "job", "GiB+idle"))
-    for note in notes:  # below the table: a reason is a sentence, too wide for a column
+    for note in filter(None, [cut, *notes]):  # below the table: a reason is a sentence, too wide for a column
         say(note)
 
 

@@ -109,6 +109,12 @@ class Api:
         response = self.request(method, path, **kwargs)
         return response.json() if response.content else None
 
+    def page(self, path: str, **params: Any) -> tuple[list, int]:
+        """A page of a list (the query's `params`, None left out) and how many items the whole list has."""
+        response = self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
+        items = response.json()
+        return items, int(response.headers.get("X-Total-Count", len(items)))
+
     def download(self, path: str, target: Path, *, token: str | None = None, params: dict | None = None) -> int:
         """Stream a file to `target` (written whole or not at all); returns its size in bytes."""
         partial = target.with_name(target.name + ".part")

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from ravnest.client.api import ApiError
 from ravnest.client.admin import node_list
-from ravnest.client.typer_app import app, call, err, say, show, table, when
+from ravnest.client.typer_app import app, call, err, listed_page, say, show, table, when
 
 ENDED = ("completed", "failed", "cancelled")
 
@@ -73,12 +73,17 @@ def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help
 
 
 @app.command("jobs")
-def job_list(ctx: typer.Context) -> None:
+def job_list(ctx: typer.Context,
+             limit: int = typer.Option(100, min=1, max=1000, help="show at most this many, oldest first"),
+             offset: int = typer.Option(0, min=0, help="skip this many first")) -> None:
     """Jobs you may see: state, model, when created, and why they are where they are (as `ravnest status`)."""
     jobs = table("id", "name", "state", "model", "created", "reason")
-    for job in call(ctx, "GET", "/v1/jobs"):
+    listed, cut = listed_page(ctx, "/v1/jobs", "--limit, --offset", limit=limit, offset=offset or None)
+    for job in listed:
         jobs.add_row(job["id"], job["name"], job["state"], job["model"], when(job["created_at"]), job["reason"])
     show(jobs, spare=("created", "model", "name"))
+    if cut:
+        say(cut)
 
 
 @app.command()
@@ -210,10 +215,7 @@ def demo(ctx: typer.Context) -> None:
     raise typer.Exit(subprocess.call([sys.executable, str(script), *ctx.args], cwd=script.parents[1]))
 
 
-@app.command("nodes")
-def nodes_(ctx: typer.Context) -> None:
-    """Nodes that joined (as `ravnest node list`)."""
-    node_list(ctx)
+app.command("nodes", help="Nodes that joined (as `ravnest node list`).")(node_list)
 
 
 def _stage_table(plan: dict, reports: list[dict]):

@@ -9,7 +9,7 @@ import sys
 import tomllib
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -101,12 +101,24 @@ def duration(text: Optional[str]) -> Optional[float]:
     return float(match[1]) * UNITS[match[2] or "s"]
 
 
-def call(ctx: typer.Context, method: str, path: str, **kwargs):
+def _answered(asking: Callable[..., Any], *args, **kwargs) -> Any:
+    """What `asking` the coordinator returns; its refusal, or that none answered, ends the command."""
     try:
-        return ctx.obj.call(method, path, **kwargs)
+        return asking(*args, **kwargs)
     except ApiError as e:
         err.print(f"ravnest: {e}", highlight=False)
         raise typer.Exit(1 if e.status else 3) from None
+
+
+def call(ctx: typer.Context, method: str, path: str, **kwargs):
+    return _answered(ctx.obj.call, method, path, **kwargs)
+
+
+def listed_page(ctx: typer.Context, path: str, flags: str, **params) -> tuple[list, str]:
+    """A page of a list, and a line for below its table where the list is longer: how many of how many
+    are shown, and the command's `flags` that choose others ("" where it is whole)."""
+    items, total = _answered(ctx.obj.page, path, **params)
+    return items, f"{len(items)} of {total} shown; {flags}" if total > len(items) else ""
 
 
 def when(seconds: Optional[float]) -> str:
