@@ -63,4 +63,5 @@ def test_a_node_that_cannot_be_dialled_is_found_out_by_the_coordinator_and_by_it
         assert "1 of 2 shown; --limit, --state, --name" in cut.stdout, cut.stdout + cut.stderr
         named = subprocess.run([sys.executable, "-m", "ravnest.client.cli", "nodes", "--name", "BEHIND"],
                                capture_output=True, text=True, env=env, timeout=60)
-        assert "behind-nat" in named.stdout and honest["name"] not in named.stdout and "shown" not in named.stdout
+        rows = [line for line in named.stdout.splitlines() if re.match(r"[0-9a-f]{16} ", line)]
+        assert len(rows) == 1 and "behind-nat" in rows[0] and "shown" not in named.stdout, named.stdout

@@ -50,7 +50,7 @@ def status(ctx: typer.Context, job_id: Optional[str] = typer.Argument(None, help
            ) -> None:
     """Jobs you may see, or one job's state, progress, figures and plan."""
     if job_id is None:
-        job_list(ctx)
+        job_list(ctx, limit=100, offset=0)
         return
     job = call(ctx, "GET", f"/v1/jobs/{job_id}")
     say(f"{job['id']} {job['name']}: {job['state']} ({job['reason']})")
