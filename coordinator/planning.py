@@ -117,11 +117,10 @@ def plan_job(costs: list[BlockCost], nodes: Sequence[NodeInfo], placement: Place
         raise PlanningError(f"no node can hold even one block of the model: the smallest block needs "
                             f"{mib(smallest)}; {_offers(nodes)}")
     exact = placement.clusters if isinstance(placement.clusters, int) else None
-    need = stage_memory_bytes(costs, 0, len(costs), single_load)
+    need, min_size = stage_memory_bytes(costs, 0, len(costs), single_load), placement.stages_per_cluster or 1
     try:
-        candidates = [("", cluster_nodes(usable, need, exact, training.seed, min_size=placement.stages_per_cluster
-                                         or 1))] if exact is not None else \
-            candidate_groupings(usable, need, training.seed, min_size=placement.stages_per_cluster or 1)
+        candidates = candidate_groupings(usable, need, training.seed, min_size=min_size) if exact is None \
+            else [("", cluster_nodes(usable, need, exact, training.seed, min_size=min_size))]
     except ClusteringError as e:
         raise PlanningError(f"{e}; {_offers(usable)}") from e
     plans: list[tuple[str, Plan]] = []
