@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from ravnest.errors import did_you_mean
+from ravnest.pipeline.memory import trim_heap
 from ravnest.spec import JobSpec, field_names
 
 from .auth import Authentication, required
@@ -94,7 +95,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
         # the tick: one pass per heartbeat interval, cheap, never busy; and every FLUSH_S the
         # heartbeats' sightings and what dial-backs found, and placements asked for since
-        tasks = [asyncio.create_task(every(settings.heartbeat_interval_s, service.tick)),
+        # (and what a burst of requests left on the C heap goes back to the system: uvicorn buffers up
+        # to 64 KiB of each request's body, 30 MiB for 200 callers that never finish theirs)
+        tasks = [asyncio.create_task(every(settings.heartbeat_interval_s, service.tick, trim_heap)),
                  asyncio.create_task(every(min(settings.placement_debounce_s, FLUSH_S),
                                            service.membership.presence.flush, service.membership.reachability.flush,
                                            service.placement.place_if_asked))
@@ -117,12 +120,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "reader), a join token, or a node's own credential (see coordinator/auth.py and "
                               "docs/security.md).")
     app.state.service = service
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, grace_s=settings.body_grace_s)
 
     app.add_middleware(Authentication, identify=service.credentials.identify,
                        routed=lambda method, path: _routed(app, method, path))
-    app.add_middleware(QuietBeats, answer=service.membership.presence.answer_raw,  # added last: runs first
-                       max_bytes=settings.max_request_bytes)
+    presence = service.membership.presence
+    app.add_middleware(QuietBeats, answer=presence.answer_raw, known=presence.known,  # added last: runs first
+                       vouched=presence.vouched, max_bytes=settings.max_request_bytes, grace_s=settings.body_grace_s)
     _answer_refusals(app)
     site.mount_assets(app)
     for routes in (site, nodes_api, credentials_api, jobs_api, reports_api):

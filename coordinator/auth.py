@@ -117,7 +117,9 @@ class Authentication:
         if scope["path"] == "/" and scope["method"] == "GET" and status == 401:  # a person: log in first
             response = RedirectResponse("/login", status_code=303)
         else:
-            response = JSONResponse({"detail": reason}, status_code=status, headers={"WWW-Authenticate": "Bearer"})
+            # closed after it: the body, unread, is not waited for (nor held) while the caller keeps sending
+            response = JSONResponse({"detail": reason}, status_code=status,
+                                    headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
         await response(scope, receive, send)
 
 

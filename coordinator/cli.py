@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--relay-ports", type=port_range, default=None, metavar="LOW-HIGH",
                         help="the ports the relay opens for the volunteers it serves, one each, for a firewall to "
                              "let in (default: any free port)")
+    parser.add_argument("--body-grace", type=float, default=10.0, metavar="SECONDS",
+                        help="a request body must come within this plus its length at 16 KiB/s, else it is cut "
+                             "with 408 (default: 10)")
     add_tls_options(parser, "HTTPS", "plain HTTP")
     parser.add_argument("--revoke-outliers", action="store_true",
                         help="revoke the credential of a node that a job's robust averaging (averaging.robust) "
@@ -83,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--heartbeat-rate is beats a second: a positive number")
     if not 0 <= args.grow_gain < math.inf:
         parser.error("--grow-gain is a fraction of the job's predicted throughput: 0 or more")
+    if not 0 < args.body_grace < math.inf:
+        parser.error("--body-grace is seconds: a positive number")
     if args.relay_bandwidth is not None and not 0 < args.relay_bandwidth < math.inf:
         parser.error("--relay-bandwidth is the relay's link in Mbit/s: a positive number")
     return args
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                         operator_token=args.operator_token,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait,
-                        heartbeat_rate=args.heartbeat_rate,
+                        heartbeat_rate=args.heartbeat_rate, body_grace_s=args.body_grace,
                         grow_gain=args.grow_gain, revoke_outliers=args.revoke_outliers,
                         relay_host=args.host, relay_port=None if args.no_relay else
                         args.port + 1 if args.relay_port is None else args.relay_port,

@@ -63,6 +63,7 @@ class Settings:
     max_upload_bytes: int = 8 << 30  # hard cap on one stage's weights upload
     # limits checked before any work (coordinator/limits.py): what one request or job may ask for
     max_request_bytes: int = 1 << 20  # a JSON body (a job spec is a few hundred bytes)
+    body_grace_s: float = 10.0  # ... which must come within this, plus its length at 16 KiB/s (limits.py)
     max_blocks: int = 4096  # blocks in a model
     max_parameters: float = 20e9  # parameters in a model (from the meta-device profile)
     pipeline_cap: int = 16  # most stages in one pipeline; bigger groups become several replicas

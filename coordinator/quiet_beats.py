@@ -3,13 +3,15 @@
 At ten thousand volunteers nearly every request is a quiet heartbeat (service/presence.py), and most
 of what a request costs here is the framework around it: routing, the authentication gate's lookup,
 validation and serialisation took about twice the work of the answer itself. This ASGI middleware,
-the outermost, takes POST /v1/nodes/{id}/heartbeat with a bearer token: it reads the body (up to the
-same limit as limits.BodyLimit) and hands it to `answer` (Presence.answer_raw), which checks the
-node's own credential against its row before it parses a byte of the body, as the gate would.
+the outermost, takes POST /v1/nodes/{id}/heartbeat with a bearer token. It reads nothing of the body
+before the token is found to be that node's own (`vouched`: from memory for a node seen before, else
+from its row), then reads it as limits.BodyLimit would (up to the same size, at the same floor rate)
+and hands it to `answer` (Presence.answer_raw), which checks the credential again with the rest.
 
 Whatever `answer` declines (a wrong credential, a body that does not validate, a beat with news) goes
 on to the application unchanged, body and all, as if never looked at: the gate, the limit and the
-route give it the reply they always did, refusals and their reasons included.
+route give it the reply they always did, refusals and their reasons included. A stranger's beat goes
+there unread: the gate refuses it from its headers.
 """
 from __future__ import annotations
 
@@ -19,13 +21,20 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .limits import read_body, refuse
+
 # (node id, the Authorization header, the body) -> the reply's JSON, or None: the application answers
 Answer = Callable[[str, str, bytes], bytes | None]
+# (node id, the Authorization header) -> whether it is that node's credential (True, False), or None where
+# that is not known without the node's row; `vouched` reads the row
+Vouched = Callable[[str, str], bool | None]
 
 
 class QuietBeats:
-    def __init__(self, app: ASGIApp, *, answer: Answer, max_bytes: int) -> None:
-        self.app, self.answer, self.max_bytes = app, answer, max_bytes
+    def __init__(self, app: ASGIApp, *, answer: Answer, known: Vouched, vouched: Callable[[str, str], bool],
+                 max_bytes: int, grace_s: float) -> None:
+        self.app, self.answer, self.known, self.vouched = app, answer, known, vouched
+        self.max_bytes, self.grace_s = max_bytes, grace_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         node_id = _heartbeat_of(scope)
@@ -33,19 +42,19 @@ class QuietBeats:
         if not node_id or not authorization.lower().startswith("bearer "):
             await self.app(scope, receive, send)
             return
-        messages: list[Message] = []  # what was read, to hand on if the application must answer
-        body, more = b"", True
-        while more and len(body) <= self.max_bytes:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break  # (a disconnect)
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-        whole = not more and len(body) <= self.max_bytes  # (else BodyLimit refuses it, with its reason)
-        reply = await run_in_threadpool(self.answer, node_id, authorization, body) if whole else None
+        vouched = self.known(node_id, authorization)
+        if vouched is None:
+            vouched = await run_in_threadpool(self.vouched, node_id, authorization)
+        if not vouched:  # (the gate refuses it, from its headers)
+            await self.app(scope, receive, send)
+            return
+        body = await read_body(scope, receive, self.max_bytes, self.grace_s)
+        if body.refusal:
+            await refuse(scope, receive, send, *body.refusal)
+            return
+        reply = None if body.gone else await run_in_threadpool(self.answer, node_id, authorization, body.data)
         if reply is None:
-            await self.app(scope, _replaying(messages, receive), send)
+            await self.app(scope, _replaying(body.messages, receive), send)
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(reply)).encode())]})

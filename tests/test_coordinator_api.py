@@ -3,12 +3,14 @@ that takes the `settings` fixture runs twice, on SQLite and on a real PostgreSQL
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import os
 import re
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -849,36 +851,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_real_coordinator_process_serves_health_and_docs(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def coordinator_process(data_dir: Path, *args: str) -> Iterator[tuple[str, Forked]]:
+    """A real coordinator process (`python -m coordinator.cli`, forked from the process that imported
+    torch once: scripts/preloaded.py) on a free port: (its URL, the process), stopped after."""
     port = free_port()
-    # forked from the process that imported torch once (scripts/preloaded.py): `python -m coordinator.cli`
-    # all the same, without paying for the imports again
     process = Forked("coordinator.cli", ["--host", "127.0.0.1", "--port", str(port), "--relay-port", "0",
-                                         "--data-dir", str(tmp_path), "--log-level", "warning"],
-                     {**os.environ, "PYTHONUNBUFFERED": "1"}, ROOT, tmp_path / "coordinator.log")
+                                         "--data-dir", str(data_dir), "--log-level", "warning", *args],
+                     {**os.environ, "PYTHONUNBUFFERED": "1"}, ROOT, data_dir / "coordinator.log")
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                httpx.get(f"{url}/healthz", timeout=2)
                 break
             except httpx.TransportError:
-                assert process.poll() is None, "coordinator exited early"
+                assert process.poll() is None, f"coordinator exited early: {(data_dir / 'coordinator.log').read_text()}"
                 assert time.monotonic() < deadline, "coordinator did not answer within 60 s"
                 time.sleep(0.1)
-        assert health.status_code == 200 and health.json()["status"] == "ok"
-        for page, word in (("/docs", "swagger"), ("/redoc", "redoc")):
-            docs = httpx.get(f"http://127.0.0.1:{port}{page}", timeout=5)
-            assert docs.status_code == 200 and word in docs.text.lower()
-            assets = re.findall(r"""(?:src|href)=['"]([^'"]+)['"]""", docs.text)
-            assert assets and all(a.startswith("/static/") for a in assets), assets  # no CDN: works offline
-            assert all(httpx.get(f"http://127.0.0.1:{port}{a}", timeout=5).status_code == 200 for a in assets)
-        spec = httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=5).json()
-        assert "/v1/jobs/{job_id}/weights" in spec["paths"]
-        assert (tmp_path / "coordinator.db").exists()
+        yield url, process
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def test_real_coordinator_process_serves_health_and_docs(tmp_path: Path) -> None:
+    with coordinator_process(tmp_path) as (url, _):
+        health = httpx.get(f"{url}/healthz", timeout=2)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        for page, word in (("/docs", "swagger"), ("/redoc", "redoc")):
+            docs = httpx.get(f"{url}{page}", timeout=5)
+            assert docs.status_code == 200 and word in docs.text.lower()
+            assets = re.findall(r"""(?:src|href)=['"]([^'"]+)['"]""", docs.text)
+            assert assets and all(a.startswith("/static/") for a in assets), assets  # no CDN: works offline
+            assert all(httpx.get(f"{url}{a}", timeout=5).status_code == 200 for a in assets)
+        spec = httpx.get(f"{url}/openapi.json", timeout=5).json()
+        assert "/v1/jobs/{job_id}/weights" in spec["paths"]
+        assert (tmp_path / "coordinator.db").exists()
 
 
 def test_oversized_weights_upload_is_refused(client: TestClient, settings: Settings) -> None:

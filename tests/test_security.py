@@ -3,9 +3,12 @@ revocation; node credentials that expire and can be revoked; API keys with roles
 on its own jobs only), the `ravnest` command, and training with TLS everywhere (real processes)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +19,8 @@ from coordinator.app import create_app
 from coordinator.config import Settings
 from coordinator.security import new_token
 from scripts.local_cluster import ROOT, LocalCluster
-from tests.test_coordinator_api import INTERVAL, OPERATOR_TOKEN, FakeClock, _ports, beat, digits_job, join, profile
+from tests.test_coordinator_api import (INTERVAL, OPERATOR_TOKEN, FakeClock, _ports, beat, coordinator_process,
+                                        digits_job, join, profile)
 from tests.test_faults import cnn_job
 
 
@@ -369,3 +373,85 @@ def test_names_with_control_characters_are_refused_and_tables_show_text_as_text(
     text = console.export_text()
     assert "[bold red]x[/bold red]" in text and "\\x1b]0;owned\\x07 peer next row" in text, text
     assert not any(ord(c) < 32 and c != "\n" for c in text) and text.count("\n") == 2, repr(text)
+
+
+def _unfinished_beat(port: int, node_id: str, token: str, length: int, sent: bytes) -> socket.socket:
+    """A heartbeat that declares `length` bytes of body and sends `sent` of them (what fits at once)."""
+    connection = socket.create_connection(("127.0.0.1", port))
+    connection.sendall(f"POST /v1/nodes/{node_id}/heartbeat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
+    connection.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        connection.send(sent)
+    return connection
+
+
+def _answer(connection: socket.socket, within_s: float) -> tuple[bytes, bool]:
+    """(what the coordinator answered within `within_s`, whether it closed the connection after)."""
+    answered, deadline = b"", time.monotonic() + within_s
+    with contextlib.suppress(TimeoutError):
+        while time.monotonic() < deadline:
+            connection.settimeout(max(deadline - time.monotonic(), 0.01))
+            try:
+                chunk = connection.recv(65536)
+            except ConnectionResetError:  # (closed with what we sent unread: a reset)
+                return answered, True
+            if not chunk:
+                return answered, True
+            answered += chunk
+    return answered, False
+
+
+def _rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
+
+
+def test_nothing_of_a_body_is_read_before_its_credential_and_slow_bodies_are_cut(tmp_path: Path) -> None:
+    """A stranger's 200 heartbeats, each declaring a megabyte and sending 960 KiB of it, are refused
+    from their headers and closed (the coordinator grows < 64 MiB and gives it back), real beats keep
+    their pace meanwhile, and a node that sends its own body too slowly is cut with 408."""
+    with coordinator_process(tmp_path, "--body-grace", "1") as (url, process):
+        port = int(url.rpartition(":")[2])
+        with httpx.Client(base_url=url, timeout=30) as http:
+            node_id, auth = join(http, headers=bearer((tmp_path / "join_token").read_text().strip()))
+
+            def beats(count: int) -> list[float]:
+                took = []
+                for _ in range(count):
+                    began = time.perf_counter()
+                    assert http.post(f"/v1/nodes/{node_id}/heartbeat", json={}, headers=auth).status_code == 200
+                    took.append(time.perf_counter() - began)
+                return sorted(took)
+
+            def attack(length: int, sent: bytes) -> tuple[list[float], float]:
+                """200 strangers' beats (made-up ids and tokens; the real node's id with a made-up token):
+                (the real node's beat times meanwhile, the coordinator's peak RSS growth in MiB)."""
+                before, peak, held, during = _rss_mib(process.pid), 0.0, [], []
+                for wave in range(4):
+                    held += [_unfinished_beat(port, node_id if wave % 2 else f"n{i}", "rvn_" + "x" * 40, length, sent)
+                             for i in range(50)]
+                    during += beats(15)
+                    peak = max(peak, _rss_mib(process.pid) - before)
+                answers = [_answer(connection, 5) for connection in held]
+                for connection in held:
+                    connection.close()
+                assert all(a.startswith(b"HTTP/1.1 401") and b"unknown token" in a and closed
+                           for a, closed in answers), answers[:3]
+                return sorted(during), peak
+
+            beats(20)  # (the first beats warm the coordinator up)
+            before = _rss_mib(process.pid)
+            bodiless, _ = attack(0, b"")  # the same callers with no body: what a refusal itself costs
+            unfinished, grew = attack(1_000_000, bytes(960 << 10))
+            assert grew < 64, grew
+            p99 = lambda took: took[int(0.99 * (len(took) - 1))]  # noqa: E731
+            assert p99(unfinished) < 2 * p99(bodiless) + 0.05, (p99(bodiless), p99(unfinished))
+            # the node's own credential, and a body that does not come: cut after its grace (1 s here)
+            began = time.monotonic()
+            answer, closed = _answer(_unfinished_beat(port, node_id, auth["Authorization"].split()[1], 100, b"{"), 10)
+            assert answer.startswith(b"HTTP/1.1 408") and closed, answer
+            assert b"came too slowly: 1 of 100 bytes" in answer and time.monotonic() - began < 5, answer
+            assert beats(1)  # and it beats on
+            time.sleep(2.5)  # the coordinator's tick hands freed memory back (every heartbeat interval)
+            assert _rss_mib(process.pid) - before < 32, (before, _rss_mib(process.pid))

@@ -35,7 +35,7 @@ from ravnest.spec import HeartbeatRequest, HeartbeatResponse, LinkReport
 from .. import jobs
 from ..jobs import JobState
 from ..schemas import Health
-from ..security import bearer_token, token_matches
+from ..security import token_matches
 from ..store import JobRow, NodeRow, OfferRow, StageRow
 from .core import BUSY, GONE, IDLE, Core, node_refusal
 from .link_probes import LinkProbes
@@ -46,6 +46,7 @@ from .reachability import Reachability
 FLUSH_S = 0.5  # the buffer of sightings is written this often: far below any heartbeat timeout
 IDLE_CAP_S, BUSY_CAP_S = 40.0, 10.0  # the longest intervals told (see the docstring)
 COUNT_EVERY_S = 5.0  # live nodes are counted again this often to set the interval
+MAX_VOUCHED = 100_000  # credentials remembered for quiet_beats.py's check (past that, read from rows again)
 
 
 # a node's row with its job's state, its stage and how many files it offers: one primary-key lookup
@@ -74,6 +75,29 @@ class Presence:
         self._probed: list[Probed] = []  # link probes' results not yet written
         self._lock = threading.Lock()  # guards _seen and _probed only
         self._live, self._counted_at = 0, float("-inf")
+        self._vouched: dict[str, str] = {}  # node id -> the hash of the credential its beats last came with
+
+    def known(self, node_id: str, authorization: str) -> bool | None:
+        """True where `authorization` holds the credential this node's beats last came with; None where
+        that takes its row (`vouched`). Neither does I/O: quiet_beats.py asks before reading a body."""
+        held = self._vouched.get(node_id)
+        return True if held is not None and token_matches(_token(authorization), held) else None
+
+    def vouched(self, node_id: str, authorization: str) -> bool:
+        """Whether `authorization` holds this node's own credential, live (one primary-key read)."""
+        with self.core.store.reading() as session:
+            row = session.execute(NODE_AND_JOB, {"node": node_id}).first()
+            return row is not None and self._vouches(row, authorization, self.core.clock())
+
+    def _vouches(self, row, authorization: str | None, now: float) -> bool:
+        """The check of `vouched`, on a row read already; remembered for `known`."""
+        if node_refusal(row, now) or not token_matches(_token(authorization), row.token_hash):
+            self._vouched.pop(row.id, None)
+            return False
+        if len(self._vouched) >= MAX_VOUCHED:
+            self._vouched.clear()
+        self._vouched[row.id] = row.token_hash
+        return True
 
     def interval(self, busy: bool) -> float:
         """The heartbeat interval to tell a node now (see the docstring)."""
@@ -101,7 +125,7 @@ class Presence:
         now = self.core.clock()
         with self.core.store.reading() as session:
             row = session.execute(NODE_AND_JOB, {"node": node_id}).first()
-            if row is None or node_refusal(row, now) or not token_matches(bearer_token(authorization), row.token_hash):
+            if row is None or not self._vouches(row, authorization, now):
                 return None
             if isinstance(request, bytes):
                 try:
@@ -233,3 +257,9 @@ class Probed:
     reports: list[LinkReport]
     reached: list[str]
     unreached: list[str]
+
+
+def _token(authorization: str | None) -> str:
+    """The token of an `Authorization: Bearer <token>` header, or "" (the gate says what is wrong)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""

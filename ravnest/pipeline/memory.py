@@ -91,9 +91,14 @@ def trim_heap() -> None:
     """Only the malloc_trim half of `release_free_memory`: cheap enough for an idle node's every
     heartbeat (what peers' probes made the wire buffer goes back), no garbage collection."""
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")  # (find_library runs ldconfig: once)
 
 
 def status_bytes(field: str) -> int | None:
