@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--relay-ports", type=port_range, default=None, metavar="LOW-HIGH",
                         help="the ports the relay opens for the volunteers it serves, one each, for a firewall to "
                              "let in (default: any free port)")
+    parser.add_argument("--dial-allow", default=None, metavar="NETWORKS",
+                        help="the networks whose addresses the coordinator dials back to check that peers can reach "
+                             "a node, e.g. 10.0.0.0/8,2001:db8::/32 (default: any a volunteer may advertise but "
+                             "loopback, dialled only where the coordinator listens on loopback itself)")
     parser.add_argument("--body-grace", type=float, default=10.0, metavar="SECONDS",
                         help="a request body must come within this plus its length at 16 KiB/s, else it is cut "
                              "with 408 (default: 10)")
@@ -86,6 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--heartbeat-rate is beats a second: a positive number")
     if not 0 <= args.grow_gain < math.inf:
         parser.error("--grow-gain is a fraction of the job's predicted throughput: 0 or more")
+    if args.dial_allow is not None:
+        from .dial_rules import networks
+        try:
+            args.dial_allow = networks(args.dial_allow)
+        except ValueError as e:
+            parser.error(f"--dial-allow: {e}")
     if not 0 < args.body_grace < math.inf:
         parser.error("--body-grace is seconds: a positive number")
     if args.relay_bandwidth is not None and not 0 < args.relay_bandwidth < math.inf:
@@ -117,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                         heartbeat_timeout_factor=timeout / args.heartbeat_interval, recovery_wait_s=args.recovery_wait,
                         heartbeat_rate=args.heartbeat_rate, body_grace_s=args.body_grace,
                         grow_gain=args.grow_gain, revoke_outliers=args.revoke_outliers,
+                        host=args.host, dial_allow=args.dial_allow,
                         relay_host=args.host, relay_port=None if args.no_relay else
                         args.port + 1 if args.relay_port is None else args.relay_port,
                         relay_node_ports=args.relay_ports,

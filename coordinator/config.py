@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .dial_rules import Network
+
 
 @dataclass
 class Settings:
@@ -75,6 +77,10 @@ class Settings:
     relay_node_ports: range | None = None  # the ports its nodes get (None: any free one)
     relay_bytes_per_s: float | None = None  # its link's bandwidth, shared by the nodes it relays (None: unknown)
     relay_host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the coordinator listens (--host)
+    # the networks it dials nodes' addresses in (--dial-allow); None: any address a volunteer may give but
+    # loopback, which it dials only where it listens on loopback itself (coordinator/dial_rules.py)
+    dial_allow: tuple[Network, ...] | None = None
     # run the periodic reaper/placer task and dial joining nodes back (tests drive `tick` themselves,
     # and their nodes at made-up addresses count as reachable: not known to be otherwise)
     background: bool = True

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+from coordinator.dial_rules import DialRules, networks
 from ravnest.relay.dial import dial
 from scripts.local_cluster import LocalCluster
 from tests.test_lying_volunteers import Liar
@@ -20,6 +21,21 @@ def test_dial_says_what_happened() -> None:
         assert dial(address) == (True, f"connected to {address}")
     assert dial(address, timeout=1) == (False, f"could not connect to {address}: connection refused")
     assert dial("[::1]:notaport")[0] is False
+
+
+def test_a_coordinator_that_others_reach_dials_no_loopback_unless_allowed() -> None:
+    public, alone = DialRules(None, "0.0.0.0", lambda: 0.0), DialRules(None, "127.0.0.1", lambda: 0.0)
+    for address in ("127.0.0.1:22", "localhost:22", "[::1]:22", "127.9.9.9:1"):
+        assert public.target(address).at is None and "loopback, which from here is the coordinator's own machine" \
+            in public.target(address).refused, address
+        assert alone.target(address).at is not None, address  # (a cluster on one machine)
+    for address in ("0.0.0.0:80", "169.254.169.254:80", "[fe80::1]:80", "224.0.0.1:5"):
+        assert public.target(address).at is None and "not an address a peer can dial" in public.target(address).refused
+    assert public.target("10.1.2.3:8471").at == ("10.1.2.3", 8471)  # (a private network: as volunteers use)
+    assert public.target("no-such-host.invalid:1").refused.startswith("could not resolve no-such-host.invalid:1")
+    allowed = DialRules(networks("10.0.0.0/8, 2001:db8::/32"), "127.0.0.1", lambda: 0.0)
+    assert allowed.target("10.0.0.7:1").at and allowed.target("[2001:db8::1]:1").at
+    assert allowed.target("127.0.0.1:1").refused.endswith("127.0.0.1 is outside --dial-allow 10.0.0.0/8,2001:db8::/32")
 
 
 def test_a_node_that_cannot_be_dialled_is_found_out_by_the_coordinator_and_by_its_peers(tmp_path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -455,3 +456,52 @@ def test_nothing_of_a_body_is_read_before_its_credential_and_slow_bodies_are_cut
             assert beats(1)  # and it beats on
             time.sleep(2.5)  # the coordinator's tick hands freed memory back (every heartbeat interval)
             assert _rss_mib(process.pid) - before < 32, (before, _rss_mib(process.pid))
+
+
+def test_the_coordinator_dials_a_nodes_moves_once_a_minute_and_only_in_the_networks_it_may(tmp_path: Path) -> None:
+    """Ten address moves in a row make the coordinator dial the first alone (the others' replies say when
+    it will), and an address outside --dial-allow is never dialled: the node is told why."""
+    def listener(host: str = "127.0.0.1") -> socket.socket:
+        server = socket.create_server((host, 0))
+        server.setblocking(False)
+        return server
+
+    def address(server: socket.socket) -> str:
+        return "%s:%d" % server.getsockname()
+
+    def dialled(server: socket.socket, within_s: float = 0.0) -> bool:
+        return bool(select.select([server], [], [], within_s)[0])
+
+    homes, outside, later = [listener() for _ in range(10)], listener("127.0.0.2"), listener()
+    with coordinator_process(tmp_path, "--dial-allow", "127.0.0.1/32") as (url, _), \
+            httpx.Client(base_url=url, timeout=30) as http:
+        join_auth = bearer((tmp_path / "join_token").read_text().strip())
+        node_id, auth = join(http, headers=join_auth)
+        replies = [http.post(f"/v1/nodes/{node_id}/heartbeat", json={"address": address(home)}, headers=auth).json()
+                   for home in homes]
+        assert dialled(homes[0], 10)
+        assert replies[0]["note"] == "" and all(
+            r["note"].startswith(f"{address(home)} is dialled from ") and "at most once a minute" in r["note"]
+            for r, home in zip(replies[1:], homes[1:])), replies
+        [view] = [n for n in http.get("/v1/nodes", headers=_operator(tmp_path)).json() if n["id"] == node_id]
+        assert view["address"] == address(homes[0])
+        # an address outside the networks allowed: refused in words, never dialled (another node joins
+        # within them, and is dialled, meanwhile)
+        r = http.post("/v1/nodes", json={"name": "outside", "address": address(outside), "profile": profile()},
+                      headers=join_auth)
+        http.post("/v1/nodes", json={"name": "later", "address": address(later), "profile": profile()},
+                  headers=join_auth).raise_for_status()
+        assert dialled(later, 10)
+
+        def outsider() -> dict:
+            return next(n for n in http.get("/v1/nodes", headers=_operator(tmp_path)).json() if n["name"] == "outside")
+        deadline = time.monotonic() + 10
+        while outsider()["reachable"] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert outsider()["reachable"] is False and outsider()["reachability"] == (
+            f"the coordinator does not dial {address(outside)}: 127.0.0.2 is outside --dial-allow 127.0.0.1/32"), r.text
+        assert not any(dialled(server) for server in [*homes[1:], outside])
+
+
+def _operator(data_dir: Path) -> dict:
+    return bearer((data_dir / "operator_token").read_text().strip())

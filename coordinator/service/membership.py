@@ -81,8 +81,8 @@ class Membership:
                 node = self._node(session, node_id, authorization)
                 node.last_seen = self.core.clock()
                 node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
-                moved = request.address is not None and request.address != node.address and \
-                    self.reachability.moved(session, node, request.address)
+                moved, waiting = self.reachability.moved(session, node, request.address) \
+                    if request.address is not None and request.address != node.address else (False, "")
                 if moved:
                     self.links.forget_probes_of(node.id)
                 self.presence.take_probes(session, node, request)
@@ -110,6 +110,7 @@ class Membership:
                     response.note = self.placement.left_out_note(node.id)
                 response.challenges = self.offers.challenges_for(session, node)
                 response.reachable, response.reachability = node.reachable, node.reachability or ""
+                response.note = waiting or response.note
                 response.relay = self.reachability.relay_offer(session, node)
                 response.heartbeat_interval_s = node.beat_interval_s = self.presence.interval(node.state == BUSY)
             if moved:

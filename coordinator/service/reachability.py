@@ -7,7 +7,8 @@ link means its peer was dialled, and a probe that could not dial its peer is rep
 word is kept with where it came from; `ravnest nodes`, the dashboard and the node's own log show it.
 
 A volunteer could point the dial-back at another host's port: it learns one bit (connected or
-not) per join, which is rate-limited like every join, and nothing is sent there.
+not) per dial, and nothing is sent there. Which networks are dialled, and how often a node's move is,
+follows coordinator/dial_rules.py.
 
 A node found unreachable is offered a relay (ravnest/relay) with its heartbeat reply: the
 coordinator's own (`relay_port`) or a reachable volunteer's (`ravnest-node join --relay`, whose relay
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from ravnest.relay.dial import dial, host_of
 from ravnest.relay.server import RelayServer, relay_token
 from ravnest.spec import RelayOffer
 
+from ..dial_rules import DialRules
 from ..failure_reasons import who
 from ..store import COORDINATOR_RELAY as COORDINATOR
 from ..store import LinkRow, NodeRow
@@ -50,6 +53,7 @@ class Reachability:
         self._left: dict[str, str] = {}  # node id -> the relay it last left (this coordinator's run only)
         self._dialled: list[Dialled] = []  # what dial-backs found, not yet written (`flush`)
         self._lock = threading.Lock()  # guards _dialled
+        self.rules = DialRules(core.settings.dial_allow, core.settings.host, core.clock)
         port = core.settings.relay_port
         self.relay = RelayServer(core.relay_secret(COORDINATOR), core.settings.relay_host, port,
                                  node_ports=core.settings.relay_node_ports) if port is not None else None
@@ -93,20 +97,34 @@ class Reachability:
             relays[relay.id] = f"{relay.address.rpartition(':')[0]}:{relay.relay_port}"
         return relays
 
-    def moved(self, session: Session, node: NodeRow, address: str) -> bool:
+    def moved(self, session: Session, node: NodeRow, address: str) -> tuple[bool, str]:
         """The node is reached at `address` now (its port on a relay, or its own again): dial it there
-        (`dial_back`, once this session is committed). False where a live node holds that address."""
+        (`dial_back`, once this session is committed). (False, why) where a live node holds that address,
+        or where the node moved too recently to be dialled again (dial_rules.py: the reply says so)."""
         self.core.lock.hold_keys(session, address)  # (a join there waits, and then finds it held)
         holder = self.core.holder_of(session, address, other_than=node.id)
         if holder is not None:
             log.warning("node %s said it moved to %s, which node %s holds: ignored", who(node), address, who(holder))
-            return False
+            return False, ""
+        wait = self.rules.move_waits(node.id, offered=self._offered(session, node, address))
+        if wait:
+            at = time.strftime("%H:%M:%S UTC", time.gmtime(self.core.clock() + wait))
+            return False, (f"{address} is dialled from {at} on: the coordinator dials a node's new address at most "
+                           f"once a minute")
         log.info("node %s moved from %s to %s", who(node), node.address, address)
         if node.relayed_by and host_of(address) == node.tls_name:  # back at its own host: it left its relay
             self._left[node.id] = node.relayed_by  # (which went, or turned it away: its port range was full)
         node.address, node.reachable, node.reachability = address, None, ""
         session.execute(delete(LinkRow).where(LinkRow.peer_id == node.id))  # links to it: measured again there
-        return True
+        return True, ""
+
+    def _offered(self, session: Session, node: NodeRow, address: str) -> bool:
+        """Whether `address` is where the relay this node was offered reaches it: the port the coordinator's
+        own relay gave it, or a volunteer relay's host."""
+        if node.relayed_by == COORDINATOR:
+            return self.relay is not None and self.relay.address_of(node.id) == address
+        relay = session.get(NodeRow, node.relayed_by) if node.relayed_by else None
+        return relay is not None and host_of(relay.address) == host_of(address)
 
     def dial_back(self, node_id: str, address: str, relay_port: int | None = None) -> None:
         """Dial a node that just joined (and its relay's port, if it relays), on a thread of its own
@@ -116,14 +134,14 @@ class Reachability:
 
     def _dial_back(self, node_id: str, address: str, relay_port: int | None) -> None:
         try:
-            reached, said = dial(address)
+            reached, said = self._dial(address)
             if not reached:
                 log.info("node %s is not reachable: the coordinator %s", node_id, said)
             if not relay_port:  # (nearly every join: written with the others' by `flush`)
                 with self._lock:
                     self._dialled.append(Dialled(node_id, address, reached, f"the coordinator {said}"))
                 return
-            relays, relay_said = dial(f"{address.rpartition(':')[0]}:{relay_port}") if reached else (False, "")
+            relays, relay_said = self._dial(f"{address.rpartition(':')[0]}:{relay_port}") if reached else (False, "")
             found: dict[str, object] = {"reachable": reached, "reachability": f"the coordinator {said}"}
             if reached:  # dialled at its own address: it needs no relay now
                 found["relayed_by"] = case((NodeRow.tls_name == host_of(address), None), else_=NodeRow.relayed_by)
@@ -136,6 +154,11 @@ class Reachability:
                 log.info("node %s does not relay: %s", node_id, relay_said or "peers cannot dial it")
         finally:
             self._pending.release()
+
+    def _dial(self, address: str) -> tuple[bool, str]:
+        """`dial`, where the dial rules allow it (else (False, why not))."""
+        target = self.rules.target(address)
+        return dial(address, at=target.at) if target.at else (False, target.refused)
 
     def flush(self) -> None:
         """Write what the dial-backs of nodes that do not relay found since the last time: one statement

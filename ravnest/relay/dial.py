@@ -13,10 +13,11 @@ def host_of(address: str) -> str:
     return address.rpartition(":")[0].strip("[]")
 
 
-def dial(address: str, timeout: float = DIAL_BACK_S) -> tuple[bool, str]:
-    """(connected, what happened in words) for a TCP connection to `address` ("host:port", "[v6]:port")."""
+def dial(address: str, timeout: float = DIAL_BACK_S, at: tuple[str, int] | None = None) -> tuple[bool, str]:
+    """(connected, what happened in words) for a TCP connection to `address` ("host:port", "[v6]:port");
+    `at`: the IP and port to connect to for it, where they were resolved and checked already."""
     try:
-        with socket.create_connection((host_of(address), int(address.rpartition(":")[2])), timeout=timeout):
+        with socket.create_connection(at or (host_of(address), int(address.rpartition(":")[2])), timeout=timeout):
             return True, f"connected to {address}"
     except socket.timeout:
         return False, f"no answer from {address} within {timeout:g} s (a NAT or a firewall drops inbound connections)"
