@@ -114,12 +114,18 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
     from sqlalchemy.engine import make_url
 
+    from ravnest.printable import PrintableRecords
+
     from .app import create_app
     from .config import Settings
     from .store import SchemaError, StoreInUse
 
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(PrintableRecords())  # one line per record, whatever a volunteer's text holds
+    for name in ("uvicorn.access", "uvicorn.error"):  # (uvicorn gives these handlers of their own)
+        logging.getLogger(name).addFilter(PrintableRecords())
     logging.getLogger("uvicorn.access").addFilter(QuietRoutine())
     settings = Settings(data_dir=args.data_dir, db_url=args.db, join_token=args.token,
                         operator_token=args.operator_token,

@@ -9,6 +9,7 @@ break lines, and is escaped rather than refused: a failure report is never lost 
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Annotated
 
@@ -42,3 +43,19 @@ def shown(text: str) -> str:
     """`text` for one table cell or log line: each control character as its escape (`\x1b`), line
     breaks and tabs as spaces. For text from before the API refused it, and from peers that bypass it."""
     return _UNPRINTABLE.sub(lambda found: " " if found.group() in "\t\n\r" else _escaped(found), text)
+
+
+class PrintableRecords(logging.Filter):
+    """Log records with their message and arguments `shown`: a volunteer's words (a failure's reason, a
+    path it asked for) can neither forge a line of the log nor move a terminal's cursor. Installed on
+    handlers (and on uvicorn's access logger, which formats its arguments itself); tracebacks, ours,
+    keep their lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = shown(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(shown(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: shown(v) if isinstance(v, str) else v for k, v in record.args.items()}
+        return True

@@ -375,6 +375,23 @@ def test_names_with_control_characters_are_refused_and_tables_show_text_as_text(
     assert "[bold red]x[/bold red]" in text and "\\x1b]0;owned\\x07 peer next row" in text, text
     assert not any(ord(c) < 32 and c != "\n" for c in text) and text.count("\n") == 2, repr(text)
 
+    # the coordinator's log (coordinator/cli.py installs the filter): a reason cannot forge a line of it
+    import io
+    import logging
+
+    from ravnest.printable import PrintableRecords
+    written, logger = io.StringIO(), logging.getLogger("test.printable")
+    handler = logging.StreamHandler(written)
+    handler.addFilter(PrintableRecords())
+    logger.addHandler(handler)
+    try:
+        logger.warning("job %s failed: %s", "j1", "peer gone\n2026-12-07 INFO coordinator: forged\x1b[2J")
+        logger.warning(f"node {marked} reported: lost\r\x1b]0;owned\x07")  # (an f-string: the message itself)
+    finally:
+        logger.removeHandler(handler)
+    assert written.getvalue().splitlines() == [
+        "job j1 failed: peer gone 2026-12-07 INFO coordinator: forged\\x1b[2J", f"node {marked} reported: lost \\x1b]0;owned\\x07"]
+
 
 def _unfinished_beat(port: int, node_id: str, token: str, length: int, sent: bytes) -> socket.socket:
     """A heartbeat that declares `length` bytes of body and sends `sent` of them (what fits at once)."""
@@ -477,6 +494,9 @@ def test_the_coordinator_dials_a_nodes_moves_once_a_minute_and_only_in_the_netwo
             httpx.Client(base_url=url, timeout=30) as http:
         join_auth = bearer((tmp_path / "join_token").read_text().strip())
         node_id, auth = join(http, headers=join_auth)
+        named = http.post("/v1/nodes", json={"name": "\x1b[2J\x1b]0;owned\x07", "address": address(later),
+                                             "profile": profile()}, headers=join_auth)
+        assert named.status_code == 422 and "control character (U+001B at 0)" in named.text, named.text
         replies = [http.post(f"/v1/nodes/{node_id}/heartbeat", json={"address": address(home)}, headers=auth).json()
                    for home in homes]
         assert dialled(homes[0], 10)
