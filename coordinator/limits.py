@@ -71,9 +71,15 @@ async def read_body(scope: Scope, receive: Receive, max_bytes: int, grace_s: flo
     return body
 
 
-async def refuse(scope: Scope, receive: Receive, send: Send, status: int, reason: str) -> None:
-    """The refusal of a body; the connection closes after it (the rest of the body is never read)."""
-    await JSONResponse({"detail": reason}, status_code=status, headers={"Connection": "close"})(scope, receive, send)
+async def read_or_refuse(scope: Scope, receive: Receive, send: Send, max_bytes: int, grace_s: float) -> Body | None:
+    """`read_body`, with its refusal sent (the connection closes after it: the rest of the body is never
+    read) or nothing where the caller went: then None."""
+    body = await read_body(scope, receive, max_bytes, grace_s)
+    if body.refusal:
+        status, reason = body.refusal
+        refusal = JSONResponse({"detail": reason}, status_code=status, headers={"Connection": "close"})
+        await refusal(scope, receive, send)
+    return None if body.refusal or body.gone else body
 
 
 class BodyLimit:
@@ -85,11 +91,8 @@ class BodyLimit:
                 scope["method"] == "PUT" and scope["path"].endswith(STREAMED_UPLOADS)):
             await self.app(scope, receive, send)
             return
-        body = await read_body(scope, receive, self.max_bytes, self.grace_s)
-        if body.refusal:
-            await refuse(scope, receive, send, *body.refusal)
-            return
-        if body.gone:
+        body = await read_or_refuse(scope, receive, send, self.max_bytes, self.grace_s)
+        if body is None:
             return
         replayed = False
 

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .limits import read_body, refuse
+from .limits import read_or_refuse
 
 # (node id, the Authorization header, the body) -> the reply's JSON, or None: the application answers
 Answer = Callable[[str, str, bytes], bytes | None]
@@ -48,11 +48,10 @@ class QuietBeats:
         if not vouched:  # (the gate refuses it, from its headers)
             await self.app(scope, receive, send)
             return
-        body = await read_body(scope, receive, self.max_bytes, self.grace_s)
-        if body.refusal:
-            await refuse(scope, receive, send, *body.refusal)
+        body = await read_or_refuse(scope, receive, send, self.max_bytes, self.grace_s)
+        if body is None:
             return
-        reply = None if body.gone else await run_in_threadpool(self.answer, node_id, authorization, body.data)
+        reply = await run_in_threadpool(self.answer, node_id, authorization, body.data)
         if reply is None:
             await self.app(scope, _replaying(body.messages, receive), send)
             return
