@@ -269,7 +269,7 @@ class NodeDaemon:
     def _run_job(self, job: _Job) -> None:
         a = job.assignment
         if self._prober:
-            self._prober.drop_queued()
+            self._prober.stand_aside()
         run = _JobRun(job, prefix=f"job {a.job_id[:8]} cluster {a.cluster} stage {a.stage} (of {a.num_stages})",
                       scratch=Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")),
                       reporter=BackgroundSender[MetricsReport](

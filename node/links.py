@@ -11,11 +11,12 @@ import grpc
 from ravnest.relay.dial import dial
 from ravnest.spec import LATENCY, SPREAD, LinkReport, PeerProbe, plausible_bandwidth
 from ravnest.timeouts import LINK_PROBE_S
-from ravnest.wire import measure_link, name_peer
+from ravnest.wire import ProbeStopped, measure_link, name_peer
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 20  # the first probe (about a second at 10 Mbit/s); 4x larger ones follow on fast links
 MAX_QUEUED = 16
+STAND_ASIDE_S = 2.0  # longest a node starting a stage waits for its probe under way to end (0.1 s when cancelled)
 
 
 def reachability_line(address: str, reachable: bool, how: str, relayed: bool = False) -> str:
@@ -40,6 +41,7 @@ class LinkProber:
         self._unreached: list[str] = []  # peers it could not dial since the last `take`
         self._lock = threading.Lock()
         self._measured = threading.Condition(self._lock)
+        self._stop = threading.Event()  # set: the probe under way ends at its next ping
         self._thread = threading.Thread(target=self._run, name="link-prober", daemon=True)
         self._thread.start()
 
@@ -56,19 +58,24 @@ class LinkProber:
                 with self._lock:
                     self._queued.discard(probe.node_id)
 
-    def drop_queued(self) -> None:
-        """Forget the probes not started yet: this node starts training, and a probe's megabytes would
-        take its link and memory from the job (the coordinator asks again once it is idle)."""
-        while True:
-            try:
-                probe = self._todo.get_nowait()
-            except queue.Empty:
-                return
-            if probe is None:  # closing: leave the end marker for the thread
-                self._todo.put_nowait(None)
-                return
-            with self._lock:
+    def stand_aside(self, wait_s: float = STAND_ASIDE_S) -> None:
+        """This node starts training: forget the probes not started yet and cancel the one under way,
+        waiting up to `wait_s` for it to end. A probe's megabytes (up to 16 MiB a ping, on both ends) would
+        take the job's link and be counted in its stage's peak memory; the coordinator asks again once the
+        node is idle."""
+        with self._measured:
+            self._stop.set()
+            while True:
+                try:
+                    probe = self._todo.get_nowait()
+                except queue.Empty:
+                    break
+                if probe is None:  # closing: leave the end marker for the thread
+                    self._todo.put_nowait(None)
+                    break
                 self._queued.discard(probe.node_id)
+            self._measured.wait_for(lambda: not self._queued, timeout=wait_s)
+            self._stop.clear()
 
     def take(self, wait: float = 0.0) -> tuple[list[LinkReport], list[str]]:
         """The links measured since the last call, and the peers it could not dial; waits up to `wait`
@@ -84,9 +91,11 @@ class LinkProber:
                 if probe.tls_name:
                     name_peer(probe.address, probe.tls_name)
                 link = measure_link(probe.address, token=self._token, probe_bytes=self._probe_bytes,
-                                    timeout=LINK_PROBE_S)  # the process's shared channels
+                                    timeout=LINK_PROBE_S, stop=self._stop)  # the process's shared channels
                 report = LinkReport(peer_id=probe.node_id, bandwidth_bytes_per_s=plausible_bandwidth(link.bandwidth),
                                     latency_s=min(link.latency, LATENCY["le"]), spread=min(link.spread, SPREAD["le"]))
+            except ProbeStopped:
+                report, unreached = None, False
             except (grpc.RpcError, ValueError) as e:  # unreachable, refused, or a malformed address
                 log.info("link probe to %s (%s) failed: %s", probe.node_id, probe.address, e)
                 report = None

@@ -58,7 +58,8 @@ def test_settle_waits_for_the_probes_under_way_only() -> None:
 
 
 def test_probes_not_started_are_dropped_when_the_node_starts_training(monkeypatch) -> None:
-    """A node given a stage forgets its queued probes: their megabytes would compete with the job."""
+    """A node given a stage forgets its queued probes: their megabytes would compete with the job (and the
+    one under way, which waits on a silent peer here, ends with its deadline: nothing more goes out)."""
     monkeypatch.setattr("node.links.LINK_PROBE_S", 1.0)
     peer = PeerServer(Router(), token="job-token", ping_token="probe-token")
     silent = socket.socket()  # accepts the connection and never speaks: the first probe hangs until its deadline
@@ -70,10 +71,46 @@ def test_probes_not_started_are_dropped_when_the_node_starts_training(monkeypatc
                     PeerProbe(node_id="a", address=peer.address), PeerProbe(node_id="b", address=peer.address)])
         while prober._todo.qsize() > 2:  # the first one is under way
             time.sleep(0.01)
-        prober.drop_queued()
+        prober.stand_aside(wait_s=0.1)
         prober.close(timeout=20)
         reports, _ = prober.take()
         assert [r.peer_id for r in reports] == []
+    finally:
+        prober.close(timeout=20)
+        peer.stop(0)
+        silent.close()
+
+
+def test_the_probe_under_way_stops_at_its_next_ping_when_the_node_starts_training(monkeypatch) -> None:
+    """A probe's transfers go on for seconds (up to 16 MiB a ping, repeated; a silent peer's ping waits
+    out its deadline): the one under way when the node is given a stage is cancelled, nothing more is
+    sent, nothing reported, and `stand_aside` returns at once."""
+    import threading
+
+    import ravnest.wire.transport.probes as probes
+
+    real_ping, under_way, payloads = probes.ping, threading.Event(), []
+
+    def ping(address, *, payload_bytes=0, stop=None, **kwargs):
+        if payload_bytes:  # a transfer that lasts until the node stands aside: a ping to a peer gone silent
+            payloads.append(payload_bytes)
+            under_way.set()
+            return real_ping(silent_address, stop=stop, **kwargs)
+        return real_ping(address, stop=stop, **kwargs)
+    monkeypatch.setattr(probes, "ping", ping)
+    silent = socket.socket()  # accepts the connection and never speaks
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    silent_address = f"127.0.0.1:{silent.getsockname()[1]}"
+    peer = PeerServer(Router(), token="job-token", ping_token="probe-token")
+    prober = LinkProber("probe-token", probe_bytes=1 << 16)
+    try:
+        prober.ask([PeerProbe(node_id="peer", address=peer.address)])
+        assert under_way.wait(10)
+        started = time.monotonic()
+        prober.stand_aside(wait_s=10)
+        assert time.monotonic() - started < 1 and payloads == [1 << 16]  # cancelled, and nothing more sent
+        assert prober.take() == ([], []) and prober.settle(0.1) is False
     finally:
         prober.close(timeout=20)
         peer.stop(0)

@@ -378,7 +378,10 @@ def test_a_node_accepts_only_its_planned_peers_and_no_forged_or_ended_credential
     node = Node(gate=gate)
     try:
         node.assert_serves_a_good_stream(token=tokens["prev"])
-        assert ping(node.server.address, token="probe") > 0 and ping(node.server.address, token=tokens["next"]) > 0
+        assert ping(node.server.address, token=tokens["next"]) > 0
+        with pytest.raises(grpc.RpcError) as info:  # a node that trains is not probed (its link and memory are the job's)
+            ping(node.server.address, token="probe")
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "training" in info.value.details()
         for token, code, reason in (
                 (tokens["far"], grpc.StatusCode.PERMISSION_DENIED, "node far is not a pipeline neighbour"),
                 ("rvn_other-job", grpc.StatusCode.PERMISSION_DENIED, "node x is not"),
@@ -392,6 +395,8 @@ def test_a_node_accepts_only_its_planned_peers_and_no_forged_or_ended_credential
         with pytest.raises(grpc.RpcError) as info:
             ping(node.server.address, token=tokens["prev"])
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        gate.dismiss("other/0")
+        assert ping(node.server.address, token="probe") > 0  # idle again: its links may be probed
         assert node.received.qsize() == 0
     finally:
         node.server.stop(0)

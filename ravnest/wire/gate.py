@@ -10,7 +10,8 @@ one of the peers this node's plan names (its pipeline neighbours and ring peers)
     a credential of no job held here (a stranger, a forgery, an ended job)   UNAUTHENTICATED
     a member of the job that this node's plan does not name                   PERMISSION_DENIED
 
-Ping (no data) also accepts the coordinator's probe tokens, so idle nodes can measure their links.
+Ping (no data) also accepts the coordinator's probe tokens, so idle nodes can measure their links, while
+this node serves no job (RESOURCE_EXHAUSTED while it does).
 """
 from __future__ import annotations
 
@@ -60,10 +61,13 @@ class PeerGate:
         if scheme != "Bearer" or not token:
             return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong peer token"
         digest = credential_hash(token)
-        if ping and digest in self._probe_hashes:
-            return None
         with self._lock:
             jobs = list(self._jobs.values())
+        if ping and digest in self._probe_hashes:
+            # an idle peer's probe of a node that trains would take the job's link and be counted in the
+            # stage's peak memory (payloads of up to 16 MiB); the coordinator asks for it once both are idle
+            return (grpc.StatusCode.RESOURCE_EXHAUSTED, "this node is training: its links are probed once it is "
+                    "idle again") if jobs else None
         for job in jobs:
             sender = job.members.get(digest)
             if sender is None:

@@ -22,11 +22,11 @@ from .channels import (
 )
 from .options import GRPC_OPTIONS, SERVER_KEEPALIVE_OPTIONS
 from .outbound import OutboundStream
-from .probes import AUTH_GRACE_S, growing_probe, measure_link, ping, wait_authorized
+from .probes import AUTH_GRACE_S, ProbeStopped, growing_probe, measure_link, ping, wait_authorized
 from .router import Router
 from .peer_server import Handler, PeerServer, TokenSource
 
 __all__ = ["AUTH_GRACE_S", "DIALER", "GRPC_OPTIONS", "SERVER_KEEPALIVE_OPTIONS", "ChannelPool", "Dialer", "Handler",
-           "OutboundStream", "PeerError", "PeerServer", "Router", "TokenSource", "close_channels", "growing_probe",
-           "keep_freed_buffers", "measure_link", "name_peer", "new_pool", "ping", "route", "unroute", "use_tls",
-           "wait_authorized"]
+           "OutboundStream", "PeerError", "PeerServer", "ProbeStopped", "Router", "TokenSource", "close_channels",
+           "growing_probe", "keep_freed_buffers", "measure_link", "name_peer", "new_pool", "ping", "route", "unroute",
+           "use_tls", "wait_authorized"]

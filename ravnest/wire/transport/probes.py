@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -16,13 +17,23 @@ from .channels import DIALER, ChannelPool, peer_error
 from .options import MAX_PING_BYTES, metadata
 
 
+class ProbeStopped(Exception):
+    """A probe given up mid-way: the node that made it has work for its link now."""
+
+
 def ping(address: str, *, token: str | None = None, payload_bytes: int = 0, reply_bytes: int = 0,
-         timeout: float = 10.0, pool: ChannelPool | None = None) -> float:
-    """Round-trip time in seconds of one Ping carrying the given payloads; grpc.RpcError on failure."""
+         timeout: float = 10.0, pool: ChannelPool | None = None, stop: threading.Event | None = None) -> float:
+    """Round-trip time in seconds of one Ping carrying the given payloads; grpc.RpcError on failure,
+    ProbeStopped (the call cancelled) within 0.1 s of `stop` being set."""
     stub = peer_pb2_grpc.PeerStub((pool or DIALER.pool).get(address))
     start = time.perf_counter()
-    stub.Ping(peer_pb2.PingRequest(payload=bytes(payload_bytes), reply_bytes=reply_bytes),
-              timeout=timeout, metadata=metadata(token))
+    call = stub.Ping.future(peer_pb2.PingRequest(payload=bytes(payload_bytes), reply_bytes=reply_bytes),
+                            timeout=timeout, metadata=metadata(token))
+    while stop is not None and not call.done():
+        if stop.wait(0.1):  # (a ping to a peer gone silent waits out its whole timeout otherwise)
+            call.cancel()
+            raise ProbeStopped(f"probe of {address} stopped")
+    call.result()
     return time.perf_counter() - start
 
 
@@ -92,13 +103,18 @@ class LinkFigures(NamedTuple):
 
 
 def measure_link(address: str, *, token: str | None = None, probe_bytes: int = 1 << 20, probe_s: float = 0.25,
-                 timeout: float = 10.0, pool: ChannelPool | None = None) -> LinkFigures:
+                 timeout: float = 10.0, pool: ChannelPool | None = None,
+                 stop: threading.Event | None = None) -> LinkFigures:
     """A link to a peer: empty pings, then payload pings that grow while they are short (`growing_probe`;
-    1 MiB alone measured 400 Mbit/s links below 100 Mbit/s ones)."""
-    ping(address, token=token, timeout=timeout, pool=pool)  # warm the channel
-    latency = statistics.median(ping(address, token=token, timeout=timeout, pool=pool) for _ in range(PINGS))
-    bandwidth = growing_probe(lambda size: ping(address, token=token, payload_bytes=size, timeout=timeout, pool=pool),
-                              latency, probe_bytes, MAX_PING_BYTES, probe_s)
+    1 MiB alone measured 400 Mbit/s links below 100 Mbit/s ones). Once `stop` is set, the ping under way
+    is cancelled and ProbeStopped raised."""
+    def one(payload_bytes: int = 0) -> float:
+        if stop is not None and stop.is_set():
+            raise ProbeStopped(f"probe of {address} stopped")
+        return ping(address, token=token, payload_bytes=payload_bytes, timeout=timeout, pool=pool, stop=stop)
+    one()  # warm the channel
+    latency = statistics.median(one() for _ in range(PINGS))
+    bandwidth = growing_probe(one, latency, probe_bytes, MAX_PING_BYTES, probe_s)
     return LinkFigures(latency, *bandwidth)
 
 
