@@ -19,6 +19,8 @@ flight, is what the stage runner really holds:
     + split backward (stages after the first, unless `split_backward` is off): the gradients of the
       parameter owners' outputs of one micro-batch, held from B (input gradient) to W (weight gradients)
     + wire queues: SEND_QUEUE + 1 outgoing and K + RECEIVE_SLACK incoming activations
+    + what a link keeps to send again after a break: K + RECEIVE_SLACK gradients sent back (stages after the
+      first), and RECEIVE_SLACK activations beyond the K held for their backward
     + a base: what any stage costs a node whatever its blocks (its computing thread's heap and stack,
       stream buffers, Python objects; `pipeline.memory.STAGE_BASE` for real jobs)
     + its blocks' kernels' state on that thread, once (`BlockCost.kernel_bytes`: oneDNN's convolutions)
@@ -151,9 +153,12 @@ def _memory(costs: list[BlockCost], param_bytes: int, saved_bytes: int, workspac
     held = 1 if last or load.checkpoint_blocks or load.recompute else k
     activations += math.ceil(held * param_bytes * load.cast_weights)
     queues = (SEND_QUEUE + 1) * sent * (not last) + (k + RECEIVE_SLACK) * received
+    # what a broken link may have lost is kept to send again (pipeline/neighbours.py): the last K + RECEIVE_SLACK
+    # messages each way, of which the activations sent are held for their backward anyway, but for RECEIVE_SLACK
+    kept = RECEIVE_SLACK * sent * (not last) + (k + RECEIVE_SLACK) * received
     feed = costs[0].feed_bytes if start == 0 else 0  # the first stage holds the job's data
     fixed = kernels + feed + load.stage_base + math.ceil(load.transient * param_bytes)
-    return int(weights + load.heap_slack * (activations + recomputed + workspace + split) + queues + fixed)
+    return int(weights + load.heap_slack * (activations + recomputed + workspace + split) + queues + kept + fixed)
 
 
 class _RangeMax:

@@ -13,6 +13,10 @@ silence, slowness and retries are its settings: coordinator/config.py, coordinat
     COORDINATOR_RETRY_S = 300  a node retries an unreachable coordinator with backoff this long, so
                                a coordinator restart mid-job loses nothing.
     LINK_PROBE_S = 10          one link measurement to a peer, asked for while the node is idle.
+    LINK_RESUME_S = 10         a pipeline stream whose connection broke is dialled again this long
+                               (what was sent and may be lost goes again on the new stream) before
+                               the neighbour counts as lost: a Wi-Fi hiccup or a restarted router
+                               costs the job those seconds, not a re-plan.
 """
 PEER_SILENCE_S = 300.0
 KEEPALIVE_S = 20.0
@@ -20,3 +24,4 @@ KEEPALIVE_TIMEOUT_S = 10.0
 FAILED_FLUSH_S = 5.0
 COORDINATOR_RETRY_S = 300.0
 LINK_PROBE_S = 10.0
+LINK_RESUME_S = 10.0

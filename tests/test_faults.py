@@ -1,7 +1,12 @@
 """Faults with real processes on loopback: a node killed mid-job, the coordinator killed and restarted,
 a cancelled job resumed from its checkpoint, and nodes serving job after job without leaking."""
+from __future__ import annotations
+
 import json
 import os
+import socket
+import struct
+import threading
 import time
 from pathlib import Path
 
@@ -236,19 +241,91 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
         assert cluster.http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
 
 
-def test_training_converges_with_a_slow_link_that_breaks_once(tmp_path):
-    """One node's outbound link adds 2 ms to every message and cuts a stream off once: the job
-    recovers from the cut (re-planned on the same four nodes) and still learns as well."""
-    with LocalCluster(tmp_path, nodes=3) as cluster:
-        cluster.add_nodes(1, ["--inject-fault", "delay=0.002,sever_after=300"])
-        job = cluster.wait_job(cluster.submit(cnn_job(steps=600, min_nodes=4)), timeout=600)
-        assert job["state"] == "completed", job["reason"]
-        [recovery] = job["recoveries"]
-        # the faulted node's own report or its neighbour's, whichever arrives first: the cause is kept
-        assert "severed by fault injection" in recovery["reason"] + recovery["failure"]["detail"]
-        assert recovery["recovery_s"] < 30
-        print(f"recovered in {recovery['recovery_s']:.1f} s; test accuracy {job['metrics']['test_accuracy']:.4f}")
-        assert job["metrics"]["test_accuracy"] >= 0.95
+class Forwarder:
+    """A TCP forwarder from 127.0.0.1:`port` to `target` whose connections can be cut (each reset: the
+    forwarder killed and started again, a NAT dropping its mappings) and held (nothing passes either way
+    for a while, nothing is refused: a link that is down)."""
+
+    def __init__(self, port: int, target: tuple[str, int]):
+        self.target = target
+        self._server = socket.create_server(("127.0.0.1", port))
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._flowing = threading.Event()
+        self._flowing.set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            for conn in self._open:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+                conn.close()
+            self._open.clear()
+
+    def hold(self, seconds: float) -> None:
+        self._flowing.clear()
+        time.sleep(seconds)  # the outage itself, what the test is about
+        self._flowing.set()
+
+    def close(self) -> None:
+        self._server.close()
+        self.cut()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                inbound, _ = self._server.accept()
+                self._flowing.wait()
+                outbound = socket.create_connection(self.target)
+            except OSError:
+                return
+            with self._lock:
+                self._open += [inbound, outbound]
+            for a, b in ((inbound, outbound), (outbound, inbound)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                self._flowing.wait()
+                sink.sendall(data)
+        except OSError:
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_links_that_break_or_go_down_mid_job_cost_no_replan(tmp_path):
+    """A 2-stage job whose links fail three ways: one node's outbound stream is cut once (fault injection,
+    with 2 ms added to each message); the other node is reached through a forwarder whose connections
+    are reset mid-job (each sender dials again and sends its last messages again), and later held for
+    5 s (nothing passes, nothing is refused: the streams wait). The job is never re-planned and learns
+    as well."""
+    port = free_port()
+    forwarder = Forwarder(port, ("127.0.0.2", port))
+    try:
+        with LocalCluster(tmp_path, nodes=0) as cluster:
+            cluster.add_nodes(1, ["--inject-fault", "delay=0.002,sever_after=300"])
+            cluster.add_nodes(1, ["--host", "127.0.0.2", "--port", str(port), "--advertise", "127.0.0.1"])
+            job_id = cluster.submit(cnn_job(steps=600, clusters=1, stages_per_cluster=2, min_nodes=2))
+            wait_progress(cluster, job_id, 0.3)
+            forwarder.cut()
+            held_at = wait_progress(cluster, job_id, 0.6)["progress"]["fraction"]
+            forwarder.hold(5.0)
+            job = cluster.wait_job(job_id, timeout=600)
+            assert job["state"] == "completed", job["reason"]
+            assert job["recoveries"] == [], job["recoveries"]
+            logs = cluster.log_tail("node-0.log", 2000) + cluster.log_tail("node-1.log", 2000)
+            resumed = [line for line in logs.splitlines() if "a new stream took over" in line]
+            print("\n".join(resumed) + f"\nheld 5 s at {held_at:.0%}; test accuracy {job['metrics']['test_accuracy']:.4f}")
+            assert len(resumed) >= 2, logs
+            assert job["metrics"]["test_accuracy"] >= 0.95
+    finally:
+        forwarder.close()
 
 
 class CpuLimit:

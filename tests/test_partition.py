@@ -51,16 +51,17 @@ def test_stage_memory_formula() -> None:
              BlockCost(0, 40, 1.0, 2, saved_bytes=13)]
     adam_k2 = Load(in_flight=2)
     # not last, K = 2: params x (live + grad + 2 Adam + 2 versions) + K x saved + the largest block's
-    # saved (backward workspace) + 3 queued outputs (SEND_QUEUE + 1) + (K + 2) queued inputs
-    assert stage_memory_bytes(costs, 0, 2, adam_k2) == 30 * 6 + 2 * 18 + 11 + 3 * 5 + 4 * 0
+    # saved (backward workspace) + 3 queued outputs (SEND_QUEUE + 1) + (K + 2) queued inputs, and what the
+    # links keep to send again after a break: 2 more outputs (RECEIVE_SLACK) and K + 2 gradients sent back
+    assert stage_memory_bytes(costs, 0, 2, adam_k2) == 30 * 6 + 2 * 18 + 11 + 3 * 5 + 4 * 0 + 2 * 5 + 4 * 0
     # K = 1 needs no weight versions; SGD keeps no state
     assert stage_memory_bytes(costs, 1, 2, Load(in_flight=1, optimizer_state=0)) == \
-        20 * 2 + 11 + 11 + 3 * 5 + 3 * 3
+        20 * 2 + 11 + 11 + 3 * 5 + 3 * 3 + 2 * 5 + 3 * 3
     # the last stage: no versions, one micro-batch's activations, the loss' logits twice, sends nothing
-    assert stage_memory_bytes(costs, 2, 3, adam_k2) == 40 * 4 + 13 + 2 * 2 + 13 + 4 * 5
+    assert stage_memory_bytes(costs, 2, 3, adam_k2) == 40 * 4 + 13 + 2 * 2 + 13 + 4 * 5 + 4 * 5
     # recompute keeps K inputs and one forward's activations; averaging rings add two copies
     assert stage_memory_bytes(costs, 1, 2, Load(2, 2.0, recompute=True, averaging_copies=2)) == \
-        20 * 8 + (2 * 3 + 11) + 11 + 3 * 5 + 4 * 3
+        20 * 8 + (2 * 3 + 11) + 11 + 3 * 5 + 4 * 3 + 2 * 5 + 4 * 3
     # the split backward holds the gradients of the parameter owners' outputs from B to W, except on
     # stage 0, whose backward is not split (its input is data)
     split = [dataclasses.replace(c, owner_output_bytes=100 * (i + 1)) for i, c in enumerate(costs)]
@@ -69,8 +70,8 @@ def test_stage_memory_formula() -> None:
     # activation checkpointing keeps each block's input (block 0's: none) in place of its saved
     # activations, recomputes one block in the backward, and never splits it
     checkpointed = Load(in_flight=2, checkpoint_blocks=True)
-    assert stage_memory_bytes(split, 0, 2, checkpointed) == 30 * 6 + 2 * (0 + 3) + 11 + 11 + 3 * 5
-    assert stage_memory_bytes(split, 1, 3, checkpointed) == 60 * 4 + (3 + 5) + 2 * 2 + 13 + 13 + 4 * 3
+    assert stage_memory_bytes(split, 0, 2, checkpointed) == 30 * 6 + 2 * (0 + 3) + 11 + 11 + 3 * 5 + 2 * 5
+    assert stage_memory_bytes(split, 1, 3, checkpointed) == 60 * 4 + (3 + 5) + 2 * 2 + 13 + 13 + 4 * 3 + 4 * 3
     # bf16/fp16: each micro-batch in flight keeps autocast's 16-bit weights (the last stage: one)
     assert stage_memory_bytes(costs, 0, 2, Load(in_flight=2, cast_weights=0.5)) == \
         stage_memory_bytes(costs, 0, 2, adam_k2) + 2 * 30 // 2

@@ -542,3 +542,42 @@ def test_a_stage_continues_from_its_saved_state_exactly(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="no state"):
         StageRunner(resumed, Router())
+
+
+@pytest.mark.parametrize("sever_after", [9, 40], ids=["early", "mid-run"])
+def test_a_stream_cut_mid_run_is_resumed_and_the_weights_are_those_of_an_unbroken_run(sever_after, caplog) -> None:
+    """A broken connection costs the run nothing: the sender opens a new stream and sends its last
+    messages again, the receiver drops what it had (each message's link_seq), and the seeded run ends
+    with the weights of a run whose links never broke, bit for bit."""
+    from ravnest.wire import faults
+
+    job = make_job(steps=24, microbatches_in_flight=2, eval_every=10)
+    clean = run_threaded_pipeline(job, MLP_RANGES, timeout=60)
+    injected = faults.LinkFaults(sever_after=sever_after)
+    faults.inject(injected)
+    try:
+        with caplog.at_level("WARNING", logger="ravnest.pipeline.neighbours"):
+            cut = run_threaded_pipeline(job, MLP_RANGES, timeout=60)
+    finally:
+        faults.inject(None)
+    assert injected._severed
+    assert any("a new stream took over" in r.getMessage() for r in caplog.records), caplog.text
+    for key, value in clean["state_dict"].items():
+        assert torch.equal(cut["state_dict"][key], value), key
+    assert cut["metrics"]["test_loss"] == clean["metrics"]["test_loss"]
+
+
+def test_a_message_after_a_gap_on_its_link_ends_the_stream_and_a_repeat_is_dropped() -> None:
+    """What a break lost beyond what the sender kept cannot be made up: the next message names the gap."""
+    from ravnest.wire import WireError
+
+    last = make_assignments(make_job(), MLP_RANGES, ["10.0.0.1:5", "10.0.0.2:5", "10.0.0.3:5"], "x")[1]
+    runner = StageRunner(last, Router())
+    runner.neighbours.link_resume_s = 0.2  # (how long a message waits for the ones before it)
+    x, y = torch.zeros(4, 32), torch.zeros(4).long()
+    first = Message("forward", 0, {"x": x, "y": y}, tags={"link_seq": 1})
+    runner.neighbours._on_forward(first, "10.0.0.1:5")
+    runner.neighbours._on_forward(Message("forward", 0, {"x": x, "y": y}, tags={"link_seq": 1}), "10.0.0.1:5")
+    assert runner.inbox.next_forward(timeout=1).id == 0
+    with pytest.raises(WireError, match="message 3 on the link from the prev stage came after message 1"):
+        runner.neighbours._on_forward(Message("forward", 2, {"x": x, "y": y}, tags={"link_seq": 3}), "10.0.0.1:5")

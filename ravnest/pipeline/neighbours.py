@@ -4,19 +4,26 @@ Inbound: gRPC handler threads validate each message (shape, dtype, order, finite
 the inbox (inbox.py); nothing reaches the worker that its first block cannot take. Outbound: one
 long-lived stream per side, opened on first use. When the stage stops, the neighbours are told why
 (an "abort" message) so they fail fast with the reason instead of waiting out a timeout.
+
+A broken connection costs nothing: the sending end opens a new stream and sends its last messages
+again (outbound_link.py), and the receiving end takes each message once and in its place on the link
+(`_in_turn`).
 """
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
-from ravnest.partition import RECEIVE_SLACK, SEND_QUEUE
+from ravnest.partition import RECEIVE_SLACK
 from ravnest.failures import FailureKind
 from ravnest.pipeline.inbox import Inbox, PipelineError
 from ravnest.spec import StageAssignment, StagePeer
-from ravnest.wire import Message, OutboundStream, PeerError, Router, WireError, require_finite, wait_authorized
+from ravnest.pipeline.outbound_link import LINK_SEQ, OutboundLink
+from ravnest.timeouts import LINK_RESUME_S
+from ravnest.wire import Message, Router, WireError, require_finite
 from ravnest.wire.dtypes import NotFiniteValues
 
 FORWARD, BACKWARD, EVAL, EVAL_END, ABORT = "forward", "backward", "eval", "eval_end", "abort"
@@ -24,7 +31,6 @@ MESSAGE_KINDS = (FORWARD, BACKWARD, EVAL, EVAL_END, ABORT)
 PREV, NEXT = "prev", "next"
 log = logging.getLogger(__name__)
 TARGET_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)  # what targets may travel as
-
 
 def target_dtype(limit: int | None) -> torch.dtype:
     """The narrowest dtype for targets below `limit` (a language model's vocabulary): a token costs 1
@@ -53,10 +59,11 @@ class Neighbours:
         self.peer_timeout, self.codec = peer_timeout, codec
         self._target_dtype = target_dtype(target_limit)
         self.inbox = Inbox(forward_capacity=window + RECEIVE_SLACK)  # bounds what the planner counts
-        self._streams: dict[str, OutboundStream] = {}
-        self._sent_on_closed: dict[str, int] = {}  # bytes sent on streams closed already, by side
-        self._busy: dict[str, float] = {}  # the last busy share seen per side (kept once a stream closes)
-        self._closing = False  # streams ending from now on are ours closing them
+        self._links = {side: self._link(side, peer, keep=window + RECEIVE_SLACK)
+                       for side, peer in ((PREV, a.prev), (NEXT, a.next)) if peer is not None}
+        self._heard = {PREV: 0, NEXT: 0}  # the last link_seq taken from each side
+        self._in_order = {PREV: threading.Condition(), NEXT: threading.Condition()}
+        self.link_resume_s = LINK_RESUME_S  # how long a message waits for the ones before it (`_in_turn`)
         self._next_forward_id = 0
         self._forward_lock = threading.Lock()
 
@@ -67,7 +74,7 @@ class Neighbours:
         if not self.is_first:
             router.route(FORWARD, self._on_forward)
             router.route(EVAL, self._on_eval)
-            router.route(EVAL_END, lambda msg, peer: self.inbox.put_forward(msg))
+            router.route(EVAL_END, lambda msg, peer: self._in_turn(PREV, msg, self.inbox.put_forward))
         if not self.is_last:
             router.route(BACKWARD, self._on_backward)
 
@@ -76,84 +83,84 @@ class Neighbours:
     def _peer(self, side: str) -> StagePeer | None:
         return self.assignment.prev if side == PREV else self.assignment.next
 
+    def _link(self, side: str, peer: StagePeer, keep: int) -> OutboundLink:
+        return OutboundLink(peer.address, token=self.assignment.token, keep=keep, peer_timeout=self.peer_timeout,
+                            codec=self.codec if peer.codec is None else peer.codec,  # the planner's pick for it
+                            on_lost=lambda reason, peers_doing: self._lost(side, reason, peers_doing),
+                            name=f"{side} stage ({peer.address})")
+
     def send(self, side: str, msg: Message) -> None:
-        stream = self._streams.get(side)
-        if stream is None:  # opened on first use, then kept for the whole run
-            peer = self._peer(side)
-            assert peer is not None  # checked in __init__ for every side this stage sends to
-            wait_authorized(peer.address, self.assignment.token)
-            codec = self.codec if peer.codec is None else peer.codec  # the planner's pick for this link
-            stream = self._streams[side] = OutboundStream(peer.address, token=self.assignment.token,
-                                                          codec=codec, max_pending=SEND_QUEUE)
-            # A send only queues, so a stream the peer failed must wake the worker by itself.
-            stream.add_done_callback(lambda ended: self._stream_ended(side, ended))
         if "y" in msg.tensors:
             msg.tensors["y"] = msg.tensors["y"].to(self._target_dtype)
-        # copy=False: frames are cut on gRPC's thread; nothing writes to sent tensors afterwards
-        stream.send(msg, timeout=self.peer_timeout, copy=False)
+        self._links[side].send(msg)
 
     def sent_bytes(self, side: str) -> int:
         """Bytes sent to the stage on `side` so far, as the codec encoded them."""
-        stream = self._streams.get(side)
-        return self._sent_on_closed.get(side, 0) + (stream.sent_bytes if stream is not None else 0)
+        link = self._links.get(side)
+        return link.sent_bytes if link is not None else 0
 
     def busy(self, side: str) -> float | None:
         """The share of time the stream to `side` had something to send (None before it opened)."""
-        stream = self._streams.get(side)
-        if stream is not None:
-            self._busy[side] = stream.busy
-        return self._busy.get(side)
+        link = self._links.get(side)
+        return link.busy if link is not None else None
 
-    def _stream_ended(self, side: str, stream: OutboundStream) -> None:
-        if self._closing:
-            return
-        try:
-            stream.close(timeout=1.0)
-            reason, peers_doing = "it closed the stream", True
-        except PeerError as exc:
-            reason, peers_doing = str(exc), exc.address is not None  # not where this side ended it
+    @property
+    def resumes(self) -> int:
+        """Broken links resumed on a new stream so far, both sides together."""
+        return sum(link.resumes for link in self._links.values())
+
+    def _lost(self, side: str, reason: str, peers_doing: bool) -> None:
         peer = self._peer(side) if peers_doing else None
         self.inbox.fail(PipelineError(f"stage {self.assignment.stage} lost its {side} stage: {reason}",
                                       FailureKind.PEER_LOST if peer else None, peer.address if peer else None))
 
     def close(self) -> None:
         """Wait until every neighbour has received everything we sent."""
-        self._closing = True
-        for side, stream in self._streams.items():
-            self._busy[side] = stream.busy  # (its life as training saw it, not the close's wait)
-            stream.close(timeout=self.peer_timeout)
-            self._sent_on_closed[side] = self._sent_on_closed.get(side, 0) + stream.sent_bytes
-        self._streams.clear()
+        for link in self._links.values():
+            link.close()
 
     def cut(self) -> None:
         """From any thread, on a stop: end our streams at once, so a send blocked on a neighbour that
         reads nothing returns now rather than after `peer_timeout`."""
-        self._closing = True
-        for stream in list(self._streams.values()):
-            stream.cancel()
+        for link in self._links.values():
+            link.cut()
 
     def abort(self, reason: str) -> None:
         """Best effort: tell both neighbours why we stop, so they fail fast with the reason."""
-        self._closing = True
-        for side in (PREV, NEXT):
-            peer = self._peer(side)
-            if peer is None:
-                continue
-            try:
-                stream = self._streams.pop(side, None)
-                if stream is None or stream.ended:  # e.g. the neighbour refused what we sent: it is alive
-                    stream = OutboundStream(peer.address, token=self.assignment.token, wait_ready=2.0)
-                stream.send(Message(ABORT, note=reason[:1000]), timeout=2.0)
-                stream.close(timeout=2.0)
-            except PeerError:
-                pass  # the neighbour is gone or failing already
-        for stream in self._streams.values():
-            stream.cancel()
-        self._streams.clear()
+        for link in self._links.values():
+            link.abort(Message(ABORT, note=reason[:1000]))
 
     # --- inbound (gRPC handler threads): validate, then queue -------------------------------------
 
+    def _in_turn(self, side: str, msg: Message, take: Callable[[Message], None]) -> None:
+        """Hand `msg` from `side` to `take` once and in its place on the link: one sent again after a
+        break is dropped, and one that comes before a message still on its way (on the broken stream)
+        waits for it; where that never comes, the messages between were lost, which ends the stream."""
+        seq = msg.tags.get(LINK_SEQ)
+        if seq is None:  # (an abort, sent on a stream of its own)
+            take(msg)
+            return
+        turn = self._in_order[side]
+        with turn:
+            if not turn.wait_for(lambda: seq <= self._heard[side] + 1, timeout=self.link_resume_s):
+                raise WireError(f"message {seq} on the link from the {side} stage came after message "
+                                f"{self._heard[side]}: the ones between were lost")
+            if seq <= self._heard[side]:
+                return  # sent again after a break: taken already
+            take(msg)
+            self._heard[side] = seq
+            turn.notify_all()
+
     def _on_forward(self, msg: Message, peer: str) -> None:
+        self._in_turn(PREV, msg, self._take_forward)
+
+    def _on_eval(self, msg: Message, peer: str) -> None:
+        self._in_turn(PREV, msg, self._take_eval)
+
+    def _on_backward(self, msg: Message, peer: str) -> None:
+        self._in_turn(NEXT, msg, self._take_backward)
+
+    def _take_forward(self, msg: Message) -> None:
         if not self._fit_to_queue(msg, PREV):
             return
         with self._forward_lock:  # the one previous stage sends micro-batches 0, 1, 2, ... in order
@@ -163,11 +170,11 @@ class Neighbours:
             self._next_forward_id += 1
         self.inbox.put_forward(msg)
 
-    def _on_eval(self, msg: Message, peer: str) -> None:
+    def _take_eval(self, msg: Message) -> None:
         if self._fit_to_queue(msg, PREV):
             self.inbox.put_forward(msg)
 
-    def _on_backward(self, msg: Message, peer: str) -> None:
+    def _take_backward(self, msg: Message) -> None:
         sender = self._peer(NEXT)
         self.inbox.put_backward(msg, sender.address if sender else None)
 

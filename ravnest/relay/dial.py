@@ -1,6 +1,7 @@
 """Whether an address can be dialled: one TCP connection, nothing sent (TLS or not, a NAT or a firewall
-that drops inbound connections stops it before any protocol). The coordinator's dial-back uses it, and
-a node whose link probe timed out asks it whether the peer was out of reach or only slow."""
+that drops inbound connections stops it before any protocol). The coordinator's dial-back uses it, a
+node whose link probe timed out asks it whether the peer was out of reach or only slow, and a stage whose
+link broke whether its neighbour's port is closed (its process gone) or the link only down."""
 from __future__ import annotations
 
 import socket
@@ -24,3 +25,15 @@ def dial(address: str, timeout: float = DIAL_BACK_S, at: tuple[str, int] | None 
     except (OSError, ValueError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         return False, f"could not connect to {address}: {reason.lower()}"
+
+
+def port_closed(address: str, timeout: float = 1.0) -> bool:
+    """Whether `address` refuses connections: its host answers and nothing listens there (a process
+    that ended), as opposed to a link that is down or slow (no answer), or a port that accepts."""
+    try:
+        with socket.create_connection((host_of(address), int(address.rpartition(":")[2])), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False

@@ -21,11 +21,13 @@ log = logging.getLogger(__name__)
 class PeerError(KnownFailure, RuntimeError):
     """The peer refused or dropped a stream; the message says which peer and why. `address` names the
     peer for whoever reports the failure (ravnest/failures.py), where the peer is to blame (not where
-    this side ended the stream); `unreachable`: it never answered."""
+    this side ended the stream); `unreachable`: it never answered; `link_broken`: the connection
+    broke (UNAVAILABLE) rather than the peer refusing or ending the stream, so a new one may carry on."""
 
-    def __init__(self, message: str, *, address: str | None = None, unreachable: bool = False):
+    def __init__(self, message: str, *, address: str | None = None, unreachable: bool = False,
+                 link_broken: bool = False):
         super().__init__(message)
-        self.address, self.unreachable = address, unreachable
+        self.address, self.unreachable, self.link_broken = address, unreachable, link_broken
 
     @property
     def failure_kind(self) -> FailureKind | None:
@@ -39,7 +41,8 @@ class PeerError(KnownFailure, RuntimeError):
 
 
 def peer_error(address: str, error: grpc.RpcError) -> PeerError:
-    return PeerError(f"peer {address}: {error.code().name}: {error.details()}", address=address)
+    return PeerError(f"peer {address}: {error.code().name}: {error.details()}", address=address,
+                     link_broken=error.code() == grpc.StatusCode.UNAVAILABLE)
 
 
 class ChannelPool:

@@ -42,6 +42,7 @@ class OutboundStream:
         self.chunk_bytes = chunk_bytes
         self._queue: queue.Queue = queue.Queue(max_pending)
         self._closed = False
+        self._severed = False  # cancelled by fault injection, as a broken link would end it
         self.sent_bytes = 0  # frames handed to gRPC, as encoded (what the link carries)
         self._opened, self._idle_s = time.monotonic(), 0.0  # time with nothing queued to send
         channel = (pool or DIALER.pool).get(DIALER.dialled(address, min(DIALER.route_wait_s, wait_ready)))
@@ -103,8 +104,9 @@ class OutboundStream:
                 self._future.result()
             except grpc.RpcError as e:
                 raise peer_error(self.address, e) from None
-            except grpc.FutureCancelledError:
-                raise PeerError(f"peer {self.address}: stream cancelled by this side") from None  # not the peer's doing
+            except grpc.FutureCancelledError:  # not the peer's doing
+                how = "severed by fault injection" if self._severed else "cancelled by this side"
+                raise PeerError(f"peer {self.address}: stream {how}", link_broken=self._severed) from None
             raise PeerError(f"peer {self.address} closed the stream", address=self.address)
 
     def _put(self, item: object, deadline: float | None) -> None:
@@ -130,8 +132,9 @@ class OutboundStream:
             raise PeerError(f"peer {self.address}: stream already closed")  # by this side
         injected = faults.active()
         if injected is not None and injected.before_send(self.address):
+            self._severed = True  # what a broken connection does to a stream
             self.cancel()
-            raise PeerError(f"peer {self.address}: stream severed by fault injection")  # by this side
+            raise PeerError(f"peer {self.address}: stream severed by fault injection", link_broken=True)
         parts = prepare_message(msg, self.codec if codec is None else codec)
         frames: Iterable[bytes] = chunked_frames(parts, self.chunk_bytes)
         if copy:
