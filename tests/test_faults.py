@@ -366,7 +366,7 @@ class CpuLimit:
 
 
 def test_a_node_far_slower_than_planned_is_replanned_around_and_the_job_completes(tmp_path):
-    """The busier stage of a 2-stage pipeline is held to 5% of a core mid-job: its compute per micro-batch
+    """The busier stage of a 2-stage pipeline is held to 2% of a core mid-job: its compute per micro-batch
     stays far above the plan's and its peer's, so the job is re-planned onto the spare, says why, and
     completes as well as without the fault. (Growing onto the spare is kept out of it: a slowed node's
     calibration made that predict faster, once, before the slow rule's window ran out.)"""
@@ -377,10 +377,10 @@ def test_a_node_far_slower_than_planned_is_replanned_around_and_the_job_complete
                                         min_nodes=2, max_nodes=2))
         job = wait_progress(cluster, job_id, 0.05)
         # the stage that computes most (the CNN's last holds only its linear head, whose fixed costs per
-        # micro-batch 5% of a core still keeps up with): 5% of a core slows it beyond slow_factor even
-        # where the host's other work slows its peer down too
+        # micro-batch a small share of a core still keeps up with): 2% of a core slows it beyond slow_factor
+        # even where the host's other work slows its peer down too (5% did not, once, on a host 4x overloaded)
         victim = max(job["plan"]["clusters"][0]["stages"], key=lambda s: s["predicted_compute_seconds"])["node_id"]
-        with CpuLimit(cluster.node_process(victim).pid, share=0.05):
+        with CpuLimit(cluster.node_process(victim).pid, share=0.02):
             job = cluster.wait_for(lambda: (j := cluster.job(job_id))["recoveries"] and j, 180,
                                    "the job to re-plan around the slow node", ignore_exits=True)
         [recovery] = job["recoveries"]
