@@ -127,10 +127,11 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 # What the first stage's feed holds of digits, loaded whole, while it trains: its tensors (0.5 MiB) and
-# what parsing the file left in the heap. Loading peaks at 1.8 MiB above a warm process's idle, before
-# training starts; the first stages of the digits MLP measured 1 MiB above the last ones' on a node's
-# first job (bench.memory --small). Text and token files are read window by window from disk.
-DIGITS_RESIDENT_BYTES = 1 << 20
+# what parsing the file and its first shuffled batches left in the heap. Loading peaks at 1.8 MiB above
+# a warm process's idle, before training starts; the first stages of the digits MLP measured 0.8 MiB
+# above the last ones' on a node's first job, 0.6 MiB above a prediction of 1 MiB (bench.memory --small).
+# Text and token files are read window by window from disk.
+DIGITS_RESIDENT_BYTES = 3 << 19
 # A token or text file's feed holds a batch, not the file, but its first batch faults in torch's shuffling
 # and indexing code (randperm's first call alone: 3.6 MiB of the library's pages): 6.5 MiB above idle in a
 # fresh process, 1.2 MiB more for a pass over the test set, then nothing more over 300 batches.

@@ -42,14 +42,14 @@ class BlockCost:
 
 
 # A kernel's first use in a node's process sets up its library's state (oneDNN's for convolutions, the
-# BLAS's for matrix products), which later jobs reuse: a digits CNN stage measured 8.6-11.8 MiB above
-# idle on a CPU node, of 3.1 MiB for its tensors; a digits MLP stage, 0.3 MiB of tensors, measured
-# 6.7-7.7 MiB on a node's first job (5.5-6.1 when first measured) and 2-3.5 MiB on later ones
-# (bench.memory --small). A stage pays the largest of its blocks' (`kernel_bytes`): the prediction is a
-# bound for a node's first job.
+# BLAS's for matrix products), which later jobs reuse: the digits CNN's stages measured 10.4-13.7 MiB
+# above idle on CPU nodes (first stage, its one-channel convolution: 12.8-13.7), of 3.1 MiB for their
+# tensors; a digits MLP stage, 0.3 MiB of tensors, 7.4-8.2 MiB on a node's first job and 2-3.5 MiB on
+# later ones (bench.memory --small, once nodes stopped probing as they start a stage). A stage pays the
+# largest of its blocks' (`kernel_bytes`): the prediction is a bound for a node's first job.
 # An embedding lookup's backward (index and scatter kernels no warm-up runs): a llama stage holding
 # the embedding alone measured 18.8 MiB above idle where 10.8 were predicted without it.
-KERNEL_BYTES = {nn.modules.conv._ConvNd: 5 << 20, nn.Linear: 9 << 19, nn.Embedding: 8 << 20}
+KERNEL_BYTES = {nn.modules.conv._ConvNd: 25 << 18, nn.Linear: 9 << 19, nn.Embedding: 8 << 20}
 
 
 def kernel_bytes(block: nn.Module) -> int:
