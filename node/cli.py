@@ -13,7 +13,6 @@ from pathlib import Path
 from node.identity import default_data_dir
 from ravnest import __version__
 from ravnest.relay.ports import port_range
-from ravnest.spec import DATASET_NAME
 from ravnest.tls_options import add_tls_options, check_tls_options
 
 # torch, gRPC and the daemon are imported once the arguments are parsed: --help and --version at once
@@ -29,9 +28,8 @@ def _size(text: str) -> int:
 
 def _offered(text: str) -> tuple[str, Path]:
     name, _, path = text.partition("=")
-    if not re.match(DATASET_NAME, name) or not path:
-        raise argparse.ArgumentTypeError(
-            f"expected NAME=PATH with NAME like 'gpl3' (letters, digits, _ . -), got {text!r}")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise argparse.ArgumentTypeError(f"{path}: no such file")
@@ -40,12 +38,32 @@ def _offered(text: str) -> tuple[str, Path]:
 
 def _offers(files: list[tuple[str, Path]]) -> dict[str, Path]:
     """Datasets and model files share one namespace: a job names what it reads, never a path."""
+    from ravnest.spec import DATASET_NAME  # (torch: checked once the join token is, `_token_refused`)
+
     offered: dict[str, Path] = {}
     for name, path in files:
+        if not re.match(DATASET_NAME, name):
+            raise ValueError(f"{name}={path}: NAME must be like 'gpl3' (letters, digits, _ . -)")
         if offered.get(name, path) != path:
             raise ValueError(f"{name!r} is offered twice, as {offered[name]} and {path}")
         offered[name] = path
     return offered
+
+
+def _token_refused(url: str, token: str | None, verify: ssl.SSLContext | bool) -> str | None:
+    """The coordinator's words where it refuses the join token, asked before the node loads torch (seconds
+    of imports on a busy machine), so a wrong token is told at once; None where it takes the token or
+    cannot be asked yet (the start goes on and waits for it: --wait)."""
+    from ravnest.client.api import Api, ApiError  # (httpx only)
+
+    api = Api(url, token, 5.0, verify)
+    try:
+        api.request("GET", "/v1/probe", token=token, params={"bytes": 1})
+    except ApiError as e:
+        return str(e) if e.status in (401, 403) else None
+    finally:
+        api.close()
+    return None
 
 
 def read_offers(path: Path | None) -> list[tuple[str, Path]]:
@@ -158,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # its identity, checkpoints and downloads are its owner's alone, whatever the umask
     if args.ephemeral and (args.identity or args.data_dir):
         parser.error("--ephemeral keeps no identity: leave out --identity and --data-dir")
+    verify = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else True
+    if refused := _token_refused(args.coordinator, args.token, verify):
+        print(f"error: the coordinator at {args.coordinator} refuses this node's join token ({refused}): "
+              f"ask its operator for one ($RAVNEST_JOIN_TOKEN or --token)", file=sys.stderr)
+        return 1
     import httpx
     import torch
 
@@ -192,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    client = CoordinatorClient(args.coordinator, join_token=args.token,
-                               verify=ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else True)
+    client = CoordinatorClient(args.coordinator, join_token=args.token, verify=verify)
     held = None
     try:
         client.wait_until_reachable(args.wait, stop)

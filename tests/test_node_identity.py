@@ -30,11 +30,14 @@ def test_a_node_started_again_with_no_flags_is_the_same_node(tmp_path, monkeypat
     with LocalCluster(tmp_path / "cluster", nodes=0) as cluster:
         command = ["node.cli", "join", "--coordinator", cluster.url, "--name", "d"]
         identity = tmp_path / "home" / "ravnest" / "node" / "identity"
-        # a wrong token is refused before the node measures itself or makes an identity
-        refused = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120,
-                                 cwd=ROOT, env={**os.environ, "RAVNEST_JOIN_TOKEN": "rvn_not-the-token"})
-        assert refused.returncode == 1 and "401" in refused.stderr, refused.stderr
+        # a wrong token is refused before the node measures itself or makes an identity, and before it
+        # loads torch (seconds of imports on a busy machine): what it imported is listed by -X importtime
+        refused = subprocess.run([sys.executable, "-X", "importtime", "-m", *command], capture_output=True, text=True,
+                                 timeout=120, cwd=ROOT, env={**os.environ, "RAVNEST_JOIN_TOKEN": "rvn_not-the-token"})
+        assert refused.returncode == 1 and "refuses this node's join token (401: unknown token)" in refused.stderr
         assert "measuring this machine" not in refused.stderr and not identity.exists(), refused.stderr
+        imported = {line.rpartition("|")[2].strip() for line in refused.stderr.splitlines() if "import time:" in line}
+        assert "httpx" in imported and "torch" not in imported
 
         ids = lambda: [n["id"] for n in cluster.alive_nodes()]  # noqa: E731
         first = cluster._spawn(command, "d-1.log")  # (its token comes in the environment, as LocalCluster's)
