@@ -41,7 +41,7 @@ class LinkProber:
         self._unreached: list[str] = []  # peers it could not dial since the last `take`
         self._lock = threading.Lock()
         self._measured = threading.Condition(self._lock)
-        self._stop = threading.Event()  # set: the probe under way ends at its next ping
+        self._stop = threading.Event()  # set: the probe under way is cancelled (`stand_aside`)
         self._thread = threading.Thread(target=self._run, name="link-prober", daemon=True)
         self._thread.start()
 

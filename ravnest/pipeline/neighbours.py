@@ -32,6 +32,7 @@ PREV, NEXT = "prev", "next"
 log = logging.getLogger(__name__)
 TARGET_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)  # what targets may travel as
 
+
 def target_dtype(limit: int | None) -> torch.dtype:
     """The narrowest dtype for targets below `limit` (a language model's vocabulary): a token costs 1
     or 2 bytes on the wire rather than int64's 8. Classes (limit None) are one per sample: int64."""
@@ -103,11 +104,6 @@ class Neighbours:
         """The share of time the stream to `side` had something to send (None before it opened)."""
         link = self._links.get(side)
         return link.busy if link is not None else None
-
-    @property
-    def resumes(self) -> int:
-        """Broken links resumed on a new stream so far, both sides together."""
-        return sum(link.resumes for link in self._links.values())
 
     def _lost(self, side: str, reason: str, peers_doing: bool) -> None:
         peer = self._peer(side) if peers_doing else None

@@ -42,7 +42,6 @@ class OutboundLink:
         self.on_lost, self.name = on_lost, name
         self.recent: deque[Message] = deque(maxlen=keep)  # what a break may have lost
         self.resume_s = LINK_RESUME_S
-        self.resumes = 0
         self._stream: OutboundStream | None = None
         self._sent = 0  # messages numbered so far
         self._sent_on_closed = 0  # bytes sent on streams closed already
@@ -118,7 +117,6 @@ class OutboundLink:
                 why = again
                 closed = port_closed(DIALER.dialled(self.address, 0.0))  # (a relayed peer: its tunnel's port)
                 closed_since = (closed_since or time.monotonic()) if closed else None
-        self.resumes += 1
         log.warning("the link to its %s broke (%s); a new stream took over after %.1f s, sending its last %d "
                     "messages again", self.name, why, time.monotonic() - started, len(self.recent))
 
