@@ -117,6 +117,9 @@ class OutboundLink:
                 why = again
                 closed = port_closed(DIALER.dialled(self.address, 0.0))  # (a relayed peer: its tunnel's port)
                 closed_since = (closed_since or time.monotonic()) if closed else None
+        if self._closing:  # the stage stopped meanwhile (`abort` or `cut`, which do not wait for the lock)
+            stream.cancel()
+            raise PeerError(f"peer {self.address}: stream cancelled by this side")
         log.warning("the link to its %s broke (%s); a new stream took over after %.1f s, sending its last %d "
                     "messages again", self.name, why, time.monotonic() - started, len(self.recent))
 
