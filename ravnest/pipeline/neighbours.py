@@ -88,7 +88,7 @@ class Neighbours:
         return OutboundLink(peer.address, token=self.assignment.token, keep=keep, peer_timeout=self.peer_timeout,
                             codec=self.codec if peer.codec is None else peer.codec,  # the planner's pick for it
                             on_lost=lambda reason, peers_doing: self._lost(side, reason, peers_doing),
-                            name=f"{side} stage ({peer.address})")
+                            name=f"stage {self.assignment.stage}'s link to its {side} stage ({peer.address})")
 
     def send(self, side: str, msg: Message) -> None:
         if "y" in msg.tensors:

@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 
 class OutboundLink:
     """Messages to one neighbour at `address`, in order, on a stream opened on first use and opened
-    again after a break. `on_lost(reason, peers_doing)` is called (from a gRPC or resume thread) when
-    the stream ends other than by this side's close: the peer refused or ended it, or it broke and
-    could not be resumed."""
+    again after a break (`name` says which link in the log). `on_lost(reason, peers_doing)` is called
+    (from a gRPC or resume thread) when the stream ends other than by this side's close: the peer
+    refused or ended it, or it broke and could not be resumed."""
 
     def __init__(self, address: str, *, token: str, codec: str, keep: int, peer_timeout: float,
                  on_lost: Callable[[str, bool], None], name: str):
@@ -120,8 +120,8 @@ class OutboundLink:
         if self._closing:  # the stage stopped meanwhile (`abort` or `cut`, which do not wait for the lock)
             stream.cancel()
             raise PeerError(f"peer {self.address}: stream cancelled by this side")
-        log.warning("the link to its %s broke (%s); a new stream took over after %.1f s, sending its last %d "
-                    "messages again", self.name, why, time.monotonic() - started, len(self.recent))
+        log.warning("%s broke (%s); a new stream took over after %.1f s, sending the last %d messages again",
+                    self.name, why, time.monotonic() - started, len(self.recent))
 
     def _ended(self, stream: OutboundStream) -> None:
         if self._closing or self._stream is not stream:  # ours closing, or one a resume replaced
@@ -134,7 +134,7 @@ class OutboundLink:
         except PeerError as exc:
             if exc.link_broken:  # the worker may not send here for a while: resume now
                 threading.Thread(target=self._resume_later, args=(stream, exc), daemon=True,
-                                 name=f"resume-{self.name}").start()
+                                 name="link-resume").start()
                 return
             reason, peers_doing = str(exc), exc.address is not None  # not where this side ended it
         self.on_lost(reason, peers_doing)
