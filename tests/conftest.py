@@ -14,9 +14,14 @@ from tests.postgres import PostgresServer
 LocalCluster.preloaded = True
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Modules with slow tests first (`--dist loadfile` hands modules out in this order): the long ones
-    start at once, and the many short ones fill in at the end, so that neither worker idles long."""
+    start at once, and the many short ones fill in at the end, so that neither worker idles long. Soak
+    tests (minutes of chaos) run only where asked for by name (`-m soak`: `make soak`)."""
+    if "soak" not in (config.getoption("markexpr") or ""):
+        soak = [item for item in items if item.get_closest_marker("soak")]
+        config.hook.pytest_deselected(items=soak)
+        items[:] = [item for item in items if item not in soak]
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # (stable: each module keeps its own order)
 
