@@ -14,6 +14,7 @@ node hands in at once."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from ravnest.failures import Failure, FailureKind
 
 from .. import jobs
 from ..jobs import JobState
+from ..recovery_budget import REFILL_SHARE, recoveries_left
 from ..schemas import Recovery
 from ..store import CheckpointRow, JobRow, NodeRow, StageRow, stage_of_node, stages_of
 from .artifacts import Artifacts
@@ -38,18 +40,22 @@ class Recoveries:
                 left_out: Sequence[str] = (), **record: Any) -> None:
         """Re-plan `job`: its nodes are told to stop and hand in their state; once they did (or left),
         `replan_recovered` plans it again from the freshest state of every block. Losses since the
-        last resume are bounded by placement.max_recoveries; growing onto new nodes is not a loss.
-        `failure`: what happened, as data (None only where nothing failed: a grow).
+        last resume are bounded by placement.max_recoveries, growing onto new nodes is not a loss.
+        `failure`: what happened, as data (None only where nothing failed: a grow). Losses spend a budget
+        that progress refills (coordinator/recovery_budget.py).
         `record`: more fields of the Recovery record (who reported it)."""
         spec, clock = jobs.spec_of(job), self.core.clock
-        since_resume = list(itertools.takewhile(lambda r: r.kind != RESUME, reversed(job.faults or [])))
-        losses = sum(r.kind == LOST for r in since_resume)
         if kind == LOST and failure is None:
             raise ValueError(f"a re-plan after a loss needs its failure: {reason}")
-        if kind == LOST and losses >= spec.placement.max_recoveries:
-            jobs.transition(job, JobState.FAILED, f"{reason}; no recovery left (placement.max_recoveries = "
-                                                  f"{spec.placement.max_recoveries})", clock())
-            return
+        if kind == LOST:
+            since_resume = list(itertools.takewhile(lambda r: r.kind != RESUME, reversed(job.faults or [])))[::-1]
+            reached = [r.reached_step for r in since_resume if r.kind == LOST] + [_reached(session, job)]
+            if recoveries_left(spec.placement.max_recoveries, spec.training.steps, reached) < 0:
+                every = max(1, math.ceil(REFILL_SHARE * spec.training.steps))
+                jobs.transition(job, JobState.FAILED, f"{reason}; no recovery left ({len(reached) - 1} re-plans "
+                                f"after losses, placement.max_recoveries = {spec.placement.max_recoveries}, one "
+                                f"back every {every} new steps)", clock())
+                return
         self.open(session, job, kind, reason, failure, left_out, **record)
         self.core.rules.forget(job.id)
         jobs.transition(job, JobState.RECOVERING, _recovering(reason, kind), clock())
@@ -58,9 +64,8 @@ class Recoveries:
              failure: Failure | None = None, left_out: Sequence[str] = (), **record: Any) -> None:
         """Add the job's recovery record (the job's state is the caller's to change)."""
         now = self.core.clock()
-        reached = max((row.step for row in stages_of(session, job.id)), default=0)
         job.faults = [*(job.faults or []), Recovery(
-            kind=kind, at=now, reason=reason, generation=job.generation, reached_step=reached,
+            kind=kind, at=now, reason=reason, generation=job.generation, reached_step=_reached(session, job),
             hand_in_at=None if kind == LOST else now, failure=failure, left_out=list(left_out), **record)]
 
     @staticmethod
@@ -221,3 +226,8 @@ def _amend_last(job: JobRow, **changes: Any) -> None:
 
 def _blocks(blocks: list[int]) -> str:
     return f"block {blocks[0]}" if blocks[1] - blocks[0] == 1 else f"blocks [{blocks[0]}, {blocks[1]})"
+
+
+def _reached(session: Session, job: JobRow) -> int:
+    """The furthest step any stage of the job has reported."""
+    return max((row.step for row in stages_of(session, job.id)), default=0)

@@ -277,7 +277,8 @@ class Placement(Strict):
                                     description="fail a job still pending after this many seconds "
                                                 "(default: wait as long as it takes)")
     max_recoveries: int = Field(3, ge=0, le=1000,
-                                description="re-plans after a lost node or a failed stage before the job fails")
+                                description="re-plans after a lost node or a failed stage before the job fails; "
+                                            "each tenth of the job's steps trained anew gives one back")
     max_nodes: PositiveInt | None = Field(None, le=100_000,
                                           description="use at most this many nodes (default: all idle ones)")
     stages_per_cluster: int | None = Field(None, ge=1, le=4096, description="default: every node in the cluster")
