@@ -1,12 +1,10 @@
 """Faults with real processes on loopback: a node killed mid-job, the coordinator killed and restarted,
-a cancelled job resumed from its checkpoint, and nodes serving job after job without leaking."""
+a cancelled job resumed from its checkpoint, links that break, and nodes serving job after job without
+leaking."""
 from __future__ import annotations
 
 import json
 import os
-import socket
-import struct
-import threading
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 
 from ravnest.wire.transport.options import SERVER_THREADS
 from scripts.local_cluster import LocalCluster
+from tests.forwarder import Forwarder, free_port
 
 pytestmark = pytest.mark.slow
 CNN_JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-cnn.json"
@@ -239,64 +238,6 @@ def test_nodes_that_join_mid_job_get_work_without_restarting_it(tmp_path):
         # (the rest of its 12000 steps would only take minutes: jobs that complete after a re-plan, with
         # their accuracy, are the other tests in this file)
         assert cluster.http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
-
-
-class Forwarder:
-    """A TCP forwarder from 127.0.0.1:`port` to `target` whose connections can be cut (each reset: the
-    forwarder killed and started again, a NAT dropping its mappings) and held (nothing passes either way
-    for a while, nothing is refused: a link that is down)."""
-
-    def __init__(self, port: int, target: tuple[str, int]):
-        self.target = target
-        self._server = socket.create_server(("127.0.0.1", port))
-        self._open: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._flowing = threading.Event()
-        self._flowing.set()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def cut(self) -> None:
-        with self._lock:
-            for conn in self._open:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
-                conn.close()
-            self._open.clear()
-
-    def hold(self, seconds: float) -> None:
-        self._flowing.clear()
-        time.sleep(seconds)  # the outage itself, what the test is about
-        self._flowing.set()
-
-    def close(self) -> None:
-        self._server.close()
-        self.cut()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                inbound, _ = self._server.accept()
-                self._flowing.wait()
-                outbound = socket.create_connection(self.target)
-            except OSError:
-                return
-            with self._lock:
-                self._open += [inbound, outbound]
-            for a, b in ((inbound, outbound), (outbound, inbound)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(1 << 16):
-                self._flowing.wait()
-                sink.sendall(data)
-        except OSError:
-            pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_links_that_break_or_go_down_mid_job_cost_no_replan(tmp_path):

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from scripts.local_cluster import LocalCluster
-from tests.test_faults import Forwarder, cnn_job, free_port, wait_progress
+from tests.forwarder import Forwarder, free_port
+from tests.test_faults import cnn_job, wait_progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 FLAPS, EVERY_S = 10, 60.0
