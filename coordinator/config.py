@@ -30,6 +30,9 @@ class Settings:
     placement_debounce_s: float = 0.5  # joins and offers ask for a placement; it runs at most this often
     recovery_wait_s: float = 120.0  # a recovering job waits this long at most for its nodes' state
     recovery_silence_intervals: float = 2.0  # ... and not for a member silent this many heartbeat intervals
+    # a re-plan waits this many of their intervals for the nodes its last run released to beat again
+    # before it plans on fewer (a busy host's late beats are not a smaller crowd: service/placement.py)
+    replan_wait_intervals: float = 3.0
     # a stage this many times slower than planned, and than its cluster's other stages, is re-planned
     # around (coordinator/failure_rules/slow_stage.py), once it is slow_after_steps in and has been slow in
     # every report for slow_window_s (nodes report every heartbeat interval)

@@ -236,6 +236,9 @@ class Recovery(BaseModel):
                                                                    "lost, or said to be by a failure report)")
     reported_by: str | None = Field(None, description="the node whose failure report caused it")
     could_not_start: bool = Field(False, description="the report said the stage could not start at all")
+    released: list[str] = Field(default_factory=list, description="the nodes of the lost run, released for the "
+                                                                  "re-plan: it waits a few of their beats for them")
+    released_at: float | None = Field(None, description="when they were released")
 
 
 class JobView(JobSummary):

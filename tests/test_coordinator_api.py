@@ -824,6 +824,49 @@ def test_a_job_that_lost_a_cluster_continues_with_fewer_than_it_asked_for(client
     assert ("robust averaging cannot tell which one lies" in job["plan"]["reason"]) == bool(robust)
 
 
+@pytest.mark.parametrize("late_one_beats", [True, False])
+def test_a_replan_waits_a_few_beats_for_its_own_late_node_before_planning_on_fewer(
+        client: TestClient, clock: FakeClock, settings: Settings, late_one_beats: bool) -> None:
+    """Three one-node clusters; one dies. While the job is re-planned one survivor's beats are late (a busy
+    host): the re-plan waits replan_wait_intervals of its beats for it rather than shrink the job to the
+    one node idle that moment; once it beats, both survivors are placed. One that stays silent is not
+    waited for past that bound."""
+    job_id, members = placed_job(client, nodes=3, clusters=3, stages_per_cluster=1, min_nodes=3)
+    for node_id, auth in members:
+        beat(client, node_id, auth)
+    (late, late_auth), (prompt, prompt_auth) = members[1:]
+    clock.now += 7 * INTERVAL  # members[0] is dead: silent until a long silence convicts it
+    for later in (3 * INTERVAL, 0):
+        for node_id, auth in members[1:]:
+            beat(client, node_id, auth, job_id=job_id)
+        clock.now += later
+    client.app.state.service.tick()
+    for node_id, auth in members[1:]:  # both train alone, then are told to stop and hand in
+        beat(client, node_id, auth, job_id=job_id, alone=True)
+    for node_id, auth in members[1:]:
+        assert beat(client, node_id, auth, job_id=job_id, alone=True)["recover_job"] == job_id
+    beat(client, prompt, prompt_auth)  # stopped: released; the late one says nothing for a while
+    clock.now += 3 * INTERVAL
+    beat(client, prompt, prompt_auth)
+    client.app.state.service.tick()
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "pending" and job["generation"] == 1, job["reason"]
+    assert "waiting up to 3 s more for 1 node of its last run to beat again (node1) before planning on fewer" \
+        in job["reason"], job["reason"]
+    if late_one_beats:
+        beat(client, late, late_auth)
+        expected, clusters = {late, prompt}, 2
+    else:
+        clock.now += settings.replan_wait_intervals * INTERVAL
+        beat(client, prompt, prompt_auth)
+        client.app.state.service.tick()
+        expected, clusters = {prompt}, 1
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] in ("running", "placing"), job["reason"]
+    assert {s["node_id"] for c in job["plan"]["clusters"] for s in c["stages"]} == expected
+    assert f"3 clusters asked for, {clusters} on the nodes there now" in job["plan"]["reason"]
+
+
 def test_placement_failure_gives_a_reason(client: TestClient) -> None:
     for i in range(4):
         join(client, f"tiny{i}", memory=1 << 20)

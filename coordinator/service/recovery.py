@@ -172,6 +172,7 @@ class Recoveries:
                         if (stage := stage_of_node(session, job.id, node.id)) is None or stage.cluster not in broken):
                     _amend_last(job, hand_in_at=now)  # the lost cluster is done: the others hand in now
                 continue
+            _amend_last(job, released=sorted(node.id for node in members), released_at=now)
             for node in members:  # whatever it still runs is ignored from now on; a silent one is not placed
                 node.job_id, node.state = None, IDLE if node.last_seen >= now - self.core.silence_s(node) else GONE
             self._forget_lost_clusters(session, job)
