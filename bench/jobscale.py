@@ -7,9 +7,9 @@ job completed, its test accuracy (against the 8-node run's), its re-plans, the s
 to every stage training ("place"), the coordinator's CPU seconds per node-minute over the job, and a
 node's memory: resident (VmRSS) and proportional (Pss, what N of them take together) at the job's
 middle, medians over the nodes. A size whose nodes would not fit in the memory available (by the
-last size's Pss, with a quarter spare) is not run: the bench says what one node needs.
+last size's Pss, with a tenth spare) is not run: the bench says what one node needs.
 
-    python -m bench.jobscale [--sizes 8 16 32 64] [--steps 200] [--no-docs]
+    python -m bench.jobscale [--sizes 8 16 32 64] [--steps 800] [--no-docs]
 
 Last line: `jobscale max_completed=<n> replans_at_64=<k> coord_cpu_per_node_min=<s> node_rss_mib=<m>`
 (the last two at the largest size run; replans_at_64 is "-" where 64 did not run).
@@ -28,6 +28,7 @@ from scripts.local_cluster import LocalCluster, cpu_seconds, rss_bytes
 
 JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-mlp.json"
 MIB = 1 << 20
+SPARE = 1.1  # a size runs where its nodes' memory, by the last size's Pss, fits with this much to spare
 
 
 def job_spec(nodes: int, steps: int) -> dict:
@@ -88,6 +89,7 @@ def run(nodes: int, steps: int) -> dict:
     rss, pss = seen["rss"] or idle, seen.get("pss") or [0]
     return {"nodes": nodes, "state": job["state"], "reason": job.get("reason") or "",
             "accuracy": (job.get("metrics") or {}).get("test_accuracy"), "replans": len(job.get("recoveries") or []),
+            "why": [f"{r['kind']}: {r['reason'][:160]}" for r in job.get("recoveries") or []],
             "join_s": joined_s, "place_s": seen["place_s"], "job_s": job_s,
             "coord_cpu_per_node_min": cpu / (nodes * job_s / 60), "idle_rss_mib": statistics.median(idle) / MIB,
             "rss_mib": statistics.median(rss) / MIB, "pss_mib": statistics.median(pss) / MIB}
@@ -96,15 +98,15 @@ def run(nodes: int, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
     results: list[dict] = []
     for nodes in args.sizes:
-        need = results[-1]["pss_mib"] * MIB * nodes * 1.25 if results else 0
+        need = results[-1]["pss_mib"] * MIB * nodes * SPARE if results else 0
         if need > available_bytes():
             print(f"{nodes} nodes: not run; one node needs {results[-1]['pss_mib']:.0f} MiB (Pss), {nodes} "
-                  f"need {need / (1 << 30):.1f} GiB with a quarter spare, {available_bytes() / (1 << 30):.1f} "
+                  f"need {need / (1 << 30):.1f} GiB with {SPARE - 1:.0%} spare, {available_bytes() / (1 << 30):.1f} "
                   f"GiB available", flush=True)
             break
         r = run(nodes, args.steps)
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{nodes} nodes: {r['state']} {r['reason'][:200]} accuracy {r['accuracy']}, re-plans {r['replans']}, "
               f"joined in {r['join_s']:.0f} s, placed in {r['place_s'] or float('nan'):.1f} s, job {r['job_s']:.0f} s, "
               f"coordinator {r['coord_cpu_per_node_min']:.3f} CPU s per node-minute, node RSS idle "
-              f"{r['idle_rss_mib']:.0f} MiB, in the job {r['rss_mib']:.0f} MiB (Pss {r['pss_mib']:.0f})", flush=True)
+              f"{r['idle_rss_mib']:.0f} MiB, in the job {r['rss_mib']:.0f} MiB (Pss {r['pss_mib']:.0f})" +
+              "".join(f"\n  re-plan {i + 1}: {why}" for i, why in enumerate(r["why"])), flush=True)
     completed = [r for r in results if r["state"] == "completed"]
     at_64 = next((r["replans"] for r in results if r["nodes"] == 64), "-")
     last = results[-1]

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from coordinator.beat_history import BeatHistory, suspect_after_s
 from coordinator.config import Settings
 from coordinator.failure_rules import FailureRules, registered
 from coordinator.failure_rules.base import (Accusation, AccusationRecord, Blame, Blamed, BlameRecord, CorrectFlops,
@@ -115,6 +116,40 @@ def test_a_silent_node_is_suspect_and_gone_only_on_more_evidence(rules) -> None:
     [gone] = silent(120.0, 44)
     assert gone.reason == "node a (1) stopped sending heartbeats (last seen 20 s ago)"
     assert silent(119.9, None, None) == [] and silent(120.0, None, None)[0].failure.detail == "heartbeat_dead_factor 10"
+
+
+def test_a_node_whose_beats_wander_is_given_the_room_its_history_shows(rules) -> None:
+    """A steady node is suspect after the fixed 6 s (beat_history.py); one whose recent gaps included
+    8 s ones only SIGMAS spreads past its mean gap, and it is gone after twice that."""
+    steady, wandering = BeatHistory(), BeatHistory()
+    at = 0.0
+    for gap in [2.0, 2.05, 1.95] * 10:
+        at += gap
+        steady.arrived("a", at)
+    mean, spread = steady.usual("a")
+    assert abs(mean - 2.0) < 0.03 and spread < 0.06
+    assert suspect_after_s(6.0, steady.usual("a")) == 6.0 and suspect_after_s(6.0, None) == 6.0
+    at = 0.0
+    for gap in [1.5, 1.5, 8.0, 1.6, 1.5, 1.5, 1.4, 1.5, 8.0, 1.5, 1.5, 1.6] * 3:
+        at += gap
+        wandering.arrived("a", at)
+    usual = wandering.usual("a")
+    threshold = suspect_after_s(6.0, usual)
+    assert 8.0 < threshold < 14.0, usual
+    assert wandering.usual("b") is None and BeatHistory().usual("a") is None
+    make, rules = rules, rules(heartbeat_interval_s=2.0, heartbeat_timeout_factor=3.0, heartbeat_dead_factor=10.0)
+
+    def silent(at: float, cluster_step: int | None = 40) -> list:
+        return rules.observe(Silence(at=at, node_id="a", who="a (1)", last_seen=100.0, interval_s=2.0,
+                                     job_id="job" if cluster_step is not None else None, cluster_step=cluster_step,
+                                     usual_gap=usual))
+    assert silent(100 + threshold - 0.1) == []  # not yet suspect: its cluster's stand-still is not counted
+    assert silent(100 + threshold + 0.1) == [] and silent(100 + 2 * threshold) == []  # suspect since
+    [gone] = silent(100 + 2 * threshold + 0.2)  # ... and its cluster made no step for as long again
+    assert f"its beats came every {usual[0]:.1f} s +- {usual[1]:.1f} lately" in gone.reason, gone.reason
+    rules = make(heartbeat_interval_s=2.0, heartbeat_timeout_factor=3.0, heartbeat_dead_factor=10.0)
+    assert silent(100 + max(20.0, 2 * threshold) - 0.1, None) == []
+    assert silent(100 + max(20.0, 2 * threshold) + 0.01, None)[0].failure.kind == FailureKind.SILENT
 
 
 def test_a_lone_stage_without_progress_is_stalled_not_timed_out(rules) -> None:

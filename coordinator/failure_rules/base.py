@@ -54,6 +54,7 @@ class Silence(Observation):
     interval_s: float  # the heartbeat interval it was told: it grows with the number of nodes
     job_id: str | None = None  # the running job it holds a stage of
     cluster_step: int | None = None  # the furthest step its cluster's other stages reported (None: no such stage)
+    usual_gap: tuple[float, float] | None = None  # its recent beats' mean gap and its spread, s (beat_history.py)
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,15 @@
 Missed beats alone say little on the internet: a volunteer's laptop busy for 8 seconds, a Wi-Fi hiccup
 or a long pause in the node's process delays them (32 nodes on one 2-core host "stopped sending
 heartbeats" while every one of them ran). So a node silent for `heartbeat_timeout_factor` of its own
-intervals (the one it was told: it grows with the number of nodes, service/presence.py) is *suspect*:
-not placed, not waited for, but not re-planned around. It is gone
+intervals (the one it was told: it grows with the number of nodes, service/presence.py), or longer
+where its own recent beats wandered more (an accrual detector: beat_history.py), is *suspect*: not
+placed, not waited for, but not re-planned around. It is gone
 
 - where it holds a stage of a pipeline: once its cluster has made no step for as long again. Each
   stage waits on its neighbours, so a cluster whose other stages still step has it alive, whatever its
   beats say; one that stopped stepping has lost it (its neighbours' reports usually say so first);
-- otherwise (idle, or alone in its cluster), after `heartbeat_dead_factor` intervals of silence.
+- otherwise (idle, or alone in its cluster), after `heartbeat_dead_factor` intervals of silence (and
+  at least twice its suspicion's threshold).
 
 Worked example (interval 2 s, factors 3 and 10): last beat at 100 s. At 106 s it is suspect; its
 cluster's other stages are at step 40. At 110 s they report 44: alive. At 116 s still 44, no step for
@@ -19,6 +21,8 @@ Idle, it would be gone at 120 s.
 from __future__ import annotations
 
 from ravnest.failures import Failure, FailureKind
+
+from ..beat_history import suspect_after_s
 
 from . import rule
 from .base import Decision, NodeGone, Rule, Silence
@@ -31,11 +35,13 @@ class SilentNode(Rule[Silence]):
     def decide(self, seen: Silence) -> list[Decision]:
         silent_s, settings = seen.at - seen.last_seen, self.settings
         key = (seen.job_id or "", seen.node_id)
-        suspect_s = settings.heartbeat_timeout_factor * seen.interval_s
+        suspect_s = suspect_after_s(settings.heartbeat_timeout_factor * seen.interval_s, seen.usual_gap)
         if silent_s < suspect_s:
             return []
-        said = f"stopped sending heartbeats (last seen {silent_s:.0f} s ago)"
-        if silent_s >= settings.silence_dead_factor * seen.interval_s:
+        usual = f"; its beats came every {seen.usual_gap[0]:.1f} s +- {seen.usual_gap[1]:.1f} lately" \
+            if seen.usual_gap else ""
+        said = f"stopped sending heartbeats (last seen {silent_s:.0f} s ago{usual})"
+        if silent_s >= max(settings.silence_dead_factor * seen.interval_s, 2 * suspect_s):
             self.memory.pop(key, None)
             return [self._gone(seen, said, f"heartbeat_dead_factor {settings.silence_dead_factor:g}")]
         if seen.cluster_step is None:

@@ -38,6 +38,7 @@ from ravnest.models import build_model, profile_blocks, state_shapes
 from ravnest.models.profile import BlockCost
 from ravnest.spec import JobSpec
 
+from ..beat_history import BeatHistory
 from ..config import Settings
 from ..db_locks import ChangeLock
 from ..service_errors import Forbidden, NotFound, Unauthorized
@@ -98,6 +99,7 @@ class Core:
         # when a node is gone, too slow or not believed (failure_rules/); their memory is per process, on
         # purpose: a restarted coordinator observes again, which only delays a decision
         self.rules = FailureRules(settings)
+        self.beats = BeatHistory()  # when each node's beats came: how long a silence of it is unusual
         self._plans: dict[str, tuple[dict | None, Plan]] = {}  # job id -> (its stored plan, parsed)
         self._holder: Select | None = None  # holder_of's statement
         # secure by default: without configured tokens, the coordinator makes its own and keeps them in

@@ -80,6 +80,7 @@ class Membership:
             with self.core.store.session() as session:
                 node = self._node(session, node_id, authorization)
                 node.last_seen = self.core.clock()
+                self.core.beats.arrived(node.id, node.last_seen)
                 node.token_expires_at = node.last_seen + self.core.settings.node_credential_ttl_s
                 moved, waiting = self.reachability.moved(session, node, request.address) \
                     if request.address is not None and request.address != node.address else (False, "")

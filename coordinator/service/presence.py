@@ -187,6 +187,7 @@ class Presence:
         self._write_probed(session, [self._probed_by(node.id, request, self.core.clock())])
 
     def seen(self, node_id: str, at: float, interval: float) -> None:
+        self.core.beats.arrived(node_id, at)
         with self._lock:
             self._seen[node_id] = (at, interval)
 

@@ -145,7 +145,8 @@ class Rulings:
         for node in session.scalars(select(NodeRow).where(NodeRow.state != GONE, NodeRow.last_seen < now - told)):
             job_id, cluster_step = self._cluster_step(session, node)
             self.observe(session, Silence(now, node.id, f"{node.id} ({node.name or node.address})", node.last_seen,
-                                          node.beat_interval_s or base, job_id, cluster_step))
+                                          node.beat_interval_s or base, job_id, cluster_step,
+                                          self.core.beats.usual(node.id)))
         for row in session.scalars(select(StageRow).join(JobRow, JobRow.id == StageRow.job_id).where(
                 JobRow.state == JobState.RUNNING.value, StageRow.updated_at < late, JobRow.updated_at < late)):
             job, holder = session.get_one(JobRow, row.job_id), session.get(NodeRow, row.node_id)
