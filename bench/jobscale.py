@@ -9,7 +9,7 @@ node's memory: resident (VmRSS) and proportional (Pss, what N of them take toget
 middle, medians over the nodes. A size whose nodes would not fit in the memory available (by the
 last size's Pss, with a tenth spare) is not run: the bench says what one node needs.
 
-    python -m bench.jobscale [--sizes 8 16 32 64] [--steps 800] [--no-docs]
+    python -m bench.jobscale [--sizes 8 16 32 64] [--steps 800] [--keep-logs DIR] [--no-docs]
 
 Last line: `jobscale max_completed=<n> replans_at_64=<k> coord_cpu_per_node_min=<s> node_rss_mib=<m>`
 (the last two at the largest size run; replans_at_64 is "-" where 64 did not run).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -54,7 +55,7 @@ def available_bytes() -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
-def run(nodes: int, steps: int) -> dict:
+def run(nodes: int, steps: int, keep_logs: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ravnest-bench-jobscale-") as folder:
         started = time.monotonic()
         with LocalCluster(Path(folder), nodes=nodes, join_timeout=1800) as cluster:
@@ -86,6 +87,8 @@ def run(nodes: int, steps: int) -> dict:
                     interval=1.0, ignore_exits=True)
             job_s = time.monotonic() - submitted
             cpu = cpu_seconds(coordinator) - cpu_before
+        if keep_logs is not None:
+            shutil.copytree(Path(folder) / "logs", keep_logs / f"{nodes}-nodes", dirs_exist_ok=True)
     rss, pss = seen["rss"] or idle, seen.get("pss") or [0]
     return {"nodes": nodes, "state": job["state"], "reason": job.get("reason") or "",
             "accuracy": (job.get("metrics") or {}).get("test_accuracy"), "replans": len(job.get("recoveries") or []),
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--keep-logs", type=Path, help="copy every process's log here, a folder per size")
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
     results: list[dict] = []
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"need {need / (1 << 30):.1f} GiB with {SPARE - 1:.0%} spare, {available_bytes() / (1 << 30):.1f} "
                   f"GiB available", flush=True)
             break
-        r = run(nodes, args.steps)
+        r = run(nodes, args.steps, args.keep_logs)
         results.append(r)
         print(f"{nodes} nodes: {r['state']} {r['reason'][:200]} accuracy {r['accuracy']}, re-plans {r['replans']}, "
               f"joined in {r['join_s']:.0f} s, placed in {r['place_s'] or float('nan'):.1f} s, job {r['job_s']:.0f} s, "
