@@ -78,7 +78,8 @@ def run(nodes: int, steps: int, keep_logs: Path | None = None) -> dict:
                 watch(job)
                 if job["state"] in ("completed", "failed", "cancelled"):
                     return job
-                return job if job["state"] == "running" and job["progress"]["fraction"] >= 0.4 else None
+                done = max((c["steps_done"] for c in job["progress"]["clusters"]), default=0)
+                return job if job["state"] == "running" and done >= 0.4 * steps else None  # (the fraction lags)
             job = cluster.wait_for(far_enough, 3600, "40% progress", interval=0.5)
             if job["state"] == "running":
                 cluster.kill(cluster.node_process(job["plan"]["clusters"][1]["stages"][0]["node_id"]))

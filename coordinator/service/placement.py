@@ -110,7 +110,7 @@ class Placement:
                 if due := self._own_nodes_due(session, job, {node.id for node in idle}, now):
                     wait_s = max(wait for _, wait in due)
                     job.reason = (f"waiting up to {wait_s:.0f} s more for {plural(len(due), 'node')} of its last "
-                                  f"run to beat again ({', '.join(node.name for node, _ in due[:5])}"
+                                  f"run to beat again ({', '.join(node.name or node.id for node, _ in due[:5])}"
                                   f"{', ...' if len(due) > 5 else ''}) before planning on fewer")
                     continue
                 try:
