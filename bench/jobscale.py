@@ -24,8 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from bench.common import command_line, write_section
-from scripts.local_cluster import LocalCluster, cpu_seconds, rss_bytes
+from node.profiler import free_memory_bytes
+from scripts.local_cluster import TERMINAL_STATES, LocalCluster, cpu_seconds, rss_bytes
 
 JOB = Path(__file__).resolve().parent.parent / "examples" / "jobs" / "digits-mlp.json"
 MIB = 1 << 20
@@ -48,11 +51,8 @@ def pss_bytes(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/smaps_rollup has no Pss")
 
 
-def available_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
+def number(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def run(nodes: int, steps: int, keep_logs: Path | None = None) -> dict:
@@ -66,26 +66,24 @@ def run(nodes: int, steps: int, keep_logs: Path | None = None) -> dict:
             job_id = cluster.submit(job_spec(nodes, steps))
             seen: dict = {"place_s": None, "rss": None}
 
+            def furthest(job: dict) -> int:  # (the job's progress fraction lags behind its clusters' steps)
+                return max((c["steps_done"] for c in job["progress"]["clusters"]), default=0)
+
             def watch(job: dict) -> None:
-                if seen["place_s"] is None and job["state"] == "running" and job["progress"]["fraction"] > 0:
+                if seen["place_s"] is None and job["state"] == "running" and furthest(job) > 0:
                     seen["place_s"] = time.monotonic() - submitted
-                if seen["rss"] is None and job["progress"].get("fraction", 0) >= 0.5:
+                if seen["rss"] is None and furthest(job) >= 0.5 * steps:
                     live = [p.pid for p in cluster.procs[1:] if p.poll() is None]
                     seen["rss"], seen["pss"] = [rss_bytes(p) for p in live], [pss_bytes(p) for p in live]
 
-            def far_enough():
+            def far_enough() -> dict | None:
                 job = cluster.job(job_id)
                 watch(job)
-                if job["state"] in ("completed", "failed", "cancelled"):
-                    return job
-                done = max((c["steps_done"] for c in job["progress"]["clusters"]), default=0)
-                return job if job["state"] == "running" and done >= 0.4 * steps else None  # (the fraction lags)
-            job = cluster.wait_for(far_enough, 3600, "40% progress", interval=0.5)
-            if job["state"] == "running":
+                return job if job["state"] in TERMINAL_STATES or furthest(job) >= 0.4 * steps else None
+            job = cluster.wait_for(far_enough, 3600, "40% of the steps", interval=0.5)
+            if job["state"] not in TERMINAL_STATES:
                 cluster.kill(cluster.node_process(job["plan"]["clusters"][1]["stages"][0]["node_id"]))
-                job = cluster.wait_for(lambda: (lambda j: watch(j) or (j if j["state"] in (
-                    "completed", "failed", "cancelled") else None))(cluster.job(job_id)), 3600, "the job to end",
-                    interval=1.0, ignore_exits=True)
+                job = cluster.wait_job(job_id, 3600, on_update=watch)
             job_s = time.monotonic() - submitted
             cpu = cpu_seconds(coordinator) - cpu_before
         if keep_logs is not None:
@@ -109,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     for nodes in args.sizes:
         need = results[-1]["pss_mib"] * MIB * nodes * SPARE if results else 0
-        if need > available_bytes():
+        available = free_memory_bytes(torch.device("cpu"))
+        if need > available:
             print(f"{nodes} nodes: not run; one node needs {results[-1]['pss_mib']:.0f} MiB (Pss), {nodes} "
-                  f"need {need / (1 << 30):.1f} GiB with {SPARE - 1:.0%} spare, {available_bytes() / (1 << 30):.1f} "
+                  f"need {need / (1 << 30):.1f} GiB with {SPARE - 1:.0%} spare, {available / (1 << 30):.1f} "
                   f"GiB available", flush=True)
             break
         r = run(nodes, args.steps, args.keep_logs)
@@ -129,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     print(summary)
     if not args.no_docs:
         base = results[0]["accuracy"]
-        def number(x, spec: str) -> str:
-            return "-" if x is None else format(x, spec)
         rows = "\n".join(
             f"| {r['nodes']} | {r['state']} | {number(r['accuracy'], '.4f')} | "
             f"{number(None if r['accuracy'] is None or base is None else r['accuracy'] - base, '+.4f')} | "

@@ -71,11 +71,6 @@ class BeatHistory:
                 gaps.last = at
             self._gaps.move_to_end(node_id)
 
-    def forget(self, node_id: str) -> None:
-        """Its history no longer says anything (it joined again, its interval changed)."""
-        with self._lock:
-            self._gaps.pop(node_id, None)
-
     def usual(self, node_id: str) -> tuple[float, float] | None:
         """(mean gap, its standard deviation) in seconds, once MIN_BEATS gaps were seen; else None."""
         with self._lock:
