@@ -49,13 +49,18 @@ def test_a_node_that_cannot_be_dialled_is_found_out_by_the_coordinator_and_by_it
         coordinator_log = tmp_path / "logs" / cluster.coordinator_log
         cluster.wait_for(lambda: f"node {silent.id} is not reachable: the coordinator could not connect to 127.0.0.1:"
                          in coordinator_log.read_text(), 30, "the coordinator to log it")
-        reply = silent.beat()
-        assert reply["reachable"] is False
-        for asked in reply["probe"]:  # it answers the probes it is asked for (made-up figures), else its
-            silent.post(f"/v1/nodes/{silent.id}/heartbeat", {  # peers would wait to probe it in turn
-                "links": [{"peer_id": asked["node_id"], "bandwidth_bytes_per_s": 1e8, "latency_s": 0.001}]})
+
+        def beat_and_answer() -> dict:
+            """It answers the probes it is asked for (made-up figures), else its peers would wait to probe
+            it in turn, and a claim about a peer it was asked for and never answered would be an answer."""
+            reply = silent.beat()
+            for asked in reply["probe"]:
+                silent.post(f"/v1/nodes/{silent.id}/heartbeat", {
+                    "links": [{"peer_id": asked["node_id"], "bandwidth_bytes_per_s": 1e8, "latency_s": 0.001}]})
+            return reply
+        assert beat_and_answer()["reachable"] is False
         # the real node probes its idle peer's link and reports that it could not dial it
-        cluster.wait_for(lambda: silent.beat() and views()["behind-nat"]["reachability"].startswith(
+        cluster.wait_for(lambda: beat_and_answer() and views()["behind-nat"]["reachability"].startswith(
             f"node {honest['name']}"), 60, "the peer's probe to report it")  # (it beats: alive, so probed)
         assert views()["behind-nat"]["reachability"].endswith(f"could not dial {views()['behind-nat']['address']}")
         assert views()[honest["name"]]["reachable"] is True
